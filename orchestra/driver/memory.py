@@ -1,0 +1,240 @@
+"""Stream-ordered device memory: the default memory pool and `DeviceBuffer`.
+
+Allocation and free are stream operations (``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync``):
+they take effect in stream order, cost no device-wide synchronization, and during stream
+capture they become graph allocation / free nodes. The pool keeps freed memory for reuse up to
+its release threshold; orchestra sets that threshold high so a synchronize does not hand the
+memory back to the OS and the next batch pays for ``cudaMalloc``-like work again.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import threading
+
+from cuda.bindings import driver
+
+from orchestra.driver.check import cu
+from orchestra.driver.device import Device, as_device
+from orchestra.driver.host import host_span
+from orchestra.driver.owner import Owner, Resource
+from orchestra.driver.stream import Stream, check_stream
+
+UINT64_MAX = (1 << 64) - 1
+_P = driver.CUmemPool_attribute
+_pool_lock = threading.Lock()
+
+
+class MemoryPool:
+    """A device's memory pool (``CUmemoryPool``), the source of stream-ordered allocations.
+
+    Get the default one with `MemoryPool.default`. Sizes are in bytes. Configure pools at
+    setup, never while a stream capture is in progress: the capture records allocations with
+    the pool's properties at that moment, and the executors call `MemoryPool.default()` before
+    they begin capturing.
+    """
+
+    _defaults: dict[int, "MemoryPool"] = {}
+
+    def __init__(self, handle, device: Device):
+        self.handle = handle
+        self.device = device
+
+    @classmethod
+    def default(cls, device: Device | int | None = None,
+                release_threshold: int | None = None) -> "MemoryPool":
+        """The default pool of ``device`` (None: device 0), from ``cuDeviceGetDefaultMemPool``.
+
+        On first use the release threshold is set to ``release_threshold`` or, when None,
+        ``UINT64_MAX`` (keep everything); a later call changes it only when given a value.
+        Raises `CudaError` ``CUDA_ERROR_NOT_SUPPORTED`` where memory pools are unsupported.
+        """
+        dev = as_device(device)
+        pool = cls._defaults.get(dev.ordinal)
+        if pool is None:
+            with _pool_lock:
+                pool = cls._defaults.get(dev.ordinal)
+                if pool is None:
+                    dev.make_current()
+                    pool = cls(cu(driver.cuDeviceGetDefaultMemPool, dev.handle), dev)
+                    pool.release_threshold = (UINT64_MAX if release_threshold is None
+                                              else release_threshold)
+                    cls._defaults[dev.ordinal] = pool
+                    return pool
+        if release_threshold is not None:
+            pool.release_threshold = release_threshold
+        return pool
+
+    def _get(self, attr) -> int:
+        return int(cu(driver.cuMemPoolGetAttribute, self.handle, attr))
+
+    def _set64(self, attr, value: int) -> None:
+        value = operator.index(value)
+        if not 0 <= value <= UINT64_MAX:
+            raise ValueError(f"{attr.name} must be in 0 .. 2**64 - 1, got {value}")
+        cu(driver.cuMemPoolSetAttribute, self.handle, attr, driver.cuuint64_t(value))
+
+    @property
+    def release_threshold(self) -> int:
+        """Bytes of reserved memory the pool keeps when it could return memory to the OS
+        (at a synchronize); ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``. Settable."""
+        return self._get(_P.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+
+    @release_threshold.setter
+    def release_threshold(self, nbytes: int) -> None:
+        self._set64(_P.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, nbytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of device memory the pool holds now (``CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT``)."""
+        return self._get(_P.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out and not yet freed (``CU_MEMPOOL_ATTR_USED_MEM_CURRENT``)."""
+        return self._get(_P.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+
+    @property
+    def reserved_high(self) -> int:
+        """Peak of `reserved_bytes` since creation or `reset_peaks` (bytes)."""
+        return self._get(_P.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+
+    @property
+    def used_high(self) -> int:
+        """Peak of `used_bytes` since creation or `reset_peaks` (bytes)."""
+        return self._get(_P.CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+
+    def reset_peaks(self) -> None:
+        """Reset `reserved_high` and `used_high` to the current values (the driver accepts only
+        0 for these attributes, meaning "reset")."""
+        self._set64(_P.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
+        self._set64(_P.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Return unused reserved memory to the OS until at most ``keep_bytes`` stay reserved
+        (``cuMemPoolTrimTo``). Memory of unfreed allocations, or of frees the host has not yet
+        seen complete (synchronize first), cannot be returned."""
+        cu(driver.cuMemPoolTrimTo, self.handle, operator.index(keep_bytes))
+
+    def __repr__(self) -> str:
+        return f"<MemoryPool of device {self.device.ordinal}>"
+
+
+def _free(stream: Stream, dptr) -> None:
+    """Release a stream-ordered allocation on the stream that made it (runs inside the
+    owner's ``device.pushed()``, so the context is current)."""
+    if stream.closed:
+        # The user closed the allocating stream first. cuMemFree does not wait for
+        # stream-ordered work, so wait for the whole context before freeing.
+        cu(driver.cuCtxSynchronize)
+        cu(driver.cuMemFree, dptr)
+    else:
+        cu(driver.cuMemFreeAsync, dptr, stream.handle)
+
+
+class DeviceBuffer(Resource):
+    """``nbytes`` bytes of device memory allocated in stream order (use `allocate`).
+
+    ``.ptr`` (int device address), ``.handle`` (``CUdeviceptr``), ``.nbytes``, ``.device``
+    (where the memory lives: the pool's device), ``.stream`` (the allocating stream).
+    The memory may be used by work on ``stream`` right away; work on another stream must
+    first wait for an event recorded on ``stream`` after the allocation.
+    """
+
+    def __init__(self, nbytes: int, stream: Stream, pool: MemoryPool | None = None):
+        nbytes = operator.index(nbytes)
+        if nbytes < 1:
+            raise ValueError(f"DeviceBuffer needs a positive size in bytes, got {nbytes}")
+        stream = check_stream(stream, "DeviceBuffer.allocate")
+        pool = MemoryPool.default(stream.device) if pool is None else pool
+        self.nbytes = nbytes
+        self.stream = stream
+        self.pool = pool
+        self.device = pool.device
+        stream.device.make_current()
+        dptr = cu(driver.cuMemAllocFromPoolAsync, nbytes, pool.handle, stream.handle)
+        self._own = Owner(self, dptr, functools.partial(_free, stream), self.device,
+                          "DeviceBuffer")
+
+    @classmethod
+    def allocate(cls, nbytes: int, stream: Stream, pool: MemoryPool | None = None) -> "DeviceBuffer":
+        """Allocate ``nbytes`` (> 0) bytes from ``pool`` (default: the default pool of
+        ``stream``'s device) in ``stream``'s order (``cuMemAllocFromPoolAsync``).
+
+        Raises ``ValueError`` for a size < 1, ``TypeError`` when ``stream`` is not a `Stream`
+        (never the legacy default stream), `CudaError` ``CUDA_ERROR_OUT_OF_MEMORY`` when the
+        pool cannot grow. The contents are uninitialized.
+        """
+        return cls(nbytes, stream, pool)
+
+    @property
+    def handle(self) -> driver.CUdeviceptr:
+        """The ``CUdeviceptr``; ``ValueError`` once freed."""
+        return self._own.handle
+
+    @property
+    def ptr(self) -> int:
+        """The device address as an int; ``ValueError`` once freed."""
+        return int(self._own.handle)
+
+    def free(self, stream: Stream | None = None) -> None:
+        """Free in ``stream``'s order (``cuMemFreeAsync``); default: the allocating stream.
+
+        Work on other streams that uses the buffer must be ordered before ``stream`` (by an
+        event) first. Freeing twice does nothing. If the allocating stream was closed, the
+        default path synchronizes the device and uses ``cuMemFree``.
+        """
+        if stream is None:
+            self._own.close()
+            return
+        stream = check_stream(stream, "DeviceBuffer.free")
+        dptr = self._own.detach()
+        if dptr is not None:
+            cu(driver.cuMemFreeAsync, dptr, stream.handle)
+
+    def close(self) -> None:
+        """Same as ``free()`` on the allocating stream; idempotent."""
+        self._own.close()
+
+    def copy_from_host(self, src, stream: Stream, *, sync: bool = False) -> None:
+        """Enqueue a copy of all of ``src`` into this buffer (``cuMemcpyHtoDAsync``).
+
+        ``src``: a `PinnedBuffer`, a `HostRegistration`, or a contiguous numpy array in pinned
+        memory, of exactly ``nbytes`` bytes (any dtype). Pageable memory raises ``TypeError``
+        (use `PinnedBuffer` or `register_host`); a size mismatch or a non-contiguous array
+        raises ``ValueError``. The host memory must stay alive and unchanged until the copy has
+        run: ``sync=True`` waits for ``stream`` before returning.
+        """
+        stream = check_stream(stream, "DeviceBuffer.copy_from_host")
+        stream.device.make_current()
+        host = host_span(src, self.nbytes, "DeviceBuffer.copy_from_host", writable=False)
+        cu(driver.cuMemcpyHtoDAsync, self.handle, host, self.nbytes, stream.handle)
+        if sync:
+            stream.synchronize()
+
+    def copy_to_host(self, out, stream: Stream, *, sync: bool = False) -> None:
+        """Enqueue a copy of this buffer into ``out`` (``cuMemcpyDtoHAsync``).
+
+        ``out``: as for `copy_from_host`, and writable. The data is in ``out`` only once
+        ``stream`` has passed the copy: pass ``sync=True`` or synchronize the stream (or an
+        event recorded after it) before reading.
+        """
+        stream = check_stream(stream, "DeviceBuffer.copy_to_host")
+        stream.device.make_current()
+        host = host_span(out, self.nbytes, "DeviceBuffer.copy_to_host", writable=True)
+        cu(driver.cuMemcpyDtoHAsync, host, self.handle, self.nbytes, stream.handle)
+        if sync:
+            stream.synchronize()
+
+    def memset(self, value: int, stream: Stream) -> None:
+        """Enqueue setting every byte to ``value`` (an int 0..255) (``cuMemsetD8Async``)."""
+        value = operator.index(value)
+        if not 0 <= value <= 255:
+            raise ValueError(f"memset writes single bytes: value must be 0..255, got {value}")
+        stream = check_stream(stream, "DeviceBuffer.memset")
+        cu(driver.cuMemsetD8Async, self.handle, value, self.nbytes, stream.handle)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.closed else f"0x{int(self._own.handle):x}"
+        return f"<DeviceBuffer {self.nbytes} bytes at {state} on device {self.device.ordinal}>"

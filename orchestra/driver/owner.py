@@ -1,0 +1,72 @@
+"""One object owns one driver handle (the pattern cuda.core uses).
+
+`Owner` holds the handle and a ``weakref.finalize`` that releases it exactly once: on `close()`
+(idempotent), or when the owning object is garbage-collected without being closed. The release
+is skipped when the device's primary context is already gone (interpreter exit), because the
+driver reclaims everything with the context and calling it then could crash. `Resource` gives
+every owning class the same ``close()`` / ``closed`` / ``with`` behaviour.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from orchestra.driver.device import context_alive
+
+
+def _release(release, handle, device) -> None:
+    if context_alive(device.ordinal):  # else: released with the primary context at exit
+        with device.pushed():  # the GC may run this on any thread
+            release(handle)
+
+
+class Owner:
+    """Owns ``handle`` on behalf of ``obj``; ``release(handle)`` runs at most once.
+
+    ``what`` names the resource in the "closed" error (``ValueError``).
+    """
+
+    __slots__ = ("_handle", "_finalizer", "_what")
+
+    def __init__(self, obj, handle, release, device, what: str):
+        self._handle = handle
+        self._what = what
+        self._finalizer = weakref.finalize(obj, _release, release, handle, device)
+        self._finalizer.atexit = False  # at exit the primary context release reclaims it
+
+    @property
+    def handle(self):
+        if not self._finalizer.alive:
+            raise ValueError(f"this {self._what} is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        self._finalizer()  # a no-op once released
+
+    def detach(self):
+        """Stop owning without releasing: the handle, or None if it was already released."""
+        return self._handle if self._finalizer.detach() is not None else None
+
+
+class Resource:
+    """Mixin for classes that own one handle in ``self._own`` (an `Owner`)."""
+
+    _own: Owner
+
+    def close(self) -> None:
+        """Release the handle now; calling it again does nothing."""
+        self._own.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._own.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
