@@ -1,0 +1,151 @@
+"""Buffers, byte ranges of them, and the access modes nodes declare.
+
+A `Buffer` is device memory that an `Alloc` node creates and a `Free` node releases (or, with
+neither in the graph, memory bound by the caller at run time). A `HostBuffer` is a host slot
+bound at run time to a pinned numpy array: the source of an H2D copy or the destination of a
+D2H copy. Both are plain, hashable values identified by name; sizes are in bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from orchestra.errors import GraphError
+
+
+def _positive_int(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise GraphError(f"{type(inst).__name__}.{attribute.name} must be a positive int (bytes); "
+                         f"got {value!r}")
+
+
+def _name(inst, attribute, value):
+    if not isinstance(value, str) or not value:
+        raise GraphError(f"{type(inst).__name__}.{attribute.name} must be a non-empty str; "
+                         f"got {value!r}")
+
+
+class Mode(enum.Enum):
+    """How a node touches a byte range."""
+
+    READ = "read"
+    WRITE = "write"
+    READ_WRITE = "read_write"
+
+    @property
+    def reads(self) -> bool:
+        return self is not Mode.WRITE
+
+    @property
+    def writes(self) -> bool:
+        return self is not Mode.READ
+
+
+class _RangeMixin:
+    """`.range()` and `.whole` for both buffer kinds."""
+
+    def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
+        """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        return BufferRange(self, offset, nbytes)
+
+    @property
+    def whole(self) -> "BufferRange":
+        """Every byte of this buffer."""
+        return BufferRange(self, 0, self.nbytes)
+
+
+@attrs.frozen
+class Buffer(_RangeMixin):
+    """Device memory of ``nbytes`` bytes on ``device`` (a logical buffer)."""
+
+    name: str = attrs.field(validator=_name)
+    nbytes: int = attrs.field(validator=_positive_int)
+    device: int = attrs.field(default=0)
+
+    @device.validator
+    def _device(self, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise GraphError(f"Buffer {self.name}: device must be a device ordinal (int >= 0); got {value!r}")
+
+    is_host = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return ("device", self.name)
+
+
+@attrs.frozen
+class HostBuffer(_RangeMixin):
+    """A host slot of ``nbytes`` bytes, bound at run time to a pinned numpy array."""
+
+    name: str = attrs.field(validator=_name)
+    nbytes: int = attrs.field(validator=_positive_int)
+
+    is_host = True
+    device = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return ("host", self.name)
+
+
+@attrs.frozen
+class BufferRange:
+    """Bytes ``[offset, offset + nbytes)`` of ``buffer``; checked to be in bounds."""
+
+    buffer: Buffer | HostBuffer
+    offset: int
+    nbytes: int
+
+    def __attrs_post_init__(self):
+        if not isinstance(self.buffer, (Buffer, HostBuffer)):
+            raise GraphError(f"a BufferRange needs a Buffer or HostBuffer; got {self.buffer!r}")
+        for field, v in (("offset", self.offset), ("nbytes", self.nbytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise GraphError(f"range of {self.buffer.name}: {field} must be an int >= 0; got {v!r}")
+        if self.nbytes == 0:
+            raise GraphError(f"range of {self.buffer.name}: an empty range (0 bytes) touches nothing")
+        if self.offset + self.nbytes > self.buffer.nbytes:
+            raise GraphError(
+                f"range [{self.offset}, {self.offset + self.nbytes}) is out of bounds of "
+                f"{self.buffer.name} ({self.buffer.nbytes} bytes)")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    @property
+    def is_whole(self) -> bool:
+        return self.offset == 0 and self.nbytes == self.buffer.nbytes
+
+    def overlaps(self, other: "BufferRange") -> bool:
+        return (self.buffer.key == other.buffer.key
+                and self.offset < other.end and other.offset < self.end)
+
+    def __str__(self) -> str:
+        return f"{self.buffer.name}[{self.offset}:{self.end}]"
+
+
+def as_range(x, what: str = "argument") -> BufferRange:
+    """A `BufferRange` from a buffer (whole) or a range; anything else is a `GraphError`."""
+    if isinstance(x, BufferRange):
+        return x
+    if isinstance(x, (Buffer, HostBuffer)):
+        return x.whole
+    raise GraphError(f"{what} must be a Buffer, HostBuffer or BufferRange; got {x!r}")
+
+
+@attrs.frozen
+class Access:
+    """One declared access: ``mode`` on the bytes of ``range``."""
+
+    range: BufferRange
+    mode: Mode
+
+    @property
+    def buffer(self):
+        return self.range.buffer

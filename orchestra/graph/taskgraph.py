@@ -1,0 +1,240 @@
+"""`TaskGraph`: nodes in program order, with edges inferred from what they touch.
+
+Adding a node asks the byte-range tracker which earlier nodes it conflicts with (read-after-write,
+write-after-read, write-after-write on overlapping bytes of one buffer) and adds those edges, plus
+``after=`` edges. ``after=`` may name a node added later (the edge appears when it is added), so a
+cycle is possible; `validate()` reports it by name.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+from orchestra.errors import GraphError
+from orchestra.graph.buffers import Buffer, HostBuffer
+from orchestra.graph.nodes import Node
+from orchestra.graph.ranges import RangeTracker
+
+
+class TaskGraph:
+    """A DAG of node records. Nodes keep insertion (program) order; every query is deterministic."""
+
+    def __init__(self):
+        self._nodes: dict[str, Node] = {}
+        self._index: dict[str, int] = {}
+        self._buffers: dict[str, Buffer | HostBuffer] = {}
+        self._preds: dict[str, dict[str, str]] = {}  # node -> {pred: reason}
+        self._succs: dict[str, dict[str, str]] = {}
+        self._explicit: set[tuple[str, str]] = set()
+        self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
+        self._tracker = RangeTracker()
+        self._topo: tuple[str, ...] | None = None
+
+    # -- building ---------------------------------------------------------------------------
+
+    def add(self, node: Node) -> Node:
+        """Add ``node`` after every node added so far (program order); returns it."""
+        if not isinstance(node, Node):
+            raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
+        name = node.name
+        if name in self._nodes:
+            raise GraphError(f"a node named {name!r} is already in the graph "
+                             f"({type(self._nodes[name]).__name__}); node names must be unique")
+        if name in node.after:
+            raise GraphError(f"node {name!r} lists itself in after=")
+        accesses = node.accesses()
+        for acc in accesses:
+            self._register(acc.buffer, name)
+        self._nodes[name] = node
+        self._index[name] = len(self._index)
+        self._preds[name] = {}
+        self._succs[name] = {}
+        for pred, reason in self._tracker.access(name, accesses).items():
+            self._edge(pred, name, reason)
+        for pred in node.after:
+            if pred in self._nodes:
+                self._edge(pred, name, "after", explicit=True)
+            else:
+                self._waiting[pred].append(name)
+        for succ in self._waiting.pop(name, ()):
+            self._edge(name, succ, "after", explicit=True)
+        self._topo = None
+        return node
+
+    def _register(self, buf, node_name):
+        known = self._buffers.get(buf.name)
+        if known is None:
+            self._buffers[buf.name] = buf
+        elif known != buf:
+            raise GraphError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
+                             f"not {buf!r}; give different buffers different names")
+
+    def _edge(self, pred, succ, reason, explicit=False):
+        self._preds[succ].setdefault(pred, reason)
+        self._succs[pred].setdefault(succ, reason)
+        if explicit:
+            self._explicit.add((pred, succ))
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def __len__(self):
+        return len(self._nodes)
+
+    def __contains__(self, name):
+        return name in self._nodes
+
+    def __iter__(self):
+        return iter(self._nodes.values())
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        """Every node, in insertion order."""
+        return tuple(self._nodes.values())
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
+
+    def index(self, name: str) -> int:
+        """Insertion (program-order) position of node ``name``."""
+        self.node(name)
+        return self._index[name]
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Device buffers, in order of first use."""
+        return tuple(b for b in self._buffers.values() if not b.is_host)
+
+    @property
+    def host_buffers(self) -> tuple[HostBuffer, ...]:
+        """Host buffers, in order of first use."""
+        return tuple(b for b in self._buffers.values() if b.is_host)
+
+    def buffer(self, name: str):
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise GraphError(f"no buffer named {name!r} is used by the graph") from None
+
+    @property
+    def edges(self) -> frozenset[tuple[str, str]]:
+        """Every (pred, succ) edge: inferred from accesses and explicit ``after=``."""
+        return frozenset((p, s) for s, ps in self._preds.items() for p in ps)
+
+    @property
+    def explicit_edges(self) -> frozenset[tuple[str, str]]:
+        """The edges that come from ``after=``."""
+        return frozenset(self._explicit)
+
+    def edge_reason(self, pred: str, succ: str) -> str:
+        """Why the edge exists, e.g. ``"RAW b0.in"`` or ``"after"``."""
+        return self._preds[succ][pred]
+
+    def predecessors(self, name: str) -> tuple[str, ...]:
+        self.node(name)
+        return tuple(sorted(self._preds[name], key=self._index.__getitem__))
+
+    def successors(self, name: str) -> tuple[str, ...]:
+        self.node(name)
+        return tuple(sorted(self._succs[name], key=self._index.__getitem__))
+
+    # -- structure --------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes)."""
+        if self._waiting:
+            missing = ", ".join(f"{w!r} (after= of {', '.join(repr(n) for n in ns)})"
+                                for w, ns in sorted(self._waiting.items()))
+            raise GraphError(f"after= names node(s) not in the graph: {missing}")
+        self._kahn()
+
+    def _kahn(self) -> tuple[str, ...]:
+        if self._topo is not None:
+            return self._topo
+        indeg = {n: len(p) for n, p in self._preds.items()}
+        heap = [self._index[n] for n, d in indeg.items() if d == 0]
+        heapq.heapify(heap)
+        names = list(self._nodes)
+        order = []
+        while heap:
+            n = names[heapq.heappop(heap)]
+            order.append(n)
+            for s in self._succs[n]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(heap, self._index[s])
+        if len(order) != len(names):
+            raise GraphError("cycle: " + " -> ".join(self._find_cycle(set(names) - set(order))))
+        self._topo = tuple(order)
+        return self._topo
+
+    def _find_cycle(self, stuck: set[str]) -> list[str]:
+        # Every stuck node has a stuck predecessor: walk predecessors until a node repeats.
+        start = min(stuck, key=self._index.__getitem__)
+        path, seen = [start], {start: 0}
+        while True:
+            pred = min((p for p in self._preds[path[-1]] if p in stuck), key=self._index.__getitem__)
+            if pred in seen:
+                cycle = path[seen[pred]:] + [pred]
+                return cycle[::-1]  # walked backwards; print in edge direction
+            seen[pred] = len(path)
+            path.append(pred)
+
+    def topological_order(self) -> tuple[str, ...]:
+        """Node names in dependency order; among ready nodes, the earliest added goes first."""
+        self.validate()
+        return self._kahn()
+
+    def levels(self) -> tuple[tuple[str, ...], ...]:
+        """Nodes grouped by longest-path depth from a source (level 0 has no predecessors)."""
+        level: dict[str, int] = {}
+        for n in self.topological_order():
+            level[n] = max((level[p] + 1 for p in self._preds[n]), default=0)
+        out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+        for n in self._nodes:
+            out[level[n]].append(n)
+        return tuple(tuple(x) for x in out)
+
+    def components(self) -> dict[str, int]:
+        """Weakly connected component of each node, numbered by their first node's insertion."""
+        comp: dict[str, int] = {}
+        c = -1
+        for start in self._nodes:
+            if start in comp:
+                continue
+            c += 1
+            stack = [start]
+            comp[start] = c
+            while stack:
+                n = stack.pop()
+                for m in (*self._preds[n], *self._succs[n]):
+                    if m not in comp:
+                        comp[m] = c
+                        stack.append(m)
+        return comp
+
+    def reduced_edges(self) -> frozenset[tuple[str, str]]:
+        """The transitive reduction: edges not implied by a longer path."""
+        order = self.topological_order()
+        pos = {n: i for i, n in enumerate(order)}
+        reach: dict[str, int] = {}  # bitset (by topo position) of nodes reachable from n
+        for n in reversed(order):
+            r = 0
+            for s in self._succs[n]:
+                r |= reach[s] | (1 << pos[s])
+            reach[n] = r
+        out = set()
+        for n in order:
+            succs = self._succs[n]
+            via = 0
+            for s in succs:
+                via |= reach[s]
+            out.update((n, s) for s in succs if not (via >> pos[s]) & 1)
+        return frozenset(out)
+
+    def __repr__(self):
+        return (f"<TaskGraph {len(self._nodes)} nodes, {sum(len(p) for p in self._preds.values())} "
+                f"edges, {len(self.buffers)} buffers, {len(self.host_buffers)} host buffers>")

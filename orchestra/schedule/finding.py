@@ -1,0 +1,29 @@
+"""`Finding`: one problem the hazard verifier found in a plan or a graph's edges."""
+
+from __future__ import annotations
+
+import attrs
+
+# Kinds, grouped: data races, lifetime errors, host-array races, plan structure.
+KINDS = (
+    "RAW", "WAR", "WAW",
+    "USE_BEFORE_ALLOC", "USE_AFTER_FREE", "FREE_RACE", "DOUBLE_FREE", "DOUBLE_ALLOC", "NEVER_FREED",
+    "HOST_RAW", "HOST_WAR", "HOST_WAW",
+    "ORDER", "MISSING", "DUPLICATE", "UNKNOWN_NODE", "EVENT_REUSED", "WAIT_UNRECORDED", "DEADLOCK",
+)
+
+
+@attrs.frozen
+class Finding:
+    """A hazard: ``kind`` (one of `KINDS`), the ``buffer`` it concerns (or None), the two
+    ``nodes`` (second may be None), their ``streams`` (None in graph mode) and a ``message`` that
+    says what ordering is missing and how to add it."""
+
+    kind: str
+    buffer: str | None
+    nodes: tuple
+    streams: tuple
+    message: str
+
+    def __str__(self) -> str:
+        return self.message

@@ -1,0 +1,233 @@
+"""Stream assignment policies: round-robin, by-engine, critical-path.
+
+Each policy picks a stream per node and one global node order that respects the graph; event
+insertion then adds the joins. Rules shared by all: a `Free` runs on the stream of the buffer's
+last use (its latest predecessor), so freeing needs no event in the common case; nodes without a
+``batch`` fall back to their connected component (several independent pieces) or to their index
+within their level (one piece), as Taskflow's round-robin capturer does.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from orchestra.errors import GraphError
+from orchestra.graph import TaskGraph
+from orchestra.schedule.costs import Costs, estimate_costs, resource_of
+from orchestra.schedule.events import insert_events
+from orchestra.schedule.plan import Plan, StreamSpec
+
+POLICIES = ("round-robin", "by-engine", "critical-path")
+
+
+def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
+             costs: Costs = None) -> Plan:
+    """A `Plan` for ``graph`` on ``streams`` streams.
+
+    - ``round-robin``: batch b wholly on stream ``s{b % streams}``, nodes in program order: the
+      classic multi-stream loop.
+    - ``by-engine``: 1 stream: ``main``. 2: ``main`` (allocs, H2D, kernels) and ``download`` (D2H).
+      3+: ``upload`` (allocs, H2D), ``compute`` (kernels; ``compute0``.. round-robin by batch when
+      streams > 3), ``download`` (D2H). Host functions follow their latest predecessor.
+    - ``critical-path``: a list scheduler over estimated costs (see `costs.CostModel`; ``costs``
+      may be a dict node -> µs or a callable): the ready node that can start earliest (ties: the
+      longest remaining path) goes on the stream where it starts earliest, with one upload copy
+      engine, one download copy engine and the SMs as exclusive resources. Allocs are placed just
+      before their first use. The estimated makespan is in ``plan.meta["makespan_us"]``.
+    """
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams must be an int >= 1; got {streams!r}")
+    graph.validate()
+    if policy == "round-robin":
+        specs, assign, order, meta = _round_robin(graph, streams)
+    elif policy == "by-engine":
+        specs, assign, order, meta = _by_engine(graph, streams)
+    elif policy == "critical-path":
+        specs, assign, order, meta = _critical_path(graph, streams, costs)
+    else:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return insert_events(graph, assign, specs, order, policy, meta)
+
+
+def _group_keys(graph: TaskGraph) -> dict[str, int]:
+    """Per node: its batch, else its component (if several), else its index within its level."""
+    comp = graph.components()
+    several = len(set(comp.values())) > 1
+    in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
+    return {n.name: n.batch if n.batch is not None else (comp[n.name] if several else in_level[n.name])
+            for n in graph.nodes}
+
+
+def _follow_latest_pred(graph, name, assign, gpos, fallback):
+    preds = graph.predecessors(name)
+    if not preds:
+        return fallback
+    return assign[max(preds, key=gpos.__getitem__)]
+
+
+def _round_robin(graph, S):
+    specs = tuple(StreamSpec(f"s{i}") for i in range(S))
+    order = graph.topological_order()
+    gpos = {n: i for i, n in enumerate(order)}
+    key = _group_keys(graph)
+    assign = {}
+    for n in order:
+        home = specs[key[n] % S].name
+        assign[n] = _follow_latest_pred(graph, n, assign, gpos, home) if graph.node(n).kind == "free" else home
+    return specs, assign, order, {}
+
+
+def _by_engine(graph, S):
+    if S == 1:
+        specs = (StreamSpec("main"),)
+        up = down = "main"
+        compute = ["main"]
+    elif S == 2:
+        specs = (StreamSpec("main"), StreamSpec("download", role="download"))
+        up, down, compute = "main", "download", ["main"]
+    else:
+        compute = ["compute"] if S == 3 else [f"compute{i}" for i in range(S - 2)]
+        specs = (StreamSpec("upload", role="upload"),
+                 *(StreamSpec(c, role="compute") for c in compute),
+                 StreamSpec("download", role="download"))
+        up, down = "upload", "download"
+    order = graph.topological_order()
+    gpos = {n: i for i, n in enumerate(order)}
+    key = _group_keys(graph)
+    assign = {}
+    for n in order:
+        node = graph.node(n)
+        home = compute[key[n] % len(compute)]
+        if node.kind == "free" or node.engine == "host":
+            assign[n] = _follow_latest_pred(graph, n, assign, gpos, home)
+        elif node.engine in ("upload", "memory"):  # allocs go where the uploads are
+            assign[n] = up
+        elif node.engine == "download":
+            assign[n] = down
+        else:
+            assign[n] = home
+    return specs, assign, order, {}
+
+
+def _critical_path(graph, S, costs):
+    # Earliest-start first, longest remaining path breaking ties. Pure priority order would
+    # queue every upload (longest path) ahead of every kernel, and since a stream runs in
+    # enqueue order (no backfilling) the kernels would start late. Ready nodes are grouped by
+    # the resource they need (or the stream they are pinned to): each group's start threshold
+    # only grows, so a pending heap (by data-ready time) and a ready heap (by priority) per group
+    # keep a step O(groups x log n).
+    cost = estimate_costs(graph, costs)
+    names = [n.name for n in graph.nodes]
+    idx = {n: i for i, n in enumerate(names)}
+    node = {n.name: n for n in graph.nodes}
+    preds = {n: graph.predecessors(n) for n in names}
+    succs = {n: graph.successors(n) for n in names}
+    bl: dict[str, float] = {}  # longest remaining path, this node included (µs)
+    for n in reversed(graph.topological_order()):
+        bl[n] = cost[n] + max((bl[s] for s in succs[n]), default=0.0)
+    # Allocs with a use are placed lazily, just before their first scheduled use: allocating
+    # every batch up front would be "earliest" but holds all memory at once.
+    lazy = {n for n in names if node[n].kind == "alloc" and succs[n]
+            and not any(node[p].kind == "alloc" for p in preds[n])}
+    eff = {}
+    for n in names:
+        if n in lazy:
+            continue
+        e = set()
+        for p in preds[n]:
+            e.update(preds[p] if p in lazy else (p,))
+        eff[n] = e
+    users = {n: [] for n in names}
+    for n, e in eff.items():
+        for p in e:
+            users[p].append(n)
+    remaining = {n: len(e) for n, e in eff.items()}
+
+    stream_free = [0.0] * S
+    res_free = {"upload": 0.0, "download": 0.0, "compute": 0.0}
+    finish: dict[str, float] = {}
+    where: dict[str, int] = {}
+    seq: list[str] = []
+    groups: dict = {}  # group key -> (pending heap by data-ready time, available heap by priority)
+
+    def push(v):
+        dr = max((finish[p] for p in eff[v]), default=0.0)
+        if node[v].kind == "free":  # pinned to the stream of the buffer's last use
+            last = max(eff[v] | {p for p in preds[v] if p in finish},
+                       key=lambda p: (finish[p], seq_pos[p]), default=None)
+            g = ("stream", where[last] if last is not None else 0)
+        else:
+            g = ("res", resource_of(node[v]))
+        heapq.heappush(groups.setdefault(g, ([], []))[0], (dr, -bl[v], idx[v], v))
+
+    def threshold(g):
+        if g[0] == "stream":
+            return stream_free[g[1]]
+        t = min(stream_free)
+        return max(t, res_free[g[1]]) if g[1] else t
+
+    seq_pos: dict[str, int] = {}
+    for v in names:
+        if v not in lazy and remaining[v] == 0:
+            push(v)
+    while len(seq) < len(names):
+        best = None
+        for g, (pending, avail) in groups.items():
+            t = threshold(g)
+            while pending and pending[0][0] <= t:
+                dr, nbl, i, v = heapq.heappop(pending)
+                heapq.heappush(avail, (nbl, i, v, dr))
+            if avail:
+                cand = (t, avail[0][0], avail[0][1], g)
+            elif pending:
+                cand = (pending[0][0], pending[0][1], pending[0][2], g)
+            else:
+                continue
+            if best is None or cand < best:
+                best = cand
+        if best is None:
+            raise GraphError("critical-path: no node is ready (the graph has a cycle?)")
+        est, _, _, g = best
+        pending, avail = groups[g]
+        if avail and threshold(g) == est:
+            _, _, v, dr = heapq.heappop(avail)
+        else:
+            dr, _, _, v = heapq.heappop(pending)
+        if g[0] == "stream":
+            s = g[1]
+        else:
+            fits = [i for i in range(S) if stream_free[i] <= est]
+            pred_streams = [where[p] for p in sorted(eff[v], key=lambda p: -finish[p])]
+            s = next((ps for ps in pred_streams if ps in fits), None)
+            if s is None:  # best fit: the stream that went idle last, keeping others free
+                s = max(fits, key=lambda i: (stream_free[i], -i))
+        for a in sorted((p for p in preds[v] if p in lazy and p not in finish), key=idx.__getitem__):
+            _place(a, s, stream_free[s], cost, finish, where, seq, seq_pos, stream_free)
+        res = resource_of(node[v])
+        start = max(stream_free[s], dr, res_free[res] if res else 0.0)
+        _place(v, s, start, cost, finish, where, seq, seq_pos, stream_free)
+        if res:
+            res_free[res] = finish[v]
+        for u in users[v]:
+            remaining[u] -= 1
+            if remaining[u] == 0:
+                push(u)
+
+    specs = []
+    for i in range(S):
+        engines = [node[n].engine for n in seq if where[n] == i]
+        counts = {r: engines.count(r) for r in ("upload", "compute", "download")}
+        role = max(counts, key=counts.get) if any(counts.values()) else "general"
+        if sum(counts.values()) and counts[role] * 2 <= sum(counts.values()):
+            role = "general"  # no engine dominates
+        specs.append(StreamSpec(f"s{i}", role=role))
+    assign = {n: specs[where[n]].name for n in names}
+    return tuple(specs), assign, tuple(seq), {"makespan_us": round(max(finish.values(), default=0.0), 3)}
+
+
+def _place(v, s, start, cost, finish, where, seq, seq_pos, stream_free):
+    finish[v] = start + cost[v]
+    where[v] = s
+    seq_pos[v] = len(seq)
+    seq.append(v)
+    stream_free[s] = finish[v]

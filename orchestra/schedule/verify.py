@@ -1,0 +1,201 @@
+"""Hazard verifier: does a plan (or a graph's edges) order everything the program needs?
+
+It checks, against happens-before (`happens_before`):
+- data races: every pair of accesses to overlapping bytes of one buffer, at least one a write,
+  must be ordered the way program (insertion) order has them: RAW, WAR, WAW; on host buffers the
+  kinds are HOST_RAW/HOST_WAR/HOST_WAW (a host array reused before a copy is known done);
+- lifetimes of device buffers with Alloc/Free nodes: use before alloc, use after free, a free not
+  ordered after every use (FREE_RACE), double free, alloc while still allocated, never freed.
+  A buffer with neither an Alloc nor a Free is external (bound at run time) and only race-checked;
+- ``after=`` edges; and plan structure: nodes missing, run twice, unknown; events recorded twice
+  or never; waits that can never be issued.
+The plan ends with all streams synchronized, so D2H results are the caller's at the end; that needs
+no check. Accesses are swept per buffer in offset order, so disjoint views cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from orchestra.errors import HazardError
+from orchestra.graph import Mode, TaskGraph
+from orchestra.schedule.finding import Finding
+from orchestra.schedule.happens_before import GraphOrder, PlanOrder
+from orchestra.schedule.plan import Plan
+
+_VERB = {Mode.READ: "reads", Mode.WRITE: "writes", Mode.READ_WRITE: "reads and writes"}
+
+
+def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
+    """Every hazard of running ``plan`` for ``graph``; an empty list means none was found."""
+    order = PlanOrder(plan)
+    findings = list(order.findings)
+    names = {n.name for n in graph.nodes}
+    for n in plan.node_stream:
+        if n not in names:
+            findings.append(Finding("UNKNOWN_NODE", None, (n, None), (plan.node_stream[n], None),
+                                    f"the plan runs {n} on stream {plan.node_stream[n]}, but the "
+                                    f"graph has no node named {n}"))
+    for node in graph.nodes:
+        n = node.name
+        if n not in order.runs:
+            findings.append(Finding("MISSING", None, (n, None), (None, None),
+                                    f"{n} is in the graph but the plan never runs it: add it to a "
+                                    f"stream after its predecessors"))
+        elif order.runs[n] > 1:
+            kind = "DOUBLE_FREE" if node.kind == "free" else "DUPLICATE"
+            what = f" (each run frees {node.buffer.name} again)" if node.kind == "free" else ""
+            findings.append(Finding(kind, getattr(node, "buffer", None) and node.buffer.name,
+                                    (n, None), (order.stream_of[n], None),
+                                    f"the plan runs {n} {order.runs[n]} times{what}: run each node once"))
+    findings += _hazards(order, graph)
+    return findings
+
+
+def verify_graph_edges(graph: TaskGraph, edges=None) -> list[Finding]:
+    """Hazards when only ``edges`` (default: the graph's own) order the nodes, as in a CUDA
+    graph built from them; pass e.g. ``graph.reduced_edges()`` or hand-picked edges."""
+    order = GraphOrder(graph, edges)
+    return list(order.findings) + _hazards(order, graph)
+
+
+def check(plan: Plan, graph: TaskGraph) -> None:
+    """Raise `HazardError` listing every finding of `verify` (nothing is enqueued then)."""
+    findings = verify(plan, graph)
+    if findings:
+        raise HazardError(findings)
+
+
+def _hazards(order, graph) -> list[Finding]:
+    out = _races(order, graph)
+    out += _lifetimes(order, graph)
+    for p, s in sorted(graph.explicit_edges, key=lambda e: (graph.index(e[1]), graph.index(e[0]))):
+        if order.has(p) and order.has(s) and not order.before(p, s):
+            out.append(Finding("ORDER", None, (p, s), (order.stream_of[p], order.stream_of[s]),
+                               f"{order.where(s)} must run after {order.where(p)} (after=), "
+                               f"{order.fix(p, s)}"))
+    return out
+
+
+def _streams(order, a, b):
+    return (order.stream_of.get(a), order.stream_of.get(b))
+
+
+def _races(order, graph) -> list[Finding]:
+    per_buffer = defaultdict(list)  # buffer key -> [(start, end, program index, node, mode)]
+    for i, node in enumerate(graph.nodes):
+        if node.kind in ("alloc", "free") or not order.has(node.name):
+            continue  # lifetimes are checked separately
+        for acc in node.accesses():
+            r = acc.range
+            per_buffer[r.buffer.key].append((r.offset, r.end, i, node.name, acc.mode))
+    found = {}
+    for key, accs in per_buffer.items():
+        accs.sort(key=lambda x: x[:3])
+        buf = graph.buffer(key[1])
+        for i, (s1, e1, p1, n1, m1) in enumerate(accs):
+            for s2, e2, p2, n2, m2 in accs[i + 1:]:
+                if s2 >= e1:
+                    break
+                if n1 == n2 or not (m1.writes or m2.writes):
+                    continue
+                (a, ma, pa), (b, mb, _) = sorted(((n1, m1, p1), (n2, m2, p2)), key=lambda x: x[2])
+                if order.before(a, b) or (buf.name, a, b) in found:
+                    continue
+                # a stale read is the likelier bug, so write -> read-write counts as RAW
+                kind = "RAW" if ma.writes and mb.reads else ("WAW" if ma.writes else "WAR")
+                lo, hi = max(s1, s2), min(e1, e2)
+                label = "host buffer" if buf.is_host else "buffer"
+                found[(buf.name, a, b)] = Finding(
+                    ("HOST_" if buf.is_host else "") + kind, buf.name, (a, b), _streams(order, a, b),
+                    f"{kind} on {label} {buf.name} bytes [{lo}, {hi}): {order.where(a)} {_VERB[ma]}, "
+                    f"{order.where(b)} {_VERB[mb]}, {order.fix(a, b)}")
+    return sorted(found.values(), key=lambda f: (graph.index(f.nodes[1]), graph.index(f.nodes[0])))
+
+
+def _lifetimes(order, graph) -> list[Finding]:
+    uses = defaultdict(dict)  # buffer name -> {node name: (kind, mode)} in program order
+    for node in graph.nodes:
+        if order.has(node.name):
+            for acc in node.accesses():
+                if not acc.buffer.is_host:
+                    uses[acc.buffer.name].setdefault(node.name, (node.kind, acc.mode))
+    out = []
+    for buf, events in uses.items():
+        if not any(k in ("alloc", "free") for k, _ in events.values()):
+            continue  # external buffer: bound by the caller, not allocated by the plan
+        life = _Life(order, buf, out)
+        for n, (kind, mode) in events.items():
+            life.step(n, kind, mode)
+        if life.live is not None:
+            out.append(Finding("NEVER_FREED", buf, (life.live, None), _streams(order, life.live, None),
+                               f"buffer {buf} is allocated by {order.where(life.live)} but never "
+                               f"freed: add a Free after its last use"))
+    return out
+
+
+class _Life:
+    """Walks one buffer's Alloc / uses / Free in program order. Lifetime findings report only
+    the frontier: the first uses not ordered after the alloc and the last uses not ordered before
+    the free (fixing those orders the rest)."""
+
+    def __init__(self, order, buf, out):
+        self.order, self.buf, self.out = order, buf, out
+        self.live, self.last_free = None, None
+        self.uses, self.unalloc = [], []
+
+    def add(self, kind, a, b, text):
+        self.out.append(Finding(kind, self.buf, (a, b), _streams(self.order, a, b), text))
+
+    def step(self, n, kind, mode):
+        o, w, buf = self.order, self.order.where, self.buf
+        if kind == "alloc":
+            if self.live is not None:
+                self.add("DOUBLE_ALLOC", self.live, n, f"buffer {buf} is allocated by {w(n)} while "
+                         f"still allocated by {w(self.live)}: free it first")
+            elif self.last_free is not None and not o.before(self.last_free, n):
+                self.add("DOUBLE_ALLOC", self.last_free, n, f"buffer {buf} is allocated again by "
+                         f"{w(n)} before its free {w(self.last_free)} is known done, "
+                         f"{o.fix(self.last_free, n)}")
+            self.live, self.uses, self.unalloc = n, [], []
+            return
+        verb = "frees" if kind == "free" else _VERB[mode]
+        if self.live is None:
+            if kind == "free" and self.last_free is not None:
+                self.add("DOUBLE_FREE", self.last_free, n, f"double free of buffer {buf}: {w(n)} "
+                         f"frees it again after {w(self.last_free)}: remove one Free")
+            elif self.last_free is not None:
+                self.add("USE_AFTER_FREE", self.last_free, n, f"use after free of buffer {buf}: "
+                         f"{w(n)} {verb} it after {w(self.last_free)} freed it: move the Free "
+                         f"after the buffer's last use")
+            else:
+                self.add("USE_BEFORE_ALLOC", n, None, f"{w(n)} {verb} buffer {buf}, but no Alloc "
+                         f"precedes it: add an Alloc")
+            if kind == "free":
+                self.last_free = n
+            return
+        if not o.before(self.live, n) and not any(o.before(u, n) for u in self.unalloc):
+            self.unalloc.append(n)
+            self.add("USE_BEFORE_ALLOC", self.live, n, f"use before alloc of buffer {buf}: {w(n)} "
+                     f"{verb} it, {o.fix(self.live, n)}")
+        if kind != "free":
+            self.uses.append((n, mode))
+            return
+        racing = []
+        for u, umode in self.uses:
+            if o.before(u, n):
+                continue
+            if o.before(n, u):
+                self.add("USE_AFTER_FREE", n, u, f"use after free of buffer {buf}: {w(u)} "
+                         f"{_VERB[umode]} it after {w(n)} frees it: move the Free after the "
+                         f"buffer's last use")
+            else:
+                racing.append((u, umode))
+        for u, umode in racing:
+            if any(o.before(u, v) for v, _ in racing):
+                continue  # a later racing use is reported; ordering it orders this one
+            hint = (f" (or put the free on {o.stream_of[u]}, the stream of the buffer's last use)"
+                    if o.mode == "plan" and u == self.uses[-1][0] else "")
+            self.add("FREE_RACE", u, n, f"free of buffer {buf} not ordered after its use: {w(u)} "
+                     f"{_VERB[umode]} it, {w(n)} frees it, {o.fix(u, n)}{hint}")
+        self.live, self.last_free, self.uses, self.unalloc = None, n, [], []
