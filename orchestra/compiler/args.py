@@ -1,0 +1,307 @@
+"""Kernel argument packing: a ctypes struct built once per signature, rewritten in place.
+
+For a kernel's declared parameters (`Param`), `ArgLayout` makes a ``ctypes.Structure`` with one
+field per parameter (ctypes gives each field its natural alignment, as the kernel's parameter
+buffer has it) and a ``ctypes.c_void_p`` array whose element ``i`` holds the address of field
+``i``: exactly the ``void** kernelParams`` that ``cuLaunchKernel``/``cuLaunchKernelEx`` take.
+cuda-bindings accepts that argument as a plain int address and uses it as ``void**`` without
+any conversion, so a prepacked `PackedArgs` costs nothing per launch.
+
+`PackedArgs.set(i_or_name, value)` validates one value and rewrites only that field (graph
+replay updates, changing a scalar between launches). The driver copies parameter values when
+the launch call returns, so rewriting a field after ``launch`` returned never changes a launch
+already enqueued.
+
+Validation (case C09), before anything is enqueued, always naming the parameter:
+
+* wrong number of arguments -> ``TypeError`` showing the expected signature;
+* an int that does not fit the declared width -> ``ValueError``
+  (``parameter n (int): 4294967296 does not fit in int32``);
+* a Python float (or numpy float) where an integer is declared -> ``TypeError``;
+* ``bool`` is accepted only for ``bool`` parameters;
+* a numpy scalar of another dtype than declared -> ``TypeError`` (no silent casts);
+* a buffer (anything with ``.ptr``, a numpy array) where a scalar belongs -> ``TypeError``;
+* a pointer takes an int address, an object with ``.ptr`` (DeviceBuffer), a ``CUdeviceptr``
+  or ``None`` (NULL) -- never a float or a numpy array (host memory) -> ``TypeError``.
+
+Floats: a Python float is packed as IEEE double for a ``double`` parameter (never narrowed) and
+rounded to float32 for a ``float`` parameter (``ValueError`` if finite but out of float32 range).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import operator
+from collections.abc import Mapping
+
+from orchestra.compiler.params import Param
+
+_CTYPES = {
+    "bool": ctypes.c_bool,
+    "int8": ctypes.c_int8, "uint8": ctypes.c_uint8,
+    "int16": ctypes.c_int16, "uint16": ctypes.c_uint16,
+    "int32": ctypes.c_int32, "uint32": ctypes.c_uint32,
+    "int64": ctypes.c_int64, "uint64": ctypes.c_uint64,
+    "float32": ctypes.c_float, "float64": ctypes.c_double,
+    "ptr": ctypes.c_uint64,
+}
+_INT_RANGE = {
+    "int8": (-(1 << 7), (1 << 7) - 1), "uint8": (0, (1 << 8) - 1),
+    "int16": (-(1 << 15), (1 << 15) - 1), "uint16": (0, (1 << 16) - 1),
+    "int32": (-(1 << 31), (1 << 31) - 1), "uint32": (0, (1 << 32) - 1),
+    "int64": (-(1 << 63), (1 << 63) - 1), "uint64": (0, (1 << 64) - 1),
+}
+# float32 overflow threshold under round-to-nearest: FLT_MAX + half an ulp.
+_F32_OVERFLOW = (2.0 - 2.0 ** -24) * 2.0 ** 127
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _describe(v) -> str:
+    t = type(v)
+    mod = t.__module__
+    name = t.__name__ if mod in ("builtins", None) else f"{mod.split('.')[0]}.{t.__name__}"
+    if isinstance(v, (int, float, bool)):
+        return f"{name} {v!r}"
+    return name
+
+
+def _is_buffer(v) -> bool:
+    if hasattr(v, "ptr"):
+        return True
+    np = _np()
+    return isinstance(v, np.ndarray) or hasattr(v, "__cuda_array_interface__")
+
+
+def make_converter(p: Param):
+    """The validating converter of one parameter: ``value -> value for the ctypes field``.
+
+    Raises ``TypeError``/``ValueError`` as listed in the module doc.
+    """
+    label = f"parameter {p.name} ({p.ctype})"
+    dtype = p.dtype
+
+    if p.kind == "pointer":
+        def conv_ptr(v):
+            if type(v) is int:
+                if 0 <= v < (1 << 64):
+                    return v
+                raise ValueError(f"{label}: address {v} is not a 64-bit unsigned value")
+            if v is None:
+                return 0
+            if isinstance(v, (bool, float)):
+                raise TypeError(f"{label} needs device memory: pass a DeviceBuffer (anything"
+                                f" with .ptr), a CUdeviceptr, an int address or None; got"
+                                f" {_describe(v)}")
+            ptr = getattr(v, "ptr", None)
+            if ptr is not None:
+                try:
+                    return conv_ptr(int(ptr))
+                except TypeError:
+                    raise TypeError(f"{label}: {_describe(v)}.ptr is not an address") from None
+            if type(v).__name__ == "CUdeviceptr":
+                return int(v)
+            np = _np()
+            if isinstance(v, np.ndarray):
+                raise TypeError(f"{label} needs device memory: got a numpy array (host"
+                                " memory); copy it into a DeviceBuffer and pass that")
+            if isinstance(v, np.integer):
+                return conv_ptr(int(v))
+            raise TypeError(f"{label} needs device memory: pass a DeviceBuffer (anything with"
+                            f" .ptr), a CUdeviceptr, an int address or None; got {_describe(v)}")
+        return conv_ptr
+
+    def not_scalar(v) -> TypeError:
+        return TypeError(f"{label}: got a buffer ({_describe(v)}) where a scalar belongs")
+
+    def wrong_numpy(v) -> TypeError:
+        kind = "float" if "float" in dtype else "int"
+        return TypeError(f"{label}: numpy {v.dtype} scalar does not match the declared {dtype};"
+                         f" pass numpy.{dtype}(...) or a Python {kind}")
+
+    if dtype == "bool":
+        def conv_bool(v):
+            if type(v) is bool:
+                return v
+            np = _np()
+            if isinstance(v, np.bool_):
+                return bool(v)
+            if _is_buffer(v):
+                raise not_scalar(v)
+            raise TypeError(f"{label}: expected a bool (True/False), got {_describe(v)}")
+        return conv_bool
+
+    if dtype in _INT_RANGE:
+        lo, hi = _INT_RANGE[dtype]
+
+        def conv_int(v):
+            if type(v) is not int:
+                if type(v) is bool:
+                    raise TypeError(f"{label}: got a bool where an integer is declared;"
+                                    " pass an int (bool is accepted only for bool parameters)")
+                if isinstance(v, float):
+                    raise TypeError(f"{label}: got a float ({v!r}) where an integer is declared;"
+                                    " pass an int")
+                np = _np()
+                if isinstance(v, np.generic):
+                    if v.dtype != np.dtype(dtype):
+                        raise wrong_numpy(v)
+                    v = int(v)
+                elif _is_buffer(v):
+                    raise not_scalar(v)
+                else:
+                    try:
+                        v = operator.index(v)
+                    except TypeError:
+                        raise TypeError(f"{label}: expected an int, got {_describe(v)}") from None
+            if lo <= v <= hi:
+                return v
+            raise ValueError(f"{label}: {v} does not fit in {dtype}")
+        return conv_int
+
+    single = dtype == "float32"
+
+    def conv_float(v):
+        t = type(v)
+        if t is float or (t is int):
+            f = float(v)
+        elif t is bool:
+            raise TypeError(f"{label}: got a bool where a floating-point value is declared")
+        else:
+            np = _np()
+            if isinstance(v, np.generic):
+                if v.dtype != np.dtype(dtype):
+                    raise wrong_numpy(v)
+                return float(v)
+            if _is_buffer(v):
+                raise not_scalar(v)
+            if isinstance(v, (float, int)):  # subclasses
+                f = float(v)
+            else:
+                raise TypeError(f"{label}: expected a float, got {_describe(v)}")
+        if single and abs(f) >= _F32_OVERFLOW and not math.isinf(f):
+            raise ValueError(f"{label}: {v!r} does not fit in float32")
+        return f
+    return conv_float
+
+
+class ArgLayout:
+    """The packing of one kernel signature: struct type, field offsets, converters.
+
+    Attributes: ``params`` (tuple of `Param`), ``struct_type`` (ctypes Structure class),
+    ``offsets`` (byte offset of each field), ``size`` (struct size in bytes).
+    """
+
+    def __init__(self, params, kernel_name: str = "kernel"):
+        self.params = tuple(params)
+        self.kernel_name = kernel_name
+        fields = [(f"a{i}", _CTYPES[p.dtype]) for i, p in enumerate(self.params)]
+        self.struct_type = type(f"{kernel_name}_args", (ctypes.Structure,), {"_fields_": fields})
+        self.field_names = tuple(f for f, _ in fields)
+        self.offsets = tuple(getattr(self.struct_type, f).offset for f in self.field_names)
+        self.size = ctypes.sizeof(self.struct_type)
+        self.pointer_array_type = ctypes.c_void_p * len(self.params)
+        self.converters = tuple(make_converter(p) for p in self.params)
+        self.index = {p.name: i for i, p in enumerate(self.params)}
+
+    @property
+    def signature(self) -> str:
+        """``name(float a, const float* x, ...)``."""
+        return f"{self.kernel_name}({', '.join(str(p) for p in self.params)})"
+
+    def _arity_error(self, got: int) -> TypeError:
+        n = len(self.params)
+        return TypeError(f"kernel {self.signature} takes {n} argument{'s' if n != 1 else ''},"
+                         f" got {got}")
+
+    def resolve(self, key) -> int:
+        """A parameter index from an index or a name (``KeyError``/``IndexError`` otherwise)."""
+        if isinstance(key, str):
+            try:
+                return self.index[key]
+            except KeyError:
+                raise KeyError(f"kernel {self.signature} has no parameter {key!r}") from None
+        i = operator.index(key)
+        n = len(self.params)
+        if not -n <= i < n:
+            raise IndexError(f"parameter index {i} out of range for {self.signature}")
+        return i % n
+
+    def pack(self, args) -> "PackedArgs":
+        """Validate ``args`` (a sequence in declaration order, or a mapping name -> value) and
+        pack them into a new `PackedArgs`."""
+        if isinstance(args, Mapping):
+            unknown = [k for k in args if k not in self.index]
+            if unknown:
+                raise TypeError(f"kernel {self.signature} has no parameter(s) {unknown}")
+            missing = [p.name for p in self.params if p.name not in args]
+            if missing:
+                raise TypeError(f"kernel {self.signature}: missing argument(s) {missing}")
+            args = [args[p.name] for p in self.params]
+        elif not isinstance(args, (list, tuple)):
+            try:
+                args = list(args)
+            except TypeError:
+                raise TypeError(f"kernel arguments must be a sequence or a mapping, got"
+                                f" {type(args).__name__}") from None
+        if len(args) != len(self.params):
+            raise self._arity_error(len(args))
+        values = [conv(v) for conv, v in zip(self.converters, args)]
+        s = self.struct_type(*values)
+        return PackedArgs(self, s)
+
+
+class PackedArgs:
+    """Packed kernel arguments: the ctypes struct and the ``void*`` array pointing into it.
+
+    Attributes:
+        layout: the `ArgLayout`.
+        struct: the ctypes Structure instance holding the values.
+        pointers: the ``c_void_p`` array (``kernelParams``).
+        address: the int address of ``pointers`` (what ``cuLaunchKernel`` receives); 0 for a
+            kernel without parameters.
+    """
+
+    __slots__ = ("layout", "struct", "pointers", "address")
+
+    def __init__(self, layout: ArgLayout, struct):
+        self.layout = layout
+        self.struct = struct
+        base = ctypes.addressof(struct)
+        self.pointers = layout.pointer_array_type(*[base + o for o in layout.offsets])
+        self.address = ctypes.addressof(self.pointers) if layout.params else 0
+
+    def set(self, key, value) -> None:
+        """Validate ``value`` for parameter ``key`` (index or name) and rewrite only that field.
+
+        Raises like `ArgLayout.pack`; the old value stays when validation fails.
+        """
+        i = self.layout.resolve(key)
+        setattr(self.struct, self.layout.field_names[i], self.layout.converters[i](value))
+
+    def get(self, key):
+        """The packed value of parameter ``key`` (pointers as int addresses)."""
+        i = self.layout.resolve(key)
+        return getattr(self.struct, self.layout.field_names[i])
+
+    def values(self) -> tuple:
+        """Every packed value, in declaration order."""
+        return tuple(getattr(self.struct, f) for f in self.layout.field_names)
+
+    def __bytes__(self) -> bytes:
+        """The struct's bytes (the parameter buffer, padding included)."""
+        return ctypes.string_at(ctypes.addressof(self.struct), self.layout.size)
+
+    def copy(self) -> "PackedArgs":
+        """An independent copy (its own struct and pointer array)."""
+        s = self.layout.struct_type.from_buffer_copy(self.struct)
+        return PackedArgs(self.layout, s)
+
+    def __repr__(self) -> str:
+        vals = ", ".join(f"{p.name}={v!r}" for p, v in zip(self.layout.params, self.values()))
+        return f"<PackedArgs {self.layout.kernel_name}({vals})>"
