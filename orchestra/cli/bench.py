@@ -1,0 +1,107 @@
+"""`orchestra bench stages|pdl`: the kernel library's two benchmarks (need a GPU).
+
+``stages``: the block-scope unified pipeline at 1-4 stages vs a device-to-device copy of the
+same bytes (`orchestra.kernels_bench.stages`). ``pdl``: a chain of small dependent kernels with
+and without programmatic dependent launch (`orchestra.kernels_bench.pdlchain`). Both print a
+table (or ``--json``) and check their output against numpy; exit 1 when the output is wrong, or
+with ``--check-goal`` when the issue's goal is missed.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks of the kernel library (stages, pdl)")
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")
+    s.add_argument("--mib", type=int, default=1024,
+                   help="MiB read per launch (as many written); default 1024")
+    s.add_argument("--block", type=int, default=256, help="threads per block (default 256)")
+    s.add_argument("--repeats", type=int, default=20, help="timed launches per contender")
+    s.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    _common(s)
+    s.set_defaults(func=run_stages_cmd)
+
+    d = bsub.add_parser("pdl", help="chain of small dependent kernels with and without PDL")
+    d.add_argument("--kernels", type=int, default=1000, help="kernels in the chain (1000)")
+    d.add_argument("--n", type=int, default=256, help="floats per kernel (256)")
+    d.add_argument("--block", type=int, default=256, help="threads per block (256)")
+    d.add_argument("--repeats", type=int, default=5, help="timed chains per mode (5)")
+    d.add_argument("--gate-ms", type=float, default=100.0,
+                   help="how long the stream is held while the host enqueues the chain")
+    _common(d)
+    d.set_defaults(func=run_pdl_cmd)
+
+
+def _common(p) -> None:
+    p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--check-goal", action="store_true",
+                   help="exit 1 when the goal of issue 5 is not met")
+    p.set_defaults(no_device_hint=" (orchestra bench runs kernels: it needs an NVIDIA GPU)")
+
+
+def run_stages_cmd(args) -> int:
+    from orchestra.kernels_bench.common import format_table
+    from orchestra.kernels_bench.stages import GOAL_PERCENT, run_stages
+
+    rep = run_stages(mib=args.mib, block=args.block, repeats=args.repeats, warmup=args.warmup,
+                     device=args.device)
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        print(f"orchestra bench stages: {rep.device}, {rep.mib} MiB in + {rep.mib} MiB out per"
+              f" launch, block {args.block}, median of {rep.repeats}")
+        rows = [("D2D copy", f"{rep.copy_ms:.3f}", f"{rep.copy_gbps:.0f}", "100.0", "", "", "",
+                 "")]
+        for r in rep.results:
+            rows.append((f"{r.stages} stage" + ("s" if r.stages > 1 else ""), f"{r.ms:.3f}",
+                         f"{r.gbps:.0f}", f"{r.percent_of_copy:.1f}", r.blocks_per_sm, r.grid,
+                         r.shared_mem, "ok" if r.verified else "WRONG"))
+        print(format_table(("", "ms", "GB/s", "% of copy", "blocks/SM", "grid", "smem/block",
+                            "output"), rows))
+        best = rep.best
+        print(f"best: {best.stages} stage(s) at {best.percent_of_copy:.1f}% of the copy"
+              f" (goal >= {GOAL_PERCENT:.0f}%: {'met' if rep.goal_met else 'NOT met'});"
+              " GB/s counts bytes read + written")
+        for r in rep.results:
+            if not r.verified:
+                print(f"  {r.stages} stages: {r.detail}")
+    if not rep.verified:
+        return 1
+    return 1 if args.check_goal and not rep.goal_met else 0
+
+
+def run_pdl_cmd(args) -> int:
+    from orchestra.kernels_bench.common import format_table
+    from orchestra.kernels_bench.pdlchain import GOAL_US, run_pdl_chain
+
+    rep = run_pdl_chain(kernels=args.kernels, n=args.n, block=args.block, repeats=args.repeats,
+                        gate_ms=args.gate_ms, device=args.device)
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        print(f"orchestra bench pdl: {rep.device}, chain of {rep.kernels} dependent kernels"
+              f" (y = x + 1, {rep.n} floats, grid {rep.grid} x block {rep.block}),"
+              f" median of {rep.repeats}")
+        rows = [("with PDL" if r.pdl else "without PDL", f"{r.us_per_kernel:.3f}",
+                 f"{r.chain_ms:.3f}", f"{r.host_enqueue_ms:.1f}",
+                 "yes" if r.host_bound else "no", "ok" if r.verified else "WRONG")
+                for r in rep.results]
+        print(format_table(("", "GPU us/kernel", "chain ms", "host enqueue ms", "host-bound",
+                            "output"), rows))
+        on, off = rep.result(True), rep.result(False)
+        print(f"PDL saves {off.us_per_kernel - on.us_per_kernel:.3f} us per kernel"
+              f" (goal <= {GOAL_US} us with PDL: {'met' if rep.goal_met else 'NOT met'})")
+        for r in rep.results:
+            if not r.verified:
+                print(f"  {'with' if r.pdl else 'without'} PDL: {r.detail}")
+            if r.host_bound:
+                print(f"  {'with' if r.pdl else 'without'} PDL: the host was still enqueueing"
+                      " when the gate opened; raise --gate-ms")
+    if not rep.verified:
+        return 1
+    return 1 if args.check_goal and not rep.goal_met else 0

@@ -1,0 +1,465 @@
+#!/usr/bin/env python3
+"""GPU checks of the kernel library: each kernel against its numpy reference on random data with
+ragged sizes. One named check per kernel (or kernel variant); runnable standalone, so the same
+checks run under compute-sanitizer:
+
+    python3 tests/kernel_checks.py --list
+    python3 tests/kernel_checks.py pipeline_block_2 [more names...]
+    python3 tests/kernel_checks.py all
+    compute-sanitizer --tool racecheck python3 tests/kernel_checks.py --small all
+
+Exit status 0 when every selected check passed (or was skipped for a too-old GPU), 1 when one
+failed, 2 for bad usage. ``--small`` caps the large sizes (use it under racecheck, which is
+slow). tests/test_kernels_gpu.py runs each check in a subprocess with a timeout, so a kernel that
+hangs fails its test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# Runnable from anywhere without an install: the repository root holds the package.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import numpy as np  # noqa: E402
+
+from orchestra.kernels_bench import catalog as cat  # noqa: E402
+from orchestra.kernels_bench import reference as ref  # noqa: E402
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+class Skip(Exception):
+    pass
+
+
+CHECKS: dict = {}
+
+
+def check(name: str):
+    def register(fn):
+        CHECKS[name] = fn
+        return fn
+    return register
+
+
+class Ctx:
+    """Device, stream, random numbers and buffer helpers for one run."""
+
+    def __init__(self, small: bool, seed: int = 1234):
+        from orchestra.driver import Device, Stream
+
+        self.small = small
+        self.device = Device.get(0)
+        self.device.make_current()
+        self.stream = Stream(self.device)
+        self.rng = np.random.default_rng(seed)
+        self.large = 100_003 if small else 1_000_003  # odd on purpose
+        self._keep: list = []
+
+    def kernel(self, key: str):
+        s = cat.spec(key)
+        if tuple(self.device.compute_capability) < tuple(s.min_cc):
+            raise Skip(f"{key} needs compute capability {s.min_cc}, the device has"
+                       f" {self.device.compute_capability}")
+        return cat.load(s, self.device)
+
+    def randn(self, n: int) -> np.ndarray:
+        return self.rng.standard_normal(n).astype(np.float32)
+
+    def upload(self, arr: np.ndarray):
+        from orchestra.driver import DeviceBuffer, PinnedBuffer
+
+        arr = np.ascontiguousarray(arr)
+        pin = PinnedBuffer.empty(arr.shape, arr.dtype, self.device)
+        pin.array[...] = arr
+        buf = DeviceBuffer.allocate(arr.nbytes, self.stream)
+        buf.copy_from_host(pin, self.stream, sync=True)
+        pin.close()
+        return buf
+
+    def output(self, n: int, dtype=np.float32):
+        """A device buffer of n elements filled with 0xFF bytes (NaN for floats), so an element
+        the kernel fails to write can never match the reference."""
+        from orchestra.driver import DeviceBuffer
+
+        buf = DeviceBuffer.allocate(n * np.dtype(dtype).itemsize, self.stream)
+        buf.memset(0xFF, self.stream)
+        return buf
+
+    def download(self, buf, n: int, dtype=np.float32) -> np.ndarray:
+        from orchestra.driver import PinnedBuffer
+
+        pin = PinnedBuffer.empty((n,), dtype, self.device)
+        buf.copy_to_host(pin, self.stream, sync=True)
+        out = pin.array.copy()
+        pin.close()
+        return out
+
+    def aligned16(self, *bufs) -> None:
+        for b in bufs:
+            if b.ptr % 16:
+                raise CheckFailed(f"device buffer at 0x{b.ptr:x} is not 16-byte aligned; the"
+                                  " kernel requires it")
+
+    def expect(self, what: str, got, want, **tol) -> None:
+        ok, detail = ref.close(got, want, **tol)
+        if not ok:
+            raise CheckFailed(f"{what}: {detail}")
+        print(f"    ok  {what}")
+
+
+def _grids(ctx: Ctx, blocks_needed: int) -> list[int]:
+    """A small grid (many tiles per block: the pipelines' steady state) and one big enough for
+    a tile per block (prologue straight into epilogue)."""
+    return sorted({min(3, blocks_needed), max(1, blocks_needed)})
+
+
+# -- unified block pipeline, 1..4 stages --------------------------------------------------------
+
+def _pipeline_block(ctx: Ctx, stages: int) -> None:
+    k = ctx.kernel(f"pipeline_block<{stages}>")
+    block = 256
+    tile = cat.pipeline_block_tile(block)
+    smem = cat.pipeline_block_smem(stages, block)
+    a, b = 1.5, -0.25
+    for n in (1, 3, block - 1, block + 1, tile - 1, tile + 5, 3 * tile + 7, ctx.large):
+        x = ctx.randn(n)
+        dx, dy = ctx.upload(x), ctx.output(n)
+        ctx.aligned16(dx, dy)
+        for grid in _grids(ctx, -(-n // tile)):
+            dy.memset(0xFF, ctx.stream)
+            k.launch(ctx.stream, grid, block, (dx, dy, n, a, b), smem)
+            ctx.stream.synchronize()
+            ctx.expect(f"n={n} grid={grid}", ctx.download(dy, n), ref.pipeline_block(x, a, b))
+        dx.free()
+        dy.free()
+
+
+for _s in cat.STAGE_COUNTS:
+    check(f"pipeline_block_{_s}")(lambda ctx, _s=_s: _pipeline_block(ctx, _s))
+
+
+@check("pipeline_thread")
+def _pipeline_thread(ctx: Ctx) -> None:
+    k = ctx.kernel("pipeline_thread")
+    block = 256
+    c = 0.25
+    for n in (1, 3, block - 1, block + 1, 4 * block + 3, ctx.large):
+        x = ctx.randn(n)
+        dx, dy = ctx.upload(x), ctx.output(n)
+        ctx.aligned16(dx, dy)
+        for grid in _grids(ctx, -(-n // (4 * block))):
+            dy.memset(0xFF, ctx.stream)
+            k.launch(ctx.stream, grid, block, (dx, dy, n, c), cat.pipeline_thread_smem(block))
+            ctx.stream.synchronize()
+            ctx.expect(f"n={n} grid={grid}", ctx.download(dy, n), ref.pipeline_thread(x, c))
+        dx.free()
+        dy.free()
+
+
+@check("pipeline_primitives")
+def _pipeline_primitives(ctx: Ctx) -> None:
+    k = ctx.kernel("pipeline_primitives")
+    for block in (256, 96):
+        tile = 4 * block
+        for n in (1, 2, block - 1, block + 1, tile - 1, tile + 1, 5 * tile + 3, ctx.large):
+            x = ctx.randn(n)
+            dx, dy = ctx.upload(x), ctx.output(n)
+            ctx.aligned16(dx, dy)
+            for grid in _grids(ctx, -(-n // tile)):
+                dy.memset(0xFF, ctx.stream)
+                k.launch(ctx.stream, grid, block, (dx, dy, n),
+                         cat.pipeline_primitives_smem(block))
+                ctx.stream.synchronize()
+                ctx.expect(f"block={block} n={n} grid={grid}", ctx.download(dy, n),
+                           ref.pipeline_primitives(x, block))
+            dx.free()
+            dy.free()
+
+
+@check("producer_consumer")
+def _producer_consumer(ctx: Ctx) -> None:
+    k = ctx.kernel("producer_consumer")
+    block = 128
+    for buffer_len in (1, 100, 256):
+        for n in (1, buffer_len - 1 or 1, buffer_len + 1, 7 * buffer_len + 3, ctx.large):
+            x = ctx.randn(n)
+            dx, dy = ctx.upload(x), ctx.output(n)
+            for grid in _grids(ctx, -(-n // buffer_len)):
+                dy.memset(0xFF, ctx.stream)
+                k.launch(ctx.stream, grid, block, (dx, dy, n, buffer_len),
+                         cat.producer_consumer_smem(buffer_len))
+                ctx.stream.synchronize()
+                ctx.expect(f"buffer_len={buffer_len} n={n} grid={grid}", ctx.download(dy, n),
+                           ref.producer_consumer(x))
+            dx.free()
+            dy.free()
+
+
+@check("warp_specialized")
+def _warp_specialized(ctx: Ctx) -> None:
+    k = ctx.kernel("warp_specialized")
+    block, tile = cat.WARP_SPECIALIZED_THREADS, cat.WARP_SPECIALIZED_TILE
+    a, b = 0.75, 0.5
+    for n in (1, 3, block - 1, block + 1, tile - 1, tile + 2, 9 * tile + 1, ctx.large):
+        x = ctx.randn(n)
+        dx, dy = ctx.upload(x), ctx.output(n)
+        ctx.aligned16(dx, dy)
+        for grid in _grids(ctx, -(-n // tile)):
+            dy.memset(0xFF, ctx.stream)
+            k.launch(ctx.stream, grid, block, (dx, dy, n, a, b))
+            ctx.stream.synchronize()
+            ctx.expect(f"n={n} grid={grid}", ctx.download(dy, n), ref.warp_specialized(x, a, b))
+        dx.free()
+        dy.free()
+
+
+@check("early_exit_segments")
+def _early_exit_segments(ctx: Ctx) -> None:
+    k = ctx.kernel("early_exit_segments")
+    block = 128
+    for nseg, max_len in ((1, 5), (block - 1, 40), (block + 1, 1), (1000 if ctx.small else 5000, 60)):
+        off = ref.ragged_offsets(ctx.rng, nseg, max_len)
+        total = int(off[-1])
+        x = ctx.randn(max(total, 1))
+        dx, doff, dy = ctx.upload(x), ctx.upload(off), ctx.output(max(total, 1))
+        k.launch(ctx.stream, -(-nseg // block), block, (dx, dy, doff, nseg),
+                 cat.early_exit_segments_smem(block))
+        ctx.stream.synchronize()
+        got = ctx.download(dy, max(total, 1))[:total]
+        ctx.expect(f"nseg={nseg} floats={total}", got, ref.early_exit_segments(x[:total], off),
+                   rtol=1e-6, atol=1e-6)
+        dx.free()
+        doff.free()
+        dy.free()
+
+
+@check("early_exit_warps")
+def _early_exit_warps(ctx: Ctx) -> None:
+    k = ctx.kernel("early_exit_warps")
+    for block in (256, 32):
+        for nseg, max_len in ((1, 3), (9, 100), (300 if ctx.small else 2000, 300)):
+            off = ref.ragged_offsets(ctx.rng, nseg, max_len)
+            total = int(off[-1])
+            x = ctx.randn(max(total, 1))
+            dx, doff, ds = ctx.upload(x), ctx.upload(off), ctx.output(nseg)
+            k.launch(ctx.stream, -(-nseg * 32 // block), block, (dx, ds, doff, nseg),
+                     cat.early_exit_warps_smem(block))
+            ctx.stream.synchronize()
+            ctx.expect(f"block={block} nseg={nseg} floats={total}", ctx.download(ds, nseg),
+                       ref.early_exit_warps(x[:total], off), rtol=1e-4, atol=1e-3)
+            dx.free()
+            doff.free()
+            ds.free()
+
+
+# -- programmatic dependent launch ----------------------------------------------------------------
+
+def _pdl_allowed(key: str) -> bool:
+    from orchestra.kernels_bench.pdl import kernel_waits_on_grid_dependency
+
+    ptx, entry = cat.ptx_text(cat.spec(key))
+    return kernel_waits_on_grid_dependency(ptx, entry)
+
+
+@check("pdl_pair")
+def _pdl_pair(ctx: Ctx) -> None:
+    prim, sec = ctx.kernel("pdl_primary"), ctx.kernel("pdl_secondary")
+    if not _pdl_allowed("pdl_secondary"):
+        raise CheckFailed("pdl_secondary does not wait on its grid dependency")
+    block = 256
+    for n in (1, block - 1, block + 1, ctx.large):
+        x, w = ctx.randn(n), ctx.randn(n)
+        dx, dw, dy, dz = ctx.upload(x), ctx.upload(w), ctx.output(n), ctx.output(n)
+        grid = -(-n // block)
+        for pdl in (False, True):
+            for rep in range(3):  # repeated: the early start is a race if the wait were missing
+                dy.memset(0xFF, ctx.stream)
+                dz.memset(0xFF, ctx.stream)
+                prim.launch(ctx.stream, grid, block, (dx, dy, n))
+                sec.launch(ctx.stream, grid, block, (dy, dw, dz, n), pdl=pdl)
+            ctx.stream.synchronize()
+            ctx.expect(f"n={n} pdl={pdl}", ctx.download(dz, n), ref.pdl_pair(x, w))
+        for b in (dx, dw, dy, dz):
+            b.free()
+
+
+@check("pdl_c12")
+def _pdl_c12(ctx: Ctx) -> None:
+    """Case C12: PDL is refused for a consumer that never waits; launched without PDL it is
+    correct."""
+    from orchestra.kernels_bench.pdl import PdlWithoutWaitError, require_grid_dependency_wait
+
+    ptx, entry = cat.ptx_text(cat.spec("pdl_secondary_nowait"))
+    try:
+        require_grid_dependency_wait(ptx, entry)
+    except PdlWithoutWaitError as exc:
+        print(f"    ok  refused: {exc}")
+    else:
+        raise CheckFailed("pdl_secondary_nowait was not recognised as a kernel that never waits")
+    for key in ("pdl_secondary", "pdl_chain_step"):
+        ptx, entry = cat.ptx_text(cat.spec(key))
+        require_grid_dependency_wait(ptx, entry)  # must not raise
+        print(f"    ok  {key} waits on its grid dependency")
+    prim, sec = ctx.kernel("pdl_primary"), ctx.kernel("pdl_secondary_nowait")
+    n, block = ctx.large, 256
+    x, w = ctx.randn(n), ctx.randn(n)
+    dx, dw, dy, dz = ctx.upload(x), ctx.upload(w), ctx.output(n), ctx.output(n)
+    prim.launch(ctx.stream, -(-n // block), block, (dx, dy, n))
+    sec.launch(ctx.stream, -(-n // block), block, (dy, dw, dz, n))  # no PDL: stream order holds
+    ctx.stream.synchronize()
+    ctx.expect(f"nowait consumer without PDL, n={n}", ctx.download(dz, n), ref.pdl_pair(x, w))
+    for b in (dx, dw, dy, dz):
+        b.free()
+
+
+@check("pdl_chain")
+def _pdl_chain(ctx: Ctx) -> None:
+    k = ctx.kernel("pdl_chain_step")
+    if not _pdl_allowed("pdl_chain_step"):
+        raise CheckFailed("pdl_chain_step does not wait on its grid dependency")
+    n, block, steps = 1000, 256, 101
+    x0 = ctx.randn(n)
+    for pdl in (False, True):
+        bufs = [ctx.upload(x0), ctx.output(n)]
+        for i in range(steps):
+            k.launch(ctx.stream, -(-n // block), block, (bufs[i % 2], bufs[(i + 1) % 2], n),
+                     pdl=pdl)
+        ctx.stream.synchronize()
+        ctx.expect(f"{steps} steps pdl={pdl}", ctx.download(bufs[steps % 2], n),
+                   ref.pdl_chain(x0, steps), rtol=0, atol=0)
+        for b in bufs:
+            b.free()
+
+
+# -- clusters and distributed shared memory -------------------------------------------------------
+
+@check("cluster_dsmem")
+def _cluster_dsmem(ctx: Ctx) -> None:
+    k = ctx.kernel("cluster_dsmem")
+    for block in (128, 256):
+        for cluster in (1, 2, 4, 8):
+            for n in (1, block - 1, block + 1, 5 * block + 3, ctx.large):
+                grid = cat.cluster_grid(n, block, cluster)
+                x = ctx.randn(n)
+                dx, dy = ctx.upload(x), ctx.output(n)
+                k.launch(ctx.stream, grid, block, (dx, dy, n), block * 4,
+                         cluster=(cluster, 1, 1))
+                ctx.stream.synchronize()
+                ctx.expect(f"block={block} cluster={cluster} n={n}", ctx.download(dy, n),
+                           ref.cluster_dsmem(x, block, cluster, grid))
+                dx.free()
+                dy.free()
+
+
+@check("cluster_dsmem_pair")
+def _cluster_dsmem_pair(ctx: Ctx) -> None:
+    k = ctx.kernel("cluster_dsmem_pair")  # __cluster_dims__(2, 1, 1): no launch attribute
+    block = 128
+    for n in (1, block + 1, 3 * block, ctx.large):
+        grid = cat.cluster_grid(n, block, 2)
+        x = ctx.randn(n)
+        dx, dy = ctx.upload(x), ctx.output(n)
+        k.launch(ctx.stream, grid, block, (dx, dy, n), block * 4)
+        ctx.stream.synchronize()
+        ctx.expect(f"n={n} grid={grid}", ctx.download(dy, n), ref.cluster_dsmem(x, block, 2, grid))
+        dx.free()
+        dy.free()
+
+
+# -- hand-written PTX -----------------------------------------------------------------------------
+
+@check("cp_async_scale")
+def _cp_async_scale(ctx: Ctx) -> None:
+    k = ctx.kernel("cp_async_scale")
+    scale = -1.75
+    for block in (cat.CP_ASYNC_MAX_THREADS, 64):
+        for n in (1, 2, 3, 5, 4 * block - 1, 4 * block + 1, 8 * block + 3, ctx.large):
+            x = ctx.randn(n)
+            dx, dy = ctx.upload(x), ctx.output(n)
+            ctx.aligned16(dx, dy)
+            for grid in _grids(ctx, -(-n // (4 * block))):
+                dy.memset(0xFF, ctx.stream)
+                k.launch(ctx.stream, grid, block, (dx, dy, n, scale))
+                ctx.stream.synchronize()
+                ctx.expect(f"block={block} n={n} grid={grid}", ctx.download(dy, n),
+                           ref.cp_async_scale(x, scale), rtol=0, atol=0)
+            dx.free()
+            dy.free()
+
+
+# -- runner -------------------------------------------------------------------------------------
+
+def run(names: list[str], small: bool = False) -> int:
+    """Run the named checks in this process; 0 when all passed or skipped, 1 otherwise."""
+    from orchestra.errors import CudaError
+
+    ctx = Ctx(small)
+    failed = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"[{name}]", flush=True)
+        try:
+            CHECKS[name](ctx)
+        except Skip as exc:
+            print(f"SKIP {name}: {exc}", flush=True)
+            continue
+        except CheckFailed as exc:
+            print(f"FAIL {name}: {exc}", flush=True)
+            failed.append(name)
+            continue
+        except CudaError as exc:
+            print(f"FAIL {name}: {exc}", flush=True)
+            failed.append(name)
+            if exc.sticky:
+                print("the CUDA context is unusable; stopping", flush=True)
+                break
+            continue
+        except Exception:  # noqa: BLE001 - report and carry on with the other checks
+            traceback.print_exc()
+            print(f"FAIL {name}: unexpected error", flush=True)
+            failed.append(name)
+            continue
+        print(f"PASS {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"{len(names) - len(failed)} of {len(names)} checks passed"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="check names, or 'all'")
+    p.add_argument("--list", action="store_true", help="print the check names and exit")
+    p.add_argument("--small", action="store_true",
+                   help="smaller large sizes (for compute-sanitizer racecheck)")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(CHECKS))
+        return 0
+    names = list(CHECKS) if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in CHECKS]
+    if not names or unknown:
+        print(f"unknown check(s): {', '.join(unknown)}; known: {', '.join(CHECKS)}, all"
+              if unknown else "name at least one check, or 'all' (--list shows them)",
+              file=sys.stderr)
+        return 2
+    from orchestra.errors import NoDeviceError
+
+    try:
+        return run(names, args.small)
+    except NoDeviceError as exc:
+        print(f"no GPU: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
