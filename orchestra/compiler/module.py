@@ -267,20 +267,18 @@ class Kernel:
                 count = int(n)
         except Exception:  # noqa: BLE001 - older driver or bindings
             count = None
+        # Without cuFuncGetParamCount (drivers before 13.1) probe only the declared indices:
+        # probing past the end would raise a driver error that compute-sanitizer reports.
+        probe = count if count is not None else len(self.params)
         actual = []
         try:
-            i = 0
-            while count is None or i < count:
+            for i in range(min(probe, 4096)):
                 err, offset, size = d.cuFuncGetParamInfo(self.function, i)
                 if int(err):
-                    if count is None and err == d.CUresult.CUDA_ERROR_INVALID_VALUE and (
-                            i > 0 or not self.params):
-                        break  # past the last parameter
+                    if count is None and err == d.CUresult.CUDA_ERROR_INVALID_VALUE:
+                        break  # the image has fewer parameters than declared
                     return  # cannot tell: skip the check
                 actual.append((int(offset), int(size)))
-                i += 1
-                if i > 4096:
-                    return
         except Exception:  # noqa: BLE001 - older driver/bindings: nothing to compare with
             return
         declared = [(o, p.size) for o, p in zip(self.layout.offsets, self.params)]

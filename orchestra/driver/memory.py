@@ -125,10 +125,13 @@ def _free(stream: Stream, dptr) -> None:
     """Release a stream-ordered allocation on the stream that made it (runs inside the
     owner's ``device.pushed()``, so the context is current)."""
     if stream.closed:
-        # The user closed the allocating stream first. cuMemFree does not wait for
-        # stream-ordered work, so wait for the whole context before freeing.
+        # The user closed the allocating stream first. Free in stream order on a private
+        # stream after the whole context is idle, and wait, so the pool sees the memory back
+        # at once (a plain cuMemFree of a pool allocation is returned to the pool lazily).
         cu(driver.cuCtxSynchronize)
-        cu(driver.cuMemFree, dptr)
+        with Stream(stream.device) as private:
+            cu(driver.cuMemFreeAsync, dptr, private.handle)
+            private.synchronize()
     else:
         cu(driver.cuMemFreeAsync, dptr, stream.handle)
 
@@ -183,7 +186,7 @@ class DeviceBuffer(Resource):
 
         Work on other streams that uses the buffer must be ordered before ``stream`` (by an
         event) first. Freeing twice does nothing. If the allocating stream was closed, the
-        default path synchronizes the device and uses ``cuMemFree``.
+        default path synchronizes the device and frees on a private stream.
         """
         if stream is None:
             self._own.close()
