@@ -24,6 +24,7 @@ from orchestra.compiler.ptx import (
     link_ptx,
     ptx_isa_version,
 )
+from orchestra.driver.owner import Resource
 from orchestra.errors import CudaError, OrchestraError
 
 
@@ -73,7 +74,7 @@ def driver_version() -> int:
     return int(_cu(_drv().cuDriverGetVersion))
 
 
-class Module:
+class Module(Resource):
     """A loaded image (cubin, fatbin or PTX) for one device: a ``CUlibrary``.
 
     Make it with `Module.load`. ``close()`` unloads it (``cuLibraryUnload``; idempotent); the
@@ -140,16 +141,6 @@ class Module:
     def close(self) -> None:
         """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable."""
         self._own.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._own.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def kernel_names(self) -> list[str]:
         """Lowered names of the kernels in the library (``cuLibraryGetKernelCount``,
