@@ -8,7 +8,14 @@ touches a primary context that was already released at interpreter exit.
 from orchestra.driver.check import cu, device_available, ensure_initialized
 from orchestra.driver.device import Device, DeviceLimits, context_alive, device_count, devices
 from orchestra.driver.event import Event
-from orchestra.driver.host import HostRegistration, PinnedBuffer, is_pinned, register_host
+from orchestra.driver.host import (
+    HostRegistration,
+    PinnedBuffer,
+    PinnedRanges,
+    is_pinned,
+    pinned_ranges,
+    register_host,
+)
 from orchestra.driver.memory import DeviceBuffer, MemoryPool
 from orchestra.driver.owner import Owner, Resource
 from orchestra.driver.stream import Stream
@@ -17,6 +24,7 @@ __all__ = [
     "cu", "ensure_initialized", "device_available",
     "Device", "DeviceLimits", "device_count", "devices", "context_alive",
     "Stream", "Event", "MemoryPool", "DeviceBuffer",
-    "PinnedBuffer", "HostRegistration", "register_host", "is_pinned",
+    "PinnedBuffer", "HostRegistration", "register_host", "is_pinned", "PinnedRanges",
+    "pinned_ranges",
     "Owner", "Resource",
 ]

@@ -13,9 +13,10 @@ Portable memory counts as pinned in every context, so one buffer serves every de
 
 from __future__ import annotations
 
-import functools
+import bisect
 import math
 import operator
+import threading
 
 import numpy as np
 from cuda.bindings import driver
@@ -24,6 +25,59 @@ from orchestra.driver.check import cu, device_available
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.owner import Owner, Resource
 from orchestra.errors import CudaError
+
+
+class PinnedRanges:
+    """The address ranges ``[lo, hi)`` of page-locked memory that orchestra itself allocated
+    (`PinnedBuffer`) or registered (`HostRegistration`), kept while they are pinned.
+
+    Executors check bindings against it before asking the driver: a hit costs a bisect under a
+    lock instead of two ``cuPointerGetAttribute`` calls, so a loop of many runs does no driver
+    query on its hot path. Ranges never overlap (the driver refuses overlapping registrations).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._ends: dict[int, int] = {}
+
+    def add(self, lo: int, nbytes: int) -> None:
+        with self._lock:
+            if lo not in self._ends:
+                bisect.insort(self._starts, lo)
+            self._ends[lo] = lo + nbytes
+
+    def discard(self, lo: int) -> None:
+        with self._lock:
+            if self._ends.pop(lo, None) is not None:
+                del self._starts[bisect.bisect_left(self._starts, lo)]
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """True when ``[lo, hi)`` lies inside one known pinned range."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, lo) - 1
+            return i >= 0 and hi <= self._ends[self._starts[i]]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+_pinned = PinnedRanges()
+
+
+def pinned_ranges() -> PinnedRanges:
+    """The process-wide `PinnedRanges` registry (filled by `PinnedBuffer` and `register_host`)."""
+    return _pinned
+
+
+def _free_pinned(ptr: int) -> None:
+    _pinned.discard(ptr)
+    cu(driver.cuMemFreeHost, ptr)
+
+
+def _unregister(ptr: int) -> None:
+    _pinned.discard(ptr)
+    cu(driver.cuMemHostUnregister, ptr)
 
 
 class PinnedBuffer(Resource):
@@ -46,9 +100,9 @@ class PinnedBuffer(Resource):
         self._shape: tuple[int, ...] = (nbytes,)
         self._dtype = np.dtype(np.uint8)
         self.device.make_current()
-        ptr = cu(driver.cuMemHostAlloc, nbytes, driver.CU_MEMHOSTALLOC_PORTABLE)
-        self._own = Owner(self, int(ptr), functools.partial(cu, driver.cuMemFreeHost),
-                          self.device, "PinnedBuffer")
+        ptr = int(cu(driver.cuMemHostAlloc, nbytes, driver.CU_MEMHOSTALLOC_PORTABLE))
+        self._own = Owner(self, ptr, _free_pinned, self.device, "PinnedBuffer")
+        _pinned.add(ptr, nbytes)
 
     @classmethod
     def empty(cls, shape, dtype=np.float32, device: Device | int | None = None) -> "PinnedBuffer":
@@ -120,8 +174,8 @@ class HostRegistration(Resource):
         self.device.make_current()
         ptr = array.ctypes.data
         cu(driver.cuMemHostRegister, ptr, self.nbytes, driver.CU_MEMHOSTREGISTER_PORTABLE)
-        self._own = Owner(self, ptr, functools.partial(cu, driver.cuMemHostUnregister),
-                          self.device, "HostRegistration")
+        self._own = Owner(self, ptr, _unregister, self.device, "HostRegistration")
+        _pinned.add(ptr, self.nbytes)
 
     @property
     def ptr(self) -> int:
@@ -154,7 +208,11 @@ def is_pinned(array) -> bool:
         return not array.closed
     if not isinstance(array, np.ndarray):
         raise TypeError(f"is_pinned expects a numpy array, got {type(array).__name__}")
-    if array.nbytes == 0 or not device_available():
+    if array.nbytes == 0:
+        return False
+    if _pinned.covers(*_byte_bounds(array)):  # orchestra's own pinned memory: no driver query
+        return True
+    if not device_available():
         return False
     with Device.get(0).pushed():  # pointer queries need a current (UVA) context
         return _pinned_here(array)
@@ -220,7 +278,7 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
     if writable and not array.flags.writeable:
         raise ValueError(f"{what}: the destination array is read-only")
     _checked_size(array.nbytes, nbytes, what)
-    if not known_pinned and not _pinned_here(array):
+    if not known_pinned and not _pinned.covers(*_byte_bounds(array)) and not _pinned_here(array):
         raise TypeError(
             f"{what}: the numpy array is in pageable memory, which cannot be copied "
             "asynchronously; allocate it with PinnedBuffer.empty(shape, dtype).array or "
