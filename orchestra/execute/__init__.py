@@ -1,0 +1,53 @@
+"""orchestra.execute: run a task graph's plan on the GPU.
+
+- `EagerExecutor`: enqueue each step onto pooled non-blocking streams (`eager`).
+- Shared resolution every executor uses before enqueueing anything: checks and issue order
+  (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
+  arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`).
+
+``make_executor(name)`` builds an executor by the name ``orchestra run --executor`` takes.
+"""
+
+from orchestra.execute.bindings import (
+    BindingSpec,
+    DeviceBinding,
+    HostBinding,
+    PinnedCheck,
+    ResolvedBindings,
+)
+from orchestra.execute.eager import EagerExecutor, RunResult
+from orchestra.execute.errors import (
+    BindingError,
+    ExecutorUnavailable,
+    HostFunctionError,
+    PageableMemoryError,
+    PlanMismatchError,
+)
+from orchestra.execute.hostfunc import HostCallbacks
+from orchestra.execute.kernel_args import KernelArgs, PointerArg, resolve_kernel_node
+from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.execute.staging import StagingPool
+
+EXECUTORS = ("eager", "capture", "graph")
+AVAILABLE_EXECUTORS = ("eager",)
+
+
+def make_executor(name: str = "eager", device=None, *, verify: bool = True):
+    """The executor called ``name`` ("eager"; "capture" and "graph" come with the CUDA Graphs
+    work) on ``device``. Unknown or unbuilt names raise `ExecutorUnavailable`."""
+    if name == "eager":
+        return EagerExecutor(device, verify=verify)
+    if name in EXECUTORS:
+        raise ExecutorUnavailable(f"the {name!r} executor is not available yet; use "
+                                  f"{', '.join(AVAILABLE_EXECUTORS)}")
+    raise ExecutorUnavailable(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}")
+
+
+__all__ = [
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "DeviceBinding", "EXECUTORS",
+    "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
+    "HostFunctionError", "KernelArgs", "KernelResolver", "PageableMemoryError", "PinnedCheck",
+    "PlanMismatchError", "PointerArg", "ResolvedBindings", "RunResult", "StagingPool",
+    "assign_event_slots", "check_run", "make_executor", "resolve_kernel_node",
+]

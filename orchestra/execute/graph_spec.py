@@ -1,0 +1,189 @@
+"""The pure translation of a `TaskGraph` into a CUDA graph's shape (no CUDA calls).
+
+`translate(graph)` gives the `GraphSpec` the graph-build executor builds node by node: one
+`SpecNode` per orchestra node, in the graph's topological order (so every dependency is created
+before its dependents), each with the CUDA node kind it becomes and the names of the nodes it
+depends on. The dependencies are the graph's transitively reduced edges (`reduced_edges`): the
+same order as the full edge set (a CUDA graph orders through paths), with the fewest edges.
+
+    orchestra kind   CUDA graph node                     driver call
+    alloc            mem_alloc                           cuGraphAddMemAllocNode
+    h2d / d2h        memcpy (CUDA_MEMCPY3D, 1-D)         cuGraphAddMemcpyNode
+    kernel           kernel                              cuGraphAddKernelNode
+    memset           memset                              cuGraphAddMemsetNode
+    host             host                                cuGraphAddHostNode
+    free             mem_free                            cuGraphAddMemFreeNode
+
+The graph-memory policy (case C05) lives here too, because it is a property of the task graph:
+every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the same graph, so a
+replayed graph never leaks its allocations; `check_graph_memory` refuses a graph that breaks
+this, unless the caller opted in to ``auto_free`` (the exec is then instantiated with
+``CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH``, which frees the unfreed allocations of the
+previous launch when the graph is launched again).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+
+from orchestra.errors import GraphError
+from orchestra.graph import TaskGraph
+
+# orchestra node kind -> CUDA graph node kind
+CUDA_KIND = {
+    "alloc": "mem_alloc",
+    "free": "mem_free",
+    "h2d": "memcpy",
+    "d2h": "memcpy",
+    "kernel": "kernel",
+    "memset": "memset",
+    "host": "host",
+}
+
+# CUDA graph node kind -> the CUgraphNodeType member name the driver reports for it
+DRIVER_NODE_TYPE = {
+    "mem_alloc": "CU_GRAPH_NODE_TYPE_MEM_ALLOC",
+    "mem_free": "CU_GRAPH_NODE_TYPE_MEM_FREE",
+    "memcpy": "CU_GRAPH_NODE_TYPE_MEMCPY",
+    "kernel": "CU_GRAPH_NODE_TYPE_KERNEL",
+    "memset": "CU_GRAPH_NODE_TYPE_MEMSET",
+    "host": "CU_GRAPH_NODE_TYPE_HOST",
+}
+
+
+class GraphMemoryError(GraphError):
+    """A task graph that is to become a CUDA graph allocates memory it never frees (case C05).
+
+    ``unfreed`` lists ``(alloc node, buffer)`` pairs. Nothing was built or enqueued.
+    """
+
+    def __init__(self, unfreed):
+        self.unfreed = tuple(unfreed)
+        listed = ", ".join(f"{a} (buffer {b})" for a, b in self.unfreed)
+        super().__init__(
+            f"a CUDA graph must free what it allocates: {listed} "
+            f"{'has' if len(self.unfreed) == 1 else 'have'} no Free node in the graph, so every "
+            "replay would allocate again and the memory would only come back outside the graph. "
+            "Add a Free node after the buffer's last use, or pass auto_free=True to instantiate "
+            "with CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH (each launch then frees what "
+            "the previous launch left allocated)")
+
+    def __reduce__(self):
+        return (type(self), (self.unfreed,))
+
+
+@attrs.frozen
+class SpecNode:
+    """One CUDA graph node to create: ``name`` (the orchestra node), ``kind`` (CUDA node kind,
+    see `CUDA_KIND`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
+    depends on, in creation order), ``direction`` ("h2d" / "d2h" for memcpy nodes, else None)."""
+
+    name: str
+    kind: str
+    source_kind: str
+    deps: tuple[str, ...]
+    direction: str | None = None
+
+
+@attrs.frozen
+class GraphSpec:
+    """The CUDA graph to build: `nodes` in creation order (every node after its deps)."""
+
+    nodes: tuple[SpecNode, ...]
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes)
+
+    @property
+    def edges(self) -> frozenset[tuple[str, str]]:
+        """Every ``(dependency, node)`` edge."""
+        return frozenset((d, n.name) for n in self.nodes for d in n.deps)
+
+    def kinds(self) -> dict[str, str]:
+        """node name -> CUDA node kind."""
+        return {n.name: n.kind for n in self.nodes}
+
+    def counts(self) -> Counter:
+        """How many nodes of each CUDA kind."""
+        return Counter(n.kind for n in self.nodes)
+
+    def node(self, name: str) -> SpecNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in the graph spec")
+
+    def topology(self) -> tuple:
+        """A hashable description of the shape: ``((kind, (dep index, ...)), ...)`` in creation
+        order. Two specs with equal topology give topologically identical CUDA graphs (what
+        ``cuGraphExecUpdate`` needs); node names do not enter it."""
+        index = {n.name: i for i, n in enumerate(self.nodes)}
+        return tuple((n.kind, tuple(sorted(index[d] for d in n.deps))) for n in self.nodes)
+
+
+def cuda_kind(node) -> str:
+    """The CUDA graph node kind an orchestra node becomes; `GraphError` for a kind no CUDA graph
+    node exists for yet."""
+    try:
+        return CUDA_KIND[node.kind]
+    except KeyError:
+        raise GraphError(f"node {node.name}: node kind {node.kind!r} ({type(node).__name__}) "
+                         "has no CUDA graph node translation; run it with the eager "
+                         "executor") from None
+
+
+def translate(graph: TaskGraph, *, reduce: bool = True) -> GraphSpec:
+    """The CUDA graph shape of ``graph``: nodes in topological order (ties: program order),
+    dependencies from ``graph.reduced_edges()`` (or every edge with ``reduce=False``).
+
+    Raises `GraphError` for a cycle, an unknown ``after=`` name or a node kind without a CUDA
+    graph node.
+    """
+    order = graph.topological_order()  # validates
+    edges = graph.reduced_edges() if reduce else graph.edges
+    preds: dict[str, list[str]] = {n: [] for n in order}
+    for p, s in edges:
+        preds[s].append(p)
+    pos = {n: i for i, n in enumerate(order)}
+    out = []
+    for name in order:
+        node = graph.node(name)
+        kind = cuda_kind(node)
+        direction = node.kind if kind == "memcpy" else None
+        out.append(SpecNode(name, kind, node.kind, tuple(sorted(preds[name], key=pos.__getitem__)),
+                            direction))
+    return GraphSpec(tuple(out))
+
+
+def unfreed_allocations(graph: TaskGraph) -> list[tuple[str, str]]:
+    """``(alloc node, buffer)`` for every `Alloc` whose buffer no later `Free` of the graph
+    releases (program order), in program order."""
+    live: dict[str, str] = {}
+    out: list[tuple[str, str]] = []
+    for node in graph.nodes:
+        if node.kind == "alloc":
+            b = node.buffer.name
+            if b in live:
+                out.append((live[b], b))  # allocated again without a free in between
+            live[b] = node.name
+        elif node.kind == "free":
+            live.pop(node.buffer.name, None)
+    out.extend((a, b) for b, a in live.items())
+    return sorted(out, key=lambda ab: graph.index(ab[0]))
+
+
+def check_graph_memory(graph: TaskGraph, *, auto_free: bool = False) -> list[tuple[str, str]]:
+    """The C05 policy: raise `GraphMemoryError` when an `Alloc` has no `Free` in ``graph``,
+    unless ``auto_free`` (then return the unfreed allocations, which the exec frees on each
+    relaunch and at close)."""
+    unfreed = unfreed_allocations(graph)
+    if unfreed and not auto_free:
+        raise GraphMemoryError(unfreed)
+    return unfreed
+
+
+__all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "GraphMemoryError", "GraphSpec", "SpecNode",
+           "check_graph_memory", "cuda_kind", "translate", "unfreed_allocations"]

@@ -1,0 +1,119 @@
+"""A kernel node's launch, resolved once: checked launch configuration and packed arguments.
+
+"Pack once, rewrite changed fields": `resolve_kernel_node` validates the node's scalars with the
+compiler's packer (`Kernel.pack`: arity, integer widths, float vs int, no silent casts) and
+checks its grid, block, shared memory and launch attributes against the device's and the
+kernel's limits (`Kernel.launch_config`), all before anything is enqueued. Buffer arguments
+become pointer fields whose address is written later with `KernelArgs.bind` (eager: after each
+run's allocations; graph executors: once per graph, then per update). The driver copies the
+parameter values when a launch call returns (or when a graph node is set), so rewriting a field
+afterwards never changes work already enqueued.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from orchestra.graph import Buffer, BufferRange, In, InOut, KernelNode, Out
+from orchestra.graph.buffers import as_range
+
+LAUNCH_ATTRIBUTES = ("cluster", "cooperative", "pdl", "priority")
+
+
+@attrs.frozen
+class PointerArg:
+    """Parameter ``index`` (ctypes field ``field``) holds the address of ``buffer`` + ``offset``."""
+
+    index: int
+    field: str
+    buffer: str
+    offset: int
+
+
+class KernelArgs:
+    """One kernel node, ready to launch: ``kernel`` (compiler `Kernel`), ``config`` (checked
+    `LaunchConfig`), ``packed`` (`PackedArgs`), ``pointers`` (`PointerArg` per buffer argument),
+    ``attributes`` (launch keyword arguments: cooperative, cluster, pdl, priority)."""
+
+    __slots__ = ("node", "kernel", "config", "packed", "pointers", "attributes")
+
+    def __init__(self, node, kernel, config, packed, pointers, attributes):
+        self.node = node
+        self.kernel = kernel
+        self.config = config
+        self.packed = packed
+        self.pointers = tuple(pointers)
+        self.attributes = dict(attributes)
+
+    def bind(self, addresses: Mapping[str, int]) -> None:
+        """Write each buffer argument's address (``addresses[buffer] + offset``) into its field."""
+        struct = self.packed.struct
+        for p in self.pointers:
+            setattr(struct, p.field, addresses[p.buffer] + p.offset)
+
+    @property
+    def needs_ex(self) -> bool:
+        """True when a launch attribute is set (``cuLaunchKernelEx`` / kernel node attributes)."""
+        return bool(self.attributes)
+
+    def __repr__(self) -> str:
+        return f"<KernelArgs {self.node.name}: {self.packed!r}>"
+
+
+def _buffer_target(arg):
+    if isinstance(arg, (In, Out, InOut)):
+        return arg.target
+    if isinstance(arg, (Buffer, BufferRange)):
+        return as_range(arg)
+    return None
+
+
+def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] | None = None
+                        ) -> KernelArgs:
+    """Check and pack ``node`` for ``kernel`` (a compiler `Kernel`).
+
+    ``addresses`` (buffer name -> device address) fills the pointer fields now; without it they
+    hold 0 until `KernelArgs.bind`. Raises ``TypeError`` / ``ValueError`` naming the node and the
+    parameter (wrong arity or type, a buffer for a scalar parameter or the reverse, a value that
+    does not fit) or the launch limit exceeded.
+    """
+    where = f"kernel node {node.name}"
+    layout = getattr(kernel, "layout", None)
+    params = layout.params if layout is not None else None
+    values, pointers = [], []
+    for i, arg in enumerate(node.args):
+        target = _buffer_target(arg)
+        param = params[i] if params is not None and i < len(params) else None
+        if target is not None:
+            if param is not None and not param.is_pointer:
+                raise TypeError(f"{where}: argument {i} is buffer {target.buffer.name} but "
+                                f"parameter {param.name} is a scalar ({param.ctype})")
+            base = addresses.get(target.buffer.name, 0) if addresses else 0
+            values.append(base + target.offset)
+            if param is not None:
+                pointers.append(PointerArg(i, layout.field_names[i], target.buffer.name,
+                                           target.offset))
+        else:
+            if param is not None and param.is_pointer and not (
+                    isinstance(arg, int) and not isinstance(arg, bool) and arg == 0):
+                raise TypeError(
+                    f"{where}: parameter {param.name} ({param.ctype}) is a pointer; pass a graph "
+                    f"buffer (In/Out/InOut, a Buffer or a BufferRange), not {arg!r} (0 means NULL)")
+            values.append(arg)
+    try:
+        packed = kernel.pack(values)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    attributes = {}
+    for key, value in node.attributes:
+        if key not in LAUNCH_ATTRIBUTES:
+            raise ValueError(f"{where}: unknown launch attribute {key!r}; known: "
+                             f"{', '.join(LAUNCH_ATTRIBUTES)}")
+        attributes[key] = value
+    try:
+        config = kernel.launch_config(node.grid, node.block, node.shared_mem, **attributes)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    return KernelArgs(node, kernel, config, packed, pointers, attributes)

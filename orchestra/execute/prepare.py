@@ -1,0 +1,117 @@
+"""Checks every executor runs before enqueueing, and the issue order they enqueue in.
+
+`check_run` validates, in this order, and raises before anything is enqueued:
+
+1. ``graph.validate()``: ``after=`` names that exist, no cycle (`GraphError`);
+2. plan structure: every graph node run exactly once, no unknown node, the waits can be issued
+   (`PlanMismatchError`; always on: no executor can run such a plan);
+3. hazards: ``schedule.check(plan, graph)`` (`HazardError`), unless ``verify=False``;
+4. allocation order: in issue order every use of a buffer comes after its `Alloc` and before
+   its `Free` (`PlanMismatchError`), which the executors' address bookkeeping relies on.
+
+Kernel resolution (`kernels`, `kernel_args`) and bindings (`bindings`) come next, per executor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from orchestra.execute.errors import PlanMismatchError
+from orchestra.graph import TaskGraph
+from orchestra.schedule import Plan, RunNode, check
+
+
+def check_plan_structure(plan: Plan, graph: TaskGraph) -> None:
+    """Every node of ``graph`` runs exactly once in ``plan`` and ``plan`` runs nothing else."""
+    runs = Counter(st.node for ss in plan.steps.values() for st in ss if isinstance(st, RunNode))
+    names = {n.name for n in graph.nodes}
+    missing = [n.name for n in graph.nodes if n.name not in runs]
+    unknown = [n for n in runs if n not in names]
+    twice = [n for n, c in runs.items() if c > 1]
+    if missing or unknown or twice:
+        parts = []
+        if missing:
+            parts.append("never run: " + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
+        if unknown:
+            parts.append("not in the graph: " + ", ".join(unknown[:10]))
+        if twice:
+            parts.append("run more than once: " + ", ".join(twice[:10]))
+        raise PlanMismatchError("the plan does not fit the graph (" + "; ".join(parts) + ")")
+
+
+def issue_order(plan: Plan) -> list:
+    """``plan.issue_order()``; a plan whose waits can never be issued is `PlanMismatchError`."""
+    try:
+        return plan.issue_order()
+    except ValueError as exc:
+        raise PlanMismatchError(str(exc)) from exc
+
+
+def check_alloc_order(issue, graph: TaskGraph) -> None:
+    """In issue order, every access to a buffer with `Alloc`/`Free` nodes lies between an Alloc
+    and the next Free of it (the executor must know the address when it enqueues the use)."""
+    managed = {n.buffer.name for n in graph.nodes if n.kind in ("alloc", "free")}
+    live: dict[str, str | None] = {}
+    for stream, step in issue:
+        if not isinstance(step, RunNode):
+            continue
+        node = graph.node(step.node)
+        if node.kind == "alloc":
+            b = node.buffer.name
+            if live.get(b):
+                raise PlanMismatchError(f"node {node.name} allocates buffer {b} again while the "
+                                        f"allocation of {live[b]} is still live (issue order)")
+            live[b] = node.name
+            continue
+        for acc in node.accesses():
+            b = acc.buffer.name
+            if b in managed and not live.get(b):
+                raise PlanMismatchError(
+                    f"node {node.name} (stream {stream}) uses buffer {b} but is issued before "
+                    f"its Alloc (or after its Free); order the plan so the Alloc comes first")
+        if node.kind == "free":
+            live[node.buffer.name] = None
+
+
+def check_run(plan: Plan, graph: TaskGraph, *, verify: bool = True) -> list:
+    """Run checks 1-4 above; return the issue order ``[(stream, step), ...]``."""
+    graph.validate()
+    check_plan_structure(plan, graph)
+    issue = issue_order(plan)
+    if verify:
+        check(plan, graph)
+    check_alloc_order(issue, graph)
+    return issue
+
+
+def assign_event_slots(issue) -> tuple[dict[int, int], int]:
+    """Reuse event handles within a plan: ``{issue index of a RecordEvent/WaitEvent: slot}`` and
+    the number of slots needed.
+
+    A wait uses the state an event had when the wait was *issued* (``cuStreamWaitEvent``;
+    likewise during stream capture), so a handle is free again once every wait for its record
+    has been issued. Waits for events no step records are left out (they order nothing).
+    """
+    from orchestra.schedule import RecordEvent, WaitEvent
+
+    pending = Counter(st.event for _, st in issue if isinstance(st, WaitEvent))
+    recorded = {st.event for _, st in issue if isinstance(st, RecordEvent)}
+    free: list[int] = []
+    count = 0
+    slot_of: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for i, (_, st) in enumerate(issue):
+        if isinstance(st, RecordEvent):
+            slot = free.pop() if free else count
+            count = max(count, slot + 1)
+            slot_of[st.event] = slot
+            out[i] = slot
+            if pending[st.event] == 0:
+                free.append(slot)  # nobody waits for it: the handle is free at once
+        elif isinstance(st, WaitEvent) and st.event in recorded:
+            slot = slot_of[st.event]  # issue_order never issues a wait before its record
+            out[i] = slot
+            pending[st.event] -= 1
+            if pending[st.event] == 0:
+                free.append(slot)
+    return out, count

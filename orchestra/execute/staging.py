@@ -1,0 +1,68 @@
+"""Pinned staging buffers, allocated once and reused: how pageable data reaches the GPU.
+
+Executors copy only from and to page-locked memory (see `orchestra.execute.bindings`). Data that
+lives in pageable memory (a memory-mapped ``.npy`` file, a user's array) goes through a small
+`StagingPool` of pinned slots: a host step copies a chunk into slot ``k``, an H2D copies the slot
+to the device, and the slot is refilled for a later chunk only after that H2D is known done.
+
+In a task graph this is written with `HostFunc` nodes that declare the slot they write
+(``writes=[slot]``) or read (``reads=[slot]``): the graph infers the write-after-read edge from
+the H2D of chunk ``b`` to the refill for chunk ``b + slots``, the scheduler turns it into stream
+order or an event, and the hazard verifier checks it (HOST_WAR). The main job's ``--input`` path
+(`orchestra.job.staged`) is built that way. Slots are never made per chunk: ``slots`` buffers
+serve any number of chunks and runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestra.driver import PinnedBuffer
+from orchestra.graph import HostBuffer
+
+
+class StagingPool:
+    """``slots`` pinned buffers of ``slot_bytes`` bytes each (``cuMemHostAlloc``, portable).
+
+    ``names[k]`` is the `HostBuffer` name of slot ``k`` (``f"{prefix}{k}"``); `host_buffers`
+    gives the graph-side slots, `bindings` the arrays to bind them to, `view` a typed view.
+    `close()` frees the memory (only after the runs that use it were synchronized).
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, device=None, *, prefix: str = "stage"):
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"StagingPool needs slots >= 1 and slot_bytes >= 1; got {slots}, "
+                             f"{slot_bytes}")
+        self.slot_bytes = int(slot_bytes)
+        self.names = tuple(f"{prefix}{k}" for k in range(slots))
+        self.buffers: list[PinnedBuffer] = []
+        try:
+            for _ in range(slots):
+                self.buffers.append(PinnedBuffer(self.slot_bytes, device))
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def host_buffers(self) -> list[HostBuffer]:
+        return [HostBuffer(n, self.slot_bytes) for n in self.names]
+
+    def bindings(self) -> dict[str, np.ndarray]:
+        return {n: b.view(np.uint8) for n, b in zip(self.names, self.buffers)}
+
+    def view(self, k: int, dtype=np.float32, count: int | None = None) -> np.ndarray:
+        """Slot ``k`` as a 1-D ``dtype`` array (first ``count`` elements, default all)."""
+        return self.buffers[k].view(dtype, count)
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,243 @@
+"""A stand-in for the driver calls the eager executor makes, for CPU tests.
+
+"Device memory" is real host memory (numpy arrays), so copies are ``ctypes.memmove`` and the
+fake ``burn`` kernel reads its packed arguments exactly as the driver would (the ``void**`` array
+of `PackedArgs`). Every operation runs at once, in issue order: a correct plan's issue order is a
+valid sequential order, so outputs must match numpy. Every call is logged with its stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+
+import numpy as np
+from cuda.bindings import driver
+
+from orchestra.compiler.args import ArgLayout
+from orchestra.compiler.launch import LaunchConfig, check_launch
+from orchestra.compiler.params import normalize_params
+from orchestra.driver.device import DeviceLimits
+from orchestra.execute import eager
+from orchestra.graph import BURN_PARAMS
+
+OK = driver.CUresult.CUDA_SUCCESS
+LIMITS = DeviceLimits(
+    max_threads_per_block=1024, max_block_dim=(1024, 1024, 64),
+    max_grid_dim=(2**31 - 1, 65535, 65535), max_shared_memory_per_block=48 * 1024,
+    max_shared_memory_per_block_optin=227 * 1024, max_registers_per_block=65536,
+    cooperative_launch=True, cluster_launch=True, memory_pools_supported=True,
+    least_stream_priority=0, greatest_stream_priority=-5)
+_HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class FakeDevice:
+    ordinal = 0
+    name = "Fake GPU"
+    sm_count = 4
+    arch = "sm_90"
+    limits = LIMITS
+
+    def make_current(self, force=False):
+        return self
+
+
+class FakeHandle(int):
+    """An int that is also a stand-in CUstream/CUevent handle."""
+
+
+class FakeStream:
+    count = 0
+
+    def __init__(self, device=None, priority=0, fake=None):
+        FakeStream.count += 1
+        self.device = device
+        self.priority = priority
+        self.handle = FakeHandle(1000 + FakeStream.count)
+        self.closed = False
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+        if self.fake is not None:
+            self.fake.log.append(("sync", int(self.handle), None))
+
+    def close(self):
+        self.closed = True
+
+    fake = None
+
+
+class FakeEvent:
+    count = 0
+
+    def __init__(self, device=None, timing=False):
+        FakeEvent.count += 1
+        self.handle = FakeHandle(5000 + FakeEvent.count)
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class FakePool:
+    handle = "pool"
+
+
+class FakeKernel:
+    """A compiler `Kernel` look-alike for burn: real `ArgLayout` packing, limits checked
+    against `LIMITS`; launching runs the math in numpy on the fake device memory."""
+
+    def __init__(self, params=BURN_PARAMS, name="burn"):
+        self.name = name
+        self.params = normalize_params(params)
+        self.layout = ArgLayout(self.params, name)
+        self.function = self
+        self.launches = 0
+
+    def pack(self, args):
+        return self.layout.pack(args)
+
+    def launch_config(self, grid, block, shared_mem=0, **attributes):
+        cfg = LaunchConfig.make(grid, block, shared_mem, **attributes)
+        check_launch(cfg, LIMITS, kernel_name=self.name)
+        return cfg
+
+
+class FakeCuda:
+    """Patches `orchestra.execute.eager` so executors run on this fake."""
+
+    def __init__(self, monkeypatch):
+        self.log: list = []
+        self.mem: dict[int, np.ndarray] = {}
+        self.used = 0
+        self.used_high = 0
+        self.counts: Counter = Counter()
+        self.fail: dict[str, int] = {}  # call name -> fail on this (1-based) call
+        self.device = FakeDevice()
+        FakeStream.fake = self
+        m = monkeypatch
+        m.setattr(eager, "as_device", lambda d=None: self.device)
+        m.setattr(eager, "context_alive", lambda ordinal: True)
+        m.setattr(eager, "Stream", FakeStream)
+        m.setattr(eager, "Event", FakeEvent)
+        m.setattr(eager.MemoryPool, "default", classmethod(lambda cls, d=None, r=None: FakePool()))
+        m.setattr(eager, "_alloc", self.cuMemAllocFromPoolAsync)
+        m.setattr(eager, "_free", self.cuMemFreeAsync)
+        m.setattr(eager, "_htod", self.cuMemcpyHtoDAsync)
+        m.setattr(eager, "_dtoh", self.cuMemcpyDtoHAsync)
+        m.setattr(eager, "_launch", self.cuLaunchKernel)
+        m.setattr(eager, "_record", self.cuEventRecord)
+        m.setattr(eager, "_wait", self.cuStreamWaitEvent)
+        m.setattr(eager, "_hostfn", self.cuLaunchHostFunc)
+        m.setattr(eager, "_memset", {1: self.cuMemsetD8Async, 2: self.cuMemsetD16Async,
+                                     4: self.cuMemsetD32Async})
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _call(self, name, stream, detail=None):
+        self.counts[name] += 1
+        self.log.append((name, int(stream), detail))
+        if self.fail.get(name) == self.counts[name]:
+            return driver.CUresult.CUDA_ERROR_INVALID_VALUE
+        return OK
+
+    def calls(self, name=None):
+        return [c for c in self.log if name is None or c[0] == name]
+
+    def driver_calls(self):
+        return [c for c in self.log if c[0] != "sync"]
+
+    def _check_range(self, ptr, nbytes, what):
+        for base, arr in self.mem.items():
+            if base <= ptr and ptr + nbytes <= base + arr.nbytes:
+                return
+        raise AssertionError(f"{what}: [{ptr:#x}, +{nbytes}) is not inside a live allocation")
+
+    def _floats(self, ptr, n):
+        self._check_range(ptr, 4 * n, "kernel access")
+        return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
+
+    # -- the driver calls ------------------------------------------------------------------
+
+    def cuMemAllocFromPoolAsync(self, nbytes, pool, stream):
+        err = self._call("cuMemAllocFromPoolAsync", stream, nbytes)
+        if err:
+            return (err, None)
+        arr = np.empty(nbytes + 64, np.uint8)
+        ptr = (arr.ctypes.data + 63) // 64 * 64  # aligned like device allocations
+        self.mem[ptr] = arr[ptr - arr.ctypes.data:][:nbytes]
+        self.used += nbytes
+        self.used_high = max(self.used_high, self.used)
+        return (OK, driver.CUdeviceptr(ptr))
+
+    def cuMemFreeAsync(self, dptr, stream):
+        ptr = int(dptr)
+        err = self._call("cuMemFreeAsync", stream, ptr)
+        if err:
+            return (err,)
+        arr = self.mem.pop(ptr)
+        self.used -= arr.nbytes
+        return (OK,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, nbytes, stream):
+        err = self._call("cuMemcpyHtoDAsync", stream, (int(dst), int(src), nbytes))
+        if err:
+            return (err,)
+        self._check_range(int(dst), nbytes, "H2D destination")
+        ctypes.memmove(int(dst), int(src), nbytes)
+        return (OK,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, nbytes, stream):
+        err = self._call("cuMemcpyDtoHAsync", stream, (int(dst), int(src), nbytes))
+        if err:
+            return (err,)
+        self._check_range(int(src), nbytes, "D2H source")
+        ctypes.memmove(int(dst), int(src), nbytes)
+        return (OK,)
+
+    def _memset(self, name, dtype, dst, value, count, stream):
+        err = self._call(name, stream, (int(dst), value, count))
+        if err:
+            return (err,)
+        size = np.dtype(dtype).itemsize
+        self._check_range(int(dst), count * size, "memset")
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * (count * size)).from_address(int(dst)))
+        arr.view(dtype)[:] = value
+        return (OK,)
+
+    def cuMemsetD8Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD8Async", np.uint8, dst, value, count, stream)
+
+    def cuMemsetD16Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD16Async", np.uint16, dst, value, count, stream)
+
+    def cuMemsetD32Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD32Async", np.uint32, dst, value, count, stream)
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        err = self._call("cuLaunchKernel", stream, func.name)
+        if err:
+            return (err,)
+        func.launches += 1
+        base = ctypes.c_void_p.from_address(params).value  # kernelParams[0] = &field 0
+        s = func.layout.struct_type.from_address(base)
+        x, y, n, iters, sc, sh = (getattr(s, f) for f in func.layout.field_names)
+        v = self._floats(x, n).copy()
+        for _ in range(iters):
+            v = v * np.float32(sc) + np.float32(sh)
+        self._floats(y, n)[:] = v
+        return (OK,)
+
+    def cuEventRecord(self, event, stream):
+        return (self._call("cuEventRecord", stream, int(event)),)
+
+    def cuStreamWaitEvent(self, stream, event, flags):
+        return (self._call("cuStreamWaitEvent", stream, int(event)),)
+
+    def cuLaunchHostFunc(self, stream, fn, token):
+        err = self._call("cuLaunchHostFunc", stream, token)
+        if err:
+            return (err,)
+        _HOSTFN(int(fn))(token)  # through the real C trampoline
+        return (OK,)
