@@ -1,0 +1,88 @@
+"""`orchestra plan`: the plan `orchestra run` would execute, without a GPU.
+
+Builds the same task graph from the same options, schedules it and prints the per-stream listing
+and the counts of nodes, edges, events and waits (``--json``: one JSON object). The critical-path
+policy needs cost estimates: here it uses the default cost model (copies at 50 GB/s, a kernel as
+long as its input's copy), while `orchestra run` measures the copies and the kernel first.
+"""
+
+from __future__ import annotations
+
+import json
+
+from orchestra.cli.job_options import add_graph_options, fmt_bytes
+
+COST_NOTE = ("default cost model (no GPU measurements): copies at 50 GB/s, a kernel as long as "
+             "its input's copy; `orchestra run` measures them first")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="print the main job's plan (streams, nodes, events); no GPU needed")
+    add_graph_options(p)
+    p.add_argument("--summary", action="store_true",
+                   help="print the counts only, not the per-stream listing")
+    p.set_defaults(func=run)
+
+
+def build(args):
+    """(graph, plan, info) for the options: the graph `orchestra run` would build."""
+    from orchestra.job import (
+        batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
+    )
+    from orchestra.schedule import schedule
+
+    iters = 1 if args.compute_iters == "auto" else args.compute_iters
+    batch_bytes = batch_bytes_from_mib(args.batch_mib)
+    per = batch_bytes // 4
+    source = None
+    if args.input:
+        import numpy as np
+
+        arr = np.load(args.input, mmap_mode="r")
+        sizes = batch_sizes(arr.size, per)
+        slots = max(1, min(args.staging_slots, len(sizes)))
+        jg = build_staged_graph(sizes, slots=slots, iters=iters, block=args.block)
+        source = f"{args.input} ({arr.size} float32, {len(sizes)} batches, {slots} staging slots)"
+    else:
+        sizes = batch_sizes(args.batches * per, per)
+        jg = build_job_graph(sizes, iters=iters, block=args.block)
+    plan = schedule(jg.graph, args.policy, args.streams)
+    return jg, plan, source
+
+
+def run(args) -> int:
+    from orchestra.schedule import estimate_makespan
+
+    jg, plan, source = build(args)
+    graph = jg.graph
+    makespan_ms = estimate_makespan(plan, graph) / 1e3
+    info = {
+        "batches": len(jg.sizes),
+        "batch_bytes": max(jg.sizes),
+        "data_bytes": jg.total_bytes,
+        "policy": args.policy,
+        "streams": len(plan.streams),
+        "nodes": len(graph),
+        "edges": len(graph.edges),
+        "events": plan.event_count,
+        "waits": plan.wait_count,
+        "compute_iters": args.compute_iters,
+        "input": args.input,
+        "cost_model": COST_NOTE,
+        "estimated_makespan_ms": round(makespan_ms, 3),
+    }
+    if args.json:
+        print(json.dumps({**info, "plan": plan.to_dict()}, indent=1, sort_keys=True))
+        return 0
+    what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
+                      f"({fmt_bytes(info['data_bytes'])})")
+    print(f"orchestra plan: {what}, policy {args.policy}, {info['streams']} stream(s), "
+          f"compute iters {args.compute_iters}")
+    if not args.summary:
+        print(plan)
+    print(f"counts: {info['nodes']} nodes, {info['edges']} edges, {info['events']} events, "
+          f"{info['waits']} waits, {info['streams']} streams")
+    print(f"estimated makespan: {makespan_ms:.3f} ms ({COST_NOTE})")
+    if args.policy == "critical-path":
+        print("critical-path placed the nodes with the default cost model: no GPU is used here")
+    return 0

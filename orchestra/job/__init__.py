@@ -1,0 +1,22 @@
+"""The main job (``orchestra run``): batches of alloc -> H2D -> kernel -> D2H -> free over
+pinned host memory, three-way overlapped, timed against the fill-aware bound and verified
+against numpy. `graphs` builds its task graphs without a GPU (``orchestra plan``)."""
+
+from orchestra.job.graphs import (
+    JobGraph,
+    batch_bytes_from_mib,
+    batch_sizes,
+    build_job_graph,
+    build_staged_graph,
+    burn_grid,
+    burn_kernel_ref,
+    job_costs,
+)
+from orchestra.job.main_job import JobReport, MainJob, bound_ms, parse_iters
+from orchestra.job.timing import SingleBatch, calibrate_iters
+
+__all__ = [
+    "JobGraph", "JobReport", "MainJob", "SingleBatch", "batch_bytes_from_mib", "batch_sizes",
+    "bound_ms", "build_job_graph", "build_staged_graph", "burn_grid", "burn_kernel_ref",
+    "calibrate_iters", "job_costs", "parse_iters",
+]

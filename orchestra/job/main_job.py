@@ -1,0 +1,369 @@
+"""The main job: N batches of allocate -> H2D -> burn -> D2H -> free, three-way overlapped.
+
+    report = MainJob(batches=32, batch_mib=64, policy="by-engine").run()
+    print(report.efficiency, report.verified)
+
+What `MainJob.run` does, in order:
+
+1. float32 input from ``np.random.default_rng(seed)`` in ONE pinned input array, and ONE pinned
+   output array; batch ``b`` is a disjoint range of both (the last batch may be shorter);
+2. single-batch timings with timing events, each operation alone (`timing.BatchTimer`):
+   ``t_h2d``, ``t_d2h``, then ``--compute-iters auto`` calibrates the kernel to the slower copy,
+   then ``t_kernel``;
+3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once;
+4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
+   many iterations every output converges to 2.0 whatever its input, so only a short run shows
+   that each batch's output came from its own input;
+5. ``warmup`` then ``repeat`` runs, each: poison the output with NaN, run, verify every element
+   against the numpy reference (computed once). Wall time: `RunResult.wall_ms`, the host clock
+   from the first enqueue to the end of the synchronize; the report gives the median.
+
+``efficiency = bound / wall`` with ``bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``
+(N counts a shorter last batch by its fraction of a full one).
+
+With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
+flattened) and goes through a pool of pinned staging slots (`graphs.build_staged_graph`); the
+result is written to ``output`` (``np.lib.format.open_memmap``; default: a temporary file) and
+verified chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from orchestra.job import data as jd
+from orchestra.job.graphs import (
+    ELEMENT,
+    batch_bytes_from_mib,
+    batch_sizes,
+    build_job_graph,
+    build_staged_graph,
+    burn_grid,
+    burn_kernel_ref,
+    job_costs,
+)
+from orchestra.job.timing import BatchTimer, SingleBatch
+
+TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
+               "stream synchronize, median over the timed runs; single-batch times: timing "
+               "events around each operation alone, median")
+CHECK_ITERS = 3
+
+
+@attrs.frozen
+class JobReport:
+    """Everything `MainJob.run` measured. Times in ms, sizes in bytes."""
+
+    device: str
+    executor: str
+    policy: str
+    streams: int
+    batches: int
+    batch_bytes: int
+    data_bytes: int
+    compute_iters: int
+    compute_iters_auto: bool
+    t_h2d_ms: float
+    t_kernel_ms: float
+    t_d2h_ms: float
+    wall_ms: float
+    wall_ms_runs: tuple
+    bound_ms: float
+    efficiency: float
+    host_us_per_node: float
+    nodes: int
+    events: int
+    waits: int
+    verified: bool
+    check: str
+    mismatches: int
+    routing_check: bool | None
+    repeat: int
+    seed: int | None
+    input: str | None = None
+    output: str | None = None
+    timing: str = TIMING_NOTE
+
+    @property
+    def bytes_moved(self) -> int:
+        """H2D plus D2H bytes of one run."""
+        return 2 * self.data_bytes
+
+    @property
+    def gbps(self) -> float:
+        """Bytes moved per second of wall time (GB/s)."""
+        return self.bytes_moved / (self.wall_ms * 1e6) if self.wall_ms else 0.0
+
+    def as_dict(self) -> dict:
+        d = attrs.asdict(self)
+        d["wall_ms_runs"] = list(self.wall_ms_runs)
+        d["bytes"] = self.bytes_moved
+        d["gbps"] = self.gbps
+        return d
+
+
+def parse_iters(value) -> int | None:
+    """``"auto"`` / None -> None (calibrate); a positive int otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    iters = int(value)
+    if iters < 0:
+        raise ValueError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
+    return iters
+
+
+class MainJob:
+    """The main job (see the module doc). Arguments mirror ``orchestra run``'s options.
+
+    ``compute_iters``: an int, or "auto" (default) to match the kernel to the slower copy.
+    ``elements``: total float32 elements (default ``batches * batch elements``; a value that is
+    not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
+    float32 ``.npy`` file through ``staging_slots`` pinned slots instead of generated data.
+    """
+
+    def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
+                 policy: str = "by-engine", compute_iters="auto", repeat: int = 5, seed: int = 0,
+                 executor: str = "eager", *, device=None, elements: int | None = None,
+                 input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
+                 warmup: int = 1, block: int = 256, verify_plan: bool = True,
+                 staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS):
+        if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
+            raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
+        self.batch_bytes = batch_bytes_from_mib(batch_mib)
+        self.batches = int(batches)
+        self.streams = int(streams)
+        self.policy = policy
+        self.iters = parse_iters(compute_iters)
+        self.repeat, self.warmup, self.seed = int(repeat), int(warmup), seed
+        self.executor_name = executor
+        self.device = device
+        self.elements = elements
+        self.input = None if input is None else Path(input)
+        self.output = None if output is None else Path(output)
+        self.block = int(block)
+        self.verify_plan = verify_plan
+        self.staging_slots = int(staging_slots)
+        self.timing_repeats = int(timing_repeats)
+        self.check_iters = int(check_iters)
+
+    # -- shared pieces ----------------------------------------------------------------------
+
+    def sizes(self, total_elements: int | None = None) -> list[int]:
+        """Bytes per batch."""
+        per = self.batch_bytes // ELEMENT
+        total = total_elements or self.elements or self.batches * per
+        return batch_sizes(total, per)
+
+    def _plan(self, executor, graph, single: SingleBatch):
+        costs = None
+        if self.policy == "critical-path":
+            costs = job_costs(single.nbytes, single.t_h2d_ms, single.t_kernel_ms,
+                              single.t_d2h_ms)
+        return executor.prepare(graph, policy=self.policy, streams=self.streams, costs=costs), costs
+
+    def _timings(self, kernel, stream, host_in, host_out, grid) -> SingleBatch:
+        timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
+                           repeats=self.timing_repeats)
+        try:
+            return timer.measure(self.iters)
+        finally:
+            timer.close()
+
+    def _report(self, dev, sizes, single, runs, checks, routing, mismatches) -> JobReport:
+        walls = [r.wall_ms for r in runs]
+        wall = statistics.median(walls)
+        n_eff = sum(sizes) / single.nbytes
+        bound = single.bound_ms(n_eff)
+        last = runs[-1]
+        ok = all(c.ok for c in checks) and routing is not False
+        bad = next((c for c in checks if not c.ok), checks[-1])
+        return JobReport(
+            device=dev.name, executor=self.executor_name, policy=self.policy,
+            streams=self.streams, batches=len(sizes), batch_bytes=single.nbytes,
+            data_bytes=sum(sizes), compute_iters=single.iters,
+            compute_iters_auto=self.iters is None, t_h2d_ms=single.t_h2d_ms,
+            t_kernel_ms=single.t_kernel_ms, t_d2h_ms=single.t_d2h_ms, wall_ms=wall,
+            wall_ms_runs=tuple(walls), bound_ms=bound, efficiency=bound / wall if wall else 0.0,
+            host_us_per_node=statistics.median(r.host_us_per_node for r in runs),
+            nodes=last.nodes, events=last.events, waits=last.waits, verified=ok,
+            check=bad.describe(), mismatches=mismatches, routing_check=routing,
+            repeat=self.repeat, seed=None if self.input else self.seed,
+            input=None if self.input is None else str(self.input),
+            output=None if self.output is None else str(self.output))
+
+    # -- run --------------------------------------------------------------------------------
+
+    def run(self) -> JobReport:
+        """Run the job on the GPU (`NoDeviceError` without one, before any work)."""
+        from orchestra.driver.device import as_device
+
+        dev = as_device(self.device)
+        if self.input is not None:
+            return self._run_file(dev)
+        return self._run_generated(dev)
+
+    def _run_generated(self, dev) -> JobReport:
+        from orchestra.driver import PinnedBuffer, Stream
+        from orchestra.execute import make_executor
+
+        sizes = self.sizes()
+        total = sum(sizes) // ELEMENT
+        executor = make_executor(self.executor_name, dev, verify=self.verify_plan)
+        pin_in = pin_out = stream = None
+        try:
+            pin_in = PinnedBuffer.empty(total, np.float32, dev)
+            pin_out = PinnedBuffer.empty(total, np.float32, dev)
+            x, y = pin_in.array, pin_out.array
+            jd.fill_uniform(x, self.seed)
+            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
+            kernel = executor.kernels.resolve(burn_kernel_ref())
+            stream = Stream(dev)
+            n0 = sizes[0] // ELEMENT
+            single = self._timings(kernel, stream, x[:n0], y[:n0], grid)
+            bindings = {"host_in": x, "host_out": y}
+
+            routing = None
+            if self.check_iters and self.check_iters != single.iters:
+                rg = build_job_graph(sizes, iters=self.check_iters, block=self.block,
+                                     sm_count=dev.sm_count)
+                plan, _ = self._plan(executor, rg.graph, single)
+                jd.poison(y)
+                executor.run(rg.graph, plan, bindings)
+                routing = jd.check_against(x, y, self.check_iters).ok
+
+            jg = build_job_graph(sizes, iters=single.iters, block=self.block,
+                                 sm_count=dev.sm_count)
+            plan, _ = self._plan(executor, jg.graph, single)
+            reference = jd.Reference.build(x, single.iters)
+            runs, checks, mismatches = [], [], 0
+            for r in range(self.warmup + self.repeat):
+                jd.poison(y)
+                res = executor.run(jg.graph, plan, bindings)
+                chk = reference.compare(y)
+                mismatches = max(mismatches, chk.mismatches)
+                checks.append(chk)
+                if r >= self.warmup:
+                    runs.append(res)
+            del x, y, bindings
+            return self._report(dev, sizes, single, runs, checks, routing, mismatches)
+        finally:
+            executor.close()
+            if stream is not None:
+                stream.close()
+            for p in (pin_in, pin_out):
+                if p is not None:
+                    p.close()
+
+    def _run_file(self, dev) -> JobReport:
+        from orchestra.driver import Stream
+        from orchestra.execute import StagingPool, make_executor
+
+        src = np.load(self.input, mmap_mode="r")
+        if src.dtype != np.dtype(np.float32):
+            raise ValueError(f"{self.input}: the array is {src.dtype}; orchestra run --input "
+                             "streams float32 (little-endian) arrays: convert it with "
+                             "np.save(path, a.astype(np.float32))")
+        if src.size == 0:
+            raise ValueError(f"{self.input}: the array is empty")
+        fortran = bool(src.flags.f_contiguous and not src.flags.c_contiguous)
+        flat_in = (src.T if fortran else src).reshape(-1)
+        tmp = None
+        out_path = self.output
+        if out_path is None:
+            fd, tmp = tempfile.mkstemp(suffix=".npy", prefix="orchestra-run-")
+            os.close(fd)
+            out_path = Path(tmp)
+        out_mm = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.float32,
+                                           shape=src.shape, fortran_order=fortran)
+        flat_out = (out_mm.T if fortran else out_mm).reshape(-1)
+        n = flat_in.size
+        sizes = self.sizes(n)
+        per = self.batch_bytes // ELEMENT
+        slots = max(1, min(self.staging_slots, len(sizes)))
+        executor = make_executor(self.executor_name, dev, verify=self.verify_plan)
+        stage_in = stage_out = stream = None
+        try:
+            stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")
+            stage_out = StagingPool(slots, max(sizes), dev, prefix="stage_out")
+            ins = [stage_in.view(k) for k in range(slots)]
+            outs = [stage_out.view(k) for k in range(slots)]
+
+            def fill(b):
+                lo, hi, k = b * per, min(n, (b + 1) * per), b % slots
+
+                def f():
+                    np.copyto(ins[k][:hi - lo], flat_in[lo:hi])
+                return f
+
+            def drain(b):
+                lo, hi, k = b * per, min(n, (b + 1) * per), b % slots
+
+                def f():
+                    flat_out[lo:hi] = outs[k][:hi - lo]
+                return f
+
+            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
+            kernel = executor.kernels.resolve(burn_kernel_ref())
+            stream = Stream(dev)
+            n0 = sizes[0] // ELEMENT
+            np.copyto(ins[0][:n0], flat_in[:n0])
+            single = self._timings(kernel, stream, ins[0][:n0], outs[0][:n0], grid)
+            bindings = {**stage_in.bindings(), **stage_out.bindings()}
+
+            def build(iters):
+                return build_staged_graph(sizes, slots=slots, iters=iters, fill=fill,
+                                          drain=drain, block=self.block, sm_count=dev.sm_count)
+
+            def one_run(graph, plan):
+                jd.poison(flat_out)
+                for o in outs:
+                    jd.poison(o)
+                return executor.run(graph, plan, bindings)
+
+            routing = None
+            if self.check_iters and self.check_iters != single.iters:
+                rg = build(self.check_iters)
+                plan, _ = self._plan(executor, rg.graph, single)
+                one_run(rg.graph, plan)
+                out_mm.flush()
+                routing = jd.check_against(flat_in, flat_out, self.check_iters).ok
+
+            jg = build(single.iters)
+            plan, _ = self._plan(executor, jg.graph, single)
+            runs, checks, mismatches = [], [], 0
+            for r in range(self.warmup + self.repeat):
+                res = one_run(jg.graph, plan)
+                out_mm.flush()
+                chk = jd.check_against(flat_in, flat_out, single.iters)
+                mismatches = max(mismatches, chk.mismatches)
+                checks.append(chk)
+                if r >= self.warmup:
+                    runs.append(res)
+            return self._report(dev, sizes, single, runs, checks, routing, mismatches)
+        finally:
+            executor.close()
+            if stream is not None:
+                stream.close()
+            for p in (stage_in, stage_out):
+                if p is not None:
+                    p.close()
+            out_mm.flush()
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+
+def bound_ms(t_h2d_ms: float, t_kernel_ms: float, t_d2h_ms: float, batches: float) -> float:
+    """``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``."""
+    return t_h2d_ms + batches * max(t_h2d_ms, t_kernel_ms, t_d2h_ms) + t_d2h_ms
+
+
+__all__ = ["CHECK_ITERS", "JobReport", "MainJob", "TIMING_NOTE", "bound_ms", "parse_iters"]

@@ -1,0 +1,130 @@
+"""`orchestra plan` and `orchestra run` without a GPU: the plan listing and its counts for each
+policy, JSON output, the staged (--input) graph, and run's one-line exit 2 without a device."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from orchestra.cli.main import main
+from orchestra.driver.check import device_available
+from orchestra.job import batch_sizes, build_job_graph, build_staged_graph
+from orchestra.schedule import POLICIES, schedule
+
+no_gpu = pytest.mark.skipif(device_available(), reason="checks the behaviour without a GPU")
+
+
+def expected_counts(batches, per_elems, policy, streams):
+    jg = build_job_graph(batch_sizes(batches * per_elems, per_elems), iters=1)
+    plan = schedule(jg.graph, policy, streams)
+    return jg, plan
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("streams", [1, 3, 4])
+def test_plan_json_counts(capsys, policy, streams):
+    assert main(["plan", "--batches", "6", "--batch-mib", "1", "--policy", policy,
+                 "--streams", str(streams), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    jg, plan = expected_counts(6, (1 << 20) // 4, policy, streams)
+    assert out["nodes"] == len(jg.graph) == 42
+    assert out["edges"] == len(jg.graph.edges)
+    assert out["events"] == plan.event_count and out["waits"] == plan.wait_count
+    assert out["streams"] == streams and out["policy"] == policy
+    assert out["batches"] == 6 and out["batch_bytes"] == 1 << 20 and out["data_bytes"] == 6 << 20
+    assert out["plan"] == json.loads(plan.to_json())
+    assert out["estimated_makespan_ms"] > 0
+    assert "default cost model" in out["cost_model"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_plan_text(capsys, policy):
+    assert main(["plan", "--batches", "4", "--batch-mib", "2", "--policy", policy]) == 0
+    text = capsys.readouterr().out
+    jg, plan = expected_counts(4, (2 << 20) // 4, policy, 3)
+    lines = text.splitlines()
+    assert lines[0].startswith("orchestra plan: 4 batches x 2.00 MiB (8.00 MiB), policy " + policy)
+    assert str(plan) in text  # the per-stream listing
+    assert (f"counts: {len(jg.graph)} nodes, {len(jg.graph.edges)} edges, {plan.event_count} "
+            f"events, {plan.wait_count} waits, 3 streams") in text
+    assert "estimated makespan:" in text
+    if policy == "critical-path":
+        assert "default cost model: no GPU is used here" in text
+    if policy == "by-engine":
+        assert "stream upload (role upload" in text and "stream download" in text
+
+
+def test_plan_summary_and_fractional_batch_mib(capsys):
+    assert main(["plan", "--batches", "3", "--batch-mib", "0.001", "--summary"]) == 0
+    text = capsys.readouterr().out
+    assert "stream " not in text and "counts: 21 nodes" in text
+    assert "3 batches x 1.02 KiB (3.07 KiB)" in text  # 0.001 MiB -> 1048 bytes (262 floats)
+
+
+def test_plan_with_input_file_shows_the_staged_graph(tmp_path, capsys):
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros((10, 1000), np.float32))  # 10,000 floats = 40,000 bytes
+    assert main(["plan", "--input", str(path), "--batch-mib", str(16000 / 2**20),
+                 "--staging-slots", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sizes = batch_sizes(10_000, 4000)
+    assert sizes == [16000, 16000, 8000]
+    jg = build_staged_graph(sizes, slots=2, iters=1)
+    assert out["batches"] == 3 and out["nodes"] == len(jg.graph) == 27
+    assert out["data_bytes"] == 40_000
+
+
+def test_staged_graph_waits_before_reusing_a_slot():
+    sizes = [4096] * 5
+    jg = build_staged_graph(sizes, slots=2, iters=3)
+    g = jg.graph
+    # refill of slot 0 for batch 2 waits for the upload of batch 0 that read it
+    assert ("b0.h2d", "b2.fill") in g.edges
+    # the download into output slot 0 for batch 2 waits for batch 0's drain
+    assert ("b0.drain", "b2.d2h") in g.edges
+    for policy in POLICIES:
+        for streams in (1, 2, 3, 4):
+            from orchestra.schedule import verify
+            assert verify(schedule(g, policy, streams), g) == []
+
+
+def test_run_other_executors_not_available(capsys):
+    assert main(["run", "--executor", "graph"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("orchestra run: --executor graph is not available yet; use "
+                           "--executor eager")
+
+
+def test_run_output_needs_input(capsys):
+    assert main(["run", "--output", "y.npy"]) == 2
+    assert "--output needs --input" in capsys.readouterr().err
+
+
+def test_bad_options_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--batches", "0"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["plan", "--compute-iters", "lots"])
+    assert "expected 'auto' or an int" in capsys.readouterr().err
+
+
+@no_gpu
+def test_run_without_gpu_exits_2_with_one_line_pointing_to_plan():
+    proc = subprocess.run([sys.executable, "-m", "orchestra.cli.main", "run", "--batches", "2",
+                           "--batch-mib", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("orchestra: no CUDA device")
+    assert lines[0].endswith("; `orchestra plan` shows the same plan without a GPU")
+
+
+def test_help_lists_run_and_plan():
+    proc = subprocess.run([sys.executable, "-m", "orchestra.cli.main", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "run " in proc.stdout and "plan " in proc.stdout

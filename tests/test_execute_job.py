@@ -1,0 +1,246 @@
+"""The main job without a GPU: sizes and grids, seeded data, the numpy reference and its checks,
+iteration calibration, and `MainJob` end to end (generated data and an --input file through the
+staging slots) on the fake driver of tests/fake_cuda.py."""
+
+import numpy as np
+import pytest
+
+import orchestra.driver as od
+import orchestra.execute as oe
+from orchestra.execute import EagerExecutor, KernelResolver
+from orchestra.execute import bindings as bindings_mod
+from orchestra.execute import staging as staging_mod
+from orchestra.job import (
+    MainJob,
+    batch_bytes_from_mib,
+    batch_sizes,
+    bound_ms,
+    burn_grid,
+    calibrate_iters,
+    parse_iters,
+)
+from orchestra.job import data as jd
+from orchestra.job import main_job as mj
+from orchestra.job.timing import SingleBatch
+from orchestra.schedule import POLICIES
+from tests.fake_cuda import FakeCuda, FakeKernel
+
+
+def test_sizes_and_grid():
+    assert batch_bytes_from_mib(64) == 64 << 20
+    assert batch_bytes_from_mib(0.001) == 1048  # whole float32 elements
+    assert batch_bytes_from_mib(1e-9) == 4
+    with pytest.raises(ValueError):
+        batch_bytes_from_mib(0)
+    assert batch_sizes(10, 4) == [16, 16, 8]
+    assert batch_sizes(8, 4) == [16, 16]
+    assert burn_grid(16 << 20, 256, 132) == 528
+    assert burn_grid(1000, 256) == 1
+    assert burn_grid(1 << 20, 256) == 1024
+    assert parse_iters("auto") is None and parse_iters(None) is None and parse_iters("7") == 7
+    assert bound_ms(1.0, 2.0, 1.5, 10) == pytest.approx(1 + 20 + 1.5)
+    sb = SingleBatch(4096, 9, 1.0, 2.0, 1.5, 7)
+    assert sb.bound_ms(10) == pytest.approx(22.5) and sb.t_max_ms == 2.0
+
+
+def test_calibrate_iters_hits_the_target():
+    calls = []
+
+    def kernel_ms(iters):  # a fixed cost plus a per-iteration cost, slightly nonlinear
+        calls.append(iters)
+        return 0.02 + 0.0005 * iters * (1 + 1e-5 * iters)
+    iters, t = calibrate_iters(kernel_ms, 1.2)
+    assert abs(t - 1.2) / 1.2 < 0.02
+    assert len(calls) <= 4
+    assert calibrate_iters(lambda i: 0.01, 1.0, max_iters=5000)[0] <= 5000  # flat: clamped
+    with pytest.raises(ValueError):
+        calibrate_iters(kernel_ms, 0)
+
+
+def test_fill_uniform_is_seeded_and_chunk_stable(monkeypatch):
+    monkeypatch.setattr(jd, "CHUNK", 1000)
+    a = np.empty(4500, np.float32)
+    jd.fill_uniform(a, 7)
+    b = np.empty(4500, np.float32)
+    jd.fill_uniform(b, 7)
+    assert np.array_equal(a, b) and ((0 <= a) & (a < 1)).all()
+    monkeypatch.setattr(jd, "workers", lambda: 1)
+    c = np.empty(4500, np.float32)
+    jd.fill_uniform(c, 7)
+    assert np.array_equal(a, c)
+    jd.fill_uniform(c, 8)
+    assert not np.array_equal(a, c)
+
+
+def test_reference_converges_to_a_constant_and_checks(monkeypatch):
+    monkeypatch.setattr(jd, "CHUNK", 1 << 12)
+    x = np.empty(3 * (1 << 12) + 5, np.float32)
+    jd.fill_uniform(x, 0)
+    ref = jd.Reference.build(x, 2000)
+    assert all(not isinstance(p, np.ndarray) and p == 2.0 for p in ref.parts)
+    assert ref.nbytes == 0  # nothing stored for a converged reference
+    out = np.full_like(x, 2.0)
+    assert ref.compare(out).ok
+    out[5000] = np.nan
+    chk = ref.compare(out)
+    assert not chk.ok and chk.mismatches == 1 and chk.first[0] == 5000
+    assert "first at index 5000" in chk.describe()
+    # few iterations: the output still depends on the input, so a swap is caught
+    short = jd.Reference.build(x, 3)
+    assert short.nbytes == x.nbytes
+    good = jd.burn_reference(x, 3)
+    assert short.compare(good).ok and jd.check_against(x, good, 3).ok
+    swapped = good.copy()
+    swapped[:100], swapped[100:200] = good[100:200], good[:100]
+    assert not jd.check_against(x, swapped, 3).ok
+    assert not short.compare(swapped).ok
+    # and the converged output cannot tell: that is why the job runs a routing check
+    assert jd.Reference.build(x, 2000).compare(np.full_like(x, 2.0)).ok
+
+
+def test_burn_reference_stops_early_and_matches_the_full_loop():
+    x = np.random.default_rng(3).random(1000, dtype=np.float32)
+    full = x.copy()
+    for _ in range(100):
+        full = full * np.float32(0.5) + np.float32(1)
+    assert np.array_equal(jd.burn_reference(x, 100), full)
+    assert np.array_equal(jd.burn_reference(x, 0), x)
+
+
+def test_poison():
+    a = np.zeros(10, np.float32)
+    jd.poison(a)
+    assert np.isnan(a).all()
+
+
+# -- MainJob on the fake driver --------------------------------------------------------------
+
+class FakePinned:
+    """`PinnedBuffer` look-alike over a numpy array."""
+
+    def __init__(self, nbytes, device=None):
+        self._mem = np.zeros(nbytes, np.uint8)
+        self.nbytes = nbytes
+        self.closed = False
+        self._shape, self._dtype = (nbytes,), np.dtype(np.uint8)
+
+    @classmethod
+    def empty(cls, shape, dtype=np.float32, device=None):
+        dtype = np.dtype(dtype)
+        shape = (shape,) if np.ndim(shape) == 0 else tuple(shape)
+        b = cls(int(np.prod(shape)) * dtype.itemsize)
+        b._shape, b._dtype = shape, dtype
+        return b
+
+    @property
+    def array(self):
+        return self.view(self._dtype, self._shape)
+
+    def view(self, dtype=np.uint8, shape=None):
+        dtype = np.dtype(dtype)
+        if shape is None:
+            shape = (self.nbytes // dtype.itemsize,)
+        shape = (shape,) if np.ndim(shape) == 0 else tuple(shape)
+        return self._mem[:int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_job(monkeypatch):
+    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
+    fake = FakeCuda(monkeypatch)
+    made = []
+
+    def make_executor(name="eager", device=None, *, verify=True):
+        ex = EagerExecutor(kernel_resolver=KernelResolver(fake.device,
+                                                          lambda r, d: FakeKernel()),
+                           verify=verify)
+        made.append(ex)
+        return ex
+
+    class FakeStreamObj:
+        def __init__(self, device=None, priority=0):
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    timings = []
+
+    def fake_timings(self, kernel, stream, host_in, host_out, grid):
+        assert host_in.dtype == np.float32 and host_in.size == host_out.size
+        timings.append((host_in.size, grid))
+        return SingleBatch(host_in.nbytes, self.iters if self.iters is not None else 40,
+                           1.0, 1.0, 1.0, 7)
+
+    monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(od, "Stream", FakeStreamObj)
+    monkeypatch.setattr(oe, "make_executor", make_executor)
+    monkeypatch.setattr("orchestra.driver.device.as_device", lambda d=None: fake.device)
+    monkeypatch.setattr(mj.MainJob, "_timings", fake_timings)
+    fake.made, fake.timings = made, timings
+    return fake
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_main_job_generated_data_on_the_fake(fake_job, policy):
+    job = MainJob(batches=5, batch_mib=0.01, streams=3, policy=policy, compute_iters=6,
+                  repeat=3, seed=1, elements=5 * 2621 - 100)  # ragged last batch
+    r = job.run()
+    assert r.verified and r.routing_check is True and r.mismatches == 0
+    assert r.batches == 5 and r.data_bytes == 4 * (5 * 2621 - 100)
+    assert r.compute_iters == 6 and not r.compute_iters_auto
+    assert len(r.wall_ms_runs) == 3 and r.wall_ms > 0
+    n_eff = r.data_bytes / r.batch_bytes
+    assert r.bound_ms == pytest.approx(1.0 + n_eff * 1.0 + 1.0)
+    assert r.efficiency == pytest.approx(r.bound_ms / r.wall_ms)
+    assert fake_job.used == 0
+    assert all(ex.closed for ex in fake_job.made)
+    d = r.as_dict()
+    for key in ("batches", "wall_ms", "bound_ms", "efficiency", "verified", "t_h2d_ms",
+                "t_kernel_ms", "t_d2h_ms", "policy", "streams", "compute_iters", "bytes"):
+        assert key in d
+    assert d["bytes"] == 2 * r.data_bytes
+
+
+def test_main_job_detects_a_wrong_kernel(fake_job, monkeypatch):
+    # the kernel writes nothing: the D2H copies whatever the output allocation held
+    monkeypatch.setattr("orchestra.execute.eager._launch",
+                        lambda func, *a: (fake_job._call("cuLaunchKernel", a[7]),))
+    r = MainJob(batches=2, batch_mib=0.01, compute_iters=5, repeat=1).run()
+    assert not r.verified and r.routing_check is False
+    assert r.mismatches == 2 * 2621 and "element(s) differ; first at index" in r.check
+
+
+def test_main_job_streams_an_input_file_through_staging_slots(fake_job, tmp_path):
+    src = np.random.default_rng(5).random((37, 1000), dtype=np.float32)
+    inp, outp = tmp_path / "in.npy", tmp_path / "out.npy"
+    np.save(inp, src)
+    job = MainJob(batch_mib=0.02, compute_iters=4, repeat=2, input=inp, output=outp,
+                  staging_slots=2, policy="by-engine")
+    r = job.run()
+    assert r.verified and r.routing_check is True
+    assert r.batches == -(-37000 // 5242)  # 0.02 MiB = 5242 floats per batch
+    result = np.load(outp)
+    assert result.shape == src.shape
+    np.testing.assert_array_equal(result, jd.burn_reference(src.reshape(-1), 4).reshape(src.shape))
+    assert fake_job.used == 0 and r.input == str(inp) and r.output == str(outp)
+
+
+def test_main_job_input_file_fortran_order_and_dtype(fake_job, tmp_path):
+    src = np.asfortranarray(np.random.default_rng(6).random((50, 30), dtype=np.float32))
+    inp, outp = tmp_path / "f.npy", tmp_path / "g.npy"
+    np.save(inp, src)
+    assert MainJob(batch_mib=0.001, compute_iters=2, repeat=1, input=inp, output=outp).run().verified
+    np.testing.assert_array_equal(np.load(outp), jd.burn_reference(src, 2))
+    np.save(inp, src.astype(np.float64))
+    with pytest.raises(ValueError, match="float64; orchestra run --input streams float32"):
+        MainJob(input=inp).run()
+
+
+def test_main_job_auto_iters_uses_the_calibrated_value(fake_job):
+    r = MainJob(batches=2, batch_mib=0.01, repeat=1).run()  # fake timing "calibrates" to 40
+    assert r.compute_iters == 40 and r.compute_iters_auto and r.verified
