@@ -14,7 +14,7 @@ Kernel resolution (`kernels`, `kernel_args`) and bindings (`bindings`) come next
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 from orchestra.execute.errors import PlanMismatchError
 from orchestra.graph import TaskGraph
@@ -84,25 +84,27 @@ def check_run(plan: Plan, graph: TaskGraph, *, verify: bool = True) -> list:
     return issue
 
 
-def assign_event_slots(issue) -> tuple[dict[int, int], int]:
+def assign_event_slots(issue, min_handles: int = 8) -> tuple[dict[int, int], int]:
     """Reuse event handles within a plan: ``{issue index of a RecordEvent/WaitEvent: slot}`` and
     the number of slots needed.
 
     A wait uses the state an event had when the wait was *issued* (``cuStreamWaitEvent``;
     likewise during stream capture), so a handle is free again once every wait for its record
-    has been issued. Waits for events no step records are left out (they order nothing).
+    has been issued. Free handles are reused oldest first, and up to ``min_handles`` distinct
+    handles are used before any is reused, so a handle is not re-recorded right after its wait.
+    Waits for events no step records are left out (they order nothing).
     """
     from orchestra.schedule import RecordEvent, WaitEvent
 
     pending = Counter(st.event for _, st in issue if isinstance(st, WaitEvent))
     recorded = {st.event for _, st in issue if isinstance(st, RecordEvent)}
-    free: list[int] = []
+    free: deque[int] = deque()
     count = 0
     slot_of: dict[str, int] = {}
     out: dict[int, int] = {}
     for i, (_, st) in enumerate(issue):
         if isinstance(st, RecordEvent):
-            slot = free.pop() if free else count
+            slot = free.popleft() if free and count >= min_handles else count
             count = max(count, slot + 1)
             slot_of[st.event] = slot
             out[i] = slot
