@@ -1,0 +1,402 @@
+"""The main job's pipeline: orchestra against hand-written loops, measured in one run (needs a GPU).
+
+    python benchmarks/bench_pipeline.py [--repeat 7] [--workloads 32x64,256x4] [--json]
+
+For each workload (batches x MiB of float32): one pinned input and one pinned output array,
+single-batch H2D / kernel / D2H times with timing events (the kernel's iteration count calibrated
+so it takes as long as the slower copy), the bound ``t_h2d + N * max(...) + t_d2h``, and then,
+interleaved round by round so drift hits every contender alike, each implementation of the same
+work (same data, same ``burn`` kernel, same grid):
+
+- orchestra eager, by-engine, 3 streams (and round-robin, 3 streams);
+- cuda-python by hand, by-engine: upload / compute / download streams joined by events, every
+  ``cuMemAllocFromPoolAsync`` / ``cuMemcpy*Async`` / ``cuLaunchKernel`` / ``cuEventRecord`` /
+  ``cuStreamWaitEvent`` / ``cuMemFreeAsync`` written out, arguments packed per launch the way
+  the cuda-python samples do;
+- cuda-python by hand, the classic loop: batch ``b`` wholly on stream ``b % 3``;
+- CuPy (if importable): the classic loop on three non-blocking CuPy streams, CuPy's memory pool,
+  ``cupy.RawKernel`` compiled from the same ``burn.cu``;
+- PyTorch (if importable): the classic loop on three ``torch.cuda.Stream``s, the caching
+  allocator and ``copy_(non_blocking=True)``; the kernel is burn's cubin launched on torch's
+  stream (``cuLaunchKernel``), since elementwise torch ops would need ``iters`` launches.
+
+Wall time of every contender: host clock around the call that enqueues everything and
+synchronizes, median of ``--repeat`` runs after one warm-up; every run's output is poisoned with
+NaN before and compared with the numpy reference after (outside the timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+try:
+    import orchestra  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+GOAL = 0.95
+
+
+def parse_workloads(text: str) -> list[tuple[int, float]]:
+    out = []
+    for item in text.split(","):
+        n, mib = item.lower().split("x")
+        out.append((int(n), float(mib)))
+    return out
+
+
+class Workload:
+    """Data, kernel, timings and reference of one (batches, MiB) workload."""
+
+    def __init__(self, dev, batches: int, mib: float, seed: int = 0, block: int = 256):
+        from orchestra.driver import PinnedBuffer, Stream
+        from orchestra.execute import KernelResolver
+        from orchestra.job import batch_bytes_from_mib, burn_grid, burn_kernel_ref
+        from orchestra.job import data as jd
+        from orchestra.job.timing import BatchTimer
+
+        self.dev, self.batches, self.mib, self.block = dev, batches, mib, block
+        self.batch_bytes = batch_bytes_from_mib(mib)
+        self.n = self.batch_bytes // 4
+        self.total = self.n * batches
+        self.sizes = [self.batch_bytes] * batches
+        self.pin_in = PinnedBuffer.empty(self.total, np.float32, dev)
+        self.pin_out = PinnedBuffer.empty(self.total, np.float32, dev)
+        self.x, self.y = self.pin_in.array, self.pin_out.array
+        jd.fill_uniform(self.x, seed)
+        self.grid = burn_grid(self.n, block, dev.sm_count)
+        self.resolver = KernelResolver(dev)
+        self.kernel = self.resolver.resolve(burn_kernel_ref())
+        with Stream(dev) as s:
+            timer = BatchTimer(self.kernel, s, self.x[:self.n], self.y[:self.n], grid=self.grid,
+                               block=block)
+            try:
+                self.single = timer.measure(None)
+            finally:
+                timer.close()
+        self.iters = self.single.iters
+        self.bound_ms = self.single.bound_ms(batches)
+        self.reference = jd.Reference.build(self.x, self.iters)
+
+    @property
+    def name(self) -> str:
+        return f"{self.batches} x {self.mib:g} MiB"
+
+    def poison(self):
+        from orchestra.job import data as jd
+        jd.poison(self.y)
+
+    def verify(self) -> bool:
+        return self.reference.compare(self.y).ok
+
+    def close(self):
+        self.pin_in.close()
+        self.pin_out.close()
+
+
+# -- contenders ------------------------------------------------------------------------------
+
+
+class Orchestra:
+    def __init__(self, w: Workload, policy: str):
+        from orchestra.execute import EagerExecutor
+        from orchestra.job import build_job_graph
+
+        self.name = f"orchestra eager, {policy}, 3 streams"
+        self.ex = EagerExecutor(w.dev, kernel_resolver=w.resolver)
+        jg = build_job_graph(w.sizes, iters=w.iters, block=w.block, sm_count=w.dev.sm_count)
+        self.graph = jg.graph
+        self.plan = self.ex.prepare(self.graph, policy=policy, streams=3)
+        self.bindings = {"host_in": w.x, "host_out": w.y}
+        self.last = None
+
+    def __call__(self):
+        self.last = self.ex.run(self.graph, self.plan, self.bindings)
+
+    def note(self) -> str:
+        return f"{self.last.host_us_per_node:.2f} us/node" if self.last else ""
+
+    def close(self):
+        self.ex.close()
+
+
+class ByHand:
+    """cuda-python, written out: no orchestra executor on the hot path."""
+
+    def __init__(self, w: Workload, style: str):
+        from cuda.bindings import driver as d
+
+        from orchestra.driver import MemoryPool
+
+        self.d, self.w, self.style = d, w, style
+        self.name = ("cuda-python by hand, by-engine + events" if style == "by-engine"
+                     else "cuda-python by hand, classic loop (b % 3)")
+        w.dev.make_current()
+        self.pool = MemoryPool.default(w.dev).handle
+        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
+        self.streams = [self._ok(d.cuStreamCreate(flags)) for _ in range(3)]
+        ev_flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        n_ev = 2 * w.batches if style == "by-engine" else 0
+        self.events = [self._ok(d.cuEventCreate(ev_flags)) for _ in range(n_ev)]
+        self.func = w.kernel.function
+        self.xaddr, self.yaddr = w.x.ctypes.data, w.y.ctypes.data
+
+    def _ok(self, res):
+        if int(res[0]):
+            raise RuntimeError(f"driver call failed: {res[0]!r}")
+        return res[1] if len(res) == 2 else None
+
+    def _launch(self, din, dout, n, stream):
+        d, w = self.d, self.w
+        vals = (np.array([int(din)], np.uint64), np.array([int(dout)], np.uint64),
+                np.array([n], np.uint64), np.array([w.iters], np.int32),
+                np.array([0.5], np.float32), np.array([1.0], np.float32))
+        params = np.array([v.ctypes.data for v in vals], dtype=np.uint64)
+        self._ok(d.cuLaunchKernel(self.func, w.grid, 1, 1, w.block, 1, 1, 0, stream,
+                                  params.ctypes.data, 0))
+
+    def __call__(self):
+        d, w, ok = self.d, self.w, self._ok
+        nb, n = w.batch_bytes, w.n
+        if self.style == "by-engine":
+            up, comp, down = self.streams
+            for b in range(w.batches):
+                off = b * nb
+                din = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, up))
+                dout = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, up))
+                ok(d.cuMemcpyHtoDAsync(din, self.xaddr + off, nb, up))
+                ev_up, ev_k = self.events[2 * b], self.events[2 * b + 1]
+                ok(d.cuEventRecord(ev_up, up))
+                ok(d.cuStreamWaitEvent(comp, ev_up, 0))
+                self._launch(din, dout, n, comp)
+                ok(d.cuEventRecord(ev_k, comp))
+                ok(d.cuMemFreeAsync(din, comp))
+                ok(d.cuStreamWaitEvent(down, ev_k, 0))
+                ok(d.cuMemcpyDtoHAsync(self.yaddr + off, dout, nb, down))
+                ok(d.cuMemFreeAsync(dout, down))
+        else:
+            for b in range(w.batches):
+                s = self.streams[b % 3]
+                off = b * nb
+                din = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, s))
+                dout = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, s))
+                ok(d.cuMemcpyHtoDAsync(din, self.xaddr + off, nb, s))
+                self._launch(din, dout, n, s)
+                ok(d.cuMemcpyDtoHAsync(self.yaddr + off, dout, nb, s))
+                ok(d.cuMemFreeAsync(din, s))
+                ok(d.cuMemFreeAsync(dout, s))
+        for s in self.streams:
+            ok(d.cuStreamSynchronize(s))
+
+    def note(self) -> str:
+        return ""
+
+    def close(self):
+        d = self.d
+        for s in self.streams:
+            d.cuStreamSynchronize(s)
+        for e in self.events:
+            d.cuEventDestroy(e)
+        for s in self.streams:
+            d.cuStreamDestroy(s)
+
+
+class CuPyLoop:
+    name = "CuPy, classic loop on 3 streams (RawKernel)"
+
+    def __init__(self, w: Workload):
+        import cupy as cp
+
+        from orchestra.compiler import kernel_source_dir
+
+        self.cp, self.w = cp, w
+        self.kernel = cp.RawKernel((kernel_source_dir() / "burn.cu").read_text(), "burn")
+        self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(3)]
+        self.xaddr, self.yaddr = w.x.ctypes.data, w.y.ctypes.data
+
+    def __call__(self):
+        cp, w = self.cp, self.w
+        rt = cp.cuda.runtime
+        nb, n = w.batch_bytes, w.n
+        args_tail = (np.uint64(n), np.int32(w.iters), np.float32(0.5), np.float32(1.0))
+        for b in range(w.batches):
+            s = self.streams[b % 3]
+            off = b * nb
+            with s:
+                din = cp.empty(n, cp.float32)
+                dout = cp.empty(n, cp.float32)
+                rt.memcpyAsync(din.data.ptr, self.xaddr + off, nb, rt.memcpyHostToDevice, s.ptr)
+                self.kernel((w.grid,), (w.block,), (din, dout) + args_tail)
+                rt.memcpyAsync(self.yaddr + off, dout.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
+                del din, dout  # back to CuPy's pool, stream-ordered on s
+        for s in self.streams:
+            s.synchronize()
+
+    def note(self) -> str:
+        return ""
+
+    def close(self):
+        for s in self.streams:
+            s.synchronize()
+        self.cp.get_default_memory_pool().free_all_blocks()
+
+
+class TorchLoop:
+    name = "PyTorch, classic loop on 3 streams (burn cubin on torch's stream)"
+
+    def __init__(self, w: Workload):
+        import torch
+        from cuda.bindings import driver as d
+
+        self.torch, self.d, self.w = torch, d, w
+        self.dev = torch.device("cuda", w.dev.ordinal)
+        self.streams = [torch.cuda.Stream(device=self.dev) for _ in range(3)]
+        self.x = torch.from_numpy(w.x)
+        self.y = torch.from_numpy(w.y)
+        w.dev.make_current()
+
+    def __call__(self):
+        torch, d, w = self.torch, self.d, self.w
+        n = w.n
+        w.dev.make_current()
+        for b in range(w.batches):
+            s = self.streams[b % 3]
+            lo = b * n
+            with torch.cuda.stream(s):
+                din = torch.empty(n, dtype=torch.float32, device=self.dev)
+                dout = torch.empty(n, dtype=torch.float32, device=self.dev)
+                din.copy_(self.x[lo:lo + n], non_blocking=True)
+                w.kernel.launch(d.CUstream(s.cuda_stream), w.grid, w.block,
+                                [din.data_ptr(), dout.data_ptr(), n, w.iters, 0.5, 1.0])
+                self.y[lo:lo + n].copy_(dout, non_blocking=True)
+                del din, dout  # the caching allocator reuses them on s
+        for s in self.streams:
+            s.synchronize()
+
+    def note(self) -> str:
+        return ""
+
+    def close(self):
+        for s in self.streams:
+            s.synchronize()
+        self.torch.cuda.empty_cache()
+
+
+# -- driver ---------------------------------------------------------------------------------
+
+
+def contenders(w: Workload, skip: set[str]):
+    out = [Orchestra(w, "by-engine"), Orchestra(w, "round-robin"), ByHand(w, "by-engine"),
+           ByHand(w, "classic")]
+    skipped = []
+    for key, cls in (("cupy", CuPyLoop), ("torch", TorchLoop)):
+        if key in skip:
+            continue
+        try:
+            out.append(cls(w))
+        except ImportError as exc:
+            skipped.append(f"{key}: not importable ({exc.name or exc})")
+        except Exception as exc:  # noqa: BLE001 - a broken optional contender is reported
+            skipped.append(f"{key}: {type(exc).__name__}: {exc}")
+    return out, skipped
+
+
+def bench_workload(w: Workload, repeat: int, skip: set[str]) -> tuple[list[dict], list[str]]:
+    impls, skipped = contenders(w, skip)
+    walls = {c.name: [] for c in impls}
+    ok = {c.name: True for c in impls}
+    try:
+        for rnd in range(repeat + 1):  # round 0: warm-up
+            for c in impls:
+                w.poison()
+                t0 = time.perf_counter()
+                c()
+                wall = (time.perf_counter() - t0) * 1e3
+                ok[c.name] &= w.verify()
+                if rnd:
+                    walls[c.name].append(wall)
+        rows = []
+        for c in impls:
+            wall = statistics.median(walls[c.name])
+            rows.append({"workload": w.name, "implementation": c.name, "wall_ms": wall,
+                         "bound_ms": w.bound_ms, "efficiency": w.bound_ms / wall,
+                         "verified": ok[c.name], "note": c.note(),
+                         "wall_ms_runs": walls[c.name]})
+        return rows, skipped
+    finally:
+        for c in impls:
+            c.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="32x64,256x4",
+                    help="comma-separated BATCHESxMIB (default 32x64,256x4)")
+    ap.add_argument("--repeat", type=int, default=7, help="timed runs per contender (7)")
+    ap.add_argument("--skip", default="", help="comma-separated: cupy,torch")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from orchestra.driver import Device
+
+    dev = Device.get(args.device)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    all_rows, notes, singles = [], [], []
+    for batches, mib in parse_workloads(args.workloads):
+        w = Workload(dev, batches, mib)
+        try:
+            s = w.single
+            singles.append({"workload": w.name, "iters": s.iters, "t_h2d_ms": s.t_h2d_ms,
+                            "t_kernel_ms": s.t_kernel_ms, "t_d2h_ms": s.t_d2h_ms,
+                            "bound_ms": w.bound_ms})
+            rows, skipped = bench_workload(w, args.repeat, skip)
+            all_rows += rows
+            notes += [f"{w.name}: {x}" for x in skipped]
+        finally:
+            w.close()
+
+    goals = []
+    for name in dict.fromkeys(r["workload"] for r in all_rows):
+        rows = {r["implementation"]: r for r in all_rows if r["workload"] == name}
+        ours = rows["orchestra eager, by-engine, 3 streams"]["efficiency"]
+        by_hand = max(r["efficiency"] for k, r in rows.items() if k.startswith("cuda-python"))
+        goals.append({"workload": name, "orchestra": ours, "best_by_hand": by_hand,
+                      "goal_met": ours >= GOAL and ours >= by_hand})
+    ok = all(r["verified"] for r in all_rows)
+    if args.json:
+        print(json.dumps({"device": dev.name, "single_batch": singles, "rows": all_rows,
+                          "goals": goals, "skipped": notes, "verified": ok}, indent=1))
+    else:
+        print(f"bench_pipeline: {dev.name}; wall = host clock around enqueue + synchronize, "
+              f"median of {args.repeat}; bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h")
+        for s in singles:
+            print(f"  {s['workload']}: burn {s['iters']} iters; single batch H2D "
+                  f"{s['t_h2d_ms']:.3f} ms, kernel {s['t_kernel_ms']:.3f} ms, D2H "
+                  f"{s['t_d2h_ms']:.3f} ms; bound {s['bound_ms']:.2f} ms")
+        header = ("workload", "implementation", "wall ms", "bound ms", "efficiency", "output",
+                  "note")
+        table = [header] + [(r["workload"], r["implementation"], f"{r['wall_ms']:.2f}",
+                             f"{r['bound_ms']:.2f}", f"{r['efficiency']:.3f}",
+                             "ok" if r["verified"] else "WRONG", r["note"]) for r in all_rows]
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+        for row in table:
+            print("  ".join(str(c).ljust(wd) for c, wd in zip(row, widths)).rstrip())
+        for g in goals:
+            print(f"goal {g['workload']}: orchestra by-engine {g['orchestra']:.3f} (>= {GOAL} and "
+                  f">= best by hand {g['best_by_hand']:.3f}): "
+                  f"{'met' if g['goal_met'] else 'NOT met'}")
+        for n in notes:
+            print(f"skipped {n}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
