@@ -1,0 +1,563 @@
+"""The capture executor: a plan enqueued inside one stream capture becomes a CUDA graph.
+
+    with CaptureExecutor(mode="thread-local") as ex:
+        exe = ex.build(graph, bindings={...})      # a GraphExec (see graph_exec)
+        exe.launch(sync=True)
+
+How a plan is captured (`capture_plan.capture_steps`, checked by `check_capture_steps` before
+anything is enqueued):
+
+1. checks, all before the capture: graph and plan structure, hazards (``verify``), the C05
+   graph-memory policy, kernels compiled and arguments packed, bindings resolved, streams and
+   sync-only events taken from the executor's pools, the default memory pool configured at
+   executor setup (C03: no pool attribute is touched during a capture), tracer events created;
+2. ``cuStreamBeginCapture(origin, mode)`` on the executor's origin stream (not a plan stream);
+   ``mode`` is ``thread-local`` by default (another thread's CUDA calls cannot invalidate it),
+   ``global`` or ``relaxed`` on request;
+3. fork: one event recorded on the origin, every plan stream waits for it;
+4. the plan's steps in ``plan.issue_order()``, one driver call per node, as the eager executor
+   makes them (its own table here): ``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync`` become
+   memory nodes, copies go through ``cuMemcpy3DAsync`` with the node's own ``CUDA_MEMCPY3D``
+   record (the very struct replays later rewrite), kernels ``cuLaunchKernel`` /
+   ``cuLaunchKernelEx``, memsets ``cuMemsetD8/16/32Async``, host functions
+   ``cuLaunchHostFunc``, plan events ``cuEventRecord`` / ``cuStreamWaitEvent``. After each node,
+   ``cuStreamGetCaptureInfo`` on its stream returns the stream's dependency set, which is then
+   exactly the node just captured: that ``CUgraphNode`` is what replays update;
+5. join: every plan stream records an event the origin waits for; then each stream's capture
+   status is checked (ACTIVE, nothing added since its join), and ``cuStreamEndCapture(origin)``.
+
+If anything fails on the way (a driver call refused, an illegal call made during the capture
+such as a stream query or synchronize: case C01, the capture invalidated), the executor joins
+what it can, ends the capture on the origin, destroys whatever graph came back, checks that every
+stream has left capture mode, and raises `CaptureError` naming the failing call and the node
+being captured. Nothing leaks: streams and events are the executor's pooled ones, graph
+allocations die with the discarded graph. An eager run of the same graph works afterwards.
+
+`CaptureSession` is the same begin / fork / join / end discipline for hand-made captures: a
+stream that was forked and did work but was not joined back is named in an
+`UnjoinedStreamError` (case C02), after the session joined it and ended the capture cleanly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from cuda.bindings import driver as _d
+
+from orchestra.compiler.launch import build_launch_config
+from orchestra.driver import Event, Stream, cu
+from orchestra.driver.check import error_from_result
+from orchestra.driver.device import context_alive
+from orchestra.errors import CudaError, HazardError, OrchestraError
+from orchestra.execute.capture_plan import UnjoinedStreamError, capture_steps, check_capture_steps
+from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
+from orchestra.execute.graph_nodes import (
+    GraphExecutorBase,
+    kernel_params,
+    memcpy_params,
+    memset_params,
+)
+from orchestra.execute.graph_spec import check_graph_memory
+from orchestra.execute.hostfunc import HostCallbacks
+from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.graph import TaskGraph
+from orchestra.schedule import RecordEvent, RunNode, WaitEvent, verify
+
+_CS = _d.CUstreamCaptureStatus
+_ACTIVE = _CS.CU_STREAM_CAPTURE_STATUS_ACTIVE
+_NONE = _CS.CU_STREAM_CAPTURE_STATUS_NONE
+
+MODES = {
+    "thread-local": _d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+    "global": _d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL,
+    "relaxed": _d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
+}
+
+_memset = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
+
+
+def capture_mode(mode) -> object:
+    """``"thread-local"`` / ``"global"`` / ``"relaxed"`` (or a ``CUstreamCaptureMode``)."""
+    if isinstance(mode, _d.CUstreamCaptureMode):
+        return mode
+    key = str(mode).replace("_", "-").lower()
+    if key == "threadlocal":
+        key = "thread-local"
+    try:
+        return MODES[key]
+    except KeyError:
+        raise ValueError(f"capture mode must be one of {', '.join(MODES)}; got {mode!r}") \
+            from None
+
+
+class CaptureError(CudaError):
+    """A stream capture failed. Every stream has left capture mode and the partial graph was
+    discarded (``still_capturing`` lists streams the driver still reports capturing: empty
+    unless the driver refused to end the capture).
+
+    Attributes (besides `CudaError`'s ``call``, ``code``, ``name``, ``message``): ``node`` (the
+    orchestra node being captured when it failed, or None), ``stream`` (its plan stream)."""
+
+    def __init__(self, call: str, code: int, name: str, message: str = "", context: str = "",
+                 node: str | None = None, stream: str | None = None, still_capturing=()):
+        self.node = node
+        self.stream = stream
+        self.still_capturing = tuple(still_capturing)
+        super().__init__(call, code, name, message, context)
+
+    def with_context(self, context: str) -> "CaptureError":
+        return type(self)(self.call, self.code, self.name, self.message, context, self.node,
+                          self.stream, self.still_capturing)
+
+    def __reduce__(self):
+        return (type(self), (self.call, self.code, self.name, self.message, self.context,
+                             self.node, self.stream, self.still_capturing))
+
+
+def capture_status(stream) -> tuple[object, tuple]:
+    """``(CUstreamCaptureStatus, dependency nodes)`` of ``stream`` (``cuStreamGetCaptureInfo``;
+    the dependencies are meaningful only while ACTIVE). Indexing the result as (status at 1,
+    dependencies at 4) fits both the CUDA 12 and the CUDA 13 form of the call."""
+    out = _d.cuStreamGetCaptureInfo(stream.handle if hasattr(stream, "handle") else stream)
+    if out[0]:
+        raise error_from_result("cuStreamGetCaptureInfo", out[0])
+    status = out[1]
+    deps = tuple(out[4] or ()) if status == _ACTIVE else ()
+    return status, deps
+
+
+def is_capturing(stream) -> bool:
+    """True unless ``cuStreamIsCapturing`` reports NONE (ACTIVE or INVALIDATED)."""
+    h = stream.handle if hasattr(stream, "handle") else stream
+    return cu(_d.cuStreamIsCapturing, h) != _NONE
+
+
+def _key(deps) -> tuple[int, ...]:
+    return tuple(sorted(int(n) for n in deps))
+
+
+class CaptureSession:
+    """One stream capture with explicit fork / join (for hand-made captures, and what
+    `CaptureExecutor` uses).
+
+        with CaptureSession(origin, mode="thread-local") as cap:   # begins the capture
+            cap.fork(s1, s2)          # s1, s2 wait for an event recorded on origin
+            ... enqueue work on origin, s1, s2 ...
+            cap.join(s1, s2)          # origin waits for an event recorded on each
+        graph = cap.graph             # the CUgraph (the caller owns it: cuGraphDestroy)
+
+    On leaving the block `end` checks every stream the session knows (forked or joined): one
+    that did work after its fork or its last join is *unjoined*; the session joins it, ends
+    the capture, destroys the graph and raises `UnjoinedStreamError` naming it. An exception
+    inside the block ends the capture (`abort`) and propagates. ``events``: two sync-only
+    events to use for fork and join (created here when not given: before the capture, since
+    creating objects during a capture is best avoided).
+    """
+
+    def __init__(self, origin: Stream, mode="thread-local", *, events=None):
+        self.origin = origin
+        self.mode = capture_mode(mode)
+        if events is None:
+            events = (Event(origin.device), Event(origin.device))
+            self._own_events = True
+        else:
+            self._own_events = False
+        self.fork_event, self.join_event = events
+        self.streams: dict[int, tuple[str, Stream]] = {}
+        self._mark: dict[int, tuple[int, ...]] = {}  # stream -> deps at its fork / last join
+        self._active = False
+        self.graph = None
+
+    # -- the sequence -------------------------------------------------------------------------
+
+    def begin(self) -> "CaptureSession":
+        if is_capturing(self.origin):
+            raise OrchestraError("CaptureSession.begin: the origin stream is already capturing")
+        cu(_d.cuStreamBeginCapture, self.origin.handle, self.mode)
+        self._active = True
+        return self
+
+    def _name(self, s: Stream, name: str | None) -> str:
+        return name or repr(s)
+
+    def fork(self, *streams: Stream, names=None) -> None:
+        """Bring ``streams`` into the capture: one event recorded on the origin, each waits."""
+        cu(_d.cuEventRecord, self.fork_event.handle, self.origin.handle)
+        for i, s in enumerate(streams):
+            cu(_d.cuStreamWaitEvent, s.handle, self.fork_event.handle, 0)
+            self.streams[id(s)] = (self._name(s, names[i] if names else None), s)
+            self._mark[id(s)] = _key(capture_status(s)[1])
+
+    def join(self, *streams: Stream, names=None) -> None:
+        """Join ``streams`` back: each records an event the origin waits for."""
+        for i, s in enumerate(streams):
+            cu(_d.cuEventRecord, self.join_event.handle, s.handle)
+            cu(_d.cuStreamWaitEvent, self.origin.handle, self.join_event.handle, 0)
+            if id(s) not in self.streams:
+                self.streams[id(s)] = (self._name(s, names[i] if names else None), s)
+            self._mark[id(s)] = _key(capture_status(s)[1])
+
+    def unjoined(self) -> list[tuple[str, Stream]]:
+        """Streams with work added since their fork or last join (or no longer capturing
+        normally), by the capture status the driver reports now."""
+        out = []
+        for sid, (name, s) in self.streams.items():
+            status, deps = capture_status(s)
+            if status == _ACTIVE and _key(deps) != self._mark.get(sid):
+                out.append((name, s))
+        return out
+
+    def end(self):
+        """Check the joins, then ``cuStreamEndCapture``; returns the ``CUgraph``."""
+        status, _ = capture_status(self.origin)
+        if status != _ACTIVE:
+            self.abort()
+            raise error_from_result("cuStreamEndCapture", int(
+                _d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+                context="the capture was invalidated by an earlier illegal call; every stream "
+                        "left capture mode and the graph was discarded")
+        bad = self.unjoined()
+        if bad:
+            names = [n for n, _ in bad]
+            self.abort()
+            raise UnjoinedStreamError(names, "the session joined them and ended the capture; "
+                                      "the graph was discarded")
+        self._active = False
+        self.graph = cu(_d.cuStreamEndCapture, self.origin.handle)
+        return self.graph
+
+    def abort(self) -> list[tuple[str, Stream]]:
+        """End the capture whatever its state (joining every known stream first, ignoring
+        errors), destroy any graph it returns; return the streams still capturing after that
+        (normally none)."""
+        if self._active:
+            self._active = False
+            for name, s in self.streams.values():
+                _d.cuEventRecord(self.join_event.handle, s.handle)
+                _d.cuStreamWaitEvent(self.origin.handle, self.join_event.handle, 0)
+            err, graph = _d.cuStreamEndCapture(self.origin.handle)
+            if graph is not None and int(graph):
+                _d.cuGraphDestroy(graph)
+        left = []
+        for name, s in [("origin", self.origin)] + list(self.streams.values()):
+            try:
+                if is_capturing(s):
+                    left.append((name, s))
+            except CudaError:
+                left.append((name, s))
+        return left
+
+    def close(self) -> None:
+        if self._own_events:
+            self.fork_event.close()
+            self.join_event.close()
+
+    def __enter__(self) -> "CaptureSession":
+        return self.begin()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.end()
+            else:
+                self.abort()
+        finally:
+            self.close()
+
+
+def _shutdown(streams: list, events: list, device) -> None:
+    if context_alive(device.ordinal):
+        for s in streams:
+            try:
+                s.synchronize()
+            except CudaError:
+                pass
+    for e in events:
+        e.close()
+    for s in streams:
+        s.close()
+    streams.clear()
+    events.clear()
+
+
+class CaptureExecutor(GraphExecutorBase):
+    """Captures plans into CUDA graphs (see the module doc).
+
+    Args:
+        device: a `Device`, an ordinal or None (device 0).
+        mode: ``"thread-local"`` (default), ``"global"`` or ``"relaxed"``.
+        verify: run the hazard verifier before capturing (`HazardError`).
+        kernel_resolver: a shared `KernelResolver`.
+        auto_free: the C05 opt-in (see `GraphExecutorBase.build`).
+
+    ``build(graph, plan=None, bindings, *, policy, streams, trace, hook=None, ...)``:
+    ``hook(stream, node)``, when given, is called right after each node is captured (a test
+    seam: C01 injects a stream query there). Streams (one per plan `StreamSpec`, by priority),
+    the origin stream and sync-only events are pooled and reused by every capture; one capture
+    at a time per executor.
+    """
+
+    executor_name = "capture"
+
+    def __init__(self, device=None, *, mode="thread-local", verify: bool = True,
+                 kernel_resolver=None, auto_free: bool = False):
+        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver,
+                         auto_free=auto_free)
+        self.mode = capture_mode(mode)
+        self._lock = threading.RLock()
+        self._all_streams: list[Stream] = []
+        self._stream_pool: dict[int, list[Stream]] = {}
+        self._events: list[Event] = []
+        self._origin = Stream(self.device)
+        self._all_streams.append(self._origin)
+        import weakref
+
+        self._finalizer = weakref.finalize(self, _shutdown, self._all_streams, self._events,
+                                           self.device)
+        self._finalizer.atexit = False
+        self.captures = 0
+
+    @property
+    def origin(self) -> Stream:
+        """The stream every capture begins and ends on."""
+        return self._origin
+
+    def _take_streams(self, plan) -> dict[str, Stream]:
+        used: dict[int, int] = {}
+        out = {}
+        for spec in plan.streams:
+            k = used.get(spec.priority, 0)
+            used[spec.priority] = k + 1
+            pool = self._stream_pool.setdefault(spec.priority, [])
+            while len(pool) <= k:
+                s = Stream(self.device, spec.priority)
+                pool.append(s)
+                self._all_streams.append(s)
+            out[spec.name] = pool[k]
+        return out
+
+    def _event(self, slot: int) -> Event:
+        while len(self._events) <= slot:
+            self._events.append(Event(self.device))  # sync-only
+        return self._events[slot]
+
+    def _drop_stream(self, s: Stream) -> None:
+        """A stream the driver still reports capturing after a failed capture: never reuse."""
+        for pool in self._stream_pool.values():
+            if s in pool:
+                pool.remove(s)
+
+    # -- capturing ----------------------------------------------------------------------------
+
+    def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
+                     streams: int, costs, auto_free: bool, hook: Callable | None = None,
+                     mode=None) -> BuiltGraph:
+        with self._lock:
+            self._check_open()
+            return self._capture(graph, plan, bindings, trace, policy, streams, costs,
+                                 auto_free, hook, capture_mode(mode) if mode else self.mode)
+
+    def _capture(self, graph, plan, bindings, trace, policy, streams, costs, auto_free, hook,
+                 mode) -> BuiltGraph:
+        t0 = time.perf_counter_ns()
+        if not isinstance(graph, TaskGraph):
+            raise TypeError(f"capture takes a TaskGraph, got {type(graph).__name__}")
+        plan = self._plan(graph, plan, policy, streams, costs, need=True)
+        issue = check_run(plan, graph, verify=False)  # structure, issue order, alloc order
+        unfreed = check_graph_memory(graph, auto_free=auto_free)
+        if self.verify:
+            findings = verify(plan, graph)
+            if auto_free:
+                findings = [f for f in findings if f.kind != "NEVER_FREED"]
+            if findings:
+                raise HazardError(findings)
+        check_capture_steps(capture_steps(plan, issue))  # every stream forked and joined
+        self._check_devices(graph)
+        kargs = self._resolve_kernels(graph)
+        built, resolved = self._new_built(None, graph, plan, bindings)
+        dev = self.device
+        dev.make_current()
+        sm = self._take_streams(plan)
+        slots, nslots = assign_event_slots(issue)
+        events = [self._event(i).handle for i in range(nslots)]
+        fork_join = (self._event(nslots), self._event(nslots + 1))
+        tracer = None
+        if trace:
+            from orchestra.trace import GraphTracer
+
+            tracer = GraphTracer(dev, executor="capture")
+            for _ in range(2 * len(graph)):  # create the events now, not during the capture
+                tracer.pool.take()
+            tracer.begin(sm, policy=plan.policy, meta={"nodes": len(graph)})
+            built.tracer = tracer
+        hostfn = None
+        if any(n.kind == "host" for n in graph.nodes):
+            built.callbacks = HostCallbacks()
+            hostfn = _d.CUhostFn(built.callbacks.address)
+        addr = {name: b.address for name, b in resolved.device.items()}
+        haddr = {name: b.address for name, b in resolved.host.items()}
+        dptrs: dict[str, object] = {}
+        alloc_of: dict[str, int] = {}
+        ordered = [(name, sm[name]) for name in plan.stream_names]
+        names = [n for n, _ in ordered]
+        session = CaptureSession(self._origin, mode, events=fork_join)
+        current = None
+        try:
+            session.begin()
+            session.fork(*(s for _, s in ordered), names=names)
+            for i, (sname, step) in enumerate(issue):
+                s = sm[sname]
+                if isinstance(step, RunNode):
+                    node = graph.node(step.node)
+                    current = (node, sname)
+                    if tracer is not None:
+                        tracer.before(sname, node)
+                    self._enqueue(node, s, built, addr, haddr, kargs, hostfn, dptrs, alloc_of)
+                    if tracer is not None:
+                        tracer.after(sname, node)
+                    if hook is not None:
+                        hook(s, node)
+                elif i in slots:
+                    ev = events[slots[i]]
+                    if isinstance(step, RecordEvent):
+                        (err,) = _d.cuEventRecord(ev, s.handle)
+                        call = "cuEventRecord"
+                    else:
+                        (err,) = _d.cuStreamWaitEvent(s.handle, ev, 0)
+                        call = "cuStreamWaitEvent"
+                    if err:
+                        current = (None, sname)
+                        raise error_from_result(call, err, context=f"event {step.event}")
+            current = None
+            session.join(*(s for _, s in ordered), names=names)
+            built.cugraph = session.end()
+        except BaseException as exc:
+            left = session.abort()
+            for _, s in left:
+                self._drop_stream(s)
+            if tracer is not None:
+                tracer.abort()
+                tracer.close()
+            self.captures += 1
+            raise self._capture_error(exc, current, left) from exc
+        self.captures += 1
+        built.unfreed = [alloc_of[a] for a, _ in unfreed]
+        built.build_ms = (time.perf_counter_ns() - t0) / 1e6
+        return built
+
+    @staticmethod
+    def _capture_error(exc, current, left):
+        node, sname = current if current else (None, None)
+        where = (f"while capturing node {node.name} ({node.kind}) on stream {sname}"
+                 if node is not None else
+                 ("at an event step on stream " + sname if sname else "at the end of the capture"))
+        cleanup = ("every stream left capture mode and the graph was discarded" if not left else
+                   "the driver still reports stream(s) " + ", ".join(n for n, _ in left)
+                   + " capturing (they are not reused)")
+        if isinstance(exc, UnjoinedStreamError):
+            return exc
+        if isinstance(exc, CudaError):
+            return CaptureError(exc.call, exc.code, exc.name, exc.message,
+                                f"stream capture failed {where}"
+                                + (f" ({exc.context})" if exc.context else "") + f"; {cleanup}",
+                                node.name if node is not None else None, sname,
+                                [n for n, _ in left])
+        exc.add_note(f"stream capture failed {where}; {cleanup}")
+        return exc
+
+    def _enqueue(self, node, s: Stream, built, addr, haddr, kargs, hostfn, dptrs, alloc_of):
+        """One node, one driver call (plus ``cuStreamGetCaptureInfo`` for its graph node)."""
+        sh = s.handle
+        kind = node.kind
+        params = None
+        if kind == "alloc":
+            err, dptr = _d.cuMemAllocFromPoolAsync(node.buffer.nbytes, self.pool.handle, sh)
+            call = "cuMemAllocFromPoolAsync"
+            if not err:
+                b = node.buffer.name
+                addr[b] = int(dptr)
+                dptrs[b] = dptr
+                built.allocs[b] = int(dptr)
+                alloc_of[node.name] = int(dptr)
+            ckind = "mem_alloc"
+        elif kind == "free":
+            (err,) = _d.cuMemFreeAsync(dptrs.pop(node.buffer.name), sh)
+            call, ckind = "cuMemFreeAsync", "mem_free"
+        elif kind in ("h2d", "d2h"):
+            if kind == "h2d":
+                hname, dname = node.src.buffer.name, node.dst.buffer.name
+            else:
+                hname, dname = node.dst.buffer.name, node.src.buffer.name
+            params, field, off = memcpy_params(node, haddr[hname], addr[dname])
+            (err,) = _d.cuMemcpy3DAsync(params, sh)
+            call, ckind = "cuMemcpy3DAsync", "memcpy"
+        elif kind == "kernel":
+            ka = kargs[node.name]
+            ka.bind(addr)
+            cfg = ka.config
+            if ka.needs_ex:
+                (err,) = _d.cuLaunchKernelEx(build_launch_config(cfg, sh), ka.kernel.function,
+                                             ka.packed.address, 0)
+                call = "cuLaunchKernelEx"
+            else:
+                (gx, gy, gz), (bx, by, bz) = cfg.grid, cfg.block
+                (err,) = _d.cuLaunchKernel(ka.kernel.function, gx, gy, gz, bx, by, bz,
+                                           cfg.shared_mem, sh, ka.packed.address, 0)
+                call = "cuLaunchKernel"
+            params = kernel_params(ka)
+            built.kernels[node.name] = ka
+            ckind = "kernel"
+        elif kind == "memset":
+            es = node.element_size
+            fn = _memset[es]
+            (err,) = fn(addr[node.dst.buffer.name] + node.dst.offset, node.unsigned_value,
+                        node.dst.nbytes // es, sh)
+            call, ckind = fn.__name__, "memset"
+            params = memset_params(node, addr[node.dst.buffer.name])
+        elif kind == "host":
+            token = built.callbacks.add(node.fn, node.name)
+            (err,) = _d.cuLaunchHostFunc(sh, hostfn, token)
+            call, ckind = "cuLaunchHostFunc", "host"
+        else:
+            raise OrchestraError(f"node {node.name}: the capture executor cannot run node kind "
+                                 f"{kind!r} ({type(node).__name__})")
+        if err:
+            raise error_from_result(call, err)
+        status, deps = capture_status(s)
+        if status != _ACTIVE:
+            raise error_from_result(call, int(_d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+                                    context="the capture was invalidated")
+        if len(deps) != 1:
+            raise OrchestraError(
+                f"capture of node {node.name}: expected the stream's dependency set to be the "
+                f"one node just captured, found {len(deps)} nodes")
+        rec = built.add(NodeRecord(node.name, ckind, deps[0], params))
+        if kind in ("h2d", "d2h"):
+            built.host_users[hname].append((rec, field, off))
+        return rec
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """Every stream the executor created (the origin first)."""
+        return tuple(self._all_streams)
+
+    def close(self) -> None:
+        """Synchronize and release the pooled streams and events (idempotent). Execs already
+        built keep working."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        return (f"<CaptureExecutor on device {self.device.ordinal}: {self.captures} captures, "
+                f"{len(self._all_streams)} streams>")
+
+
+__all__ = ["CaptureError", "CaptureExecutor", "CaptureSession", "MODES", "capture_mode",
+           "capture_status", "is_capturing"]

@@ -1,0 +1,674 @@
+"""A stand-in for the CUDA graph and stream-capture driver calls, for CPU tests of the graph
+executors (`capture`, `graph_build`, `graph_exec`).
+
+"Device memory" is host memory (numpy arrays); a launched graph runs its nodes at once, in
+creation order (a valid topological order: every node is created after its dependencies).
+What it models, because the executors rely on it:
+
+- node parameters are *copied* when a node is added or set (``cuGraphExec*NodeSetParams``), as
+  the driver does: a kernel node keeps the bytes of its packed argument struct, a memcpy node its
+  addresses; rewriting the Python-side records later changes nothing until the next SetParams;
+- per-node updates must name a node of the graph the exec was *instantiated* from;
+- ``cuGraphExecUpdate`` accepts only a topologically identical graph (same node count, kinds and
+  dependency indices), else ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`` with
+  ``CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED`` and the first differing node;
+- graph allocations get their address when the node is created; launching a graph whose
+  allocation from the previous launch is still live fails unless the exec was instantiated
+  with AUTO_FREE_ON_LAUNCH; a graph with memory nodes is instantiated at most once;
+- stream capture: capture sequences, per-stream dependency sets, events carrying dependency
+  sets into other streams (fork / join), ``cuStreamGetCaptureInfo``, ``cuStreamIsCapturing``,
+  ``cuStreamQuery`` during a capture returns ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` and
+  invalidates the sequence, ``cuStreamEndCapture`` returns ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``
+  when a stream's work is not reachable from the origin, and every stream of the sequence leaves
+  capture mode whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import types
+from collections import Counter
+
+import numpy as np
+from cuda.bindings import driver
+
+from orchestra.execute import bindings as bindings_mod
+from orchestra.execute import capture as capture_mod
+from orchestra.execute import graph_build as build_mod
+from orchestra.execute import graph_exec as exec_mod
+from orchestra.execute import graph_nodes as nodes_mod
+from orchestra.execute.kernels import KernelResolver
+from tests.fake_cuda import LIMITS, FakeHandle, FakeKernel
+
+R = driver.CUresult
+OK = R.CUDA_SUCCESS
+CS = driver.CUstreamCaptureStatus
+MT = driver.CUmemorytype
+_HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_ids = itertools.count(1)
+
+
+def _handle() -> FakeHandle:
+    return FakeHandle(0x10000 + next(_ids))
+
+
+class FakeDevice:
+    ordinal = 0
+    name = "Fake GPU"
+    sm_count = 4
+    arch = "sm_90"
+    limits = LIMITS
+    handle = 0
+    context = "fake-ctx"
+
+    def make_current(self, force=False):
+        return self
+
+    @contextlib.contextmanager
+    def pushed(self):
+        yield self
+
+
+class FakeGraphKernel(FakeKernel):
+    """burn with a real ``CUfunction`` handle (the node param structs insist on one)."""
+
+    registry: dict[int, "FakeGraphKernel"] = {}
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        h = 0x7000 + next(_ids)
+        self.function = driver.CUfunction(h)
+        FakeGraphKernel.registry[h] = self
+
+
+class GNode:
+    def __init__(self, graph, kind, deps, params):
+        self.id = _handle()
+        self.graph = graph
+        self.kind = kind
+        self.deps = [int(d) for d in deps]
+        self.params = params
+
+    def index_deps(self):
+        pos = {n.id: i for i, n in enumerate(self.graph.nodes)}
+        return tuple(sorted(pos[d] for d in self.deps))
+
+
+class FGraph:
+    def __init__(self):
+        self.id = _handle()
+        self.nodes: list[GNode] = []
+        self.instantiated = 0
+        self.destroyed = False
+
+    def add(self, kind, deps, params):
+        ids = {n.id for n in self.nodes}
+        for d in deps:
+            assert int(d) in ids, f"dependency {d} is not a node of this graph"
+        assert len(set(map(int, deps))) == len(deps), "duplicate dependencies"
+        n = GNode(self, kind, deps, params)
+        self.nodes.append(n)
+        return n
+
+    def has_memory_nodes(self):
+        return any(n.kind in ("alloc", "free") for n in self.nodes)
+
+
+class FExec:
+    def __init__(self, graph: FGraph, flags: int):
+        self.id = _handle()
+        self.graph = graph
+        self.flags = flags
+        self.index = {n.id: i for i, n in enumerate(graph.nodes)}  # instantiation graph ids
+        self.kinds = [n.kind for n in graph.nodes]
+        self.topology = [(n.kind, n.index_deps()) for n in graph.nodes]
+        self.slots = [dict(n.params) for n in graph.nodes]
+        self.live: set[int] = set()
+        self.launches = 0
+
+
+class Seq:
+    def __init__(self, origin, mode):
+        self.id = next(_ids)
+        self.graph = FGraph()
+        self.origin = origin
+        self.mode = mode
+        self.status = CS.CU_STREAM_CAPTURE_STATUS_ACTIVE
+        self.streams: set[int] = {origin}
+
+
+class FakeGraphDriver:
+    """The fake: the graph/capture calls as methods; other names (struct classes, enums) come
+    from the real bindings, so parameter records are the real cuda-bindings structs."""
+
+    def __init__(self):
+        self.graphs: dict[int, FGraph] = {}
+        self.execs: dict[int, FExec] = {}
+        self.mem: dict[int, np.ndarray] = {}  # base -> bytes (pool allocations)
+        self.vas: dict[int, np.ndarray] = {}  # graph allocation addresses -> backing bytes
+        self.capture: dict[int, Seq] = {}  # stream -> its capture sequence
+        self.deps: dict[int, list] = {}  # stream -> capture dependency set
+        self.events: dict[int, tuple] = {}  # event -> (seq or None, deps)
+        self.counts: Counter = Counter()
+        self.log: list = []
+        self.fail: dict[str, int] = {}
+        self.attributes: list = []
+        self.dot_files: list = []
+
+    def __getattr__(self, name):
+        if name.startswith("cu") and not name.startswith("cuda"):
+            raise AttributeError(f"the fake driver has no {name}")
+        return getattr(driver, name)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _call(self, name, detail=None):
+        self.counts[name] += 1
+        self.log.append((name, detail))
+        if self.fail.get(name) == self.counts[name]:
+            return R.CUDA_ERROR_INVALID_VALUE
+        return OK
+
+    @property
+    def live_graphs(self):
+        return [g for g in self.graphs.values() if not g.destroyed]
+
+    def _bytes(self, ptr, nbytes, what):
+        for table in (self.mem, self.vas):
+            for base, arr in table.items():
+                if base <= ptr and ptr + nbytes <= base + arr.nbytes:
+                    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        raise AssertionError(f"{what}: [{ptr:#x}, +{nbytes}) is not inside device memory")
+
+    def _new_memory(self, nbytes, table):
+        arr = np.empty(nbytes + 256, np.uint8)
+        ptr = (arr.ctypes.data + 255) // 256 * 256
+        table[ptr] = arr[ptr - arr.ctypes.data:][:nbytes]
+        return ptr
+
+    # -- snapshots of node parameters (the driver copies them) ------------------------------
+
+    @staticmethod
+    def _memcpy_snapshot(p):
+        src_host = int(p.srcMemoryType) == int(MT.CU_MEMORYTYPE_HOST)
+        dst_host = int(p.dstMemoryType) == int(MT.CU_MEMORYTYPE_HOST)
+        assert int(p.Height) == 1 and int(p.Depth) == 1, "1-D copies only"
+        return {"src": int(p.srcHost) if src_host else int(p.srcDevice),
+                "dst": int(p.dstHost) if dst_host else int(p.dstDevice),
+                "src_host": src_host, "dst_host": dst_host, "n": int(p.WidthInBytes)}
+
+    @staticmethod
+    def _kernel_snapshot(func, grid, block, smem, params_addr):
+        k = FakeGraphKernel.registry[int(func)]
+        base = ctypes.c_void_p.from_address(params_addr).value
+        return {"kernel": k, "args": ctypes.string_at(base, k.layout.size),
+                "grid": tuple(grid), "block": tuple(block), "smem": smem}
+
+    def _run(self, kind, p, flags=0, live=None):
+        if kind == "memcpy":
+            if not p["src_host"]:
+                self._bytes(p["src"], p["n"], "copy source")
+            if not p["dst_host"]:
+                self._bytes(p["dst"], p["n"], "copy destination")
+            ctypes.memmove(p["dst"], p["src"], p["n"])
+        elif kind == "kernel":
+            k = p["kernel"]
+            k.launches += 1
+            s = k.layout.struct_type.from_buffer_copy(p["args"])
+            x, y, n, iters, sc, sh = (getattr(s, f) for f in k.layout.field_names)
+            v = self._bytes(x, 4 * n, "kernel input").view(np.float32).copy()
+            for _ in range(iters):
+                v = v * np.float32(sc) + np.float32(sh)
+            self._bytes(y, 4 * n, "kernel output").view(np.float32)[:] = v
+        elif kind == "memset":
+            es = p["es"]
+            dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[es]
+            self._bytes(p["dst"], p["count"] * es, "memset").view(dt)[:] = p["value"]
+        elif kind == "host":
+            _HOSTFN(p["fn"])(p["user"])
+        elif kind == "alloc":
+            if live is not None:
+                if p["dptr"] in live:
+                    return R.CUDA_ERROR_INVALID_VALUE  # the previous launch's allocation is live
+                live.add(p["dptr"])
+        elif kind == "free":
+            if live is not None:
+                live.discard(p["dptr"])
+        return OK
+
+    # -- explicit graphs --------------------------------------------------------------------
+
+    def cuGraphCreate(self, flags):
+        self._call("cuGraphCreate")
+        g = FGraph()
+        self.graphs[int(g.id)] = g
+        return (OK, g.id)
+
+    def _graph(self, h):
+        g = self.graphs[int(h)]
+        assert not g.destroyed, "graph used after cuGraphDestroy"
+        return g
+
+    def _add(self, name, hgraph, deps, n, kind, params):
+        deps = list(deps or [])
+        assert len(deps) == n, f"{name}: numDependencies {n} != {len(deps)}"
+        err = self._call(name, kind)
+        if err:
+            return (err, None)
+        node = self._graph(hgraph).add(kind, deps, params)
+        return (OK, node.id)
+
+    def cuGraphAddMemAllocNode(self, hgraph, deps, n, params):
+        assert int(params.poolProps.location.id) == 0
+        assert params.poolProps.allocType == driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        ptr = self._new_memory(int(params.bytesize), self.vas)
+        params.dptr = ptr  # the driver writes the address into the caller's struct
+        return self._add("cuGraphAddMemAllocNode", hgraph, deps, n, "alloc",
+                         {"dptr": ptr, "n": int(params.bytesize)})
+
+    def cuGraphMemAllocNodeGetParams(self, node):
+        raise AssertionError("the executor should not need to read an alloc node back")
+
+    def cuGraphAddMemFreeNode(self, hgraph, deps, n, dptr):
+        return self._add("cuGraphAddMemFreeNode", hgraph, deps, n, "free", {"dptr": int(dptr)})
+
+    def cuGraphAddMemcpyNode(self, hgraph, deps, n, p, ctx):
+        assert ctx == FakeDevice.context
+        return self._add("cuGraphAddMemcpyNode", hgraph, deps, n, "memcpy",
+                         self._memcpy_snapshot(p))
+
+    def cuGraphAddKernelNode(self, hgraph, deps, n, p):
+        snap = self._kernel_snapshot(p.func, (p.gridDimX, p.gridDimY, p.gridDimZ),
+                                     (p.blockDimX, p.blockDimY, p.blockDimZ),
+                                     p.sharedMemBytes, int(p.kernelParams))
+        return self._add("cuGraphAddKernelNode", hgraph, deps, n, "kernel", snap)
+
+    def cuGraphKernelNodeSetAttribute(self, node, attr, value):
+        assert isinstance(value, driver.CUkernelNodeAttrValue)
+        self.attributes.append((int(node), attr, value))
+        return (self._call("cuGraphKernelNodeSetAttribute"),)
+
+    def cuGraphAddMemsetNode(self, hgraph, deps, n, p, ctx):
+        return self._add("cuGraphAddMemsetNode", hgraph, deps, n, "memset",
+                         {"dst": int(p.dst), "value": int(p.value), "es": int(p.elementSize),
+                          "count": int(p.width)})
+
+    def cuGraphAddHostNode(self, hgraph, deps, n, p):
+        return self._add("cuGraphAddHostNode", hgraph, deps, n, "host",
+                         {"fn": int(p.fn), "user": int(p.userData)})
+
+    def cuGraphAddEventRecordNode(self, hgraph, deps, n, event):
+        return self._add("cuGraphAddEventRecordNode", hgraph, deps, n, "event", {"ev": int(event)})
+
+    def cuGraphDestroy(self, h):
+        self._call("cuGraphDestroy")
+        self._graph(h).destroyed = True
+        return (OK,)
+
+    def cuGraphDebugDotPrint(self, h, path, flags):
+        g = self._graph(h)
+        lines = ["digraph fake {"]
+        for n in g.nodes:
+            lines.append(f'  n{int(n.id)} [label="{n.kind}"];')
+            lines += [f"  n{d} -> n{int(n.id)};" for d in n.deps]
+        lines.append("}")
+        with open(path.decode() if isinstance(path, bytes) else path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.dot_files.append(path)
+        return (OK,)
+
+    # -- execs ------------------------------------------------------------------------------
+
+    def cuGraphInstantiate(self, h, flags):
+        err = self._call("cuGraphInstantiate", int(flags))
+        if err:
+            return (err, None)
+        g = self._graph(h)
+        if g.has_memory_nodes() and g.instantiated:
+            return (R.CUDA_ERROR_INVALID_VALUE, None)  # one exec per graph with memory nodes
+        g.instantiated += 1
+        e = FExec(g, int(flags))
+        self.execs[int(e.id)] = e
+        return (OK, e.id)
+
+    def _exec(self, h):
+        e = self.execs[int(h)]
+        assert e.graph is not None, "exec used after cuGraphExecDestroy"
+        return e
+
+    def cuGraphUpload(self, h, stream):
+        self._exec(h)
+        return (self._call("cuGraphUpload"),)
+
+    def cuGraphLaunch(self, h, stream):
+        err = self._call("cuGraphLaunch")
+        if err:
+            return (err,)
+        e = self._exec(h)
+        if e.flags & 1:  # AUTO_FREE_ON_LAUNCH: free what the previous launch left allocated
+            e.live.clear()
+        for kind, p in zip(e.kinds, e.slots):
+            if kind == "event":
+                continue
+            err = self._run(kind, p, e.flags, e.live)
+            if err:
+                return (err,)
+        e.launches += 1
+        return (OK,)
+
+    def cuGraphExecDestroy(self, h):
+        self._call("cuGraphExecDestroy")
+        e = self._exec(h)
+        e.graph = None
+        return (OK,)
+
+    def _slot(self, e, node):
+        i = e.index.get(int(node))
+        if i is None:
+            raise KeyError(node)
+        return i
+
+    def cuGraphExecMemcpyNodeSetParams(self, h, node, p, ctx):
+        err = self._call("cuGraphExecMemcpyNodeSetParams")
+        if err:
+            return (err,)
+        e = self._exec(h)
+        try:
+            i = self._slot(e, node)
+        except KeyError:
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # not a node of the instantiation graph
+        e.slots[i] = self._memcpy_snapshot(p)
+        return (OK,)
+
+    def cuGraphExecKernelNodeSetParams(self, h, node, p):
+        err = self._call("cuGraphExecKernelNodeSetParams")
+        if err:
+            return (err,)
+        e = self._exec(h)
+        try:
+            i = self._slot(e, node)
+        except KeyError:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        e.slots[i] = self._kernel_snapshot(p.func, (p.gridDimX, p.gridDimY, p.gridDimZ),
+                                           (p.blockDimX, p.blockDimY, p.blockDimZ),
+                                           p.sharedMemBytes, int(p.kernelParams))
+        return (OK,)
+
+    def cuGraphExecUpdate(self, h, hgraph):
+        self._call("cuGraphExecUpdate")
+        e = self._exec(h)
+        g = self._graph(hgraph)
+        topo = [(n.kind, n.index_deps()) for n in g.nodes]
+        info = types.SimpleNamespace(result=0, errorNode=None, errorFromNode=None)
+        if len(topo) != len(e.topology):
+            info.result = 2
+            return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
+        for i, (a, b) in enumerate(zip(topo, e.topology)):
+            if a != b:
+                info.result = 3 if a[0] != b[0] else 2
+                info.errorNode = g.nodes[i].id
+                return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
+        e.slots = [dict(n.params) for n in g.nodes]
+        return (OK, info)
+
+    def cuDeviceGetGraphMemAttribute(self, dev, attr):
+        used = sum(int(a.nbytes) for a in self.vas.values())
+        return (OK, used)
+
+    def cuDeviceGraphMemTrim(self, dev):
+        return (OK,)
+
+    # -- stream capture ---------------------------------------------------------------------
+
+    def cuStreamBeginCapture(self, stream, mode):
+        self._call("cuStreamBeginCapture", int(mode))
+        s = int(stream)
+        if s in self.capture:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        seq = Seq(s, mode)
+        self.capture[s] = seq
+        self.deps[s] = []
+        return (OK,)
+
+    def _capturing(self, stream):
+        return self.capture.get(int(stream))
+
+    def _leave(self, seq):
+        for s in list(seq.streams):
+            self.capture.pop(s, None)
+            self.deps.pop(s, None)
+
+    def cuStreamEndCapture(self, stream):
+        self._call("cuStreamEndCapture")
+        s = int(stream)
+        seq = self.capture.get(s)
+        if seq is None or seq.origin != s:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
+        if seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            self._leave(seq)
+            return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+        # every stream's dependency set must be reachable from the origin's
+        byid = {int(n.id): n for n in seq.graph.nodes}
+        reach, stack = set(), list(self.deps[s])
+        while stack:
+            d = int(stack.pop())
+            if d not in reach:
+                reach.add(d)
+                stack.extend(byid[d].deps)
+        unjoined = [t for t in seq.streams if t != s and any(int(d) not in reach
+                                                              for d in self.deps[t])]
+        self._leave(seq)
+        if unjoined:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_UNJOINED, None)
+        g = seq.graph
+        self.graphs[int(g.id)] = g
+        return (OK, g.id)
+
+    def cuStreamIsCapturing(self, stream):
+        seq = self._capturing(stream)
+        return (OK, CS.CU_STREAM_CAPTURE_STATUS_NONE if seq is None else seq.status)
+
+    def cuStreamGetCaptureInfo(self, stream):
+        seq = self._capturing(stream)
+        if seq is None:
+            return (OK, CS.CU_STREAM_CAPTURE_STATUS_NONE, 0, None, [], [], 0)
+        deps = list(self.deps[int(stream)])
+        return (OK, seq.status, seq.id, seq.graph.id, deps, [None] * len(deps), len(deps))
+
+    def cuStreamQuery(self, stream):
+        self._call("cuStreamQuery")
+        seq = self._capturing(stream)
+        if seq is not None:
+            seq.status = CS.CU_STREAM_CAPTURE_STATUS_INVALIDATED
+            return (R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+        return (OK,)
+
+    def cuEventRecord(self, event, stream):
+        err = self._call("cuEventRecord")
+        if err:
+            return (err,)
+        seq = self._capturing(stream)
+        if seq is not None and seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,)
+        self.events[int(event)] = (seq, list(self.deps.get(int(stream), [])) if seq else [])
+        return (OK,)
+
+    def cuEventRecordWithFlags(self, event, stream, flags):
+        seq = self._capturing(stream)
+        if seq is not None:
+            return self._enqueue(stream, "event", {"ev": int(event)})
+        return self.cuEventRecord(event, stream)
+
+    def cuStreamWaitEvent(self, stream, event, flags):
+        err = self._call("cuStreamWaitEvent")
+        if err:
+            return (err,)
+        s = int(stream)
+        ev_seq, ev_deps = self.events.get(int(event), (None, []))
+        seq = self._capturing(s)
+        if ev_seq is not None:
+            if ev_seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,)
+            if seq is None:  # joins the capture (a fork)
+                self.capture[s] = ev_seq
+                ev_seq.streams.add(s)
+                self.deps[s] = list(ev_deps)
+            elif seq is ev_seq:
+                merged = list(self.deps[s])
+                merged += [d for d in ev_deps if int(d) not in {int(x) for x in merged}]
+                self.deps[s] = merged
+            else:
+                return (R.CUDA_ERROR_STREAM_CAPTURE_MERGE,)
+        return (OK,)
+
+    def _enqueue(self, stream, kind, params):
+        """A stream operation: a node when capturing, else run now."""
+        seq = self._capturing(stream)
+        if seq is None:
+            return (self._run(kind, params),)
+        if seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,)
+        node = seq.graph.add(kind, self.deps[int(stream)], params)
+        self.deps[int(stream)] = [node.id]
+        return (OK,)
+
+    def cuMemAllocFromPoolAsync(self, nbytes, pool, stream):
+        err = self._call("cuMemAllocFromPoolAsync", nbytes)
+        if err:
+            return (err, None)
+        seq = self._capturing(stream)
+        if seq is None:
+            return (OK, driver.CUdeviceptr(self._new_memory(nbytes, self.mem)))
+        ptr = self._new_memory(nbytes, self.vas)
+        (err,) = self._enqueue(stream, "alloc", {"dptr": ptr, "n": nbytes})
+        return (err, driver.CUdeviceptr(ptr) if not err else None)
+
+    def cuMemFreeAsync(self, dptr, stream):
+        err = self._call("cuMemFreeAsync")
+        if err:
+            return (err,)
+        if self._capturing(stream) is None:
+            self.mem.pop(int(dptr))
+            return (OK,)
+        return self._enqueue(stream, "free", {"dptr": int(dptr)})
+
+    def cuMemFree(self, dptr):
+        self._call("cuMemFree")
+        return (OK,)
+
+    def cuMemcpy3DAsync(self, p, stream):
+        err = self._call("cuMemcpy3DAsync")
+        if err:
+            return (err,)
+        return self._enqueue(stream, "memcpy", self._memcpy_snapshot(p))
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        err = self._call("cuLaunchKernel")
+        if err:
+            return (err,)
+        return self._enqueue(stream, "kernel",
+                             self._kernel_snapshot(func, (gx, gy, gz), (bx, by, bz), smem, params))
+
+    def cuLaunchKernelEx(self, config, func, params, extra):
+        err = self._call("cuLaunchKernelEx")
+        if err:
+            return (err,)
+        return self._enqueue(stream=config.hStream, kind="kernel", params=self._kernel_snapshot(
+            func, (config.gridDimX, config.gridDimY, config.gridDimZ),
+            (config.blockDimX, config.blockDimY, config.blockDimZ), config.sharedMemBytes,
+            params))
+
+    def _memset(self, name, es, dst, value, count, stream):
+        err = self._call(name)
+        if err:
+            return (err,)
+        return self._enqueue(stream, "memset", {"dst": int(dst), "value": int(value), "es": es,
+                                                "count": int(count)})
+
+    def cuMemsetD8Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD8Async", 1, dst, value, count, stream)
+
+    def cuMemsetD16Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD16Async", 2, dst, value, count, stream)
+
+    def cuMemsetD32Async(self, dst, value, count, stream):
+        return self._memset("cuMemsetD32Async", 4, dst, value, count, stream)
+
+    def cuLaunchHostFunc(self, stream, fn, token):
+        err = self._call("cuLaunchHostFunc")
+        if err:
+            return (err,)
+        return self._enqueue(stream, "host", {"fn": int(fn), "user": int(token)})
+
+
+class FakeStream:
+    """An orchestra-Stream look-alike whose ``query`` goes through the fake driver."""
+
+    fake: FakeGraphDriver | None = None
+
+    def __init__(self, device=None, priority=0):
+        self.device = device
+        self.priority = priority
+        self.handle = _handle()
+        self.closed = False
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def query(self):
+        from orchestra.driver.check import error_from_result
+
+        (err,) = self.fake.cuStreamQuery(self.handle)
+        if err:
+            raise error_from_result("cuStreamQuery", err)
+        return True
+
+    def close(self):
+        self.closed = True
+
+
+class FakeEvent:
+    def __init__(self, device=None, timing=False):
+        self.handle = _handle()
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class FakePool:
+    handle = "pool"
+
+
+def install(monkeypatch) -> FakeGraphDriver:
+    """Patch the graph executor modules onto a new fake; returns it."""
+    fake = FakeGraphDriver()
+    FakeStream.fake = fake
+    dev = FakeDevice()
+    m = monkeypatch
+    for mod in (exec_mod, nodes_mod, build_mod, capture_mod):
+        m.setattr(mod, "_d", fake)
+    m.setattr(exec_mod, "_graph_launch", fake.cuGraphLaunch)
+    m.setattr(exec_mod, "_set_memcpy", fake.cuGraphExecMemcpyNodeSetParams)
+    m.setattr(exec_mod, "_set_kernel", fake.cuGraphExecKernelNodeSetParams)
+    m.setattr(exec_mod, "Stream", FakeStream)
+    m.setattr(exec_mod, "context_alive", lambda ordinal: True)
+    m.setattr(exec_mod, "check_stream", lambda s, what="": s)
+    m.setattr(exec_mod, "as_device", lambda d=None: dev)
+    m.setattr(nodes_mod, "as_device", lambda d=None: dev)
+    m.setattr(nodes_mod.MemoryPool, "default", classmethod(lambda cls, d=None, r=None: FakePool()))
+    m.setattr(capture_mod, "Stream", FakeStream)
+    m.setattr(capture_mod, "Event", FakeEvent)
+    m.setattr(capture_mod, "context_alive", lambda ordinal: True)
+    m.setattr(capture_mod, "_memset", {1: fake.cuMemsetD8Async, 2: fake.cuMemsetD16Async,
+                                       4: fake.cuMemsetD32Async})
+    m.setattr(bindings_mod, "is_pinned", lambda a: True)
+    fake.device = dev
+    return fake
+
+
+def resolver(fake) -> KernelResolver:
+    return KernelResolver(fake.device, lambda ref, d: FakeGraphKernel())
