@@ -141,7 +141,7 @@ class ByHand:
         w.dev.make_current()
         self.pool = MemoryPool.default(w.dev).handle
         flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.streams = [self._ok(d.cuStreamCreate(flags)) for _ in range(3)]
+        self.streams = [self._ok(d.cuStreamCreateWithPriority(flags, 0)) for _ in range(3)]
         ev_flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
         n_ev = 2 * w.batches if style == "by-engine" else 0
         self.events = [self._ok(d.cuEventCreate(ev_flags)) for _ in range(n_ev)]

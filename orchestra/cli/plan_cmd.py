@@ -17,7 +17,8 @@ COST_NOTE = ("default cost model (no GPU measurements): copies at 50 GB/s, a ker
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="print the main job's plan (streams, nodes, events); no GPU needed")
+    p = sub.add_parser("plan", help="print the main job's plan (streams, nodes, events); "
+                                    "no GPU needed")
     add_graph_options(p)
     p.add_argument("--summary", action="store_true",
                    help="print the counts only, not the per-stream listing")

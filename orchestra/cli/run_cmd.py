@@ -87,8 +87,9 @@ def print_report(r) -> None:
         [(r.batches, fmt_bytes(r.bytes_moved), f"{r.wall_ms:.3f}", f"{r.bound_ms:.3f}",
           f"{r.efficiency:.3f}", f"{r.host_us_per_node:.2f}", "PASS" if r.verified else "FAIL")]))
     print()
-    print(f"wall ms: median of {r.repeat} run(s) ({', '.join(f'{w:.2f}' for w in r.wall_ms_runs)}); "
-          "host clock from the first enqueue to the end of the synchronize")
+    runs = ", ".join(f"{w:.2f}" for w in r.wall_ms_runs)
+    print(f"wall ms: median of {r.repeat} run(s) ({runs}); host clock from the first enqueue to "
+          "the end of the synchronize")
     print("bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h (single-batch times from "
           "timing events); efficiency = bound / wall")
     if not r.verified:

@@ -48,7 +48,7 @@ from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.graph import TaskGraph
-from orchestra.schedule import Plan, RecordEvent, RunNode, WaitEvent, schedule
+from orchestra.schedule import Plan, RecordEvent, RunNode, schedule
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -291,7 +291,7 @@ class EagerExecutor:
             prep.hptrs.append(0)
         current: dict[str, int] = {}
         for name in prep.spec.external:
-            slot = current[name] = prep.external[name] = len(prep.ptrs)
+            current[name] = prep.external[name] = len(prep.ptrs)
             prep.ptrs.append(0)
             prep.objs.append(None)
             prep.alloc_stream.append(None)

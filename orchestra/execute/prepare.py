@@ -31,7 +31,8 @@ def check_plan_structure(plan: Plan, graph: TaskGraph) -> None:
     if missing or unknown or twice:
         parts = []
         if missing:
-            parts.append("never run: " + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
+            more = " ..." if len(missing) > 10 else ""
+            parts.append("never run: " + ", ".join(missing[:10]) + more)
         if unknown:
             parts.append("not in the graph: " + ", ".join(unknown[:10]))
         if twice:
