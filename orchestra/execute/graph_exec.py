@@ -195,6 +195,52 @@ def trim_graph_memory(device=None) -> None:
     cu(_d.cuDeviceGraphMemTrim, dev.handle)
 
 
+# -- cuGraphExecUpdate with its result info ------------------------------------------------
+
+
+class _UpdateResultInfo(ctypes.Structure):
+    """``CUgraphExecUpdateResultInfo``: ``{CUgraphExecUpdateResult result; CUgraphNode
+    errorNode; CUgraphNode errorFromNode;}``."""
+
+    _fields_ = [("result", ctypes.c_int), ("errorNode", ctypes.c_void_p),
+                ("errorFromNode", ctypes.c_void_p)]
+
+
+_UPDATE_FN_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.POINTER(_UpdateResultInfo))
+_update_fn = None
+
+
+def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
+    """``cuGraphExecUpdate(exec_, graph)`` -> ``(CUresult, CUgraphExecUpdateResult,
+    errorNode, errorFromNode)`` as ints (None when unknown).
+
+    cuda-bindings returns ``(err, None)`` when the call fails, dropping the result info exactly
+    when it says why; so the driver's own entry point (``cuGetProcAddress("cuGraphExecUpdate",
+    12000)``: the CUDA 12+ form taking a ``CUgraphExecUpdateResultInfo*``) is called through
+    ctypes with orchestra's struct. If that is unavailable, the bindings' call is used and a
+    refusal's reason is unknown.
+    """
+    global _update_fn
+    if _update_fn is None:
+        try:
+            err, pfn, _status = _d.cuGetProcAddress(b"cuGraphExecUpdate", 12000, 0)
+            if not err and pfn:
+                _update_fn = _UPDATE_FN_TYPE(int(pfn))
+        except Exception:  # noqa: BLE001 - fall back to the bindings' call below
+            pass
+    if _update_fn is not None:
+        info = _UpdateResultInfo()
+        err = _update_fn(int(exec_), int(graph), ctypes.byref(info))
+        return int(err), int(info.result), info.errorNode, info.errorFromNode
+    err, info = _d.cuGraphExecUpdate(exec_, graph)
+    if info is None:
+        return int(err), (0 if not err else None), None, None
+    en, ef = info.errorNode, info.errorFromNode
+    return (int(err), int(info.result), None if en is None else int(en),
+            None if ef is None else int(ef))
+
+
 # -- host arrays -----------------------------------------------------------------------------
 
 
@@ -608,11 +654,12 @@ class GraphExec:
                 bindings = {**self._built.external, **self._bound}
             built = self._rebuild(taskgraph, plan, bindings)
             try:
-                err, info = _d.cuGraphExecUpdate(self._state.exec, built.cugraph)
+                self.device.make_current()
+                err, result, error_node, error_from = exec_update(self._state.exec,
+                                                                  built.cugraph)
             except BaseException:
                 self._discard(built)
                 raise
-            result = int(info.result)
             ok = not err and result == 0
             if ok:
                 # Per-node updates keep naming nodes of the instantiation graph; the updated
@@ -625,15 +672,21 @@ class GraphExec:
                 self.last_update = UpdateResult(True, False, None, None, None,
                                                 "cuGraphExecUpdate accepted the new graph")
                 return self.last_update
-            try:
-                reason = _d.CUgraphExecUpdateResult(result).name
-            except ValueError:
-                reason = f"CUgraphExecUpdateResult({result})"
-            node = built.node_name(info.errorNode)
-            from_node = built.node_name(info.errorFromNode)
+            if result is None:
+                reason = "unknown (the result info was not available)"
+            else:
+                try:
+                    reason = _d.CUgraphExecUpdateResult(result).name
+                except ValueError:
+                    reason = f"CUgraphExecUpdateResult({result})"
+            node = built.node_name(error_node)
+            from_node = built.node_name(error_from)
             msg = f"cuGraphExecUpdate refused the new graph: {reason}"
             if err:
-                msg += f" ({_d.CUresult(int(err)).name})"
+                try:
+                    msg += f" ({_d.CUresult(err).name})"
+                except ValueError:
+                    msg += f" (CUresult {err})"
             if node:
                 msg += f" at node {node}"
             if from_node:
@@ -718,5 +771,5 @@ class GraphExec:
                 f" on device {self.device.ordinal}>")
 
 
-__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord",
+__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord", "exec_update",
            "UpdateResult", "graph_memory", "trim_graph_memory"]
