@@ -28,7 +28,14 @@
 //   pdl_secondary_nowait(...)   same without the wait: NOT safe with the PDL attribute (C12).
 //   pdl_chain_step(const float* x, float* y, unsigned long long n)
 //       trigger, wait, y[i] = x[i] + 1: one link of the `orchestra bench pdl` chain (launch k
-//       reads what launch k - 1 wrote; ping-pong two buffers). PDL attribute optional.
+//       reads what launch k - 1 wrote; ping-pong two buffers). PDL attribute optional. The
+//       trigger comes first, before the link's own wait: legal, because the next link's
+//       griddepcontrol.wait still waits for this whole grid to complete and flush; it lets the
+//       next link be launched and made resident while this one waits, so only the wait's
+//       release is left on the chain's critical path.
+//   pdl_chain_step_after_wait(const float* x, float* y, unsigned long long n)
+//       the same link with the trigger after the wait (wait, trigger, y[i] = x[i] + 1): at most
+//       one dependent is launched ahead. `orchestra bench pdl` times both placements.
 //   pdl_spin(unsigned long long ns)
 //       one thread spins ns nanoseconds on %globaltimer: holds a stream while the host enqueues a
 //       long chain, so the chain is timed on the GPU and not at the host's launch rate.
@@ -83,6 +90,16 @@ extern "C" __global__ void pdl_chain_step(const float* __restrict__ x, float* __
     trigger_dependents();    // the next link may launch now ...
     grid_dependency_wait();  // ... but this one reads x (and overwrites y) only after the previous
                              // link - which read y two launches ago - has completed
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        y[i] = x[i] + 1.0f;
+}
+
+extern "C" __global__ void pdl_chain_step_after_wait(const float* __restrict__ x,
+                                                     float* __restrict__ y, unsigned long long n)
+{
+    grid_dependency_wait();  // the previous link has completed: x is final, y is free
+    trigger_dependents();    // only now may the next link launch
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x)
         y[i] = x[i] + 1.0f;

@@ -28,6 +28,13 @@
 // Why the consumer reads another warp's data: the rotation below makes every thread read floats
 // that a different warp copied, so the result is only right because consumer_wait() makes the
 // whole block's copies of that stage visible - the property a block-scope pipeline exists for.
+//
+// End of life: every committed stage is waited on (consumer_wait) before the thread quits, so no
+// cp.async is in flight when the last thread to quit invalidates the stage barriers; the last
+// STAGES releases are never waited on (nobody refills those stages), which is not an error.
+// compute-sanitizer synccheck older than 2025.4, or any version on a cubin from NVRTC 13.0,
+// reports "Missing wait" at producer_commit(): a known false positive on libcu++'s
+// cp.async.mbarrier.arrive without .noinc (docs/kernels.md).
 
 #include <cuda/pipeline>
 #include <cooperative_groups.h>

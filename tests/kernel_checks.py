@@ -6,17 +6,28 @@ checks run under compute-sanitizer:
     python3 tests/kernel_checks.py --list
     python3 tests/kernel_checks.py pipeline_block_2 [more names...]
     python3 tests/kernel_checks.py all
-    compute-sanitizer --tool racecheck python3 tests/kernel_checks.py --small all
+    python3 tests/kernel_checks.py --isolate all        # each check in its own process
+    compute-sanitizer --tool racecheck python3 tests/kernel_checks.py --small --isolate all
+    tests/run_sanitizers.sh                              # tools x checks, one process each
 
 Exit status 0 when every selected check passed (or was skipped for a too-old GPU), 1 when one
 failed, 2 for bad usage. ``--small`` caps the large sizes (use it under racecheck, which is
-slow). tests/test_kernels_gpu.py runs each check in a subprocess with a timeout, so a kernel that
-hangs fails its test instead of hanging the suite.
+slow). In one process a failed check does not stop the others, except a sticky CUDA error (an
+unusable context, e.g. after a sanitizer killed a kernel): then the rest cannot run, which is why
+``--isolate`` runs every check in a child process (compute-sanitizer follows child processes:
+``--target-processes all`` is its default) with a timeout (``--timeout``, seconds).
+``--build-cubins DIR`` compiles every kernel here (no GPU) into DIR; ``--cubins DIR`` (or
+``$ORCHESTRA_KERNEL_CUBINS``) makes the checks load those cubins instead of compiling: how
+kernels built by a newer NVRTC reach a GPU machine with an older one (docs/kernels.md, synccheck).
+tests/test_kernels_gpu.py runs each check in a subprocess with a timeout, so a kernel that hangs
+fails its test instead of hanging the suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -306,7 +317,7 @@ def _pdl_c12(ctx: Ctx) -> None:
         print(f"    ok  refused: {exc}")
     else:
         raise CheckFailed("pdl_secondary_nowait was not recognised as a kernel that never waits")
-    for key in ("pdl_secondary", "pdl_chain_step"):
+    for key in ("pdl_secondary", "pdl_chain_step", "pdl_chain_step_after_wait"):
         ptx, entry = cat.ptx_text(cat.spec(key))
         require_grid_dependency_wait(ptx, entry)  # must not raise
         print(f"    ok  {key} waits on its grid dependency")
@@ -324,21 +335,22 @@ def _pdl_c12(ctx: Ctx) -> None:
 
 @check("pdl_chain")
 def _pdl_chain(ctx: Ctx) -> None:
-    k = ctx.kernel("pdl_chain_step")
-    if not _pdl_allowed("pdl_chain_step"):
-        raise CheckFailed("pdl_chain_step does not wait on its grid dependency")
     n, block, steps = 1000, 256, 101
     x0 = ctx.randn(n)
-    for pdl in (False, True):
-        bufs = [ctx.upload(x0), ctx.output(n)]
-        for i in range(steps):
-            k.launch(ctx.stream, -(-n // block), block, (bufs[i % 2], bufs[(i + 1) % 2], n),
-                     pdl=pdl)
-        ctx.stream.synchronize()
-        ctx.expect(f"{steps} steps pdl={pdl}", ctx.download(bufs[steps % 2], n),
-                   ref.pdl_chain(x0, steps), rtol=0, atol=0)
-        for b in bufs:
-            b.free()
+    for key in ("pdl_chain_step", "pdl_chain_step_after_wait"):
+        k = ctx.kernel(key)
+        if not _pdl_allowed(key):
+            raise CheckFailed(f"{key} does not wait on its grid dependency")
+        for pdl in (False, True):
+            bufs = [ctx.upload(x0), ctx.output(n)]
+            for i in range(steps):  # as in the bench: every link but the first carries PDL
+                k.launch(ctx.stream, -(-n // block), block, (bufs[i % 2], bufs[(i + 1) % 2], n),
+                         pdl=pdl and i > 0)
+            ctx.stream.synchronize()
+            ctx.expect(f"{key}: {steps} steps pdl={pdl}", ctx.download(bufs[steps % 2], n),
+                       ref.pdl_chain(x0, steps), rtol=0, atol=0)
+            for b in bufs:
+                b.free()
 
 
 # -- clusters and distributed shared memory -------------------------------------------------------
@@ -435,15 +447,58 @@ def run(names: list[str], small: bool = False) -> int:
     return 1 if failed else 0
 
 
+def run_isolated(names: list[str], small: bool = False, cubins: str | None = None,
+                 timeout: float = 900.0) -> int:
+    """Run each named check in its own child process (this script), one after the other; a
+    check whose child does not finish within ``timeout`` seconds is killed and failed. 0 when
+    all passed or skipped, 1 otherwise."""
+    failed = []
+    for name in names:
+        argv = [sys.executable, str(Path(__file__).resolve()), name]
+        argv += ["--small"] if small else []
+        argv += ["--cubins", cubins] if cubins else []
+        sys.stdout.flush()
+        try:
+            rc = subprocess.run(argv, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"FAIL {name}: no result within {timeout:g} s (a hung kernel?); killed",
+                  flush=True)
+            rc = None
+        if rc != 0:
+            if rc not in (None, 1):
+                print(f"FAIL {name}: its process exited with status {rc}", flush=True)
+            failed.append(name)
+    print(f"{len(names) - len(failed)} of {len(names)} checks passed (one process each)"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("names", nargs="*", help="check names, or 'all'")
     p.add_argument("--list", action="store_true", help="print the check names and exit")
     p.add_argument("--small", action="store_true",
                    help="smaller large sizes (for compute-sanitizer racecheck)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run every check in its own child process")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="with --isolate: seconds a check may take (900)")
+    p.add_argument("--cubins", metavar="DIR",
+                   help="load the kernels from the prebuilt cubins in DIR (--build-cubins)")
+    p.add_argument("--build-cubins", metavar="DIR",
+                   help="compile every kernel for --arch into DIR and exit (no GPU needed)")
+    p.add_argument("--arch", default="sm_90", help="with --build-cubins: target (sm_90)")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(CHECKS))
+        return 0
+    if args.build_cubins:
+        from orchestra.compiler import nvrtc_version
+
+        for path in cat.build_cubins(args.build_cubins, arch=args.arch):
+            print(path)
+        print("NVRTC %d.%d, %s; use them with --cubins %s" % (*nvrtc_version(), args.arch,
+                                                              args.build_cubins))
         return 0
     names = list(CHECKS) if args.names == ["all"] else args.names
     unknown = [n for n in names if n not in CHECKS]
@@ -452,6 +507,14 @@ def main(argv=None) -> int:
               if unknown else "name at least one check, or 'all' (--list shows them)",
               file=sys.stderr)
         return 2
+    if args.cubins:
+        if not Path(args.cubins).is_dir():
+            print(f"--cubins {args.cubins}: no such directory", file=sys.stderr)
+            return 2
+        os.environ[cat.PREBUILT_ENV] = str(Path(args.cubins).resolve())
+    if args.isolate:
+        return run_isolated(names, args.small, os.environ.get(cat.PREBUILT_ENV) or None,
+                            args.timeout)
     from orchestra.errors import NoDeviceError
 
     try:

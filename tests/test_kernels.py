@@ -89,6 +89,19 @@ def test_ptx_uses_the_cp_async_group_instructions():
                                                                       re.M)
 
 
+def test_ptx_never_copies_past_the_end_of_x():
+    """memcheck checks a cp.async's whole cp-size, src-size or not: the ragged tail must be
+    copied float by float (4-byte cp.async.ca), never as a 16-byte copy with a src-size."""
+    code = re.sub(r"//[^\n]*", "", cat.spec("cp_async_scale").path().read_text())
+    copies = re.findall(r"cp\.async\.(ca|cg)\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*"
+                        r"([^;]*);", code)
+    assert copies, "no cp.async copies found"
+    assert all("," not in size for _, size in copies), copies  # no src-size operand
+    assert ("cg", "16") in copies
+    assert [c for c in copies if c == ("ca", "4")] and all(
+        s == "4" for q, s in copies if q == "ca"), copies
+
+
 def test_ptx_params_match_the_entry_declaration():
     params = normalize_params(cat.CP_ASYNC_PARAMS)
     assert [p.size for p in params] == [8, 8, 8, 4]
@@ -143,13 +156,28 @@ def pdl_ptx(tmp_path_factory):
 def test_pdl_kernels_wait_where_they_must(pdl_ptx):
     waits = kernels_waiting_on_grid_dependency(pdl_ptx)
     assert waits == {"pdl_primary": False, "pdl_secondary": True, "pdl_secondary_nowait": False,
-                     "pdl_chain_step": True, "pdl_spin": False}
+                     "pdl_chain_step": True, "pdl_chain_step_after_wait": True,
+                     "pdl_spin": False}
     assert "griddepcontrol.launch_dependents" in entry_points(pdl_ptx)["pdl_primary"]
+
+
+def test_chain_links_trigger_before_and_after_their_wait(pdl_ptx):
+    bodies = entry_points(pdl_ptx)
+
+    def order(name):
+        body = bodies[name]
+        return body.index("griddepcontrol.launch_dependents"), body.index("griddepcontrol.wait")
+
+    trig, wait = order("pdl_chain_step")
+    assert trig < wait  # the next link may launch before this one waits
+    trig, wait = order("pdl_chain_step_after_wait")
+    assert wait < trig
 
 
 def test_pdl_is_refused_for_a_consumer_that_never_waits(pdl_ptx):
     require_grid_dependency_wait(pdl_ptx, "pdl_secondary")
     require_grid_dependency_wait(pdl_ptx, "pdl_chain_step")
+    require_grid_dependency_wait(pdl_ptx, "pdl_chain_step_after_wait")
     with pytest.raises(PdlWithoutWaitError, match="pdl_secondary_nowait never executes"):
         require_grid_dependency_wait(pdl_ptx, "pdl_secondary_nowait")
 
@@ -268,3 +296,108 @@ def test_bench_cli_is_registered():
     assert args.mib == 64 and args.json and callable(args.func)
     args = build_parser().parse_args(["bench", "pdl", "--kernels", "10"])
     assert args.kernels == 10 and callable(args.func)
+
+
+# -- launching the PDL chain: the launch config is built once -------------------------------------
+
+def test_ex_launch_builds_its_launch_config_once_per_configuration_and_stream(monkeypatch):
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver
+
+    from orchestra.compiler import LaunchConfig
+    from orchestra.compiler import module as mod
+
+    sent = []
+    fake = SimpleNamespace(cuLaunchKernelEx=lambda cfg, f, a, e: (sent.append(cfg), (0,))[1])
+    monkeypatch.setattr(mod, "_drv", lambda: fake)
+    k = object.__new__(mod.Kernel)
+    k._ex, k.function, k.name, k.layout = {}, "function", "link", None
+    checked = []
+    k.launch_config = lambda *a, **kw: (checked.append(a), LaunchConfig.make(*a, **kw))[1]
+    k._args_address = lambda args: (args, 0x1234)
+    s1 = SimpleNamespace(handle=driver.CUstream(0x5000))
+    s2 = SimpleNamespace(handle=driver.CUstream(0x6000))
+    for _ in range(3):
+        k.launch(s1, 1, 256, (), pdl=True)
+    k.launch(s2, 1, 256, (), pdl=True)
+    k.launch(s1, 2, 256, (), pdl=True)
+    assert len(checked) == 3  # (s1, grid 1), (s2, grid 1), (s1, grid 2)
+    assert sent[0] is sent[1] is sent[2]
+    assert sent[3] is not sent[0] and int(sent[3].hStream) == 0x6000
+    assert sent[4].gridDimX == 2 and sent[0].numAttrs == 1
+    assert int(sent[0].attrs[0].value.programmaticStreamSerializationAllowed) == 1
+
+
+# -- prebuilt cubins, one process per check, the sanitizer loop -----------------------------------
+
+def test_prebuilt_cubins_are_built_without_a_gpu_and_refused_when_stale(tmp_path):
+    import json
+
+    out = tmp_path / "cubins"
+    proc = subprocess.run([sys.executable, str(RUNNER), "--build-cubins", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "--cubins" in proc.stdout
+    assert {p.name for p in out.glob("*.cubin")} == {f"{src}.cubin" for src in cat.sources()}
+    meta = json.loads((out / "pipeline_block.cu.json").read_text())
+    assert meta["arch"] == "sm_90" and meta["compiler"].startswith("nvrtc ")
+    assert meta["lowered_names"]["pipeline_block<2>"] == "_Z14pipeline_blockILi2EEvPKfPfyff"
+    assert (out / "cp_async.ptx.cubin").read_bytes()[:4] == b"\x7fELF"
+
+    class Dev:
+        ordinal, arch = 0, "sm_90"
+
+    meta["sha256"] = "0" * 64
+    (out / "pipeline_block.cu.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="another version of pipeline_block.cu"):
+        cat._load_prebuilt(cat.spec("pipeline_block<2>"), Dev(), out)
+    Dev.arch = "sm_100"
+    with pytest.raises(RuntimeError, match="is for sm_90"):
+        cat._load_prebuilt(cat.spec("warp_specialized"), Dev(), out)
+    with pytest.raises(RuntimeError, match="--build-cubins"):
+        cat._load_prebuilt(cat.spec("warp_specialized"), Dev(), tmp_path / "nothing")
+
+
+def test_isolated_checks_each_get_a_process_and_a_summary():
+    """Without a GPU every child fails (no device); the parent still runs each and sums up."""
+    from orchestra.driver.check import device_available
+
+    if device_available():
+        pytest.skip("this test expects the checks to fail for want of a GPU")
+    out = subprocess.run([sys.executable, str(RUNNER), "--isolate", "pdl_c12", "pdl_pair"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "0 of 2 checks passed (one process each); failed: pdl_c12, pdl_pair" in out.stdout
+
+
+def test_sanitizer_loop_runs_every_tool_on_every_check_and_tabulates(tmp_path):
+    san, py = tmp_path / "san", tmp_path / "py"
+    san.write_text("""#!/bin/bash
+[ "$1" = --version ] && { echo "fake version 1"; exit 0; }
+tool=$2; shift 4
+"$@"; rc=$?
+[ "$tool" = racecheck ] && echo "==== RACECHECK SUMMARY: 0 hazards displayed (0 errors)" \
+                       || echo "==== ERROR SUMMARY: 0 errors"
+[ "$tool" = synccheck ] && [ "${@: -1}" = a_check ] && exit 99
+exit $rc
+""")
+    py.write_text("""#!/bin/bash
+[ "$2" = --list ] && { printf 'a_check\\nb_check\\n'; exit 0; }
+name=${@: -1}
+[ "$name" = b_check ] && [ "$2" != --small ] && exit 3
+echo "PASS $name (0.0 s)"
+""")
+    san.chmod(0o755)
+    py.chmod(0o755)
+    script = Path(__file__).with_name("run_sanitizers.sh")
+    env = {"PATH": "/usr/bin:/bin", "SANITIZER": str(san), "PYTHON": str(py),
+           "LOGDIR": str(tmp_path / "logs")}
+    out = subprocess.run(["bash", str(script), "memcheck", "synccheck"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(re.match(r"memcheck\s+a_check\s+ok\s", ln) for ln in lines), out.stdout
+    assert any(re.match(r"synccheck\s+a_check\s+ERRORS\s", ln) for ln in lines), out.stdout
+    assert any(re.match(r"b_check\s+ok\s+ok", ln) for ln in lines), out.stdout
+    assert (tmp_path / "logs" / "synccheck.a_check.log").is_file()

@@ -239,7 +239,7 @@ class Kernel:
         self._attributes = None
         self._dyn_smem = None  # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
-        self._ex: dict = {}  # full launch key -> LaunchConfig (checked)
+        self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
         self._lock = threading.Lock()
         if params is not None:
             self._verify_params()
@@ -409,27 +409,39 @@ class Kernel:
 
     def _launch_ex(self, stream, grid, block, args, shared_mem, cooperative, cluster, pdl,
                    priority):
-        key = (grid, block, shared_mem, cooperative, cluster, pdl, priority)
-        try:
-            cfg = self._ex[key]
-        except (KeyError, TypeError):
-            cfg = self.launch_config(grid, block, shared_mem, cooperative=cooperative,
-                                     cluster=cluster, pdl=pdl, priority=priority)
-            try:
-                self._ex[key] = cfg
-            except TypeError:
-                pass
-        args, address = self._args_address(args)
         try:
             handle = stream.handle
         except AttributeError:
             handle = _raw_stream(stream)
-        config = build_launch_config(cfg, handle)
+        key = (grid, block, shared_mem, cooperative, cluster, pdl, priority)
+        # The CUlaunchConfig (dims, stream, attribute list) is built once per configuration and
+        # stream and reused: building it costs several microseconds, as much as the launch.
+        try:
+            config = self._ex[key, int(handle)]
+        except (KeyError, TypeError):
+            config = self._prepare_ex(key, handle)
+        if type(args) is PackedArgs and args.layout is self.layout:
+            address = args.address
+        else:
+            args, address = self._args_address(args)
         (err,) = _drv().cuLaunchKernelEx(config, self.function, address, 0)
         if err:
             from orchestra.driver.check import error_from_result
 
             raise error_from_result("cuLaunchKernelEx", err, context=f"kernel {self.name}")
+
+    def _prepare_ex(self, key, handle):
+        grid, block, shared_mem, cooperative, cluster, pdl, priority = key
+        cfg = self.launch_config(grid, block, shared_mem, cooperative=cooperative,
+                                 cluster=cluster, pdl=pdl, priority=priority)
+        config = build_launch_config(cfg, handle)
+        try:
+            if len(self._ex) >= 256:  # many streams or shapes: start over rather than grow
+                self._ex.clear()
+            self._ex[key, int(handle)] = config
+        except TypeError:  # unhashable (a list): checked and built again next time
+            pass
+        return config
 
     def __repr__(self) -> str:
         sig = self.layout.signature if self.layout is not None else f"{self.name}(?)"

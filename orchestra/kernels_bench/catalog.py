@@ -6,13 +6,28 @@ capability) so tests, checks and benchmarks launch each kernel the same way.
 
 `load(spec, device)` returns a launchable ``orchestra.compiler.Kernel`` (NVRTC for ``.cu``,
 nvJitLink for ``.ptx``); `compile_spec` and `ptx_text` work without a GPU.
+
+Prebuilt cubins: `build_cubins(directory)` compiles every source once here (no GPU needed) and
+writes ``<source>.cubin`` + ``<source>.json`` (lowered names, source digest, compiler version);
+with ``$ORCHESTRA_KERNEL_CUBINS`` set to that directory, `load` takes the kernels from those
+files instead of compiling. This is how the kernels built by a newer NVRTC reach a GPU machine
+whose own NVRTC is older: compute-sanitizer's synccheck needs cubins from NVRTC 13.1 or newer to
+tell ``cp.async.mbarrier.arrive`` (which libcu++'s block-scope ``producer_commit`` uses) from a
+plain arrival (docs/kernels.md). A cubin whose source changed since it was built is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import threading
 from pathlib import Path
 
 import attrs
+
+#: Directory of prebuilt cubins (`build_cubins`) that `load` uses instead of compiling.
+PREBUILT_ENV = "ORCHESTRA_KERNEL_CUBINS"
 
 #: float4 per thread per stage in pipeline_block.cu (PB_VEC).
 PIPELINE_BLOCK_VEC = 2
@@ -78,6 +93,8 @@ SPECS: tuple[KernelSpec, ...] = (
     KernelSpec("pdl_secondary", "pdl.cu", "pdl_secondary", min_cc=(9, 0)),
     KernelSpec("pdl_secondary_nowait", "pdl.cu", "pdl_secondary_nowait", min_cc=(9, 0)),
     KernelSpec("pdl_chain_step", "pdl.cu", "pdl_chain_step", min_cc=(9, 0)),
+    KernelSpec("pdl_chain_step_after_wait", "pdl.cu", "pdl_chain_step_after_wait",
+               min_cc=(9, 0)),
     KernelSpec("pdl_spin", "pdl.cu", "pdl_spin", min_cc=(7, 0)),
     KernelSpec("cluster_dsmem", "cluster_dsmem.cu", "cluster_dsmem", min_cc=(9, 0)),
     KernelSpec("cluster_dsmem_pair", "cluster_dsmem.cu", "cluster_dsmem_pair", min_cc=(9, 0)),
@@ -166,8 +183,9 @@ def ptx_text(s: KernelSpec, *, arch: str = "sm_90") -> tuple[str, str]:
 
 def load(s: KernelSpec | str, device=None):
     """A launchable ``orchestra.compiler.Kernel`` for ``s`` (a spec or its key) on ``device``
-    (compiled/linked for that device's arch, cached). Raises ``RuntimeError`` when the device's
-    compute capability is below ``s.min_cc``."""
+    (compiled/linked for that device's arch, cached; or taken from the prebuilt cubins of
+    ``$ORCHESTRA_KERNEL_CUBINS``). Raises ``RuntimeError`` when the device's compute capability
+    is below ``s.min_cc`` or a prebuilt cubin is missing, stale or for another arch."""
     from orchestra.compiler import load_kernel
     from orchestra.driver import Device
 
@@ -177,6 +195,68 @@ def load(s: KernelSpec | str, device=None):
         raise RuntimeError(f"kernel {s.key} needs compute capability"
                            f" {s.min_cc[0]}.{s.min_cc[1]}+, {dev.name} has"
                            f" {dev.compute_capability[0]}.{dev.compute_capability[1]}")
+    prebuilt = os.environ.get(PREBUILT_ENV, "")
+    if prebuilt:
+        return _load_prebuilt(s, dev, Path(prebuilt))
     if s.name_expression:
         return load_kernel(s.path(), s.name, name_expression=s.name, params=s.params, device=dev)
     return load_kernel(s.path(), s.name, params=s.params, device=dev)
+
+
+# -- prebuilt cubins ------------------------------------------------------------------------------
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_cubins(directory, *, arch: str = "sm_90") -> list[Path]:
+    """Compile (NVRTC) or link (nvJitLink) every source of the library for ``arch`` and write
+    ``<source>.cubin`` and ``<source>.json`` into ``directory`` (created). No GPU needed.
+    Returns the cubin paths."""
+    from orchestra.compiler import nvrtc_version
+    from orchestra.compiler.ptx import nvjitlink_version
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for src, specs in sources().items():
+        res = compile_spec(specs[0], arch=arch)
+        if specs[0].is_ptx:
+            image, names, tool = bytes(res), {}, "nvjitlink %d.%d" % nvjitlink_version()
+        else:
+            image, names = bytes(res.cubin), dict(res.lowered_names)
+            tool = "nvrtc %d.%d" % nvrtc_version()
+        cubin = out / f"{src}.cubin"
+        cubin.write_bytes(image)
+        meta = {"source": src, "sha256": _digest(specs[0].path()), "arch": arch,
+                "compiler": tool, "lowered_names": names}
+        (out / f"{src}.json").write_text(json.dumps(meta, indent=1) + "\n")
+        written.append(cubin)
+    return written
+
+
+_prebuilt_lock = threading.Lock()
+_prebuilt_modules: dict = {}
+
+
+def _load_prebuilt(s: KernelSpec, dev, directory: Path):
+    from orchestra.compiler import Module
+
+    cubin, meta_path = directory / f"{s.source}.cubin", directory / f"{s.source}.json"
+    if not cubin.is_file() or not meta_path.is_file():
+        raise RuntimeError(f"${PREBUILT_ENV}={directory}: no {cubin.name} / {meta_path.name};"
+                           " build them with: python3 tests/kernel_checks.py --build-cubins DIR")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("sha256") != _digest(s.path()):
+        raise RuntimeError(f"{cubin} was built from another version of {s.source}; rebuild"
+                           " with: python3 tests/kernel_checks.py --build-cubins DIR")
+    if meta.get("arch") != dev.arch:
+        raise RuntimeError(f"{cubin} is for {meta.get('arch')}, the device is {dev.arch}")
+    key = (dev.ordinal, str(cubin.resolve()))
+    with _prebuilt_lock:
+        module = _prebuilt_modules.get(key)
+        if module is None or module.closed:
+            text = None if s.is_ptx else s.path().read_text()
+            module = _prebuilt_modules[key] = Module.load(
+                cubin.read_bytes(), dev, source=text, lowered_names=meta.get("lowered_names"))
+    return module.kernel(s.name, params=s.params)
