@@ -203,7 +203,8 @@ def test_translation_imports_no_cuda_call_path():
 
     for mod in (gs, cp, gc):
         assert "cuda.bindings" not in mod.__dict__.get("__builtins__", {})
-        src = open(mod.__file__).read()
+        with open(mod.__file__) as f:
+            src = f.read()
         assert "from cuda" not in src and "import cuda" not in src
 
 
@@ -876,7 +877,8 @@ def test_fake_dot_and_repr(fake, kind, tmp_path):
     with make_executor(kind, fake) as ex:
         exe = ex.build(g, None, bind)
         path = exe.dot(tmp_path / "g.dot")
-        text = open(path).read()
+        with open(path) as f:
+            text = f.read()
         assert text.startswith("digraph") and text.count("->") >= len(g.reduced_edges())
         assert kind in repr(exe)
         exe.close()
