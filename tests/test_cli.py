@@ -90,11 +90,11 @@ def test_staged_graph_waits_before_reusing_a_slot():
             assert verify(schedule(g, policy, streams), g) == []
 
 
-def test_run_other_executors_not_available(capsys):
-    assert main(["run", "--executor", "graph"]) == 2
+def test_run_graph_dot_needs_a_graph_executor(capsys):
+    assert main(["run", "--executor", "eager", "--graph-dot", "g.dot"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == ("orchestra run: --executor graph is not available yet; use "
-                           "--executor eager")
+    assert err.strip() == ("orchestra run: --graph-dot needs --executor capture or graph (the "
+                           "eager executor builds no CUDA graph)")
 
 
 def test_run_output_needs_input(capsys):

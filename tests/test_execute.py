@@ -611,7 +611,8 @@ def test_eager_graph_growth_invalidates_the_prepared_plan(fake):
 
 
 def test_make_executor_names():
-    with pytest.raises(ExecutorUnavailable, match="'capture' executor is not available yet"):
-        make_executor("capture")
+    from orchestra.execute import AVAILABLE_EXECUTORS, EXECUTORS
+
+    assert AVAILABLE_EXECUTORS == EXECUTORS == ("eager", "capture", "graph")
     with pytest.raises(ExecutorUnavailable, match="unknown executor 'warp'"):
         make_executor("warp")

@@ -911,3 +911,25 @@ def test_fake_capture_failure_in_a_driver_call_names_the_node(fake):
             ex.build(g, None, bind)
         assert info.value.call == "cuLaunchKernel" and info.value.node == "b1.kernel"
         assert not fake.capture and not fake.live_graphs
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph"])
+def test_fake_graph_runner_has_the_eager_interface(fake, kind, tmp_path):
+    from orchestra.execute.graph_runner import GraphRunner
+
+    g, bs, bind = job(3)
+    with GraphRunner(kind, fake.device, kernel_resolver=fg.resolver(fake)) as runner:
+        plan = runner.prepare(g, policy="by-engine", streams=3)
+        r1 = runner.run(g, plan, bind)
+        check(bs, bind, 3)
+        assert r1.prepare_ms > 0 and r1.nodes == len(g) and r1.wall_ms is not None
+        for b in bs:
+            bind[b.host_out.buffer.name][:] = np.nan
+        r2 = runner.run(g, plan, bind)
+        check(bs, bind, 3)
+        assert r2.prepare_ms == 0.0 and r2.steps == 1
+        assert fake.counts["cuGraphInstantiate"] == 1  # built once, replayed after
+        assert runner.kernels is runner.executor.kernels
+        path = runner.dot(tmp_path / "g.dot")
+        assert (tmp_path / "g.dot").exists() and path.endswith("g.dot")
+    assert runner.closed and not fake.live_graphs

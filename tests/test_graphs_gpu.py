@@ -636,3 +636,19 @@ def test_close_is_idempotent_and_the_finalizer_releases(dev, gx):
     gc.collect()
     p.check()
     p.close()
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", ["capture", "graph"])
+def test_orchestra_run_with_graph_executors(executor, tmp_path, capsys):
+    from orchestra.cli.main import main
+
+    dot = tmp_path / "job.dot"
+    rc = main(["run", "--executor", executor, "--batches", "8", "--batch-mib", "0.25",
+               "--repeat", "3", "--graph-dot", str(dot)])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0 and "PASS" in out and f"executor {executor}" in out
+    assert dot.exists() and "digraph" in dot.read_text()

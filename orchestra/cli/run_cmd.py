@@ -29,7 +29,12 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed, verified runs first (1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated input (0)")
     p.add_argument("--executor", choices=EXECUTORS, default="eager",
-                   help="eager (default); capture and graph are not available yet")
+                   help="eager (default: enqueue every node), capture (stream capture into a "
+                        "CUDA graph) or graph (a CUDA graph built node by node); the graph "
+                        "executors build once and replay every run")
+    p.add_argument("--graph-dot", metavar="FILE",
+                   help="with --executor capture|graph: write the CUDA graph as DOT "
+                        "(cuGraphDebugDotPrint)")
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
     p.add_argument("--no-verify-plan", action="store_true",
                    help="skip the hazard verifier before the first run")
@@ -44,6 +49,10 @@ def run(args) -> int:
         print(f"orchestra run: --executor {args.executor} is not available yet; use "
               f"--executor {' | '.join(AVAILABLE_EXECUTORS)}", file=sys.stderr)
         return 2
+    if args.graph_dot and args.executor == "eager":
+        print("orchestra run: --graph-dot needs --executor capture or graph (the eager "
+              "executor builds no CUDA graph)", file=sys.stderr)
+        return 2
     if args.output and not args.input:
         print("orchestra run: --output needs --input (the generated data is verified in "
               "memory)", file=sys.stderr)
@@ -56,7 +65,8 @@ def run(args) -> int:
                   policy=args.policy, compute_iters=args.compute_iters, repeat=args.repeat,
                   seed=args.seed, executor=args.executor, device=dev, input=args.input,
                   output=args.output, warmup=args.warmup, block=args.block,
-                  verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots)
+                  verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots,
+                  graph_dot=args.graph_dot)
     report = job.run()
     if args.json:
         print(json.dumps(report.as_dict(), indent=1, sort_keys=True))

@@ -1,6 +1,9 @@
 """orchestra.execute: run a task graph's plan on the GPU.
 
 - `EagerExecutor`: enqueue each step onto pooled non-blocking streams (`eager`).
+- CUDA Graphs: `CaptureExecutor` (`capture`), `GraphBuildExecutor` (`graph_build`), both giving
+  a `GraphExec` (`graph_exec`: launch, replay with new inputs and scalars, update); `GraphCache`
+  (`graph_cache`); `GraphRunner` (`graph_runner`: the eager interface over a graph executor).
 - Shared resolution every executor uses before enqueueing anything: checks and issue order
   (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
   arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`).
@@ -29,15 +32,26 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.staging import StagingPool
 
+from orchestra.execute.capture import CaptureError, CaptureExecutor, CaptureSession  # noqa: E402
+from orchestra.execute.graph_build import GraphBuildExecutor  # noqa: E402
+from orchestra.execute.graph_cache import GraphCache, Signature  # noqa: E402
+from orchestra.execute.graph_exec import GraphExec, UpdateResult, graph_memory  # noqa: E402
+from orchestra.execute.graph_runner import GraphRunner  # noqa: E402
+
 EXECUTORS = ("eager", "capture", "graph")
-AVAILABLE_EXECUTORS = ("eager",)
+AVAILABLE_EXECUTORS = ("eager", "capture", "graph")
 
 
 def make_executor(name: str = "eager", device=None, *, verify: bool = True):
-    """The executor called ``name`` ("eager"; "capture" and "graph" come with the CUDA Graphs
-    work) on ``device``. Unknown or unbuilt names raise `ExecutorUnavailable`."""
+    """The executor called ``name`` on ``device``: "eager" (`EagerExecutor`), "capture" or
+    "graph" (a `GraphRunner` over `CaptureExecutor` / `GraphBuildExecutor`: the same
+    prepare / run / kernels / close interface). Unknown names raise `ExecutorUnavailable`."""
     if name == "eager":
         return EagerExecutor(device, verify=verify)
+    if name in ("capture", "graph"):
+        from orchestra.execute.graph_runner import GraphRunner
+
+        return GraphRunner(name, device, verify=verify)
     if name in EXECUTORS:
         raise ExecutorUnavailable(f"the {name!r} executor is not available yet; use "
                                   f"{', '.join(AVAILABLE_EXECUTORS)}")
@@ -45,6 +59,8 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True):
 
 
 __all__ = [
+    "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
+    "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
     "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "DeviceBinding", "EXECUTORS",
     "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
     "HostFunctionError", "KernelArgs", "KernelResolver", "PageableMemoryError", "PinnedCheck",

@@ -132,7 +132,8 @@ class MainJob:
                  executor: str = "eager", *, device=None, elements: int | None = None,
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
-                 staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS):
+                 staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
+                 graph_dot: str | os.PathLike | None = None):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
             raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
@@ -151,6 +152,7 @@ class MainJob:
         self.staging_slots = int(staging_slots)
         self.timing_repeats = int(timing_repeats)
         self.check_iters = int(check_iters)
+        self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -196,6 +198,10 @@ class MainJob:
             repeat=self.repeat, seed=None if self.input else self.seed,
             input=None if self.input is None else str(self.input),
             output=None if self.output is None else str(self.output))
+
+    def _dump_dot(self, executor) -> None:
+        if self.graph_dot and hasattr(executor, "dot"):
+            executor.dot(self.graph_dot)
 
     # -- run --------------------------------------------------------------------------------
 
@@ -251,6 +257,7 @@ class MainJob:
                 if r >= self.warmup:
                     runs.append(res)
             del x, y, bindings
+            self._dump_dot(executor)
             return self._report(dev, sizes, single, runs, checks, routing, mismatches)
         finally:
             executor.close()
@@ -345,6 +352,7 @@ class MainJob:
                 checks.append(chk)
                 if r >= self.warmup:
                     runs.append(res)
+            self._dump_dot(executor)
             return self._report(dev, sizes, single, runs, checks, routing, mismatches)
         finally:
             executor.close()

@@ -1,0 +1,171 @@
+"""`GraphRunner`: a graph executor behind the eager executor's interface.
+
+``orchestra run --executor capture|graph`` and the main job drive every executor the same way
+(``prepare(graph, policy=, streams=, costs=)`` -> plan; ``run(graph, plan, bindings)`` ->
+`RunResult`; ``kernels``; ``close()``). `GraphRunner` gives the graph executors that shape:
+
+- the first ``run`` of a (graph, plan) builds and instantiates its CUDA graph (capture or
+  explicit build; the time goes to ``RunResult.prepare_ms``) with that run's bindings; the exec
+  is cached (LRU, ``cache_size``);
+- every ``run`` is then a `GraphExec.replay` with the run's bindings (only arrays that changed
+  are rebound) and one ``cuGraphLaunch``; ``wall_ms`` is host time from the replay call to the
+  end of the synchronize, ``enqueue_us`` the replay call alone;
+- ``dot(path)`` writes the last exec's graph with ``cuGraphDebugDotPrint`` (``--graph-dot``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Mapping
+
+from orchestra.execute.eager import RunResult
+from orchestra.graph import TaskGraph
+from orchestra.schedule import Plan, schedule
+
+KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-build"}
+
+
+class GraphRunner:
+    """``kind``: ``"capture"`` or ``"graph"`` (explicit build). Other arguments as for the
+    executors (`CaptureExecutor`, `GraphBuildExecutor`); ``trace=True`` builds traced execs
+    (each run's `RunResult.timeline` is set)."""
+
+    def __init__(self, kind: str = "capture", device=None, *, verify: bool = True,
+                 kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
+                 mode="thread-local", trace: bool = False):
+        if kind not in KINDS:
+            raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        self.kind = KINDS[kind]
+        if self.kind == "capture":
+            from orchestra.execute.capture import CaptureExecutor
+
+            self.executor = CaptureExecutor(device, mode=mode, verify=verify,
+                                            kernel_resolver=kernel_resolver, auto_free=auto_free)
+        else:
+            from orchestra.execute.graph_build import GraphBuildExecutor
+
+            self.executor = GraphBuildExecutor(device, verify=verify,
+                                               kernel_resolver=kernel_resolver,
+                                               auto_free=auto_free)
+        self.device = self.executor.device
+        self.kernels = self.executor.kernels
+        self.trace = bool(trace)
+        self.cache_size = max(1, int(cache_size))
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._execs: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.RLock()
+        self.last_exec = None
+        self._closed = False
+
+    # -- plans --------------------------------------------------------------------------------
+
+    def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
+                 costs=None) -> Plan:
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
+        key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is graph and hit[2] is costs:
+            self._plans.move_to_end(key)
+            return hit[1]
+        plan = schedule(graph, policy, streams, costs)
+        self._plans[key] = (graph, plan, costs)
+        while len(self._plans) > self.cache_size:
+            self._plans.popitem(last=False)
+        return plan
+
+    def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
+                streams: int = 3, costs=None) -> Plan:
+        """The plan (scheduled when None); the CUDA graph itself is built by the first `run`,
+        which has the bindings it bakes in."""
+        self._check_open()
+        return plan if plan is not None else self.plan_for(graph, policy, streams, costs)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self, graph: TaskGraph, plan: Plan | None = None,
+            bindings: Mapping[str, Any] | None = None, *, policy: str = "by-engine",
+            streams: int = 3, sync: bool = True, tracer=None, costs=None) -> RunResult:
+        """Build (first time) or replay the graph exec of (graph, plan) with ``bindings``;
+        returns a `RunResult` like the eager executor's. ``tracer``: anything truthy builds a
+        traced exec (the graph's own event-record nodes; the eager `EventTimer` protocol does
+        not apply to a graph)."""
+        with self._lock:
+            self._check_open()
+            plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
+            trace = self.trace or tracer is not None
+            key = (id(graph), len(graph), id(plan), trace)
+            hit = self._execs.get(key)
+            prepare_ms = 0.0
+            if hit is not None and hit[0] is graph and hit[1] is plan:
+                exe = hit[2]
+                self._execs.move_to_end(key)
+            else:
+                t0 = time.perf_counter_ns()
+                exe = self.executor.build(graph, plan, bindings, trace=trace)
+                prepare_ms = (time.perf_counter_ns() - t0) / 1e6
+                self._execs[key] = (graph, plan, exe)
+                while len(self._execs) > self.cache_size:
+                    self._execs.popitem(last=False)[1][2].close()
+            self.last_exec = exe
+            t0 = time.perf_counter_ns()
+            exe.replay(bindings, sync=False)
+            t1 = time.perf_counter_ns()
+            timeline = None
+            wall = None
+            if sync:
+                timeline = exe.synchronize()
+                wall = (time.perf_counter_ns() - t0) / 1e6
+            return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
+                             steps=1, events=plan.event_count, waits=plan.wait_count,
+                             streams=len(plan.streams), policy=plan.policy,
+                             prepare_ms=prepare_ms, timeline=timeline)
+
+    def synchronize(self):
+        """Wait for the last exec's launches (``sync=False`` runs)."""
+        with self._lock:
+            if self.last_exec is not None and not self.last_exec.closed:
+                return self.last_exec.synchronize()
+            return None
+
+    def dot(self, path, *, verbose: bool = False) -> str:
+        """The last exec's graph as DOT (``cuGraphDebugDotPrint``); ValueError before any run."""
+        if self.last_exec is None or self.last_exec.closed:
+            raise ValueError("no graph has been built yet: run() first")
+        return self.last_exec.dot(path, verbose=verbose)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this GraphRunner is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every cached exec, then the executor (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _, _, exe in self._execs.values():
+                exe.close()
+            self._execs.clear()
+            self._plans.clear()
+            self.last_exec = None
+            self.executor.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<GraphRunner {self.kind}: {len(self._execs)} cached execs>"
+
+
+__all__ = ["GraphRunner", "KINDS"]
