@@ -1050,3 +1050,12 @@ def test_load_kernel_memoizes_per_device_and_key(fake_driver):
     c = oc.load_kernel("saxpy.cu", "saxpy", device=FakeDevice(), options=("-DX=1",))
     assert c is not a and len(fake_driver.loaded) == 2
     mod.clear_memo()
+
+
+def test_kernel_params_read_from_the_cubin_parameter_table():
+    from orchestra.compiler.elf import kernel_params
+
+    res = oc.compile(KERNEL_DIR / "saxpy.cu", arch=ARCH)
+    # saxpy(float a, const float* x, const float* y, float* out, size_t n)
+    assert kernel_params(res.cubin, "saxpy") == [(0, 4), (8, 8), (16, 8), (24, 8), (32, 8)]
+    assert kernel_params(res.cubin, "no_such_kernel") is None

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
-from orchestra.compiler.elf import ElfError, is_elf, kernel_names
+from orchestra.compiler.elf import ElfError, is_elf, kernel_names, kernel_params
 from orchestra.compiler.launch import LaunchConfig, build_launch_config, check_launch
 from orchestra.compiler.nvrtc import CompileResult, prepare_compile
 from orchestra.compiler.params import normalize_params, parse_params
@@ -247,31 +247,18 @@ class Kernel:
     # -- parameters -------------------------------------------------------------------------
 
     def _verify_params(self) -> None:
-        """Compare the declared parameters with the image's: their count
-        (``cuFuncGetParamCount``) and each one's offset and size (``cuFuncGetParamInfo``).
-        A mismatch is ``ValueError``; a driver without these calls skips the check."""
-        d = _drv()
-        count = None
-        try:
-            err, n = d.cuFuncGetParamCount(self.function)
-            if not int(err):
-                count = int(n)
-        except Exception:  # noqa: BLE001 - older driver or bindings
-            count = None
-        # Without cuFuncGetParamCount (drivers before 13.1) probe only the declared indices:
-        # probing past the end would raise a driver error that compute-sanitizer reports.
-        probe = count if count is not None else len(self.params)
-        actual = []
-        try:
-            for i in range(min(probe, 4096)):
-                err, offset, size = d.cuFuncGetParamInfo(self.function, i)
-                if int(err):
-                    if count is None and err == d.CUresult.CUDA_ERROR_INVALID_VALUE:
-                        break  # the image has fewer parameters than declared
-                    return  # cannot tell: skip the check
-                actual.append((int(offset), int(size)))
-        except Exception:  # noqa: BLE001 - older driver/bindings: nothing to compare with
-            return
+        """Compare the declared parameters with the image's: their count, offsets and sizes.
+
+        A cubin's own parameter table (`elf.kernel_params`) is read first, with no driver call;
+        a PTX-loaded module asks the driver (``cuFuncGetParamCount`` where it exists, then
+        ``cuFuncGetParamInfo`` for the declared indices only: probing past the end would raise
+        a driver error that compute-sanitizer reports). A mismatch is ``ValueError``."""
+        image = self.module._image
+        actual = kernel_params(image, self.lowered_name) if is_elf(image) else None
+        if actual is None:
+            actual = self._params_from_driver()
+            if actual is None:
+                return  # cannot tell: skip the check
         declared = [(o, p.size) for o, p in zip(self.layout.offsets, self.params)]
         if len(actual) != len(declared):
             raise ValueError(
@@ -282,6 +269,28 @@ class Kernel:
                 raise ValueError(
                     f"kernel {self.name}: parameter {idx} ({p}) is {dsz} bytes at offset {do}"
                     f" as declared, but the image has {asz} bytes at offset {ao}; fix params=")
+
+    def _params_from_driver(self) -> list[tuple[int, int]] | None:
+        d = _drv()
+        count = None
+        try:
+            err, n = d.cuFuncGetParamCount(self.function)
+            if not int(err):
+                count = int(n)
+        except Exception:  # noqa: BLE001 - drivers/bindings before 13.1
+            count = None
+        actual = []
+        try:
+            for i in range(min(len(self.params) if count is None else count, 4096)):
+                err, offset, size = d.cuFuncGetParamInfo(self.function, i)
+                if int(err):
+                    if count is None and err == d.CUresult.CUDA_ERROR_INVALID_VALUE:
+                        break  # the image has fewer parameters than declared
+                    return None
+                actual.append((int(offset), int(size)))
+        except Exception:  # noqa: BLE001 - older driver/bindings: nothing to compare with
+            return None
+        return actual
 
     def _need_layout(self) -> ArgLayout:
         if self.layout is None:
