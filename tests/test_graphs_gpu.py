@@ -652,3 +652,46 @@ def test_orchestra_run_with_graph_executors(executor, tmp_path, capsys):
     print(out)
     assert rc == 0 and "PASS" in out and f"executor {executor}" in out
     assert dot.exists() and "digraph" in dot.read_text()
+
+
+# -- a serving-style cache -------------------------------------------------------------------
+
+
+def test_graph_cache_with_pow2_buckets_serves_padded_requests(dev, capture):
+    from orchestra.execute.graph_cache import GraphCache
+
+    per = 2048  # elements per batch
+    cache = GraphCache(max_entries=4, buckets="pow2")
+    pins = []
+
+    def build_fn(sig):
+        batches = sig.shape("x")[0]
+        g, _ = build_pipeline(batches, [4 * per] * batches, burn_kernel_ref(),
+                              host_in=HostBuffer("host_in", 4 * per * batches),
+                              host_out=HostBuffer("host_out", 4 * per * batches),
+                              scalars=(2, 0.5, 1.0))
+        x = PinnedBuffer.empty(batches * per, np.float32, dev)
+        y = PinnedBuffer.empty(batches * per, np.float32, dev)
+        pins.extend([x, y])
+        return capture.build(g, None, {"host_in": x.array, "host_out": y.array})
+
+    rng = np.random.default_rng(5)
+    try:
+        for n in (3, 4, 1, 5, 8, 7, 2, 6):
+            sig = cache.signature({"x": (n, per, "float32")}, policy="by-engine", streams=3,
+                                  kernel="burn")
+            exe = cache.get_or_build(sig, build_fn)
+            b = cache.bucket(n)
+            x = PinnedBuffer.empty(b * per, np.float32, dev)
+            y = PinnedBuffer.empty(b * per, np.float32, dev)
+            x.array[:] = 0
+            x.array[:n * per] = rng.standard_normal(n * per).astype(np.float32)
+            exe.replay({"host_in": x.array, "host_out": y.array})
+            assert y.array[:n * per].tobytes() == burn_ref(x.array[:n * per], 2).tobytes()
+            pins.extend([x, y])
+        # buckets 4 (3, 4), 1, 8 (5, 8, 7, 6), 2: four builds, four hits
+        assert (cache.misses, cache.hits) == (4, 4)
+    finally:
+        cache.clear()
+        for p in pins:
+            p.close()

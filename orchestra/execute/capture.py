@@ -63,7 +63,7 @@ from orchestra.execute.graph_spec import check_graph_memory
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.graph import TaskGraph
-from orchestra.schedule import RecordEvent, RunNode, WaitEvent, verify
+from orchestra.schedule import RecordEvent, RunNode, verify
 
 _CS = _d.CUstreamCaptureStatus
 _ACTIVE = _CS.CU_STREAM_CAPTURE_STATUS_ACTIVE

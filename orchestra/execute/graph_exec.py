@@ -208,7 +208,7 @@ class _UpdateResultInfo(ctypes.Structure):
 
 _UPDATE_FN_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.POINTER(_UpdateResultInfo))
-_update_fn = None
+_update_fn: tuple | None = None  # (the driver module it came from, the ctypes function)
 
 
 def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
@@ -222,16 +222,18 @@ def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
     refusal's reason is unknown.
     """
     global _update_fn
-    if _update_fn is None:
+    if _update_fn is None or _update_fn[0] is not _d:
+        _update_fn = (_d, None)
         try:
             err, pfn, _status = _d.cuGetProcAddress(b"cuGraphExecUpdate", 12000, 0)
             if not err and pfn:
-                _update_fn = _UPDATE_FN_TYPE(int(pfn))
+                _update_fn = (_d, _UPDATE_FN_TYPE(int(pfn)))
         except Exception:  # noqa: BLE001 - fall back to the bindings' call below
             pass
-    if _update_fn is not None:
+    fn = _update_fn[1]
+    if fn is not None:
         info = _UpdateResultInfo()
-        err = _update_fn(int(exec_), int(graph), ctypes.byref(info))
+        err = fn(int(exec_), int(graph), ctypes.byref(info))
         return int(err), int(info.result), info.errorNode, info.errorFromNode
     err, info = _d.cuGraphExecUpdate(exec_, graph)
     if info is None:
