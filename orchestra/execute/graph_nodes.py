@@ -3,7 +3,8 @@
 The parameter builders fill cuda-bindings structs from orchestra's node records and resolved
 addresses; the exec keeps each struct for the node's life and changes single fields in replays.
 
-    CUDA_MEMCPY3D             1-D copy: Height = Depth = 1, WidthInBytes = bytes, pitches 0;
+    CUDA_MEMCPY3D             1-D copy: Height = Depth = 1, WidthInBytes = bytes, pitches and
+                              heights 0 (unspecified: legal for any size);
                               host side CU_MEMORYTYPE_HOST (srcHost / dstHost), device side
                               CU_MEMORYTYPE_DEVICE (srcDevice / dstDevice); offsets folded into
                               the addresses
@@ -61,6 +62,9 @@ def memcpy_params(node, host_addr: int, dev_addr: int):
     p.WidthInBytes = node.nbytes
     p.Height = 1
     p.Depth = 1
+    # pitches and heights stay 0, "not specified" (cuMemcpy3D: "If specified, srcPitch must be
+    # >= WidthInBytes + srcXInBytes", heights "may be 0 if Depth==1"); a pitch would also be
+    # refused above CU_DEVICE_ATTRIBUTE_MAX_PITCH, so copies of any size stay legal
     return p, field, off
 
 
