@@ -328,18 +328,66 @@ def test_update_changed_topology_reports_reason_and_reinstantiates(dev, gx):
         q.y[:] = np.nan
         exe.replay(scalars={q.batches[2].kernel.name: {"iters": 1}})
         assert q.y[-2048:].tobytes() == burn_ref(q.x[-2048:], 1).tobytes()
-        # a same-shape graph with memory nodes: the driver may accept (exec update) or refuse
-        # (then a fresh instantiate); the outputs are right either way
-        r = Pipeline([4096, 4096, 2048], dev, iters=2, seed=2)
-        res2 = exe.update(r.graph, bindings=r.bindings)
-        print(f"same-shape update with memory nodes ({gx.executor_name}): {res2.message}")
-        exe.launch(sync=True)
-        r.check()
-        r.close()
     finally:
         exe.close()
         p.close()
         q.close()
+
+
+_SAME_SHAPE_WITH_MEMORY_NODES = """
+import numpy as np
+from orchestra.driver import Device, PinnedBuffer
+from orchestra.execute import CaptureExecutor, GraphBuildExecutor
+from orchestra.graph import HostBuffer, build_pipeline
+from orchestra.job import burn_kernel_ref
+
+def pipeline(iters, seed):
+    n = 4096
+    g, _ = build_pipeline(3, [4 * n] * 3, burn_kernel_ref(), host_in=HostBuffer("host_in", 12 * n),
+                          host_out=HostBuffer("host_out", 12 * n), scalars=(iters, 0.5, 1.0))
+    x = PinnedBuffer.empty(3 * n, np.float32).array
+    y = PinnedBuffer.empty(3 * n, np.float32).array
+    x[:] = np.random.default_rng(seed).standard_normal(3 * n).astype(np.float32)
+    return g, {"host_in": x, "host_out": y}, x, y, iters
+
+def ref(x, iters):
+    v = x.copy()
+    for _ in range(iters):
+        v = v * np.float32(0.5) + np.float32(1)
+    return v
+
+dev = Device.get(0)
+for cls in (CaptureExecutor, GraphBuildExecutor):
+    with cls(dev) as ex:
+        g, b, x, y, it = pipeline(3, 0)
+        exe = ex.run(g, None, b)
+        assert y.tobytes() == ref(x, it).tobytes()
+        g2, b2, x2, y2, it2 = pipeline(5, 1)
+        res = exe.update(g2, bindings=b2)
+        print(cls.__name__, "same-shape update with memory nodes:", res.message)
+        for _ in range(3):
+            y2[:] = np.nan
+            exe.launch(sync=True)
+            assert y2.tobytes() == ref(x2, it2).tobytes(), "wrong output after update"
+        exe.close()
+dev.synchronize()
+print("OK")
+"""
+
+
+def test_same_shape_update_with_memory_nodes_in_a_subprocess():
+    """cuGraphExecUpdate with a same-shape graph whose allocation nodes have new addresses:
+    the driver may accept it or refuse it (then orchestra re-instantiates). Run in a child
+    process so that a driver surprise (a sticky error) cannot poison this test session."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _SAME_SHAPE_WITH_MEMORY_NODES], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK")
 
 
 # -- memory ----------------------------------------------------------------------------------
