@@ -153,6 +153,15 @@ def test_pool_release_threshold_is_high(dev):
     assert pool.release_threshold == UINT64_MAX
 
 
+def test_pool_inserts_no_hidden_cross_stream_waits(dev):
+    pool = MemoryPool.default(dev)
+    assert pool.internal_dependencies is False
+    pool.internal_dependencies = True
+    assert pool.internal_dependencies is True
+    pool.internal_dependencies = False
+    assert pool.internal_dependencies is False
+
+
 def test_pool_used_bytes_back_to_baseline_after_close(dev, stream):
     gc.collect()
     stream.synchronize()

@@ -276,3 +276,31 @@ def test_graph_and_schedule_import_no_cuda():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("policy,streams", [("by-engine", 3), ("round-robin", 3),
+                                            ("critical-path", 3), ("by-engine", 1)])
+def test_in_flight_orders_each_allocation_after_the_frees_of_batch_b_minus_w(policy, streams):
+    from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+    from orchestra.schedule import schedule, verify
+    from orchestra.schedule.happens_before import PlanOrder
+
+    burn = KernelRef("cuda_src/burn.cu", "burn", params=BURN_PARAMS)
+    graph, batches = build_pipeline(12, 4096, burn, scalars=(3, 0.5, 1.0), in_flight=4)
+    plan = schedule(graph, policy=policy, streams=streams)
+    assert verify(plan, graph) == []
+    order = PlanOrder(plan)
+    for b in range(4, 12):
+        for alloc in (batches[b].alloc_in, batches[b].alloc_out):
+            for free in (batches[b - 4].free_in, batches[b - 4].free_out):
+                assert order.before(free.name, alloc.name)
+    if policy == "by-engine" and streams == 3:
+        # the bound is exact: batch b's allocations need not wait for batch b - 3
+        assert not order.before(batches[1].free_out.name, batches[4].alloc_in.name)
+
+
+def test_in_flight_must_be_positive():
+    from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+
+    with pytest.raises(GraphError, match="in_flight"):
+        build_pipeline(3, 4096, KernelRef("x.cu", "burn", params=BURN_PARAMS), in_flight=0)

@@ -48,6 +48,11 @@ class MemoryPool:
 
         On first use the release threshold is set to ``release_threshold`` or, when None,
         ``UINT64_MAX`` (keep everything); a later call changes it only when given a value.
+        Also on first use, `internal_dependencies` is turned off: the pool may then no longer
+        make one stream wait for another's free on its own (hidden waits would serialize
+        streams a plan keeps apart); memory moves between streams only through the plan's
+        explicit events (``CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES``, on by default)
+        or once a free has completed (opportunistic reuse).
         Raises `CudaError` ``CUDA_ERROR_NOT_SUPPORTED`` where memory pools are unsupported.
         """
         dev = as_device(device)
@@ -60,6 +65,7 @@ class MemoryPool:
                     pool = cls(cu(driver.cuDeviceGetDefaultMemPool, dev.handle), dev)
                     pool.release_threshold = (UINT64_MAX if release_threshold is None
                                               else release_threshold)
+                    pool.internal_dependencies = False
                     cls._defaults[dev.ordinal] = pool
                     return pool
         if release_threshold is not None:
@@ -84,6 +90,17 @@ class MemoryPool:
     @release_threshold.setter
     def release_threshold(self, nbytes: int) -> None:
         self._set64(_P.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, nbytes)
+
+    @property
+    def internal_dependencies(self) -> bool:
+        """Whether the driver may insert waits on other streams' frees to reuse memory
+        (``CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES``). Settable."""
+        return bool(self._get(_P.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES))
+
+    @internal_dependencies.setter
+    def internal_dependencies(self, allow: bool) -> None:
+        cu(driver.cuMemPoolSetAttribute, self.handle,
+           _P.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, int(bool(allow)))
 
     @property
     def reserved_bytes(self) -> int:

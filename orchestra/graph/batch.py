@@ -61,12 +61,15 @@ class Batch:
 
 def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, grid=None,
               block=256, scalars: tuple = (), host_in=None, host_out=None, element_size: int = 4,
-              in_place: bool = False, arg_layout: ArgLayout = burn_args, device: int = 0) -> Batch:
+              in_place: bool = False, arg_layout: ArgLayout = burn_args, device: int = 0,
+              alloc_after: Sequence[str] = ()) -> Batch:
     """Add one batch of ``nbytes`` bytes (``nbytes // element_size`` elements) to ``graph``.
 
     ``host_in``/``host_out``: a `HostBuffer` or `BufferRange` of ``nbytes`` bytes, or None for a
     fresh host slot per batch. ``grid`` defaults to enough blocks of ``block`` threads to cover
     every element once. ``arg_layout(in, out, n, scalars)`` gives the kernel's arguments.
+    ``alloc_after``: names of nodes (typically an earlier batch's frees) the allocations must
+    follow, so the memory pool can reuse that memory through an explicit event.
     """
     if nbytes % element_size:
         raise GraphError(f"batch {index}: {nbytes} bytes is not a whole number of "
@@ -81,8 +84,9 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
         bx = block if isinstance(block, int) else block[0]
         grid = max(1, -(-n // bx))
     kw = dict(batch=index, device=device)
-    alloc_in = graph.add(Alloc(p + ("alloc" if in_place else "alloc_in"), inp, **kw))
-    alloc_out = None if in_place else graph.add(Alloc(p + "alloc_out", out, **kw))
+    after = tuple(alloc_after)
+    alloc_in = graph.add(Alloc(p + ("alloc" if in_place else "alloc_in"), inp, after=after, **kw))
+    alloc_out = None if in_place else graph.add(Alloc(p + "alloc_out", out, after=after, **kw))
     h2d = graph.add(HostToDevice(p + "h2d", hin, inp, **kw))
     knode = graph.add(KernelNode(p + "kernel", kernel, grid, block,
                                  arg_layout(inp, out, n, tuple(scalars)), **kw))
@@ -94,12 +98,18 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
 
 def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: KernelRef, *,
                    host_in: HostBuffer | None = None, host_out: HostBuffer | None = None,
-                   **kwargs) -> tuple[TaskGraph, list[Batch]]:
+                   in_flight: int | None = None, **kwargs) -> tuple[TaskGraph, list[Batch]]:
     """A graph of ``batches`` independent batches, in the classic loop's program order.
 
     ``batch_bytes``: one size for all, or one per batch (a last, shorter batch). ``host_in`` /
     ``host_out``: one host buffer to slice into consecutive batch ranges (e.g. a whole input array
     pinned once), or None for a slot per batch. Other keywords go to `add_batch`.
+
+    ``in_flight``: at most this many batches hold device memory at once: batch ``b``'s
+    allocations follow batch ``b - in_flight``'s frees (explicit ``after=`` edges, so a plan
+    joins those streams with an event and the pool reuses that memory). Device memory then stays
+    at ``in_flight`` batches however long the pipeline, without the pool's hidden internal
+    dependencies (`orchestra.driver.MemoryPool` turns those off). None: no bound.
     """
     sizes = [batch_bytes] * batches if isinstance(batch_bytes, int) else list(batch_bytes)
     if len(sizes) != batches:
@@ -108,12 +118,18 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
     for hb, what in ((host_in, "host_in"), (host_out, "host_out")):
         if hb is not None and (not isinstance(hb, HostBuffer) or hb.nbytes < total):
             raise GraphError(f"{what} must be a HostBuffer of at least {total} bytes; got {hb!r}")
+    if in_flight is not None and in_flight < 1:
+        raise GraphError(f"in_flight must be at least 1 batch; got {in_flight}")
     graph = TaskGraph()
     out, offset = [], 0
     for i, size in enumerate(sizes):
         hin = host_in.range(offset, size) if host_in is not None else None
         hout = host_out.range(offset, size) if host_out is not None else None
+        after = ()
+        if in_flight is not None and i >= in_flight:
+            prev = out[i - in_flight]
+            after = tuple(f.name for f in (prev.free_in, prev.free_out) if f is not None)
         out.append(add_batch(graph, index=i, kernel=kernel, nbytes=size, host_in=hin,
-                             host_out=hout, **kwargs))
+                             host_out=hout, alloc_after=after, **kwargs))
         offset += size
     return graph, out

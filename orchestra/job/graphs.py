@@ -74,16 +74,23 @@ class JobGraph:
         return sum(self.sizes)
 
 
+# Batches that may hold device memory at once: enough for upload, compute and download of
+# different batches plus slack, and for round-robin over up to this many streams.
+IN_FLIGHT = 6
+
+
 def build_job_graph(sizes: Sequence[int], *, iters: int, block: int = 256,
-                    sm_count: int | None = None, kernel: KernelRef | None = None) -> JobGraph:
-    """Batches of ``sizes`` bytes over one ``host_in`` and one ``host_out`` buffer."""
+                    sm_count: int | None = None, kernel: KernelRef | None = None,
+                    in_flight: int | None = IN_FLIGHT) -> JobGraph:
+    """Batches of ``sizes`` bytes over one ``host_in`` and one ``host_out`` buffer; batch
+    ``b`` allocates after batch ``b - in_flight`` freed (see `build_pipeline`)."""
     sizes = tuple(int(s) for s in sizes)
     total = sum(sizes)
     host_in, host_out = HostBuffer("host_in", total), HostBuffer("host_out", total)
     grid = burn_grid(max(sizes) // ELEMENT, block, sm_count)
     graph, batches = build_pipeline(len(sizes), list(sizes), kernel or burn_kernel_ref(),
                                     host_in=host_in, host_out=host_out, grid=grid, block=block,
-                                    scalars=burn_scalars(iters))
+                                    scalars=burn_scalars(iters), in_flight=in_flight)
     return JobGraph(graph, batches, (host_in, host_out), sizes)
 
 
