@@ -262,7 +262,8 @@ class FakeGraphDriver:
 
     def cuGraphAddMemAllocNode(self, hgraph, deps, n, params):
         assert int(params.poolProps.location.id) == 0
-        assert params.poolProps.allocType == driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        pinned = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        assert params.poolProps.allocType == pinned
         ptr = self._new_memory(int(params.bytesize), self.vas)
         params.dptr = ptr  # the driver writes the address into the caller's struct
         return self._add("cuGraphAddMemAllocNode", hgraph, deps, n, "alloc",

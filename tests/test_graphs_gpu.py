@@ -113,7 +113,8 @@ class Pipeline:
         self.pins = []
         self.x = self.pinned(dev)
         self.y = self.pinned(dev)
-        self.x[:] = (np.random.default_rng(seed).standard_normal(total // 4) * 50).astype(np.float32)
+        rng = np.random.default_rng(seed)
+        self.x[:] = (rng.standard_normal(total // 4) * 50).astype(np.float32)
         self.y[:] = np.nan
         self.bindings = {"host_in": self.x, "host_out": self.y}
         self.iters = iters

@@ -74,7 +74,9 @@ class BucketPolicy:
         return self.sizes[i]
 
     def __repr__(self) -> str:
-        return "BucketPolicy('pow2')" if self.kind == "pow2" else f"BucketPolicy({list(self.sizes)})"
+        if self.kind == "pow2":
+            return "BucketPolicy('pow2')"
+        return f"BucketPolicy({list(self.sizes)})"
 
 
 @attrs.frozen

@@ -58,7 +58,8 @@ _set_kernel = _d.cuGraphExecKernelNodeSetParams
 _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
-AUTO_FREE_ON_LAUNCH = int(_d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+AUTO_FREE_ON_LAUNCH = int(
+    _d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -363,7 +364,8 @@ def _release(state: _State) -> None:
     dev = state.device
     if context_alive(dev.ordinal):
         with dev.pushed():
-            for s in list(state.streams.values()) + ([state.own_stream] if state.own_stream else []):
+            own = [state.own_stream] if state.own_stream is not None else []
+            for s in list(state.streams.values()) + own:
                 try:
                     if not s.closed:
                         s.synchronize()
@@ -887,5 +889,6 @@ class GraphExec:
                 f" on device {self.device.ordinal}>")
 
 
-__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord", "exec_update",
+__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord",
+           "exec_update",
            "UpdateResult", "graph_memory", "trim_graph_memory"]
