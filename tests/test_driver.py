@@ -174,6 +174,81 @@ def test_resource_context_manager_closes(fake_device):
     assert released == [42]
 
 
+# --- leak accounting (live_handles) ---------------------------------------------------------
+
+class _Owned(od.Resource):
+    def __init__(self, release, device, what):
+        self._own = od.Owner(self, object(), release, device, what)
+
+
+def test_live_handles_reports_every_kind():
+    live = od.live_handles()
+    for kind in ("stream", "event", "device_buffer", "pinned_buffer", "host_registration",
+                 "module"):
+        assert isinstance(live[kind], int), kind
+    live["stream"] += 100  # a snapshot, not the registry itself
+    assert od.live_handles()["stream"] == live["stream"] - 100
+
+
+@pytest.mark.parametrize("what, kind", [("Stream", "stream"), ("Event", "event"),
+                                        ("DeviceBuffer", "device_buffer"),
+                                        ("PinnedBuffer", "pinned_buffer"),
+                                        ("HostRegistration", "host_registration"),
+                                        ("Module", "module")])
+def test_live_handles_counts_create_and_close(fake_device, what, kind):
+    dev, _ = fake_device
+    before = od.live_handles()
+    released = []
+    a, b = _Owned(released.append, dev, what), _Owned(released.append, dev, what)
+    assert od.live_handles()[kind] == before[kind] + 2
+    assert od.leaked(before) == {kind: 2}
+    a.close()
+    a.close()  # idempotent: counted once
+    assert od.live_handles()[kind] == before[kind] + 1
+    b.close()
+    assert od.live_handles() == before and od.leaked(before) == {}
+    assert len(released) == 2
+
+
+def test_live_handles_finalizer_detach_and_failures(fake_device):
+    dev, alive = fake_device
+    before = od.live_handles()
+
+    forgotten = _Owned(lambda h: None, dev, "Stream")
+    del forgotten
+    gc.collect()
+    assert od.live_handles() == before  # the finalizer released it
+
+    taken = _Owned(lambda h: pytest.fail("detach must not release"), dev, "DeviceBuffer")
+    assert taken._own.detach() is not None
+    assert od.live_handles() == before  # the caller owns it now
+    assert taken._own.detach() is None
+    taken.close()
+    assert od.live_handles() == before
+
+    def failing(handle):
+        raise CudaError("cuEventDestroy", 400, "CUDA_ERROR_INVALID_HANDLE")
+
+    bad = _Owned(failing, dev, "Event")
+    with pytest.raises(CudaError):
+        bad.close()
+    assert od.live_handles() == before  # ownership ends; never retried
+
+    at_exit = _Owned(lambda h: pytest.fail("no release after the context is gone"), dev,
+                     "PinnedBuffer")
+    alive["value"] = False
+    at_exit.close()
+    assert od.live_handles() == before
+
+
+def test_live_handles_other_owner_kinds_are_lower_cased(fake_device):
+    dev, _ = fake_device
+    thing = _Thing(lambda h: None, dev)
+    assert od.live_handles().get("thing", 0) >= 1
+    thing._own.close()
+    assert od.live_handles().get("thing", 0) == 0
+
+
 # --- validation that happens before any driver call ------------------------------------------
 
 def test_legacy_default_stream_is_refused():

@@ -3,6 +3,7 @@
 Every driver call goes through `cu`. Every object here owns one handle, releases it on
 ``close()`` (idempotent, also via ``with``) or, if forgotten, from a finalizer, and never
 touches a primary context that was already released at interpreter exit.
+`live_handles()` counts the handles held now, by kind (leak accounting).
 """
 
 from orchestra.driver.check import cu, device_available, ensure_initialized
@@ -16,6 +17,7 @@ from orchestra.driver.host import (
     pinned_ranges,
     register_host,
 )
+from orchestra.driver.live import leaked, live_handles
 from orchestra.driver.memory import DeviceBuffer, MemoryPool
 from orchestra.driver.owner import Owner, Resource
 from orchestra.driver.stream import Stream
@@ -26,5 +28,5 @@ __all__ = [
     "Stream", "Event", "MemoryPool", "DeviceBuffer",
     "PinnedBuffer", "HostRegistration", "register_host", "is_pinned", "PinnedRanges",
     "pinned_ranges",
-    "Owner", "Resource",
+    "Owner", "Resource", "live_handles", "leaked",
 ]
