@@ -583,6 +583,76 @@ def test_eager_tracer_hooks(fake):
     assert calls[-1] == ("abort",)
 
 
+def test_eager_trace_true_uses_the_executors_own_tracer(fake, monkeypatch):
+    import orchestra.trace as ot
+    from orchestra.trace import EagerTracer, EventPool, Timeline
+
+    clock = {"t": 0.0}
+    made = []
+
+    class Ev:
+        def __init__(self):
+            self.t, self.closed = None, False
+
+        def record(self, stream):
+            clock["t"] += 1.0
+            self.t = clock["t"]
+
+        def synchronize(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    class Pool(EventPool):
+        def _create(self):
+            made.append(Ev())
+            return made[-1]
+
+    monkeypatch.setattr(ot, "EagerTracer", lambda device, executor: EagerTracer(
+        device, executor=executor, pool=Pool(device), elapsed=lambda a, b: b.t - a.t))
+    g, b = pipeline([4096] * 3)
+    ex = executor(fake)
+    untraced = ex.run(g, bindings=b)
+    assert untraced.timeline is None and not ex._tracers  # no tracer until asked for
+    res = ex.run(g, bindings=b, trace=True)
+    tl = res.timeline
+    assert isinstance(tl, Timeline) and len(tl) == len(g) == res.nodes
+    assert tl.streams == ("upload", "compute", "download") and tl.executor == "eager"
+    assert {s.name for s in tl.spans} == {n.name for n in g.nodes}
+    assert all(s.end_ms > s.start_ms >= 0 for s in tl.spans)
+    np.testing.assert_array_equal(b["host_out"], burn_ref(b["host_in"]))
+    n_events = len(made)
+    assert n_events == 2 * len(g) + 3
+    tracer = ex.tracer
+    assert len(ex.run(g, bindings=b, trace=True).timeline) == len(g)
+    assert ex.tracer is tracer and len(made) == n_events  # kept and its events reused
+    # an explicit tracer still wins, and the run's timeline is that tracer's
+    class Mine:
+        def begin(self, streams, *, policy="", meta=None):
+            pass
+
+        def before(self, stream, node):
+            pass
+
+        after = before
+
+        def finish(self):
+            return "mine"
+
+        def abort(self):
+            pass
+
+    assert ex.run(g, bindings=b, tracer=Mine(), trace=True).timeline == "mine"
+    # the executor's tracer serves one run at a time
+    ex.run(g, bindings=b, trace=True, sync=False)
+    with pytest.raises(RuntimeError, match="still pending"):
+        ex.run(g, bindings=b, trace=True)
+    assert len(ex.synchronize().timeline) == len(g)
+    ex.close()
+    assert all(e.closed for e in made)  # the tracer's timing events go with the executor
+
+
 def test_eager_sync_false_then_synchronize(fake):
     g, b = pipeline([4096] * 2)
     ex = executor(fake)

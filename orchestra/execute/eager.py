@@ -136,15 +136,20 @@ class _Pending:
     prepare_ms: float
 
 
-def _shutdown(streams: list, events: list, callbacks: HostCallbacks, device: Device) -> None:
+def _shutdown(streams: list, events: list, callbacks: HostCallbacks, device: Device,
+              tracers: list) -> None:
     """Finalizer / close(): wait for pending work (host functions may still call the
-    trampoline), then release the pooled streams and events."""
+    trampoline), then release the pooled streams, events and the ``trace=True`` tracer's
+    timing events."""
     if context_alive(device.ordinal):
         for s in streams:
             try:
                 s.synchronize()
             except CudaError:
                 pass
+    for t in tracers:
+        t.close()
+    tracers.clear()
     for e in events:
         e.close()
     for s in streams:
@@ -183,13 +188,14 @@ class EagerExecutor:
         self._all_streams: list[Stream] = []
         self._stream_pool: dict[int, list[Stream]] = {}
         self._events: list[Event] = []
+        self._tracers: list = []  # the EagerTracer trace=True uses (created on first use)
         self._prepared: collections.OrderedDict = collections.OrderedDict()
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._pending: list[_Pending] = []
         self._lock = threading.RLock()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._all_streams, self._events,
-                                           self._callbacks, self.device)
+                                           self._callbacks, self.device, self._tracers)
         self._finalizer.atexit = False
 
     # -- pools ------------------------------------------------------------------------------
@@ -217,6 +223,17 @@ class EagerExecutor:
                 self._all_streams.append(s)
             out[spec.name] = pool[k]
         return out
+
+    @property
+    def tracer(self):
+        """The `orchestra.trace.EagerTracer` that ``run(..., trace=True)`` uses: created on
+        first use, kept (its timing events are reused by every traced run), closed with the
+        executor."""
+        if not self._tracers:
+            from orchestra.trace import EagerTracer
+
+            self._tracers.append(EagerTracer(self.device, executor="eager"))
+        return self._tracers[0]
 
     def _event(self, slot: int) -> Event:
         while len(self._events) <= slot:
@@ -368,14 +385,17 @@ class EagerExecutor:
 
     def run(self, graph: TaskGraph, plan: Plan | None = None,
             bindings: Mapping[str, Any] | None = None, *, policy: str = "by-engine",
-            streams: int = 3, sync: bool = True, tracer=None, costs=None) -> RunResult:
+            streams: int = 3, sync: bool = True, tracer=None, costs=None,
+            trace: bool = False) -> RunResult:
         """Run ``graph`` with ``plan`` (default: ``schedule(graph, policy, streams, costs)``).
 
         ``bindings``: host buffer name -> pinned numpy array (see `bindings`), external device
         buffer name -> DeviceBuffer. ``sync=False`` returns after enqueueing (``wall_ms`` None):
         keep the bound arrays untouched until `synchronize()`. ``tracer``: an object with the
         `orchestra.trace.EventTimer` methods (``begin``, ``before``, ``after``, ``finish``,
-        ``abort``), called around every node.
+        ``abort``), called around every node. ``trace=True`` (without ``tracer``) uses the
+        executor's own `tracer` (an `EagerTracer`); either way `RunResult.timeline` is the
+        run's `Timeline` (with ``sync=False``: the result `synchronize()` returns).
 
         Raises before enqueueing anything: `GraphError`, `PlanMismatchError`, `HazardError`
         (unless ``verify=False``), kernel errors (`CompileError`, ``TypeError``/``ValueError``
@@ -388,6 +408,12 @@ class EagerExecutor:
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
             prep, prepare_ms = self._get_prepared(graph, plan)
             resolved = prep.spec.resolve(bindings, self._pinned)
+            if trace and tracer is None:
+                tracer = self.tracer
+                if any(p.tracer is tracer for p in self._pending):
+                    raise RuntimeError(
+                        "a run traced with trace=True is still pending (sync=False); call "
+                        "synchronize() before the next traced run, or pass tracer=EagerTracer()")
             for name, slot in prep.host_slots.items():
                 prep.hptrs[slot] = resolved.host[name].address
             for name, slot in prep.external.items():
