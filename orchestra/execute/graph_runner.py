@@ -86,15 +86,16 @@ class GraphRunner:
 
     def run(self, graph: TaskGraph, plan: Plan | None = None,
             bindings: Mapping[str, Any] | None = None, *, policy: str = "by-engine",
-            streams: int = 3, sync: bool = True, tracer=None, costs=None) -> RunResult:
+            streams: int = 3, sync: bool = True, tracer=None, costs=None,
+            trace: bool = False) -> RunResult:
         """Build (first time) or replay the graph exec of (graph, plan) with ``bindings``;
         returns a `RunResult` like the eager executor's. ``tracer``: anything truthy builds a
         traced exec (the graph's own event-record nodes; the eager `EventTimer` protocol does
-        not apply to a graph)."""
+        not apply to a graph); ``trace=True`` does the same (the eager executor's spelling)."""
         with self._lock:
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
-            trace = self.trace or tracer is not None
+            trace = self.trace or trace or tracer is not None
             key = (id(graph), len(graph), id(plan), trace)
             hit = self._execs.get(key)
             prepare_ms = 0.0
