@@ -241,3 +241,44 @@ class FakeCuda:
             return (err,)
         _HOSTFN(int(fn))(token)  # through the real C trampoline
         return (OK,)
+
+
+class FakeTimingEvent:
+    """A timing event for `orchestra.trace.EagerTracer` on the fake: recording stamps the next
+    tick of one shared clock (1 ms apart), so spans come out in issue order."""
+
+    def __init__(self, clock):
+        self.clock, self.t, self.closed = clock, None, False
+
+    def record(self, stream):
+        self.clock[0] += 1.0
+        self.t = self.clock[0]
+        return self
+
+    def synchronize(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def patch_eager_tracer(monkeypatch) -> list:
+    """Make ``EagerExecutor.tracer`` (``run(..., trace=True)``) an `EagerTracer` whose events
+    are `FakeTimingEvent`; returns the list every created event is appended to."""
+    import orchestra.trace as ot
+    from orchestra.trace import EagerTracer, EventPool
+
+    made: list = []
+    clock = [0.0]
+
+    class Pool(EventPool):
+        def _create(self):
+            made.append(FakeTimingEvent(clock))
+            return made[-1]
+
+    def factory(device=None, *, executor="eager"):
+        return EagerTracer(device, executor=executor, pool=Pool(device),
+                           elapsed=lambda a, b: b.t - a.t)
+
+    monkeypatch.setattr(ot, "EagerTracer", factory)
+    return made

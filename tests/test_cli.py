@@ -128,3 +128,45 @@ def test_help_lists_run_and_plan():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "run " in proc.stdout and "plan " in proc.stdout
+
+
+def test_run_plot_without_matplotlib_is_one_line_before_any_work(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["run", "--trace", "t.json", "--plot", "t.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    assert err == ("orchestra run: --plot: plot_gantt needs matplotlib, which is not installed: "
+                   "pip install orchestra[plot] (or pip install matplotlib)")
+
+
+def test_run_trace_into_a_missing_folder_is_refused_before_any_work(capsys, tmp_path):
+    missing = tmp_path / "nope" / "t.json"
+    assert main(["run", "--trace", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"orchestra run: --trace {missing}: the folder {missing.parent} does not exist")
+
+
+def test_trace_outputs_on_a_hand_made_timeline(tmp_path):
+    from orchestra.cli.trace_out import format_trace, write_outputs
+    from orchestra.trace import NodeSpan, Timeline
+
+    spans = []
+    for b in range(3):  # a perfect by-engine pipeline: 1 ms per stage
+        spans += [NodeSpan(f"b{b}.h2d", "h2d", b, "upload", "upload", b, b + 1, nbytes=1 << 20),
+                  NodeSpan(f"b{b}.kernel", "kernel", b, "compute", "compute", b + 1, b + 2),
+                  NodeSpan(f"b{b}.d2h", "d2h", b, "download", "download", b + 2, b + 3,
+                           nbytes=1 << 20)]
+    tl = Timeline(spans, ("upload", "compute", "download", "spare"), "by-engine", "eager")
+    info = write_outputs(tl, trace_path=tmp_path / "t.json", bound_ms=5.0)
+    assert (info["nodes"], info["tracks"]) == (9, 4)  # a track for the idle stream too
+    assert info["makespan_ms"] == 5.0 and info["efficiency"] == 1.0
+    assert info["overlap_ms"][">=3"] == 1.0 and info["pairs_ms"]["upload&compute"] == 2.0
+    assert info["timeline_bound_ms"] == 5.0
+    text = format_trace(tl, info)
+    assert f"Chrome trace {tmp_path / 't.json'}: 9 node events, 4 tracks" in text
+    assert "bound 5.000 ms, efficiency 100.0%" in text
+    json.loads((tmp_path / "t.json").read_text())

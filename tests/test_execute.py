@@ -45,7 +45,7 @@ from orchestra.graph import (
     build_pipeline,
 )
 from orchestra.schedule import POLICIES, PlanBuilder, RecordEvent, RunNode, WaitEvent, schedule
-from tests.fake_cuda import FakeCuda, FakeKernel
+from tests.fake_cuda import FakeCuda, FakeKernel, patch_eager_tracer
 
 K = KernelRef("cuda_src/burn.cu", "burn", params=BURN_PARAMS)
 ITERS = 3
@@ -584,33 +584,9 @@ def test_eager_tracer_hooks(fake):
 
 
 def test_eager_trace_true_uses_the_executors_own_tracer(fake, monkeypatch):
-    import orchestra.trace as ot
-    from orchestra.trace import EagerTracer, EventPool, Timeline
+    from orchestra.trace import Timeline
 
-    clock = {"t": 0.0}
-    made = []
-
-    class Ev:
-        def __init__(self):
-            self.t, self.closed = None, False
-
-        def record(self, stream):
-            clock["t"] += 1.0
-            self.t = clock["t"]
-
-        def synchronize(self):
-            pass
-
-        def close(self):
-            self.closed = True
-
-    class Pool(EventPool):
-        def _create(self):
-            made.append(Ev())
-            return made[-1]
-
-    monkeypatch.setattr(ot, "EagerTracer", lambda device, executor: EagerTracer(
-        device, executor=executor, pool=Pool(device), elapsed=lambda a, b: b.t - a.t))
+    made = patch_eager_tracer(monkeypatch)
     g, b = pipeline([4096] * 3)
     ex = executor(fake)
     untraced = ex.run(g, bindings=b)

@@ -23,7 +23,7 @@ from orchestra.job import data as jd
 from orchestra.job import main_job as mj
 from orchestra.job.timing import SingleBatch
 from orchestra.schedule import POLICIES
-from tests.fake_cuda import FakeCuda, FakeKernel
+from tests.fake_cuda import FakeCuda, FakeKernel, patch_eager_tracer
 
 
 def test_sizes_and_grid():
@@ -244,3 +244,59 @@ def test_main_job_input_file_fortran_order_and_dtype(fake_job, tmp_path):
 def test_main_job_auto_iters_uses_the_calibrated_value(fake_job):
     r = MainJob(batches=2, batch_mib=0.01, repeat=1).run()  # fake timing "calibrates" to 40
     assert r.compute_iters == 40 and r.compute_iters_auto and r.verified
+
+
+# -- the traced run (MainJob(trace=True), orchestra run --trace/--plot) ------------------------
+
+def test_main_job_trace_is_one_extra_verified_run_after_the_timed_ones(fake_job, monkeypatch):
+    made = patch_eager_tracer(monkeypatch)
+    r = MainJob(batches=4, batch_mib=0.01, compute_iters=5, repeat=2, warmup=1,
+                trace=True).run()
+    assert r.verified and len(r.wall_ms_runs) == 2  # the traced run is not a timed one
+    tl = r.timeline
+    assert len(tl) == r.nodes == 4 * 7 and tl.streams == ("upload", "compute", "download")
+    assert {s.batch for s in tl.spans} == {0, 1, 2, 3}
+    assert made and all(e.closed for e in made)  # the tracer closed with the executor
+    assert "timeline" not in r.as_dict()
+    untraced = MainJob(batches=2, batch_mib=0.01, compute_iters=5, repeat=1).run()
+    assert untraced.timeline is None
+
+
+def test_main_job_trace_with_an_input_file(fake_job, monkeypatch, tmp_path):
+    patch_eager_tracer(monkeypatch)
+    src = np.random.default_rng(7).random(9000, dtype=np.float32)
+    inp = tmp_path / "in.npy"
+    np.save(inp, src)
+    r = MainJob(batch_mib=0.01, compute_iters=3, repeat=1, input=inp, staging_slots=2,
+                trace=True).run()
+    assert r.verified and len(r.timeline) == r.nodes
+    assert {s.kind for s in r.timeline.spans} >= {"host", "h2d", "kernel", "d2h"}
+
+
+def test_cli_run_trace_and_plot_on_the_fake(fake_job, monkeypatch, tmp_path, capsys):
+    import json
+
+    from orchestra.cli.main import main
+
+    patch_eager_tracer(monkeypatch)
+    monkeypatch.setattr(od.Device, "get", classmethod(lambda cls, ordinal=0: fake_job.device))
+    trace, png = tmp_path / "run.json", tmp_path / "run.png"
+    assert main(["run", "--batches", "4", "--batch-mib", "0.01", "--compute-iters", "3",
+                 "--repeat", "2", "--trace", str(trace), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(trace.read_text())
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    tracks = [e for e in data["traceEvents"] if e.get("name") == "thread_name"]
+    assert len(xs) == 4 * 7 and len(tracks) == 3  # one per node, one per stream
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "traced run (one extra run after the timed ones" in out
+    assert f"Chrome trace {trace}: 28 node events, 3 tracks (one per stream)" in out
+    assert "upload" in out and "overlap of upload/compute/download" in out
+    assert "efficiency" in out and f"Gantt chart {png}" in out
+    # --json carries the same numbers
+    assert main(["run", "--batches", "4", "--batch-mib", "0.01", "--compute-iters", "3",
+                 "--repeat", "1", "--trace", str(trace), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["trace"]["nodes"] == 28 and d["trace"]["tracks"] == 3
+    assert d["trace"]["trace_file"] == str(trace) and d["trace"]["plot_file"] is None
+    assert set(d["trace"]["busy_ms"]) >= {"upload", "compute", "download"}

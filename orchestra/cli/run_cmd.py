@@ -5,7 +5,9 @@ and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-
 verifies every element against numpy and prints: batches, bytes moved, wall ms (median), the
 bound ``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``, efficiency = bound / wall, host µs per
 node and PASS/FAIL (``--json``: one JSON object). Exit 0 on PASS, 1 on a mismatch, 2 without a
-GPU (the message points to `orchestra plan`).
+GPU (the message points to `orchestra plan`). ``--trace FILE.json`` / ``--plot FILE.png``: one
+extra traced run after the timed ones, written as a Chrome trace / Gantt chart and summarized
+(`orchestra.cli.trace_out`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def register(sub) -> None:
     p.add_argument("--graph-dot", metavar="FILE",
                    help="with --executor capture|graph: write the CUDA graph as DOT "
                         "(cuGraphDebugDotPrint)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="after the timed runs, run once more with tracing and write a Chrome "
+                        "trace (open in ui.perfetto.dev); prints busy time per engine, overlap "
+                        "and efficiency")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw the traced run as a Gantt chart (needs matplotlib)")
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
     p.add_argument("--no-verify-plan", action="store_true",
                    help="skip the hazard verifier before the first run")
@@ -57,6 +65,12 @@ def run(args) -> int:
         print("orchestra run: --output needs --input (the generated data is verified in "
               "memory)", file=sys.stderr)
         return 2
+    from orchestra.cli.trace_out import check_outputs
+
+    problem = check_outputs(args.trace, args.plot)
+    if problem:
+        print(f"orchestra run: {problem}", file=sys.stderr)
+        return 2
     from orchestra.driver import Device
     from orchestra.job import MainJob
 
@@ -66,12 +80,26 @@ def run(args) -> int:
                   seed=args.seed, executor=args.executor, device=dev, input=args.input,
                   output=args.output, warmup=args.warmup, block=args.block,
                   verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots,
-                  graph_dot=args.graph_dot)
+                  graph_dot=args.graph_dot, trace=bool(args.trace or args.plot))
     report = job.run()
+    trace_info = None
+    if report.timeline is not None:
+        from orchestra.cli.trace_out import write_outputs
+
+        trace_info = write_outputs(report.timeline, trace_path=args.trace, plot_path=args.plot,
+                                   bound_ms=report.bound_ms)
     if args.json:
-        print(json.dumps(report.as_dict(), indent=1, sort_keys=True))
+        d = report.as_dict()
+        if trace_info is not None:
+            d["trace"] = trace_info
+        print(json.dumps(d, indent=1, sort_keys=True))
     else:
         print_report(report)
+        if trace_info is not None:
+            from orchestra.cli.trace_out import format_trace
+
+            print()
+            print(format_trace(report.timeline, trace_info))
     return 0 if report.verified else 1
 
 

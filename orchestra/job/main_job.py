@@ -16,7 +16,9 @@ What `MainJob.run` does, in order:
    that each batch's output came from its own input;
 5. ``warmup`` then ``repeat`` runs, each: poison the output with NaN, run, verify every element
    against the numpy reference (computed once). Wall time: `RunResult.wall_ms`, the host clock
-   from the first enqueue to the end of the synchronize; the report gives the median.
+   from the first enqueue to the end of the synchronize; the report gives the median;
+6. with ``trace=True``, one more run after the timed ones, traced (``run(..., trace=True)``) and
+   verified like the others, so tracing never changes the wall times: ``JobReport.timeline``.
 
 ``efficiency = bound / wall`` with ``bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``
 (N counts a shorter last batch by its fraction of a full one).
@@ -33,6 +35,7 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -89,6 +92,7 @@ class JobReport:
     input: str | None = None
     output: str | None = None
     timing: str = TIMING_NOTE
+    timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
     @property
     def bytes_moved(self) -> int:
@@ -101,7 +105,7 @@ class JobReport:
         return self.bytes_moved / (self.wall_ms * 1e6) if self.wall_ms else 0.0
 
     def as_dict(self) -> dict:
-        d = attrs.asdict(self)
+        d = attrs.asdict(self, filter=lambda a, v: a.name != "timeline")
         d["wall_ms_runs"] = list(self.wall_ms_runs)
         d["bytes"] = self.bytes_moved
         d["gbps"] = self.gbps
@@ -125,6 +129,7 @@ class MainJob:
     ``elements``: total float32 elements (default ``batches * batch elements``; a value that is
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
     float32 ``.npy`` file through ``staging_slots`` pinned slots instead of generated data.
+    ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
@@ -133,7 +138,7 @@ class MainJob:
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
-                 graph_dot: str | os.PathLike | None = None):
+                 graph_dot: str | os.PathLike | None = None, trace: bool = False):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
             raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
@@ -153,6 +158,7 @@ class MainJob:
         self.timing_repeats = int(timing_repeats)
         self.check_iters = int(check_iters)
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
+        self.trace = bool(trace)
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -177,7 +183,8 @@ class MainJob:
         finally:
             timer.close()
 
-    def _report(self, dev, sizes, single, runs, checks, routing, mismatches) -> JobReport:
+    def _report(self, dev, sizes, single, runs, checks, routing, mismatches,
+                timeline=None) -> JobReport:
         walls = [r.wall_ms for r in runs]
         wall = statistics.median(walls)
         n_eff = sum(sizes) / single.nbytes
@@ -197,7 +204,7 @@ class MainJob:
             check=bad.describe(), mismatches=mismatches, routing_check=routing,
             repeat=self.repeat, seed=None if self.input else self.seed,
             input=None if self.input is None else str(self.input),
-            output=None if self.output is None else str(self.output))
+            output=None if self.output is None else str(self.output), timeline=timeline)
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):
@@ -256,9 +263,16 @@ class MainJob:
                 checks.append(chk)
                 if r >= self.warmup:
                     runs.append(res)
+            self._dump_dot(executor)  # the timed runs' graph, not the traced one
+            timeline = None
+            if self.trace:  # after the timed runs: tracing never skews the wall times
+                jd.poison(y)
+                timeline = executor.run(jg.graph, plan, bindings, trace=True).timeline
+                chk = reference.compare(y)
+                mismatches = max(mismatches, chk.mismatches)
+                checks.append(chk)
             del x, y, bindings
-            self._dump_dot(executor)
-            return self._report(dev, sizes, single, runs, checks, routing, mismatches)
+            return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
             executor.close()
             if stream is not None:
@@ -327,11 +341,11 @@ class MainJob:
                 return build_staged_graph(sizes, slots=slots, iters=iters, fill=fill,
                                           drain=drain, block=self.block, sm_count=dev.sm_count)
 
-            def one_run(graph, plan):
+            def one_run(graph, plan, trace=False):
                 jd.poison(flat_out)
                 for o in outs:
                     jd.poison(o)
-                return executor.run(graph, plan, bindings)
+                return executor.run(graph, plan, bindings, trace=trace)
 
             routing = None
             if self.check_iters and self.check_iters != single.iters:
@@ -352,8 +366,15 @@ class MainJob:
                 checks.append(chk)
                 if r >= self.warmup:
                     runs.append(res)
-            self._dump_dot(executor)
-            return self._report(dev, sizes, single, runs, checks, routing, mismatches)
+            self._dump_dot(executor)  # the timed runs' graph, not the traced one
+            timeline = None
+            if self.trace:  # after the timed runs: tracing never skews the wall times
+                timeline = one_run(jg.graph, plan, trace=True).timeline
+                out_mm.flush()
+                chk = jd.check_against(flat_in, flat_out, single.iters)
+                mismatches = max(mismatches, chk.mismatches)
+                checks.append(chk)
+            return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
             executor.close()
             if stream is not None:
