@@ -300,3 +300,11 @@ def test_cli_run_trace_and_plot_on_the_fake(fake_job, monkeypatch, tmp_path, cap
     assert d["trace"]["nodes"] == 28 and d["trace"]["tracks"] == 3
     assert d["trace"]["trace_file"] == str(trace) and d["trace"]["plot_file"] is None
     assert set(d["trace"]["busy_ms"]) >= {"upload", "compute", "download"}
+
+
+def test_main_job_block_over_the_limit_is_refused_before_any_timing_or_run(fake_job):
+    with pytest.raises(ValueError, match=r"launch of burn: block \(2048, 1, 1\) has 2048 threads, "
+                                         r"above the device's max threads per block \(1024\)"):
+        MainJob(batches=2, batch_mib=0.01, compute_iters=3, repeat=1, block=2048).run()
+    assert fake_job.timings == [] and fake_job.driver_calls() == []
+    assert all(ex.closed for ex in fake_job.made)

@@ -167,7 +167,13 @@ class TaskGraph:
                 if indeg[s] == 0:
                     heapq.heappush(heap, self._index[s])
         if len(order) != len(names):
-            raise GraphError("cycle: " + " -> ".join(self._find_cycle(set(names) - set(order))))
+            cycle = self._find_cycle(set(names) - set(order))
+            why = ", ".join(f"{p} -> {q}: " + ("after=" if self._preds[q][p] == "after"
+                                                else self._preds[q][p])
+                            for p, q in zip(cycle, cycle[1:]))
+            raise GraphError(f"cycle: {' -> '.join(cycle)} ({why}); no order can run these "
+                             "nodes: remove an after= or add the nodes in the order they must run "
+                             "(buffer dependencies follow insertion order)")
         self._topo = tuple(order)
         return self._topo
 

@@ -236,6 +236,7 @@ class MainJob:
             jd.fill_uniform(x, self.seed)
             grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
             kernel = executor.kernels.resolve(burn_kernel_ref())
+            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
             single = self._timings(kernel, stream, x[:n0], y[:n0], grid)
@@ -331,6 +332,7 @@ class MainJob:
 
             grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
             kernel = executor.kernels.resolve(burn_kernel_ref())
+            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
             np.copyto(ins[0][:n0], flat_in[:n0])
