@@ -1,7 +1,8 @@
 """CUDA Graph executors against eager and against a bare cuda-python graph, in one run (GPU).
 
-    python benchmarks/bench_graphs.py [--workloads 1024x0.0625,32x64] [--repeat 7]
-                                      [--iters 1,4] [--replays 2000] [--json]
+    python benchmarks/bench_graphs.py [--workloads 1024x0.0625,32x64] [--repeat 5]
+                                      [--iters 1,4] [--replays 300] [--host-budget 2]
+                                      [--phase-timeout 60] [--json]
 
 For each workload (batches x MiB of float32, one pinned input and one pinned output array
 sliced into batches, the main job's graph: alloc -> H2D -> burn -> D2H -> free per batch,
@@ -16,24 +17,37 @@ by-engine plan on 3 streams):
    host clock from the first call to the end of the synchronize; for the graphs also the GPU
    time of the launch (timing events recorded on the launch stream around ``cuGraphLaunch``)
    and GPU µs per node (that time / graph nodes), compared with the bare graph;
-2. host µs per replay, median over ``--replays`` replays (enqueue only; the stream is drained
-   outside the timed region every 50 launches, as bench_launch does):
+2. host µs per replay, median over chunks of launches (enqueue only; the stream is drained
+   outside the timed region after every chunk, as bench_launch does):
    - no updates (``replay(sync=False)``: launch only),
    - one node updated (a new scalar for one kernel node),
    - all inputs and outputs rebound (two array sets alternated: every H2D and D2H node is
      updated, 2 x batches nodes),
    against the goal ``5 µs + 1 µs per updated node``; the bare ``cuGraphLaunch`` is the floor.
+   Each measurement makes at most ``--replays`` launches and about ``--host-budget`` seconds
+   of GPU work (from the measured GPU time per launch), so large workloads make few launches.
 
-Every run's output is poisoned with NaN before and compared with numpy after (outside timing).
-Goals printed at the end: replay host cost <= 5 µs + 1 µs per updated node; per-node GPU cost
-within 10% of the bare graph; at the launch-bound workload (1,024 x 64 KiB) the graph executors
-at least 3x faster than eager (wall).
+No host functions (host nodes) anywhere: the graphs are the job graph's copies and kernels.
+Output goes out as it is measured (progress lines and every table row, flushed); with ``--json``
+progress goes to stderr and the JSON to stdout at the end. Every phase runs under a watchdog
+(``--phase-timeout`` seconds, faulthandler): a phase that hangs dumps every thread's stack
+("Timeout (0:01:00)!" on stderr) and exits with status 1 instead of hanging. Pinned arrays
+are allocated once, for the largest workload, and every workload uses views of them. The
+defaults should run in about a minute on an H200 (estimate: not yet measured there).
+
+Every run's output is poisoned with NaN before and compared with numpy after (outside timing;
+the first run of each executor compares everything, timed runs a strided sample of large
+outputs). Goals printed at the end: replay host cost <= 5 µs + 1 µs per updated node; per-node
+GPU cost within 10% of the bare graph; at the launch-bound workload (1,024 x 64 KiB) the graph
+executors at least 3x faster than eager (wall).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import faulthandler
 import json
 import statistics
 import sys
@@ -47,7 +61,31 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import numpy as np
 
-DRAIN = 50
+DRAIN = 50  # launches per timed chunk (fewer when a measurement makes fewer launches)
+SAMPLE_ABOVE = 1 << 22  # outputs with more elements are checked on a strided sample when timed
+STRIDE = 4099
+_T0 = time.perf_counter()
+_LOG = sys.stdout  # progress goes here (stderr with --json)
+_PHASE_TIMEOUT = 60.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=_LOG, flush=True)
+
+
+@contextlib.contextmanager
+def phase(name: str, timeout: float | None = None):
+    """Log ``name``, run the block under a watchdog (after ``timeout`` seconds faulthandler
+    dumps every thread's stack to stderr and exits with status 1), log how long it took."""
+    timeout = _PHASE_TIMEOUT if timeout is None else timeout
+    log(f"{name} ...")
+    t = time.perf_counter()
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    log(f"{name}: {time.perf_counter() - t:.1f} s")
 
 
 def parse_workloads(text: str) -> list[tuple[int, float]]:
@@ -58,17 +96,52 @@ def parse_workloads(text: str) -> list[tuple[int, float]]:
     return out
 
 
-def ref(x, iters):
-    v = x.copy()
+def ref_into(x, iters, out):
+    """burn's reference, in place in ``out`` (float32 steps as the kernel: v = v*s + t)."""
+    np.copyto(out, x)
     for _ in range(iters):
-        v = v * np.float32(0.5) + np.float32(1)
-    return v
+        np.multiply(out, np.float32(0.5), out=out)
+        np.add(out, np.float32(1), out=out)
+    return out
+
+
+class Pins:
+    """Four pinned float32 arrays (in, out, alternate in, alternate out) of ``total``
+    elements, allocated once; workloads take prefix views."""
+
+    def __init__(self, dev, total: int):
+        from orchestra.driver import PinnedBuffer
+
+        self.total = total
+        self.bufs = []
+        try:
+            for _ in range(4):
+                self.bufs.append(PinnedBuffer.empty(total, np.float32, dev))
+        except BaseException:
+            self.close()
+            raise
+
+    def views(self, n: int):
+        return tuple(b.view(np.float32, n) for b in self.bufs)
+
+    def close(self):
+        for b in self.bufs:
+            b.close()
+        self.bufs = []
+
+
+def _fill_random(a: np.ndarray, rng) -> None:
+    """Random floats in [0, 1): a 1 Mi-element random block tiled (fast for GiB arrays)."""
+    block = min(a.size, 1 << 20)
+    r = rng.random(block, dtype=np.float32)
+    for lo in range(0, a.size, block):
+        hi = min(a.size, lo + block)
+        a[lo:hi] = r[:hi - lo]
 
 
 class Workload:
-    def __init__(self, dev, batches: int, mib: float, iters: int, block: int = 256):
-        from orchestra.driver import PinnedBuffer
-        from orchestra.execute import KernelResolver
+    def __init__(self, dev, pins: Pins, resolver, batches: int, mib: float, iters: int,
+                 block: int = 256):
         from orchestra.job import batch_bytes_from_mib, build_job_graph, burn_grid, burn_kernel_ref
 
         self.dev, self.batches, self.mib, self.iters, self.block = dev, batches, mib, iters, block
@@ -76,19 +149,20 @@ class Workload:
         self.n = self.batch_bytes // 4
         self.total = self.n * batches
         self.sizes = [self.batch_bytes] * batches
-        self.pins = [PinnedBuffer.empty(self.total, np.float32, dev) for _ in range(4)]
-        self.x, self.y, self.x2, self.y2 = (p.array for p in self.pins)
+        self.x, self.y, self.x2, self.y2 = pins.views(self.total)
         rng = np.random.default_rng(0)
-        rng.random(out=self.x, dtype=np.float32)
-        rng.random(out=self.x2, dtype=np.float32)
+        _fill_random(self.x, rng)
+        np.add(self.x, np.float32(0.25), out=self.x2)
         self.grid = burn_grid(self.n, block, dev.sm_count)
-        self.resolver = KernelResolver(dev)
+        self.resolver = resolver
         self.kernel = self.resolver.resolve(burn_kernel_ref())
         self.jg = build_job_graph(self.sizes, iters=iters, block=block, sm_count=dev.sm_count)
         self.graph = self.jg.graph
         self.bindings = {"host_in": self.x, "host_out": self.y}
         self.alt = {"host_in": self.x2, "host_out": self.y2}
-        self.want = ref(self.x, iters)
+        self.want = ref_into(self.x, iters, np.empty_like(self.x))
+        self.sample = (np.arange(0, self.total, STRIDE) if self.total > SAMPLE_ABOVE
+                       else slice(None))
 
     @property
     def name(self) -> str:
@@ -96,15 +170,19 @@ class Workload:
         size = f"{kib:g} KiB" if kib < 1024 else f"{kib / 1024:g} MiB"
         return f"{self.batches} x {size}"
 
-    def poison(self):
-        self.y[:] = np.nan
+    def poison(self, full: bool = False):
+        if full:
+            self.y[:] = np.nan
+        else:
+            self.y[self.sample] = np.nan
+            self.y[-1] = np.nan
 
-    def verify(self) -> bool:
-        return self.y.tobytes() == self.want.tobytes()
-
-    def close(self):
-        for p in self.pins:
-            p.close()
+    def verify(self, full: bool = False) -> bool:
+        if full:
+            return np.array_equal(self.y.view(np.uint32), self.want.view(np.uint32))
+        s = self.sample
+        return (np.array_equal(self.y[s].view(np.uint32), self.want[s].view(np.uint32))
+                and self.y[-1:].view(np.uint32)[0] == self.want[-1:].view(np.uint32)[0])
 
 
 class BareGraph:
@@ -209,11 +287,13 @@ def exec_gpu_ms(exe, t0, t1) -> float:
 
 
 def host_us(fn, count: int, sync) -> float:
-    """Median over chunks of DRAIN calls of host µs per call (drained outside the timing)."""
+    """Median over chunks (DRAIN calls, fewer for small counts: at least 3 chunks) of host µs
+    per call; the work is drained outside the timing after every chunk."""
+    chunk = max(1, min(DRAIN, count // 3))
     per = []
     done = 0
     while done < count:
-        k = min(DRAIN, count - done)
+        k = min(chunk, count - done)
         t0 = time.perf_counter_ns()
         for _ in range(k):
             fn()
@@ -223,7 +303,43 @@ def host_us(fn, count: int, sync) -> float:
     return statistics.median(per)
 
 
-def bench(w: Workload, repeat: int, replays: int) -> dict:
+def launch_count(gpu_ms: float, replays: int, budget_s: float) -> int:
+    """Launches for one host-cost measurement: at most ``replays``, about ``budget_s`` seconds
+    of GPU work at ``gpu_ms`` per launch, at least 9 (3 chunks of 3)."""
+    by_budget = int(budget_s * 1e3 / max(gpu_ms, 1e-3))
+    return max(9, min(replays, by_budget))
+
+
+ROW_HEAD = ("executor", "wall ms", "x eager", "GPU ms", "GPU us/node", "vs bare")
+ROW_W = (24, 9, 8, 9, 12, 8)
+HOST_HEAD = ("executor", "update", "nodes", "launches", "host us", "goal us", "")
+HOST_W = (24, 30, 6, 9, 8, 8, 5)
+
+
+def fmt(cells, widths, left=(0,)) -> str:
+    return "  " + "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                            for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def emit(line: str) -> None:
+    print(line, file=_LOG, flush=True)
+
+
+def row_cells(row) -> tuple:
+    return (row["executor"], f"{row['wall_ms']:.3f}",
+            f"{row['speedup_vs_eager']:.2f}" if "speedup_vs_eager" in row else "-",
+            f"{row['gpu_ms']:.3f}" if "gpu_ms" in row else "-",
+            f"{row['gpu_us_per_node']:.3f}" if "gpu_us_per_node" in row else "-",
+            f"{row['gpu_vs_bare']:.3f}" if "gpu_vs_bare" in row else "-")
+
+
+def host_cells(h) -> tuple:
+    return (h["executor"], h["what"], h["updated_nodes"], h["launches"], f"{h['host_us']:.2f}",
+            f"{h['goal_us']}" if "goal_us" in h else "-",
+            ("PASS" if h["ok"] else "MISS") if "ok" in h else "")
+
+
+def bench(w: Workload, repeat: int, replays: int, budget_s: float) -> dict:
     from orchestra.driver import Event
     from orchestra.execute import EagerExecutor
     from orchestra.execute.capture import CaptureExecutor
@@ -233,73 +349,91 @@ def bench(w: Workload, repeat: int, replays: int) -> dict:
            "iters": w.iters, "nodes": len(w.graph), "rows": [], "host": []}
     failures = []
     t0, t1 = Event(w.dev, timing=True), Event(w.dev, timing=True)
+    emit(f"\n{w.name} (burn iters {w.iters}, {len(w.graph)} graph nodes):")
+    emit(fmt(ROW_HEAD, ROW_W))
+    host_lines: list[str] = []
+
+    def add_row(row):
+        eager_wall = out["rows"][0]["wall_ms"] if out["rows"] else row["wall_ms"]
+        row["speedup_vs_eager"] = eager_wall / row["wall_ms"]
+        if "gpu_us_per_node" in row and "bare_gpu_us_per_node" in out:
+            row["gpu_vs_bare"] = row["gpu_us_per_node"] / out["bare_gpu_us_per_node"]
+        out["rows"].append(row)
+        emit(fmt(row_cells(row), ROW_W))
+
+    def add_host(h):
+        out["host"].append(h)
+        host_lines.append(fmt(host_cells(h), HOST_W, (0, 1)))
+        log(f"host cost: {h['executor']}, {h['what']}: {h['host_us']:.2f} us "
+            f"({h['launches']} launches)")
+
+    def timed_runs(name, run_once, gpu_once=None):
+        """warm-up (checked in full) + ``repeat`` timed runs (checked on a sample)."""
+        walls, gpus = [], []
+        for r in range(repeat + 1):
+            w.poison(full=(r == 0))
+            t = time.perf_counter_ns()
+            run_once()
+            dt = (time.perf_counter_ns() - t) / 1e6
+            if not w.verify(full=(r == 0)):
+                failures.append(name if r else f"{name} (first run)")
+            if r:
+                walls.append(dt)
+                if gpu_once is not None:
+                    gpus.append(gpu_once())
+        return walls, gpus
 
     # eager
-    eager = EagerExecutor(w.dev, kernel_resolver=w.resolver)
-    plan = eager.prepare(w.graph, policy="by-engine", streams=3)
-    walls = []
-    for r in range(repeat + 1):
-        w.poison()
-        t = time.perf_counter_ns()
-        res = eager.run(w.graph, plan, w.bindings)
-        dt = (time.perf_counter_ns() - t) / 1e6
-        if not w.verify():
-            failures.append("eager")
-        if r:
-            walls.append(dt)
-    out["rows"].append({"executor": "eager", "wall_ms": statistics.median(walls),
-                        "host_us_per_node": res.host_us_per_node})
-    eager.close()
+    with phase(f"{w.name}: eager"):
+        eager = EagerExecutor(w.dev, kernel_resolver=w.resolver)
+        plan = eager.prepare(w.graph, policy="by-engine", streams=3)
+        res = {}
+
+        def eager_once():
+            res["r"] = eager.run(w.graph, plan, w.bindings)
+
+        walls, _ = timed_runs("eager", eager_once)
+        eager.close()
+    add_row({"executor": "eager", "wall_ms": statistics.median(walls),
+             "host_us_per_node": res["r"].host_us_per_node})
 
     # bare graph (raw cuda-python)
-    bare = BareGraph(w)
-    walls, gpus = [], []
-    for r in range(repeat + 1):
-        w.poison()
-        t = time.perf_counter_ns()
-        bare.launch()
-        bare.sync()
-        dt = (time.perf_counter_ns() - t) / 1e6
-        if not w.verify():
-            failures.append("bare graph")
-        if r:
-            walls.append(dt)
-            gpus.append(bare.gpu_ms())
+    with phase(f"{w.name}: bare cuda-python graph (capture, {repeat + 1} runs)"):
+        bare = BareGraph(w)
+
+        def bare_once():
+            bare.launch()
+            bare.sync()
+
+        walls, gpus = timed_runs("bare graph", bare_once, bare.gpu_ms)
     bare_gpu = statistics.median(gpus)
-    out["rows"].append({"executor": "bare cuda-python graph", "wall_ms": statistics.median(walls),
-                        "gpu_ms": bare_gpu, "gpu_us_per_node": bare_gpu * 1e3 / bare.nodes})
-    # many launches of a large workload would queue minutes of GPU work: fewer there
-    count = replays if w.batch_bytes <= (1 << 20) else max(20, replays // 40)
-    bare_launch_us = host_us(bare.launch, count, bare.sync)
-    out["host"].append({"executor": "bare cuda-python graph", "what": "cuGraphLaunch only",
-                        "updated_nodes": 0, "host_us": bare_launch_us})
-    bare.close()
+    out["bare_gpu_us_per_node"] = bare_gpu * 1e3 / bare.nodes
+    add_row({"executor": "bare cuda-python graph", "wall_ms": statistics.median(walls),
+             "gpu_ms": bare_gpu, "gpu_us_per_node": out["bare_gpu_us_per_node"]})
+    count = launch_count(bare_gpu, replays, budget_s)
+    with phase(f"{w.name}: bare cuGraphLaunch host cost ({count} launches)"):
+        bare_launch_us = host_us(bare.launch, count, bare.sync)
+        bare.close()
+    add_host({"executor": "bare cuda-python graph", "what": "cuGraphLaunch only",
+              "updated_nodes": 0, "launches": count, "host_us": bare_launch_us})
 
     # orchestra graphs
     for name, cls in (("capture", CaptureExecutor), ("graph-build", GraphBuildExecutor)):
-        ex = cls(w.dev, kernel_resolver=w.resolver)
-        t = time.perf_counter_ns()
-        exe = ex.build(w.graph, plan, w.bindings)
-        build_ms = (time.perf_counter_ns() - t) / 1e6
-        walls, gpus = [], []
-        for r in range(repeat + 1):
-            w.poison()
+        with phase(f"{w.name}: orchestra {name}: build + {repeat + 1} runs"):
+            ex = cls(w.dev, kernel_resolver=w.resolver)
             t = time.perf_counter_ns()
-            exe.replay(sync=True)
-            dt = (time.perf_counter_ns() - t) / 1e6
-            if not w.verify():
-                failures.append(name)
-            if r:
-                walls.append(dt)
-                gpus.append(exec_gpu_ms(exe, t0, t1))
+            exe = ex.build(w.graph, plan, w.bindings)
+            build_ms = (time.perf_counter_ns() - t) / 1e6
+            walls, gpus = timed_runs(name, lambda: exe.replay(sync=True),
+                                     lambda: exec_gpu_ms(exe, t0, t1))
+            exe.synchronize()
         gpu = statistics.median(gpus)
-        out["rows"].append({"executor": f"orchestra {name}", "wall_ms": statistics.median(walls),
-                            "gpu_ms": gpu, "gpu_us_per_node": gpu * 1e3 / exe.node_count,
-                            "build_ms": build_ms, "instantiate_ms": exe.instantiate_ms})
-        exe.synchronize()
+        add_row({"executor": f"orchestra {name}", "wall_ms": statistics.median(walls),
+                 "gpu_ms": gpu, "gpu_us_per_node": gpu * 1e3 / exe.node_count,
+                 "build_ms": build_ms, "instantiate_ms": exe.instantiate_ms})
 
         # host cost per replay
-        no_upd = host_us(lambda: exe.replay(sync=False), count, exe.synchronize)
+        count = launch_count(gpu, replays, budget_s)
         kname = w.jg.batches[0].kernel.name
         flip = [w.iters, w.iters + 1]
         state = {"i": 0}
@@ -308,97 +442,46 @@ def bench(w: Workload, repeat: int, replays: int) -> dict:
             state["i"] ^= 1
             exe.replay(scalars={kname: {"iters": flip[state["i"]]}}, sync=False)
 
-        one = host_us(one_node, count, exe.synchronize)
-        exe.replay(scalars={kname: {"iters": w.iters}}, sync=True)
         sets = [w.alt, w.bindings]
 
         def rebind():
             state["i"] ^= 1
             exe.replay(sets[state["i"]], sync=False)
 
-        all_io = host_us(rebind, count if w.batches <= 64 else max(50, count // 20),
-                         exe.synchronize)
-        exe.replay(w.bindings, sync=True)
         nio = 2 * w.batches
+        with phase(f"{w.name}: orchestra {name}: host cost, 3 x {count} launches"):
+            no_upd = host_us(lambda: exe.replay(sync=False), count, exe.synchronize)
+            one = host_us(one_node, count, exe.synchronize)
+            exe.replay(scalars={kname: {"iters": w.iters}}, sync=True)
+            all_io = host_us(rebind, count, exe.synchronize)
+            exe.replay(w.bindings, sync=True)
         for what, nodes, us in (("launch only", 0, no_upd), ("1 kernel node (scalar)", 1, one),
                                 ("all inputs + outputs rebound", nio, all_io)):
-            out["host"].append({"executor": f"orchestra {name}", "what": what,
-                                "updated_nodes": nodes, "host_us": us,
-                                "goal_us": 5 + nodes, "ok": us <= 5 + nodes})
-        w.poison()
-        exe.replay(sync=True)
-        if not w.verify():
-            failures.append(f"{name} after replays")
-        exe.close()
-        ex.close()
+            add_host({"executor": f"orchestra {name}", "what": what, "updated_nodes": nodes,
+                      "launches": count, "host_us": us, "goal_us": 5 + nodes,
+                      "ok": us <= 5 + nodes})
+        with phase(f"{w.name}: orchestra {name}: final check"):
+            w.poison(full=True)
+            exe.replay(sync=True)
+            if not w.verify(full=True):
+                failures.append(f"{name} after replays")
+            exe.close()
+            ex.close()
     t0.close()
     t1.close()
-
-    eager_wall = out["rows"][0]["wall_ms"]
-    for row in out["rows"]:
-        row["speedup_vs_eager"] = eager_wall / row["wall_ms"]
-        if "gpu_us_per_node" in row:
-            row["gpu_vs_bare"] = row["gpu_us_per_node"] / (bare_gpu * 1e3 / (7 * w.batches))
+    emit("  host cost per replay (enqueue only, median):")
+    emit(fmt(HOST_HEAD, HOST_W, (0, 1)))
+    for line in host_lines:
+        emit(line)
     out["failures"] = failures
+    if failures:
+        emit(f"  VERIFICATION FAILED: {', '.join(failures)}")
     return out
 
 
-def print_table(header, rows):
-    table = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for r in table:
-        print("  " + "  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="1024x0.0625,32x64",
-                    help="batches x MiB, comma separated (default 1024x0.0625,32x64)")
-    ap.add_argument("--iters", default="1,4",
-                    help="burn iterations per workload, comma separated (default 1,4)")
-    ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--replays", type=int, default=2000)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-
-    from orchestra.driver import Device
-    from orchestra.driver.check import device_available
-
-    if not device_available():
-        print("bench_graphs: no CUDA device; nothing to measure", file=sys.stderr)
-        return 2
-    dev = Device.get(0)
-    workloads = parse_workloads(args.workloads)
-    iters = [int(i) for i in args.iters.split(",")]
-    iters += [iters[-1]] * (len(workloads) - len(iters))
-    results = []
-    for (batches, mib), it in zip(workloads, iters):
-        w = Workload(dev, batches, mib, it)
-        try:
-            results.append(bench(w, args.repeat, args.replays))
-        finally:
-            w.close()
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return 0 if not any(r["failures"] for r in results) else 1
-
-    print(f"device: {dev.name} ({dev.arch}); wall: host clock, median of {args.repeat} runs "
-          "after a warm-up; GPU: timing events around cuGraphLaunch on the launch stream")
+def goals_of(results) -> list[tuple[str, bool]]:
     goals = []
     for r in results:
-        print(f"\n{r['workload']} (burn iters {r['iters']}, {r['nodes']} graph nodes):")
-        print_table(("executor", "wall ms", "x eager", "GPU ms", "GPU us/node", "vs bare"),
-                    [(row["executor"], f"{row['wall_ms']:.3f}", f"{row['speedup_vs_eager']:.2f}",
-                      f"{row['gpu_ms']:.3f}" if "gpu_ms" in row else "-",
-                      f"{row['gpu_us_per_node']:.3f}" if "gpu_us_per_node" in row else "-",
-                      f"{row['gpu_vs_bare']:.3f}" if "gpu_vs_bare" in row else "-")
-                     for row in r["rows"]])
-        print("  host cost per replay (enqueue only, median):")
-        print_table(("executor", "update", "nodes", "host us", "goal us", ""),
-                    [(h["executor"], h["what"], h["updated_nodes"], f"{h['host_us']:.2f}",
-                      f"{h['goal_us']}" if "goal_us" in h else "-",
-                      ("PASS" if h["ok"] else "MISS") if "ok" in h else "")
-                     for h in r["host"]])
         for row in r["rows"]:
             if row["executor"].startswith("orchestra"):
                 goals.append((f"{r['workload']}: {row['executor']} GPU/node within 10% of bare",
@@ -410,12 +493,69 @@ def main(argv=None) -> int:
             if "ok" in h:
                 goals.append((f"{r['workload']}: {h['executor']} replay ({h['what']}) <= "
                               f"{h['goal_us']} us", h["ok"]))
-        if r["failures"]:
-            print(f"  VERIFICATION FAILED: {', '.join(r['failures'])}")
-    print("\ngoals:")
-    for text, ok in goals:
-        print(f"  [{'PASS' if ok else 'MISS'}] {text}")
-    return 0 if not any(r["failures"] for r in results) else 1
+    return goals
+
+
+def main(argv=None) -> int:
+    global _LOG, _PHASE_TIMEOUT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="1024x0.0625,32x64",
+                    help="batches x MiB, comma separated (default 1024x0.0625,32x64)")
+    ap.add_argument("--iters", default="1,4",
+                    help="burn iterations per workload, comma separated (default 1,4)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per executor (default 5)")
+    ap.add_argument("--replays", type=int, default=300,
+                    help="most launches per host-cost measurement (default 300)")
+    ap.add_argument("--host-budget", type=float, default=2.0,
+                    help="seconds of GPU work per host-cost measurement (default 2)")
+    ap.add_argument("--phase-timeout", type=float, default=60.0,
+                    help="seconds before a phase counts as hung: stacks dumped, exit 1")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.json:
+        _LOG = sys.stderr
+    _PHASE_TIMEOUT = args.phase_timeout
+
+    from orchestra.driver import Device
+    from orchestra.driver.check import device_available
+
+    if not device_available():
+        print("bench_graphs: no CUDA device; nothing to measure", file=sys.stderr)
+        return 2
+    workloads = parse_workloads(args.workloads)
+    iters = [int(i) for i in args.iters.split(",")]
+    iters += [iters[-1]] * (len(workloads) - len(iters))
+    with phase("device, kernel"):
+        from orchestra.execute import KernelResolver
+        from orchestra.job import batch_bytes_from_mib, burn_kernel_ref
+
+        dev = Device.get(0)
+        resolver = KernelResolver(dev)
+        resolver.resolve(burn_kernel_ref())  # compile (or load) once, outside every timing
+    emit(f"device: {dev.name} ({dev.arch}); wall: host clock, median of {args.repeat} runs "
+         "after a warm-up; GPU: timing events around cuGraphLaunch on the launch stream")
+    largest = max(batch_bytes_from_mib(mib) // 4 * n for n, mib in workloads)
+    with phase(f"pinned arrays: 4 x {largest * 4 / 2**20:.0f} MiB, allocated once"):
+        pins = Pins(dev, largest)
+    results = []
+    try:
+        for (batches, mib), it in zip(workloads, iters):
+            with phase(f"{batches}x{mib:g} MiB: inputs and reference"):
+                w = Workload(dev, pins, resolver, batches, mib, it)
+            results.append(bench(w, args.repeat, args.replays, args.host_budget))
+    finally:
+        with phase("free pinned arrays"):
+            pins.close()
+    goals = goals_of(results)
+    failed = any(r["failures"] for r in results)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        emit("\ngoals:")
+        for text, ok in goals:
+            emit(f"  [{'PASS' if ok else 'MISS'}] {text}")
+    log("done" + (" (VERIFICATION FAILED)" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -852,6 +852,75 @@ def test_fake_host_nodes_run_and_errors_surface(fake, kind):
         exe.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("topology", ["same", "changed"])
+def test_fake_host_error_of_a_launch_before_update_is_reported(fake, kind, topology):
+    """A host function that raised in a launch made before `update` is reported by the next
+    synchronize: whether cuGraphExecUpdate swapped the callback table (same topology) or the
+    exec was re-instantiated (changed topology: update itself completes, nothing leaks)."""
+    def boom():
+        raise RuntimeError("boom")
+
+    g = TaskGraph()
+    g.add(HostFunc("bad", boom))
+    calls = []
+    g2 = TaskGraph()
+    g2.add(HostFunc("ok", lambda: calls.append(1)))
+    if topology == "changed":
+        g2.add(HostFunc("ok2", lambda: calls.append(2)))
+    with make_executor(kind, fake) as ex:
+        exe = ex.build(g, None, {})
+        exe.launch()  # the fake runs the graph now: "bad" raised into the first table
+        res = exe.update(g2)
+        assert res.updated == (topology == "same")
+        with pytest.raises(HostFunctionError, match="bad.*boom"):
+            exe.synchronize()
+        exe.launch(sync=True)  # reported once, the new functions run
+        assert calls == ([1] if topology == "same" else [1, 2])
+        exe.close()
+    assert not fake.live_graphs
+
+
+def test_launch_host_func_calls_the_driver_entry_point_not_the_bindings_wrapper(monkeypatch):
+    """cuda-bindings' cuLaunchHostFunc (<= 13.3) enqueues its own one-shot record (freed after
+    the first call): captured, the second graph launch would call freed memory. The capture
+    executor calls the driver's entry point (cuGetProcAddress) instead, with the trampoline
+    and the token themselves; here a C-callable stand-in for that entry point runs the host
+    function twice, as two graph launches would."""
+    import ctypes
+
+    from orchestra.execute import hostfunc
+
+    seen = []
+
+    @hostfunc._LAUNCH_HOSTFN
+    def entry(stream, fn, user):
+        seen.append((stream, fn, user))
+        hostfunc._HOSTFN(fn)(user)  # launch 1
+        hostfunc._HOSTFN(fn)(user)  # launch 2: the same fn and userData again
+        return 0
+
+    class Driver:  # has cuGetProcAddress, like cuda.bindings.driver
+        @staticmethod
+        def cuGetProcAddress(symbol, version, flags):
+            assert symbol == b"cuLaunchHostFunc"
+            return 0, ctypes.cast(entry, ctypes.c_void_p).value, 0
+
+        @staticmethod
+        def cuLaunchHostFunc(*a):
+            raise AssertionError("cuda-bindings' cuLaunchHostFunc must not be used")
+
+    monkeypatch.setattr(hostfunc, "_raw", None)
+    cb = hostfunc.HostCallbacks()
+    calls = []
+    token = cb.add(lambda: calls.append(1), "h")
+    assert hostfunc.launch_host_func(Driver, 0x1234, cb.address, token) == 0
+    assert calls == [1, 1] and cb.take_errors() == []
+    assert seen == [(0x1234, cb.address, token)]
+    assert hostfunc.driver_launch_host_func_source() == "cuGetProcAddress"
+    monkeypatch.setattr(hostfunc, "_raw", None)
+
+
 def test_fake_graph_build_sets_kernel_node_attributes(fake):
     g = TaskGraph()
     x, y = Buffer("x", N), Buffer("y", N)

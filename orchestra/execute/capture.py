@@ -20,7 +20,9 @@ anything is enqueued):
    memory nodes, copies go through ``cuMemcpy3DAsync`` with the node's own ``CUDA_MEMCPY3D``
    record (the very struct replays later rewrite), kernels ``cuLaunchKernel`` /
    ``cuLaunchKernelEx``, memsets ``cuMemsetD8/16/32Async``, host functions
-   ``cuLaunchHostFunc``, plan events ``cuEventRecord`` / ``cuStreamWaitEvent``. After each node,
+   ``cuLaunchHostFunc`` (the driver's own entry point, `hostfunc.launch_host_func`: cuda-bindings'
+   wrapper would capture a one-shot record that the first launch frees), plan events
+   ``cuEventRecord`` / ``cuStreamWaitEvent``. After each node,
    ``cuStreamGetCaptureInfo`` on its stream returns the stream's dependency set, which is then
    exactly the node just captured: that ``CUgraphNode`` is what replays update;
 5. join: every plan stream records an event the origin waits for; then each stream's capture
@@ -60,7 +62,7 @@ from orchestra.execute.graph_nodes import (
     memset_params,
 )
 from orchestra.execute.graph_spec import check_graph_memory
-from orchestra.execute.hostfunc import HostCallbacks
+from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.graph import TaskGraph
 from orchestra.schedule import RecordEvent, RunNode, verify
@@ -395,7 +397,7 @@ class CaptureExecutor(GraphExecutorBase):
         hostfn = None
         if any(n.kind == "host" for n in graph.nodes):
             built.callbacks = HostCallbacks()
-            hostfn = _d.CUhostFn(built.callbacks.address)
+            hostfn = built.callbacks.address  # the trampoline's C address (an int)
         addr = {name: b.address for name, b in resolved.device.items()}
         haddr = {name: b.address for name, b in resolved.host.items()}
         dptrs: dict[str, object] = {}
@@ -518,7 +520,9 @@ class CaptureExecutor(GraphExecutorBase):
             params = memset_params(node, addr[node.dst.buffer.name])
         elif kind == "host":
             token = built.callbacks.add(node.fn, node.name)
-            (err,) = _d.cuLaunchHostFunc(sh, hostfn, token)
+            # the driver's entry point, not cuda-bindings' wrapper: that one enqueues a
+            # one-shot record the first graph launch frees (see hostfunc)
+            err = launch_host_func(_d, sh, hostfn, token)
             call, ckind = "cuLaunchHostFunc", "host"
         else:
             raise OrchestraError(f"node {node.name}: the capture executor cannot run node kind "

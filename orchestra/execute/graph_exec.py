@@ -430,6 +430,7 @@ class GraphExec:
         self._pending_timeline = False
         self._own_pending = False  # a launch on the exec's own stream since the last sync
         self._retired: list = []  # arrays unbound while launches were pending
+        self._host_errors: list = []  # (node, exception) from host functions, not yet raised
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
         self.last_update: UpdateResult | None = None
@@ -588,7 +589,7 @@ class GraphExec:
             self._check_open()
             return self._synchronize()
 
-    def _synchronize(self):
+    def _synchronize(self, raise_host_errors: bool = True):
         if self._own_pending:
             self.stream.synchronize()
             self._own_pending = False
@@ -596,14 +597,18 @@ class GraphExec:
         for s in list(streams.values()):
             s.synchronize()
         streams.clear()
+        # host-function errors of every build launched since the last synchronize (an update
+        # swaps the table: launches made before it report into the earlier build's table)
+        for b in self._state.keep:
+            if b.callbacks is not None:
+                self._host_errors.extend(b.callbacks.take_errors())
         del self._state.keep[:-1]  # earlier builds / arrays unbound while launches ran
         self._retired.clear()
-        if self._callbacks is not None:
-            errors = self._callbacks.take_errors()
-            if errors:
-                self._pending_timeline = False
-                node, exc = errors[0]
-                raise HostFunctionError(node, exc, errors[1:]) from exc
+        if self._host_errors and raise_host_errors:
+            errors, self._host_errors = self._host_errors, []
+            self._pending_timeline = False
+            node, exc = errors[0]
+            raise HostFunctionError(node, exc, errors[1:]) from exc
         if self._pending_timeline:
             self._pending_timeline = False
             self.timeline = self._tracer.finish()
@@ -828,8 +833,10 @@ class GraphExec:
         except BaseException:
             self._discard(built)
             raise
-        # the old exec: wait for its launches, destroy it and its graphs
-        self._synchronize()
+        # the old exec: wait for its launches, destroy it and its graphs (a host function of
+        # those launches that raised is reported by the next synchronize, not here: the swap
+        # must complete)
+        self._synchronize(raise_host_errors=False)
         old = self._state
         _d.cuGraphExecDestroy(old.exec)
         if old.unfreed and old.launched:
