@@ -61,7 +61,6 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import numpy as np
 
-DRAIN = 50  # launches per timed chunk (fewer when a measurement makes fewer launches)
 SAMPLE_ABOVE = 1 << 22  # outputs with more elements are checked on a strided sample when timed
 STRIDE = 4099
 _T0 = time.perf_counter()
@@ -287,19 +286,19 @@ def exec_gpu_ms(exe, t0, t1) -> float:
 
 
 def host_us(fn, count: int, sync) -> float:
-    """Median over chunks (DRAIN calls, fewer for small counts: at least 3 chunks) of host µs
-    per call; the work is drained outside the timing after every chunk."""
-    chunk = max(1, min(DRAIN, count // 3))
+    """Median host µs of one call, each timed alone with the GPU drained first.
+
+    Back-to-back launches of a graph that runs longer than its launch call soon fill the
+    launch queue, after which each call waits for the GPU: that measures GPU time, not host
+    cost. Draining before every call keeps the queue empty, so only the call itself is timed.
+    """
     per = []
-    done = 0
-    while done < count:
-        k = min(chunk, count - done)
-        t0 = time.perf_counter_ns()
-        for _ in range(k):
-            fn()
-        per.append((time.perf_counter_ns() - t0) / k / 1e3)
+    for _ in range(count):
         sync()
-        done += k
+        t0 = time.perf_counter_ns()
+        fn()
+        per.append((time.perf_counter_ns() - t0) / 1e3)
+    sync()
     return statistics.median(per)
 
 
