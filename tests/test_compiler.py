@@ -1059,3 +1059,14 @@ def test_kernel_params_read_from_the_cubin_parameter_table():
     # saxpy(float a, const float* x, const float* y, float* out, size_t n)
     assert kernel_params(res.cubin, "saxpy") == [(0, 4), (8, 8), (16, 8), (24, 8), (32, 8)]
     assert kernel_params(res.cubin, "no_such_kernel") is None
+
+
+def test_int_not_exactly_representable_in_a_float_parameter_is_refused():
+    layout = ArgLayout(normalize_params(("float a", "double b")), "k")
+    layout.pack([2**24, 2**53])  # exact
+    with pytest.raises(ValueError, match="parameter a .*not exactly representable in float32"):
+        layout.pack([2**24 + 1, 0.0])
+    with pytest.raises(ValueError, match="parameter b .*not exactly representable in float64"):
+        layout.pack([0.0, 2**53 + 1])
+    packed = layout.pack([0.5, 2**53])
+    assert packed.values() == (0.5, float(2**53))

@@ -276,6 +276,8 @@ def test_main_job_trace_with_an_input_file(fake_job, monkeypatch, tmp_path):
 def test_cli_run_trace_and_plot_on_the_fake(fake_job, monkeypatch, tmp_path, capsys):
     import json
 
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install orchestra[plot])")
+
     from orchestra.cli.main import main
 
     patch_eager_tracer(monkeypatch)

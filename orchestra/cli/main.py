@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except OrchestraError as exc:
         print(f"orchestra: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, KeyError, OverflowError, OSError) as exc:
         # Bad input (an option, a file, an argument): one line that says what to change.
         if args.verbose:
             raise

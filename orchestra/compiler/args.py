@@ -186,6 +186,10 @@ def make_converter(p: Param):
                 raise TypeError(f"{label}: expected a float, got {_describe(v)}")
         if single and abs(f) >= _F32_OVERFLOW and not math.isinf(f):
             raise ValueError(f"{label}: {v!r} does not fit in float32")
+        if isinstance(v, int) and t is not float and int(_np().array(f, dtype)) != v:
+            # An int the declared type cannot hold exactly would be silently rounded.
+            raise ValueError(f"{label}: the int {v} is not exactly representable in {dtype};"
+                             " pass a float if rounding is intended")
         return f
     return conv_float
 
