@@ -1,5 +1,6 @@
 """`orchestra plan` and `orchestra run` without a GPU: the plan listing and its counts for each
-policy, JSON output, the staged (--input) graph, and run's one-line exit 2 without a device."""
+policy, JSON output, the staged (--input) graph, and run's one-line exit 2 without a device;
+`orchestra compile`'s inputs, options and messages (NVRTC and nvJitLink run on the CPU)."""
 
 import json
 import subprocess
@@ -170,3 +171,93 @@ def test_trace_outputs_on_a_hand_made_timeline(tmp_path):
     assert f"Chrome trace {tmp_path / 't.json'}: 9 node events, 4 tracks" in text
     assert "bound 5.000 ms, efficiency 100.0%" in text
     json.loads((tmp_path / "t.json").read_text())
+
+
+# -- orchestra compile (NVRTC / nvJitLink run on the CPU; no GPU needed) -------------------------
+
+SAXPY_CU = ('extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {\n'
+            '    int i = blockIdx.x * blockDim.x + threadIdx.x;\n'
+            '    if (i < n) y[i] = a * x[i] + y[i];\n}\n')
+
+
+@pytest.fixture
+def ptx_file(tmp_path):
+    from orchestra.compiler import ptx_source_dir
+
+    path = tmp_path / "cp_async.ptx"
+    path.write_bytes((ptx_source_dir() / "cp_async.ptx").read_bytes())
+    return path
+
+
+@pytest.fixture
+def no_device_arch(monkeypatch):
+    """`orchestra compile` as on a machine without a GPU, whatever this machine has."""
+    import orchestra.cli.compile_cmd as cc
+
+    monkeypatch.setattr(cc, "_current_arch", lambda: None)
+
+
+@pytest.mark.parametrize("suffix", [".ptx", ".cu"])
+def test_compile_without_arch_or_gpu_says_to_pass_arch(suffix, tmp_path, ptx_file, capsys,
+                                                       no_device_arch):
+    src = ptx_file if suffix == ".ptx" else tmp_path / "saxpy.cu"
+    if suffix == ".cu":
+        src.write_text(SAXPY_CU)
+    assert main(["compile", str(src)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    verb = "link" if suffix == ".ptx" else "compile"
+    assert err == ("orchestra compile: no CUDA device to take the target architecture from: pass "
+                   f"--arch, e.g. --arch sm_90 (compute capability 9.0) to {verb} {src} without "
+                   "a GPU")
+    assert not src.with_suffix(".cubin").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--name-expression", "k<2>"], "--name-expression applies to NVRTC (.cu input) only; a "
+     ".ptx input is linked with nvJitLink as it is: drop it"),
+    (["-O=-lineinfo"], "-O/--option applies to NVRTC (.cu input) only; a .ptx input is linked "
+     "with nvJitLink as it is: drop it"),
+    (["--name-expression", "k<2>", "-O=-lineinfo"], "--name-expression and -O/--option apply to "
+     "NVRTC (.cu input) only; a .ptx input is linked with nvJitLink as it is: drop them"),
+    (["--ptx"], "--ptx makes no sense for a .ptx input (it is PTX already)"),
+])
+def test_compile_refuses_nvrtc_options_for_a_ptx_input(flags, message, ptx_file, capsys):
+    assert main(["compile", str(ptx_file), "--arch", "sm_90", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"orchestra compile: {message}"
+    assert not ptx_file.with_suffix(".cubin").exists()
+
+
+def test_compile_links_a_ptx_input(ptx_file, capsys):
+    assert main(["compile", str(ptx_file), "--arch", "sm_90"]) == 0
+    out = ptx_file.with_suffix(".cubin")
+    assert out.read_bytes()[:4] == b"\x7fELF"
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} ({out.stat().st_size} bytes, cubin for sm_90)")
+
+
+def test_compile_ptx_output_names_the_virtual_architecture(tmp_path, capsys):
+    src = tmp_path / "saxpy.cu"
+    src.write_text(SAXPY_CU)
+    assert main(["compile", str(src), "--arch", "90", "--ptx"]) == 0
+    out = src.with_suffix(".ptx")
+    assert b".target sm_90" in out.read_bytes()  # PTX's own spelling of compute_90
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"wrote {out} (") and line.endswith(" bytes, PTX for compute_90)")
+    assert main(["compile", str(src), "--arch", "sm_90"]) == 0
+    assert capsys.readouterr().out.strip().endswith(" bytes, cubin for sm_90)")
+
+
+def test_compile_a_directory_or_a_missing_file_or_a_bad_arch(tmp_path, capsys):
+    assert main(["compile", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"orchestra compile: {tmp_path} is a directory: give a .cu or .ptx file")
+    assert main(["compile", str(tmp_path / "nope.cu")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"orchestra compile: no such file: {tmp_path / 'nope.cu'}")
+    src = tmp_path / "saxpy.cu"
+    src.write_text(SAXPY_CU)
+    assert main(["compile", str(src), "--arch", "bogus"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "orchestra compile: --arch bogus: unknown GPU architecture; pass a name like --arch "
+        "sm_90 or a compute capability like --arch 9.0")
