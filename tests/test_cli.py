@@ -103,6 +103,13 @@ def test_run_output_needs_input(capsys):
     assert "--output needs --input" in capsys.readouterr().err
 
 
+def test_run_staging_slots_needs_input(capsys):
+    assert main(["run", "--staging-slots", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "orchestra run: --staging-slots needs --input (the generated data is made in pinned "
+        "memory and needs no staging slots)")
+
+
 def test_bad_options_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as info:
         main(["run", "--batches", "0"])

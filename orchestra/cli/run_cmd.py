@@ -46,7 +46,8 @@ def register(sub) -> None:
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
     p.add_argument("--no-verify-plan", action="store_true",
                    help="skip the hazard verifier before the first run")
-    p.set_defaults(func=run,
+    # None: not given (4 slots with --input); given without --input it is refused in `run`.
+    p.set_defaults(func=run, staging_slots=None,
                    no_device_hint="; `orchestra plan` shows the same plan without a GPU")
 
 
@@ -65,6 +66,10 @@ def run(args) -> int:
         print("orchestra run: --output needs --input (the generated data is verified in "
               "memory)", file=sys.stderr)
         return 2
+    if args.staging_slots is not None and not args.input:
+        print("orchestra run: --staging-slots needs --input (the generated data is made in "
+              "pinned memory and needs no staging slots)", file=sys.stderr)
+        return 2
     from orchestra.cli.trace_out import check_outputs
 
     problem = check_outputs(args.trace, args.plot)
@@ -79,7 +84,7 @@ def run(args) -> int:
                   policy=args.policy, compute_iters=args.compute_iters, repeat=args.repeat,
                   seed=args.seed, executor=args.executor, device=dev, input=args.input,
                   output=args.output, warmup=args.warmup, block=args.block,
-                  verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots,
+                  verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots or 4,
                   graph_dot=args.graph_dot, trace=bool(args.trace or args.plot))
     report = job.run()
     trace_info = None
