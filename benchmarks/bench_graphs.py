@@ -519,10 +519,12 @@ def main(argv=None) -> int:
     _PHASE_TIMEOUT = args.phase_timeout
 
     from orchestra.driver import Device
-    from orchestra.driver.check import device_available
+    from orchestra.errors import NoDeviceError
 
-    if not device_available():
-        print("bench_graphs: no CUDA device; nothing to measure", file=sys.stderr)
+    try:
+        Device.get(0)
+    except NoDeviceError as exc:
+        print(f"bench_graphs: {exc}", file=sys.stderr)
         return 2
     workloads = parse_workloads(args.workloads)
     iters = [int(i) for i in args.iters.split(",")]

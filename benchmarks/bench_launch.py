@@ -59,13 +59,13 @@ def main(argv=None) -> int:
     from orchestra.compiler import load_kernel
     from orchestra.compiler.module import clear_memo
     from orchestra.driver import Device, DeviceBuffer, Stream
-    from orchestra.driver.check import device_available
+    from orchestra.errors import NoDeviceError
 
-    if not device_available():
-        print("bench_launch: no CUDA device; nothing to measure", file=sys.stderr)
+    try:
+        dev = Device.get(0)
+    except NoDeviceError as exc:
+        print(f"bench_launch: {exc}", file=sys.stderr)
         return 2
-
-    dev = Device.get(0)
     dev.make_current()
     stream = Stream(dev)
 

@@ -346,8 +346,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from orchestra.driver import Device
+    from orchestra.errors import NoDeviceError
 
-    dev = Device.get(args.device)
+    try:
+        dev = Device.get(args.device)
+    except NoDeviceError as exc:
+        print(f"bench_pipeline: {exc}", file=sys.stderr)
+        return 2
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     all_rows, notes, singles = [], [], []
     for batches, mib in parse_workloads(args.workloads):

@@ -5,6 +5,8 @@
 Needs an NVIDIA GPU:  python examples/three_way_overlap.py
 """
 
+import sys
+
 import numpy as np
 
 from orchestra.driver import Device, PinnedBuffer
@@ -12,10 +14,15 @@ from orchestra.execute import EagerExecutor
 from orchestra.graph import HostBuffer, build_pipeline
 from orchestra.job import burn_grid, burn_kernel_ref
 from orchestra.job.data import burn_reference
+from orchestra.errors import NoDeviceError
 from orchestra.schedule import schedule
 
 BATCHES, BATCH_MIB, ITERS = 16, 16, 500
-dev = Device.get(0)
+try:
+    dev = Device.get(0)
+except NoDeviceError as exc:  # one line, not a traceback
+    print(f"three_way_overlap: {exc}", file=sys.stderr)
+    sys.exit(2)
 n = BATCH_MIB * 2**20 // 4  # float32 elements per batch
 x = PinnedBuffer.empty(BATCHES * n, np.float32, dev)  # one pinned array for all batches
 y = PinnedBuffer.empty(BATCHES * n, np.float32, dev)

@@ -268,3 +268,22 @@ def test_compile_a_directory_or_a_missing_file_or_a_bad_arch(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "orchestra compile: --arch bogus: unknown GPU architecture; pass a name like --arch "
         "sm_90 or a compute capability like --arch 9.0")
+
+
+# -- the example and the benchmarks without a GPU: one line, exit 2 -----------------------------
+
+@no_gpu
+@pytest.mark.parametrize("script", ["examples/three_way_overlap.py",
+                                    "benchmarks/bench_pipeline.py", "benchmarks/bench_graphs.py",
+                                    "benchmarks/bench_launch.py"])
+def test_scripts_without_gpu_print_one_line_and_exit_2(script):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / script
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{path.stem}: no CUDA device: orchestra needs an NVIDIA GPU")
