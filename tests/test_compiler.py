@@ -7,6 +7,7 @@ directory (tests/conftest.py sets ORCHESTRA_CACHE_DIR).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import pickle
 import re
@@ -869,6 +870,10 @@ def test_source_dirs():
 
 
 class FakeDevice:
+    """Stands in for `Device`. Ordinal 99 has no live context, so closing a module on it (or its
+    finalizer) skips ``cuLibraryUnload``; `pushed` is there for a finalizer that runs while
+    another test fakes ``context_alive``. Tests still close every module they load."""
+
     ordinal = 99
     arch = "sm_90"
     compute_capability = (9, 0)
@@ -877,6 +882,9 @@ class FakeDevice:
 
     def make_current(self):
         return self
+
+    def pushed(self):
+        return contextlib.nullcontext(self)
 
 
 SAXPY_PARAM_INFO = [(0, 4), (8, 8), (16, 8), (24, 8), (32, 8)]
@@ -989,11 +997,12 @@ def test_module_kernel_launch_plumbing(fake_driver):
     assert module.closed
 
 
-def test_kernel_shared_memory_opt_in_and_ex_launch(fake_driver):
+def test_kernel_shared_memory_opt_in_and_ex_launch(fake_driver, request):
     from cuda.bindings import driver
 
     res = oc.compile("saxpy.cu", arch=ARCH)
     module = oc.Module.load(res, FakeDevice(), source=(KERNEL_DIR / "saxpy.cu").read_text())
+    request.addfinalizer(module.close)
     k = module.kernel("saxpy")
     args = [2.0, 0, 0, 0, 1]
     k.launch(FakeStream(), 1, 128, args, shared_mem=64 * 1024)
@@ -1015,9 +1024,10 @@ def test_kernel_shared_memory_opt_in_and_ex_launch(fake_driver):
     assert k.attributes.num_regs == 16
 
 
-def test_declared_params_checked_against_param_info(fake_driver):
+def test_declared_params_checked_against_param_info(fake_driver, request):
     res = oc.compile("saxpy.cu", arch=ARCH)
     module = oc.Module.load(res, FakeDevice())
+    request.addfinalizer(module.close)
     with pytest.raises(ValueError, match="takes 5 parameters in the image, but 2"):
         module.kernel("saxpy", params=("float*", "int"))
     with pytest.raises(ValueError, match="parameter 0 .* offset 0"):
@@ -1036,20 +1046,22 @@ def test_ptx_module_load_refuses_newer_ptx_than_driver(fake_driver):
     with pytest.raises(oc.PtxVersionError, match=r"PTX ISA 9\.5 .*CUDA 13\.5.*CUDA 13\.0"):
         oc.Module.load(ptx, FakeDevice())
     assert not fake_driver.loaded
-    oc.Module.load(TINY_PTX, FakeDevice())
-    assert fake_driver.loaded[-1].endswith(b"\0")
+    with oc.Module.load(TINY_PTX, FakeDevice()):
+        assert fake_driver.loaded[-1].endswith(b"\0")
 
 
-def test_load_kernel_memoizes_per_device_and_key(fake_driver):
+def test_load_kernel_memoizes_per_device_and_key(fake_driver, request):
     from orchestra.compiler import module as mod
 
     mod.clear_memo()
+    request.addfinalizer(mod.clear_memo)
     a = oc.load_kernel("saxpy.cu", "saxpy", device=FakeDevice())
+    request.addfinalizer(a.module.close)
     b = oc.load_kernel(KERNEL_DIR / "saxpy.cu", "saxpy", device=FakeDevice())
     assert a is b and len(fake_driver.loaded) == 1
     c = oc.load_kernel("saxpy.cu", "saxpy", device=FakeDevice(), options=("-DX=1",))
+    request.addfinalizer(c.module.close)
     assert c is not a and len(fake_driver.loaded) == 2
-    mod.clear_memo()
 
 
 def test_kernel_params_read_from_the_cubin_parameter_table():
