@@ -26,13 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(f"orchestra.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"orchestra.cli.{name}":
-                continue  # subcommand not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"orchestra.cli.{name}").register(sub)
     return parser
 
 

@@ -37,11 +37,6 @@ def virtual_arch(arch: str) -> str:
     return "compute_" + normalize_arch(arch)[3:]
 
 
-def arch_number(arch: str) -> int:
-    """``"sm_90a"`` -> 90."""
-    return int(re.sub(r"\D", "", normalize_arch(arch)))
-
-
 def default_arch(device=None) -> str:
     """The architecture of ``device`` (default: device 0), from ``Device.arch``.
 

@@ -118,10 +118,6 @@ class BufferRange:
     def end(self) -> int:
         return self.offset + self.nbytes
 
-    @property
-    def is_whole(self) -> bool:
-        return self.offset == 0 and self.nbytes == self.buffer.nbytes
-
     def overlaps(self, other: "BufferRange") -> bool:
         return (self.buffer.key == other.buffer.key
                 and self.offset < other.end and other.offset < self.end)

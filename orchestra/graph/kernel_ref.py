@@ -65,11 +65,6 @@ class KernelRef:
         if not isinstance(self.name, str) or not self.name:
             raise GraphError(f"KernelRef.name must be the kernel's name; got {self.name!r}")
 
-    @property
-    def looks_like_path(self) -> bool:
-        """True when ``source`` is one line ending in a CUDA/PTX file suffix."""
-        return "\n" not in self.source and self.source.rstrip().endswith((".cu", ".cuh", ".ptx"))
-
     def default_mode(self, index: int) -> Mode:
         """The access mode of a bare buffer passed as argument ``index``.
 

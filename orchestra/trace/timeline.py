@@ -169,9 +169,6 @@ class Timeline:
         """Engines that ran at least one node, in `ENGINES` order."""
         return tuple(sorted({s.engine for s in self.spans}, key=engine_key))
 
-    def stream_index(self, stream: str) -> int:
-        return self.streams.index(stream)
-
     # -- metrics (see orchestra.trace.metrics) ----------------------------------------------
 
     @property
