@@ -19,7 +19,7 @@ Public API::
     parse_params(source, kernel_name) -> tuple[Param, ...]
     kernel_source_dir(), ptx_source_dir()
 
-See docs/ARCHITECTURE.md. Everything but `Module`/`Kernel` runs without a GPU.
+See docs/ARCHITECTURE.md. Everything but `Module`/`Kernel`/`load_kernel` runs without a GPU.
 """
 
 from orchestra.compiler.args import ArgLayout, PackedArgs

@@ -1,6 +1,6 @@
 """orchestra.trace: when each node ran, what overlapped, and pictures of it.
 
-    timeline = executor.run(plan, bindings, trace=True).timeline   # an executor's EventTimer
+    timeline = executor.run(graph, plan, bindings, trace=True).timeline
     print(timeline.summary(bound_ms=pipeline_bound_ms(timeline)))
     write_chrome_trace(timeline, "run.json")    # open in ui.perfetto.dev
     plot_gantt(timeline, "run.png")              # needs orchestra[plot]
