@@ -1,39 +1,106 @@
 """Byte-range dependency tracker: which earlier nodes must a new access wait for.
 
-Per buffer it keeps the last writer of every byte and the readers since that write, as lists of
-``(start, end, node)`` intervals. A read waits for the overlapping writers; a write waits for the
-overlapping writers and readers, then carves its bytes out of both lists (later accesses reach the
-older nodes through it, so their edges would be redundant) and becomes the writer there.
-Disjoint views of one buffer therefore never depend on each other.
+Per buffer it keeps the last writer of every byte and the readers since that write. A read waits
+for the overlapping writers; a write waits for the overlapping writers and readers, then carves
+its bytes out of both (later accesses reach the older nodes through it, so their edges would be
+redundant) and becomes the writer there. Disjoint views of one buffer therefore never depend on
+each other.
+
+Both maps are segment maps (`_SegmentMap`): sorted breakpoints, each segment between two of them
+holding the entries that cover it, so an access visits only the segments it overlaps (bisect),
+not every range the buffer has seen. A pipeline slicing one host buffer into N batch ranges thus
+costs O(N log N), not O(N^2). Each entry carries the sequence number of the access that made it;
+dependencies are reported in that order, the order of the plain interval lists this replaced.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_left, bisect_right
 
-from orchestra.graph.buffers import Access
+from orchestra.graph.buffers import Access, Mode
+
+_READ = Mode.READ
 
 
-def _carve(intervals, start, end):
-    """``intervals`` with the bytes ``[start, end)`` removed."""
-    kept = []
-    for s, e, node in intervals:
-        if e <= start or s >= end:
-            kept.append((s, e, node))
-            continue
-        if s < start:
-            kept.append((s, start, node))
-        if e > end:
-            kept.append((end, e, node))
-    return kept
+class _SegmentMap:
+    """Byte ranges -> entries ``(seq, node)``; ranges may overlap (several entries per byte).
+
+    ``pts`` are sorted breakpoints; ``segs[i]`` lists the entries covering ``[pts[i], pts[i+1])``
+    (``len(segs) == len(pts) - 1`` once there is a breakpoint). Bytes outside every segment, or
+    in a segment with an empty list, have no entry.
+    """
+
+    __slots__ = ("pts", "segs")
+
+    def __init__(self):
+        self.pts: list[int] = []
+        self.segs: list[list[tuple[int, str]]] = []
+
+    def _split(self, x: int, lo: int = 0) -> int:
+        """Make ``x`` a breakpoint (the entries of the segment it cut now cover both halves);
+        return its index in ``pts``. ``lo``: no breakpoint before that index is >= ``x``."""
+        pts = self.pts
+        i = bisect_left(pts, x, lo)
+        n = len(pts)
+        if i < n and pts[i] == x:
+            return i
+        pts.insert(i, x)
+        if n == 0:
+            return i
+        if i == 0:  # before every breakpoint: a new empty segment [x, old first)
+            self.segs.insert(0, [])
+        elif i == n:  # after every breakpoint: a new empty segment [old last, x)
+            self.segs.append([])
+        else:  # inside segment i-1: both halves keep its entries
+            self.segs.insert(i, self.segs[i - 1][:])
+        return i
+
+    def overlapping(self, start: int, end: int) -> list[tuple[int, str]]:
+        """The distinct entries covering any byte of ``[start, end)``, in ``seq`` order."""
+        pts, segs = self.pts, self.segs
+        # from the segment holding byte ``start`` (each later one ends after it too)
+        j = bisect_right(pts, start) - 1
+        if j < 0:
+            j = 0
+        n = len(segs)
+        found = []
+        while j < n and pts[j] < end:
+            if segs[j]:
+                found.extend(segs[j])
+            j += 1
+        if len(found) > 1:
+            found = sorted(set(found))
+        return found
+
+    def carve(self, start: int, end: int) -> None:
+        """Remove every entry from the bytes ``[start, end)``."""
+        pts = self.pts
+        if not pts or end <= pts[0] or start >= pts[-1]:
+            return  # nothing is there
+        i = self._split(start)
+        j = self._split(end, i + 1)
+        if j > i + 1:
+            del pts[i + 1:j]
+            self.segs[i:j] = [[]]
+        else:
+            self.segs[i] = []
+
+    def add(self, start: int, end: int, entry: tuple[int, str]) -> None:
+        """Add ``entry`` to every byte of ``[start, end)``."""
+        i = self._split(start)
+        j = self._split(end, i + 1)
+        segs = self.segs
+        for k in range(i, j):
+            segs[k].append(entry)
 
 
 class RangeTracker:
     """Infers RAW, WAR and WAW dependencies from accesses given in program order."""
 
     def __init__(self):
-        self._writers = defaultdict(list)  # buffer key -> [(start, end, node)]
-        self._readers = defaultdict(list)
+        self._writers: dict[tuple, _SegmentMap] = {}  # buffer key -> last writer(s) of each byte
+        self._readers: dict[tuple, _SegmentMap] = {}  # buffer key -> readers since that write
+        self._seq = 0
 
     def access(self, node: str, accesses: tuple[Access, ...]) -> dict[str, str]:
         """Record ``node``'s accesses; return {earlier node: reason} it must wait for.
@@ -42,27 +109,47 @@ class RangeTracker:
         a node that reads and writes one buffer never depends on itself.
         """
         deps: dict[str, str] = {}
+        writers_of, readers_of = self._writers, self._readers
+        todo = []
         for acc in accesses:
             r = acc.range
-            key, s, e = r.buffer.key, r.offset, r.end
-            for ws, we, w in self._writers[key]:
-                if ws < e and s < we and w != node:
-                    deps.setdefault(w, ("WAW " if acc.mode.writes else "RAW ") + r.buffer.name)
-            if acc.mode.writes:
-                for rs, re_, rd in self._readers[key]:
-                    if rs < e and s < re_ and rd != node:
-                        deps.setdefault(rd, "WAR " + r.buffer.name)
-        for acc in accesses:
-            r = acc.range
-            key = r.buffer.key
-            if acc.mode.writes:
-                self._writers[key] = _carve(self._writers[key], r.offset, r.end)
-                self._readers[key] = _carve(self._readers[key], r.offset, r.end)
-        for acc in accesses:
-            r = acc.range
-            key = r.buffer.key
-            if acc.mode.writes:
-                self._writers[key].append((r.offset, r.end, node))
-            else:
-                self._readers[key].append((r.offset, r.end, node))
+            buf = r.buffer
+            key, s = buf.key, r.offset
+            e = s + r.nbytes
+            writes = acc.mode is not _READ
+            todo.append((key, s, e, writes))
+            wm = writers_of.get(key)
+            if wm is not None:
+                found = wm.overlapping(s, e)
+                if found:
+                    reason = ("WAW " if writes else "RAW ") + buf.name
+                    for _, w in found:
+                        if w != node:
+                            deps.setdefault(w, reason)
+            if writes:
+                rm = readers_of.get(key)
+                if rm is not None:
+                    found = rm.overlapping(s, e)
+                    if found:
+                        reason = "WAR " + buf.name
+                        for _, rd in found:
+                            if rd != node:
+                                deps.setdefault(rd, reason)
+        # every write carves first, then every access is added: a node's accesses never hide
+        # each other
+        for key, s, e, writes in todo:
+            if writes:
+                wm = writers_of.get(key)
+                if wm is not None:
+                    wm.carve(s, e)
+                rm = readers_of.get(key)
+                if rm is not None:
+                    rm.carve(s, e)
+        for key, s, e, writes in todo:
+            self._seq += 1
+            maps = writers_of if writes else readers_of
+            m = maps.get(key)
+            if m is None:
+                m = maps[key] = _SegmentMap()
+            m.add(s, e, (self._seq, node))
         return deps
