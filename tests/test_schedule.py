@@ -340,6 +340,23 @@ def test_insert_events_for_a_hand_assignment():
                       order=["left", "top", "right", "bottom"])
 
 
+def test_insert_events_refuses_bad_orders_and_streams():
+    g = diamond()
+    on_a = {n: "a" for n in ("top", "left", "right", "bottom")}
+    for order in (["top", "left", "right"], ["top", "left", "right", "bottom", "ghost"],
+                  ["top", "left", "left", "bottom"], ["top", "left", "right", "ghost"]):
+        with pytest.raises(GraphError, match="order must list every node of the graph exactly once"):
+            insert_events(g, on_a, ["a"], order=order)
+    with pytest.raises(GraphError, match="order puts bottom before right, but bottom depends on right"):
+        insert_events(g, on_a, ["a"], order=["top", "left", "bottom", "right"])
+    with pytest.raises(GraphError, match="node right is assigned to stream 'c', not one of"):
+        insert_events(g, {**on_a, "right": "c"}, ["a", "b"])
+    plan = insert_events(g, on_a, ["a"])
+    ghost = Plan(plan.streams, {"a": plan.steps["a"] + (RunNode("ghost"),)})
+    with pytest.raises(GraphError, match="no node named 'ghost'"):
+        estimate_makespan(ghost, g)
+
+
 # -- property: every policy, random DAGs, 1-4 streams ----------------------------------------
 
 @st.composite

@@ -81,14 +81,16 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     """Simulated end time (µs) of ``plan``: each stream in order, waits joined, one node at a time
     per engine, the node that can start first going next."""
     cost = estimate_costs(graph, costs)
-    t_stream = {n: 0.0 for n in plan.stream_names}
-    head = {n: 0 for n in plan.stream_names}
+    names = plan.stream_names
+    t_stream = {n: 0.0 for n in names}
+    head = {n: 0 for n in names}
     ev_time: dict[str, float] = {}
     recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
     busy = {r: 0.0 for r in RESOURCES.values()}
+    res_of = {node.name: resource_of(node) for node in graph.nodes}
     while True:
         best = None
-        for n in plan.stream_names:
+        for n in names:
             steps, i, t = plan.steps[n], head[n], t_stream[n]
             while i < len(steps) and not isinstance(steps[i], RunNode):
                 st = steps[i]
@@ -101,7 +103,8 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
                 i += 1
             head[n], t_stream[n] = i, t
             if i < len(steps) and isinstance(steps[i], RunNode):
-                res = resource_of(graph.node(steps[i].node))
+                node = steps[i].node
+                res = res_of[node] if node in res_of else resource_of(graph.node(node))
                 start = max(t, busy[res]) if res else t
                 if best is None or start < best[0]:
                     best = (start, n, res)

@@ -27,16 +27,21 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     specs = tuple(s if isinstance(s, StreamSpec) else StreamSpec(s) for s in streams)
     sid = {s.name: i for i, s in enumerate(specs)}
     order = tuple(graph.topological_order() if order is None else order)
-    if sorted(order) != sorted(n.name for n in graph.nodes):
+    names = [n.name for n in graph.nodes]
+    if len(order) != len(names) or set(order) != set(names):  # names are unique
         raise GraphError("order must list every node of the graph exactly once")
     gpos = {n: i for i, n in enumerate(order)}
-    for p, s in graph.edges:
-        if gpos[p] > gpos[s]:
-            raise GraphError(f"order puts {s} before {p}, but {s} depends on {p}")
+    preds = {v: graph.predecessors(v) for v in order}
+    for v in order:
+        for p in preds[v]:
+            if gpos[p] > gpos[v]:
+                raise GraphError(f"order puts {v} before {p}, but {v} depends on {p}")
+    on = {}  # node -> stream index
     for n in order:
         if node_stream.get(n) not in sid:
             raise GraphError(f"node {n} is assigned to stream {node_stream.get(n)!r}, "
                              f"not one of {list(sid)}")
+        on[n] = sid[node_stream[n]]
 
     S = len(specs)
     cur = [[0] * S for _ in specs]
@@ -45,13 +50,13 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     waits = defaultdict(list)  # node -> predecessors it waits for, in wait order
     sources: set[str] = set()
     for v in order:
-        s = sid[node_stream[v]]
+        s = on[v]
         c = cur[s]
-        cross = sorted((p for p in graph.predecessors(v) if sid[node_stream[p]] != s),
-                       key=gpos.__getitem__, reverse=True)
+        cross = [p for p in preds[v] if on[p] != s]
+        if len(cross) > 1:
+            cross.sort(key=gpos.__getitem__, reverse=True)
         for p in cross:
-            t = sid[node_stream[p]]
-            if c[t] >= pos[p]:
+            if c[on[p]] >= pos[p]:
                 continue  # already ordered through an earlier wait or stream order
             waits[v].append(p)
             sources.add(p)
@@ -66,7 +71,8 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     steps = {sp.name: [] for sp in specs}
     for v in order:
         out = steps[node_stream[v]]
-        out.extend(WaitEvent(event[p]) for p in waits[v])
+        if v in waits:
+            out.extend(WaitEvent(event[p]) for p in waits[v])
         out.append(RunNode(v))
         if v in event:
             out.append(RecordEvent(event[v]))

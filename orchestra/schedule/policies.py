@@ -51,11 +51,14 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
 
 def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
+    nodes = graph.nodes
+    if all(n.batch is not None for n in nodes):  # the common case: no fallback to compute
+        return {n.name: n.batch for n in nodes}
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
     return {n.name: n.batch if n.batch is not None else (comp[n.name] if several else in_level[n.name])
-            for n in graph.nodes}
+            for n in nodes}
 
 
 def _follow_latest_pred(graph, name, assign, gpos, fallback):

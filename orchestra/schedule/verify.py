@@ -94,7 +94,8 @@ def _races(order, graph) -> list[Finding]:
         accs.sort(key=lambda x: x[:3])
         buf = graph.buffer(key[1])
         for i, (s1, e1, p1, n1, m1) in enumerate(accs):
-            for s2, e2, p2, n2, m2 in accs[i + 1:]:
+            for j in range(i + 1, len(accs)):  # not accs[i + 1:]: a copy per access is O(n^2)
+                s2, e2, p2, n2, m2 = accs[j]
                 if s2 >= e1:
                     break
                 if n1 == n2 or not (m1.writes or m2.writes):
