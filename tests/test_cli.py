@@ -33,7 +33,9 @@ def test_plan_json_counts(capsys, policy, streams):
     assert out["nodes"] == len(jg.graph) == 42
     assert out["edges"] == len(jg.graph.edges)
     assert out["events"] == plan.event_count and out["waits"] == plan.wait_count
-    assert out["streams"] == streams and out["policy"] == policy
+    # the streams the plan uses (critical-path runs these 6 batches on 3 of 4)
+    assert out["streams"] == len(plan.streams) <= streams and out["policy"] == policy
+    assert out["streams_requested"] == streams
     assert out["batches"] == 6 and out["batch_bytes"] == 1 << 20 and out["data_bytes"] == 6 << 20
     assert out["plan"] == json.loads(plan.to_json())
     assert out["estimated_makespan_ms"] > 0
@@ -62,6 +64,17 @@ def test_plan_summary_and_fractional_batch_mib(capsys):
     text = capsys.readouterr().out
     assert "stream " not in text and "counts: 21 nodes" in text
     assert "3 batches x 1.02 KiB (3.07 KiB)" in text  # 0.001 MiB -> 1048 bytes (262 floats)
+
+
+def test_plan_counts_only_the_streams_the_plan_uses(capsys):
+    assert main(["plan", "--batches", "4", "--batch-mib", "0.01", "--streams", "100",
+                 "--summary"]) == 0
+    text = capsys.readouterr().out
+    assert "policy by-engine, 6 stream(s) (of 100 requested: no node would run on the others)" in text
+    assert "8 waits, 6 streams" in text  # upload, compute0..compute3, download
+    assert main(["plan", "--batches", "4", "--batch-mib", "0.01", "--streams", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "policy by-engine, 6 stream(s), compute iters" in text and "requested" not in text
 
 
 def test_plan_with_input_file_shows_the_staged_graph(tmp_path, capsys):

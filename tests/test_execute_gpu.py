@@ -112,7 +112,9 @@ def test_outputs_match_numpy(dev, ex, pool, policy, streams):
         res = ex.run(p.graph, bindings=p.bindings, policy=policy, streams=streams)
         p.check()
         assert pool.used_bytes == used0
-        assert res.nodes == len(p.graph) and res.streams == streams and res.wall_ms > 0
+        # streams no node runs on are left out (critical-path keeps 2 of 3 or 4 here)
+        used = len(schedule(p.graph, policy, streams).streams)
+        assert res.nodes == len(p.graph) and res.streams == used <= streams and res.wall_ms > 0
     finally:
         p.close()
 

@@ -154,7 +154,8 @@ def brute_force_min_waits(plan, graph):
 def test_policy_plans_are_correct_and_minimal(policy, streams, shape):
     g = GRAPHS[shape]()
     plan = schedule(g, policy, streams)
-    assert len(plan.streams) == streams
+    assert 1 <= len(plan.streams) <= streams
+    assert all(plan.nodes(s) for s in plan.stream_names)  # no empty stream
     assert_plan_respects_graph(plan, g)
     assert verify(plan, g) == []
     assert plan.wait_count == brute_force_min_waits(plan, g)
@@ -201,6 +202,44 @@ def test_by_engine_stream_layouts():
         assert p5.node_stream[f"b{i}.free_in"] == p5.node_stream[f"b{i}.kernel"]  # last use
         assert p5.node_stream[f"b{i}.free_out"] == "download"
     assert [s.role for s in p5.streams] == ["upload", "compute", "compute", "compute", "download"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_streams_no_node_would_run_on_are_left_out(policy):
+    g = batches(4)
+    plan = schedule(g, policy, 100)
+    assert all(plan.nodes(s) for s in plan.stream_names) and len(plan.streams) <= 6
+    if policy == "by-engine":
+        assert plan.stream_names == ("upload", "compute0", "compute1", "compute2", "compute3",
+                                     "download")
+    if policy == "round-robin":
+        assert plan.stream_names == ("s0", "s1", "s2", "s3") and plan == schedule(g, policy, 4)
+    # the same plan as with every stream, minus the empty ones: same steps, events and waits
+    full = _schedule_keeping_empty_streams(g, policy, 100)
+    assert len(full.streams) == 100
+    assert {s: full.steps[s] for s in plan.stream_names} == plan.steps
+    assert all(not full.steps[s] for s in full.stream_names if s not in plan.steps)
+    assert (plan.order, plan.meta) == (full.order, full.meta)
+    assert verify(plan, g) == []
+    # what the policies name stays put: the kept streams keep their names
+    assert schedule(chain(), "round-robin", 4).stream_names == ("s0",)
+    assert schedule(batches(1), "by-engine", 5).stream_names == ("upload", "compute0", "download")
+
+
+def _schedule_keeping_empty_streams(g, policy, streams):
+    from orchestra.schedule import policies
+
+    specs, assign, order, meta = {"round-robin": policies._round_robin,
+                                  "by-engine": policies._by_engine,
+                                  "critical-path": lambda g, s: policies._critical_path(g, s, None)
+                                  }[policy](g, streams)
+    return insert_events(g, assign, specs, order, policy, meta)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_graph_without_nodes_keeps_one_stream(policy):
+    plan = schedule(TaskGraph(), policy, 4)
+    assert len(plan.streams) == 1 and plan.nodes() == () and plan.event_count == 0
 
 
 @pytest.mark.parametrize("streams", STREAMS)

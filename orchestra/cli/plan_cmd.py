@@ -63,6 +63,7 @@ def run(args) -> int:
         "data_bytes": jg.total_bytes,
         "policy": args.policy,
         "streams": len(plan.streams),
+        "streams_requested": args.streams,
         "nodes": len(graph),
         "edges": len(graph.edges),
         "events": plan.event_count,
@@ -77,7 +78,10 @@ def run(args) -> int:
         return 0
     what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
                       f"({fmt_bytes(info['data_bytes'])})")
-    print(f"orchestra plan: {what}, policy {args.policy}, {info['streams']} stream(s), "
+    streams = f"{info['streams']} stream(s)"
+    if info["streams"] < args.streams:
+        streams += f" (of {args.streams} requested: no node would run on the others)"
+    print(f"orchestra plan: {what}, policy {args.policy}, {streams}, "
           f"compute iters {args.compute_iters}")
     if not args.summary:
         print(plan)

@@ -66,7 +66,7 @@ class JobReport:
     device: str
     executor: str
     policy: str
-    streams: int
+    streams: int  # the streams the plan runs on (at most the requested number)
     batches: int
     batch_bytes: int
     data_bytes: int
@@ -194,7 +194,7 @@ class MainJob:
         bad = next((c for c in checks if not c.ok), checks[-1])
         return JobReport(
             device=dev.name, executor=self.executor_name, policy=self.policy,
-            streams=self.streams, batches=len(sizes), batch_bytes=single.nbytes,
+            streams=last.streams, batches=len(sizes), batch_bytes=single.nbytes,
             data_bytes=sum(sizes), compute_iters=single.iters,
             compute_iters_auto=self.iters is None, t_h2d_ms=single.t_h2d_ms,
             t_kernel_ms=single.t_kernel_ms, t_d2h_ms=single.t_d2h_ms, wall_ms=wall,

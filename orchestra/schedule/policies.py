@@ -34,6 +34,11 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
       longest remaining path) goes on the stream where it starts earliest, with one upload copy
       engine, one download copy engine and the SMs as exclusive resources. Allocs are placed just
       before their first use. The estimated makespan is in ``plan.meta["makespan_us"]``.
+
+    ``streams`` is an upper bound: a stream no node would run on is left out of the plan (the
+    others keep their names), so ``by-engine`` with 100 streams and 4 batches makes ``upload``,
+    ``compute0``..``compute3`` and ``download``, and an executor creates those 6 streams only.
+    A graph with no nodes keeps the policy's first stream.
     """
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be an int >= 1; got {streams!r}")
@@ -46,7 +51,13 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
         specs, assign, order, meta = _critical_path(graph, streams, costs)
     else:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    return insert_events(graph, assign, specs, order, policy, meta)
+    return insert_events(graph, assign, _used(specs, assign), order, policy, meta)
+
+
+def _used(specs, assign):
+    """The streams some node runs on, in the policy's order (its first one when none is)."""
+    used = set(assign.values())
+    return tuple(s for s in specs if s.name in used) or specs[:1]
 
 
 def _group_keys(graph: TaskGraph) -> dict[str, int]:
