@@ -310,3 +310,65 @@ def test_main_job_block_over_the_limit_is_refused_before_any_timing_or_run(fake_
         MainJob(batches=2, batch_mib=0.01, compute_iters=3, repeat=1, block=2048).run()
     assert fake_job.timings == [] and fake_job.driver_calls() == []
     assert all(ex.closed for ex in fake_job.made)
+
+
+# -- --input files: one check for run and plan (orchestra.job.inputs) --------------------------
+
+BAD_INPUTS = {
+    "float64": (lambda: np.ones(1000), "the array is float64; orchestra run --input streams "
+                "float32 (little-endian) arrays: convert it with np.save(path, a.astype(np.float32))"),
+    "int64": (lambda: np.arange(1000, dtype=np.int64), "the array is int64; orchestra run --input"),
+    "big-endian": (lambda: np.ones(1000, ">f4"), "the array is >f4; orchestra run --input"),
+    "empty": (lambda: np.zeros((0, 3), np.float32), "the array is empty"),
+    "npz": (None, "not a .npy array (NpzFile); --input takes one array saved with np.save"),
+    "garbage": (None, "not a .npy array numpy can load"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS)
+def test_run_and_plan_refuse_the_same_input_files_with_the_same_message(
+        fake_job, monkeypatch, tmp_path, capsys, bad):
+    from orchestra.cli.main import main
+
+    make, want = BAD_INPUTS[bad]
+    path = tmp_path / ("x.npz" if bad == "npz" else "x.npy")
+    if bad == "npz":
+        np.savez(path, a=np.ones(10, np.float32))
+    elif bad == "garbage":
+        path.write_bytes(b"not numpy at all")
+    else:
+        np.save(path, make())
+    with pytest.raises(ValueError) as info:
+        MainJob(input=path, compute_iters=3, repeat=1).run()
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: {want}")
+    assert fake_job.made == [] and fake_job.used == 0  # refused before any executor or memory
+    monkeypatch.setattr(od.Device, "get", classmethod(lambda cls, ordinal=0: fake_job.device))
+    assert main(["run", "--input", str(path), "--compute-iters", "3", "--repeat", "1"]) == 2
+    assert capsys.readouterr().err == f"orchestra run: {msg}\n"
+    assert main(["plan", "--input", str(path)]) == 2  # planned as float32 before
+    assert capsys.readouterr() == ("", f"orchestra plan: {msg}\n")
+
+
+def test_open_input_keeps_the_storage_order(tmp_path):
+    from orchestra.job import open_input
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for arr, fortran in ((a, False), (np.asfortranarray(a), True), (a[0], False)):
+        np.save(tmp_path / "a.npy", arr)
+        inp = open_input(str(tmp_path / "a.npy"))
+        assert inp.fortran is fortran and inp.shape == arr.shape and inp.size == arr.size
+        assert isinstance(inp.array, np.memmap)  # memory-mapped, not read
+        np.testing.assert_array_equal(inp.flat, arr.T.reshape(-1) if fortran else arr.reshape(-1))
+    np.save(tmp_path / "s.npy", np.float32(2.5))  # a 0-d array is one element
+    assert open_input(tmp_path / "s.npy").flat.tolist() == [2.5]
+    with pytest.raises(FileNotFoundError):
+        open_input(tmp_path / "missing.npy")
+
+
+def test_main_job_reports_the_streams_the_plan_runs_on(fake_job):
+    # by-engine with 5 streams: upload, compute0..compute2, download; 2 batches leave compute2
+    # without a node, so the plan (and the executor) has 4 streams
+    r = MainJob(batches=2, batch_mib=0.01, streams=5, compute_iters=3, repeat=1).run()
+    assert r.verified and r.streams == 4 and r.as_dict()["streams"] == 4
+    assert MainJob(batches=3, batch_mib=0.01, streams=5, compute_iters=3, repeat=1).run().streams == 5

@@ -37,13 +37,13 @@ def build(args):
     per = batch_bytes // 4
     source = None
     if args.input:
-        import numpy as np
+        from orchestra.job.inputs import open_input
 
-        arr = np.load(args.input, mmap_mode="r")
-        sizes = batch_sizes(arr.size, per)
+        inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
+        sizes = batch_sizes(inp.size, per)
         slots = max(1, min(args.staging_slots, len(sizes)))
         jg = build_staged_graph(sizes, slots=slots, iters=iters, block=args.block)
-        source = f"{args.input} ({arr.size} float32, {len(sizes)} batches, {slots} staging slots)"
+        source = f"{args.input} ({inp.size} float32, {len(sizes)} batches, {slots} staging slots)"
     else:
         sizes = batch_sizes(args.batches * per, per)
         jg = build_job_graph(sizes, iters=iters, block=args.block)

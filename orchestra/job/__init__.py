@@ -12,11 +12,12 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
+from orchestra.job.inputs import InputArray, open_input
 from orchestra.job.main_job import JobReport, MainJob, bound_ms, parse_iters
 from orchestra.job.timing import SingleBatch, calibrate_iters
 
 __all__ = [
-    "JobGraph", "JobReport", "MainJob", "SingleBatch", "batch_bytes_from_mib", "batch_sizes",
-    "bound_ms", "build_job_graph", "build_staged_graph", "burn_grid", "burn_kernel_ref",
-    "calibrate_iters", "job_costs", "parse_iters",
+    "InputArray", "JobGraph", "JobReport", "MainJob", "SingleBatch", "batch_bytes_from_mib",
+    "batch_sizes", "bound_ms", "build_job_graph", "build_staged_graph", "burn_grid",
+    "burn_kernel_ref", "calibrate_iters", "job_costs", "open_input", "parse_iters",
 ]

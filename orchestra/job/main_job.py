@@ -51,6 +51,7 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
+from orchestra.job.inputs import open_input
 from orchestra.job.timing import BatchTimer, SingleBatch
 
 TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
@@ -286,15 +287,8 @@ class MainJob:
         from orchestra.driver import Stream
         from orchestra.execute import StagingPool, make_executor
 
-        src = np.load(self.input, mmap_mode="r")
-        if src.dtype != np.dtype(np.float32):
-            raise ValueError(f"{self.input}: the array is {src.dtype}; orchestra run --input "
-                             "streams float32 (little-endian) arrays: convert it with "
-                             "np.save(path, a.astype(np.float32))")
-        if src.size == 0:
-            raise ValueError(f"{self.input}: the array is empty")
-        fortran = bool(src.flags.f_contiguous and not src.flags.c_contiguous)
-        flat_in = (src.T if fortran else src).reshape(-1)
+        inp = open_input(self.input)  # the checks `orchestra plan --input` makes too
+        src, fortran, flat_in = inp.array, inp.fortran, inp.flat
         tmp = None
         out_path = self.output
         if out_path is None:
