@@ -176,12 +176,36 @@ def test_event_problems():
     unrecorded = PlanBuilder().stream("s0").run("alloc", "h2d").stream("s1").wait("nope").run("kernel", "free").build()
     f = verify(unrecorded, g)
     assert "WAIT_UNRECORDED" in kinds(f) and "RAW" in kinds(f)
+    w = next(x for x in f if x.kind == "WAIT_UNRECORDED")
+    assert w.nodes == ("kernel", None) and w.streams == ("s1",)  # the node the wait holds up
+    assert w.message.startswith("stream s1 waits for event nope before kernel, which no stream records")
+    # a wait with no node after it holds nothing up
+    tail = PlanBuilder().stream("s0").run("alloc", "h2d", "kernel", "free").wait("nope").build()
+    w = next(x for x in verify(tail, g) if x.kind == "WAIT_UNRECORDED")
+    assert w.nodes == (None, None) and w.message.startswith("stream s0 waits for event nope, which")
     reused = (PlanBuilder().stream("s0").run("alloc").record("e").run("h2d").record("e")
               .stream("s1").wait("e").run("kernel", "free").build())
     assert "EVENT_REUSED" in kinds(verify(reused, g))
     dead = (PlanBuilder().stream("s0").run("alloc", "h2d").wait("y").record("x")
             .stream("s1").wait("x").record("y").run("kernel", "free").build())
-    assert "DEADLOCK" in kinds(verify(dead, g))
+    d = next(x for x in verify(dead, g) if x.kind == "DEADLOCK")
+    # one held-up node per blocked stream: nothing runs after s0's wait, s1's holds up kernel
+    assert d.streams == ("s0", "s1") and d.nodes == (None, "kernel")
+    assert "stream s1 waits for x (holding up kernel) before it is recorded" in d.message
+    assert "stream s0 waits for y before it is recorded" in d.message
+    # three streams in a cycle: three held-up nodes
+    g3 = TaskGraph()
+    for n in ("a", "b", "c"):
+        g3.add(HostFunc(n, lambda: None))
+    ring = (PlanBuilder().stream("p").wait("ec").run("a").record("ea")
+            .stream("q").wait("ea").run("b").record("eb")
+            .stream("r").wait("eb").run("c").record("ec").build())
+    d = next(x for x in verify(ring, g3) if x.kind == "DEADLOCK")
+    assert d.streams == ("p", "q", "r") and d.nodes == ("a", "b", "c")
+    # a stream blocked on its own later record: one stream, padded to two nodes
+    own = PlanBuilder().stream("s").wait("e").run("a").record("e").run("b", "c").build()
+    d = next(x for x in verify(own, g3) if x.kind == "DEADLOCK")
+    assert d.streams == ("s",) and d.nodes == ("a", None)
 
 
 def test_after_edges_are_checked():

@@ -17,7 +17,11 @@ KINDS = (
 class Finding:
     """A hazard: ``kind`` (one of `KINDS`), the ``buffer`` it concerns (or None), the two
     ``nodes`` (second may be None), their ``streams`` (None in graph mode) and a ``message`` that
-    says what ordering is missing and how to add it."""
+    says what ordering is missing and how to add it.
+
+    WAIT_UNRECORDED names the node the wait holds up (the next node run on its stream) first;
+    DEADLOCK (of a plan) lists one held-up node per blocked stream, in ``streams``' order (at
+    least two entries); either is None where no node follows the wait. EVENT_REUSED names none."""
 
     kind: str
     buffer: str | None

@@ -10,7 +10,7 @@ O(steps x streams); each query is O(1).
 from __future__ import annotations
 
 from orchestra.schedule.finding import Finding
-from orchestra.schedule.plan import Plan, RecordEvent, WaitEvent
+from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
 
 class PlanOrder:
@@ -62,11 +62,13 @@ class PlanOrder:
                             break  # its record has not been reached yet: try other streams
                         elif st.event not in reported_unrecorded:
                             reported_unrecorded.add(st.event)
+                            held = _held_up(steps[s], head[s])
                             self.findings.append(Finding(
-                                "WAIT_UNRECORDED", None, (None, None), (names[s],),
-                                f"stream {names[s]} waits for event {st.event}, which no stream "
-                                f"records: the wait orders nothing; record {st.event} after the node "
-                                f"it should wait for"))
+                                "WAIT_UNRECORDED", None, (held, None), (names[s],),
+                                f"stream {names[s]} waits for event {st.event}"
+                                + (f" before {held}" if held else "")
+                                + f", which no stream records: the wait orders nothing; record "
+                                f"{st.event} after the node it should wait for"))
                     elif isinstance(st, RecordEvent):
                         snap[st.event] = tuple(cur[s])  # a re-record overwrites (reported above)
                         self._record_after.setdefault(st.event, (names[s], last_node[s]))
@@ -78,11 +80,14 @@ class PlanOrder:
             if all(head[s] == len(steps[s]) for s in range(S)):
                 return
             if not progress:
-                blocked = [(names[s], steps[s][head[s]].event) for s in range(S) if head[s] < len(steps[s])]
+                blocked = [(names[s], steps[s][head[s]].event, _held_up(steps[s], head[s]))
+                           for s in range(S) if head[s] < len(steps[s])]
+                held = tuple(h for _, _, h in blocked)
                 self.findings.append(Finding(
-                    "DEADLOCK", None, (None, None), tuple(n for n, _ in blocked),
+                    "DEADLOCK", None, held + (None,) * (2 - len(held)), tuple(n for n, _, _ in blocked),
                     "the plan's waits form a cycle and can never all be issued: "
-                    + "; ".join(f"stream {n} waits for {ev} before it is recorded" for n, ev in blocked)
+                    + "; ".join(f"stream {n} waits for {ev}" + (f" (holding up {h})" if h else "")
+                                + " before it is recorded" for n, ev, h in blocked)
                     + "; each wait must come after its event's record in some issue order"))
                 s = self._sid[blocked[0][0]]
                 head[s] += 1  # treat the first blocked wait as a no-op and go on
@@ -118,6 +123,11 @@ class PlanOrder:
             return f"and {a} does not precede {b} on stream {sa}"
         return (f"and no event orders {a} before {b}: record an event on {sa} after {a} "
                 f"and wait for it on {sb} before {b}")
+
+
+def _held_up(steps, i):
+    """The node a wait at ``steps[i]`` holds up: the stream's next `RunNode` (None if none)."""
+    return next((st.node for st in steps[i + 1:] if isinstance(st, RunNode)), None)
 
 
 class GraphOrder:
