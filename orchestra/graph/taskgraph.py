@@ -44,14 +44,22 @@ class TaskGraph:
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
         accesses = node.accesses()
+        buffers = self._buffers
         for acc in accesses:
-            self._register(acc.buffer, name)
+            buf = acc.range.buffer
+            known = buffers.get(buf.name)
+            if known is None:
+                buffers[buf.name] = buf
+            elif known is not buf:
+                self._register(buf, name)  # equal, or a clash to report
         self._nodes[name] = node
         self._index[name] = len(self._index)
-        self._preds[name] = {}
+        preds = self._preds[name] = {}
         self._succs[name] = {}
+        succs = self._succs
         for pred, reason in self._tracker.access(name, accesses).items():
-            self._edge(pred, name, reason)
+            preds[pred] = reason  # inferred edges come first: none is there yet
+            succs[pred][name] = reason
         for pred in node.after:
             if pred in self._nodes:
                 self._edge(pred, name, "after", explicit=True)

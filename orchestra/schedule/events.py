@@ -60,7 +60,7 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
                 continue  # already ordered through an earlier wait or stream order
             waits[v].append(p)
             sources.add(p)
-            c = [max(a, b) for a, b in zip(c, clock[p])]
+            c = list(map(max, c, clock[p]))
         c[s] += 1
         pos[v] = c[s]
         clock[v] = tuple(c)

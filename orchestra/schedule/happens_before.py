@@ -57,7 +57,7 @@ class PlanOrder:
                     st = steps[s][head[s]]
                     if isinstance(st, WaitEvent):
                         if st.event in snap:
-                            cur[s] = [max(a, b) for a, b in zip(cur[s], snap[st.event])]
+                            cur[s] = list(map(max, cur[s], snap[st.event]))
                         elif st.event in recorded_in_plan:
                             break  # its record has not been reached yet: try other streams
                         elif st.event not in reported_unrecorded:
