@@ -9,8 +9,11 @@ each other.
 Both maps are segment maps (`_SegmentMap`): sorted breakpoints, each segment between two of them
 holding the entries that cover it, so an access visits only the segments it overlaps (bisect),
 not every range the buffer has seen. A pipeline slicing one host buffer into N batch ranges thus
-costs O(N log N), not O(N^2). Each entry carries the sequence number of the access that made it;
-dependencies are reported in that order, the order of the plain interval lists this replaced.
+costs O(N log N), not O(N^2). (The cost of an access is the number of segments it spans: a read
+of a whole buffer that earlier reads cut into N pieces is O(N), where a plain list appended it in
+O(1); a write over them finds those N readers either way.) Each entry carries the sequence number
+of the access that made it; dependencies are reported in that order, the order of the plain
+interval lists this replaced (`tests/test_graph.py` checks both against a brute force).
 """
 
 from __future__ import annotations
