@@ -422,7 +422,7 @@ def test_eager_prepares_once_and_reuses_streams_and_events(fake):
     r1 = ex.run(g2, bindings=b2, policy="round-robin", streams=3)
     assert r1.prepare_ms == 0.0
     ex.close()
-    assert all(s.closed for s in ex._stream_pool[0]) and ex.closed
+    assert all(s.closed for s in ex._pool.by_priority[0]) and ex.closed
     with pytest.raises(ValueError, match="closed"):
         ex.run(g, plan, b)
 

@@ -6,7 +6,8 @@
   (`graph_cache`); `GraphRunner` (`graph_runner`: the eager interface over a graph executor).
 - Shared resolution every executor uses before enqueueing anything: checks and issue order
   (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
-  arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`).
+  arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`),
+  the eager and capture executors' pooled streams and sync-only events (`resources`).
 
 ``make_executor(name)`` builds an executor by the name ``orchestra run --executor`` takes.
 """

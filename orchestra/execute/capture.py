@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Callable
 
 from cuda.bindings import driver as _d
@@ -64,6 +65,7 @@ from orchestra.execute.graph_nodes import (
 from orchestra.execute.graph_spec import check_graph_memory
 from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
 from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.schedule import RecordEvent, RunNode, verify
 
@@ -269,19 +271,10 @@ class CaptureSession:
             self.close()
 
 
-def _shutdown(streams: list, events: list, device) -> None:
-    if context_alive(device.ordinal):
-        for s in streams:
-            try:
-                s.synchronize()
-            except CudaError:
-                pass
-    for e in events:
-        e.close()
-    for s in streams:
-        s.close()
-    streams.clear()
-    events.clear()
+def _shutdown(pool: StreamPool) -> None:
+    if context_alive(pool.device.ordinal):
+        pool.synchronize()
+    pool.release()
 
 
 class CaptureExecutor(GraphExecutorBase):
@@ -309,15 +302,10 @@ class CaptureExecutor(GraphExecutorBase):
                          auto_free=auto_free)
         self.mode = capture_mode(mode)
         self._lock = threading.RLock()
-        self._all_streams: list[Stream] = []
-        self._stream_pool: dict[int, list[Stream]] = {}
-        self._events: list[Event] = []
+        self._pool = StreamPool(self.device, Stream, Event)
         self._origin = Stream(self.device)
-        self._all_streams.append(self._origin)
-        import weakref
-
-        self._finalizer = weakref.finalize(self, _shutdown, self._all_streams, self._events,
-                                           self.device)
+        self._pool.streams.append(self._origin)
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool)
         self._finalizer.atexit = False
         self.captures = 0
 
@@ -326,28 +314,9 @@ class CaptureExecutor(GraphExecutorBase):
         """The stream every capture begins and ends on."""
         return self._origin
 
-    def _take_streams(self, plan) -> dict[str, Stream]:
-        used: dict[int, int] = {}
-        out = {}
-        for spec in plan.streams:
-            k = used.get(spec.priority, 0)
-            used[spec.priority] = k + 1
-            pool = self._stream_pool.setdefault(spec.priority, [])
-            while len(pool) <= k:
-                s = Stream(self.device, spec.priority)
-                pool.append(s)
-                self._all_streams.append(s)
-            out[spec.name] = pool[k]
-        return out
-
-    def _event(self, slot: int) -> Event:
-        while len(self._events) <= slot:
-            self._events.append(Event(self.device))  # sync-only
-        return self._events[slot]
-
     def _drop_stream(self, s: Stream) -> None:
         """A stream the driver still reports capturing after a failed capture: never reuse."""
-        for pool in self._stream_pool.values():
+        for pool in self._pool.by_priority.values():
             if s in pool:
                 pool.remove(s)
 
@@ -381,10 +350,10 @@ class CaptureExecutor(GraphExecutorBase):
         built, resolved = self._new_built(None, graph, plan, bindings)
         dev = self.device
         dev.make_current()
-        sm = self._take_streams(plan)
+        sm = self._pool.take_streams(plan)
         slots, nslots = assign_event_slots(issue)
-        events = [self._event(i).handle for i in range(nslots)]
-        fork_join = (self._event(nslots), self._event(nslots + 1))
+        events = [self._pool.event(i).handle for i in range(nslots)]
+        fork_join = (self._pool.event(nslots), self._pool.event(nslots + 1))
         tracer = None
         if trace:
             from orchestra.trace import GraphTracer
@@ -547,7 +516,7 @@ class CaptureExecutor(GraphExecutorBase):
     @property
     def streams(self) -> tuple[Stream, ...]:
         """Every stream the executor created (the origin first)."""
-        return tuple(self._all_streams)
+        return tuple(self._pool.streams)
 
     def close(self) -> None:
         """Synchronize and release the pooled streams and events (idempotent). Execs already
@@ -560,7 +529,7 @@ class CaptureExecutor(GraphExecutorBase):
 
     def __repr__(self) -> str:
         return (f"<CaptureExecutor on device {self.device.ordinal}: {self.captures} captures, "
-                f"{len(self._all_streams)} streams>")
+                f"{len(self._pool.streams)} streams>")
 
 
 __all__ = ["CaptureError", "CaptureExecutor", "CaptureSession", "MODES", "capture_mode",

@@ -47,6 +47,7 @@ from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode, schedule
 
@@ -136,26 +137,16 @@ class _Pending:
     prepare_ms: float
 
 
-def _shutdown(streams: list, events: list, callbacks: HostCallbacks, device: Device,
-              tracers: list) -> None:
+def _shutdown(pool: StreamPool, callbacks: HostCallbacks, tracers: list) -> None:
     """Finalizer / close(): wait for pending work (host functions may still call the
     trampoline), then release the pooled streams, events and the ``trace=True`` tracer's
     timing events."""
-    if context_alive(device.ordinal):
-        for s in streams:
-            try:
-                s.synchronize()
-            except CudaError:
-                pass
+    if context_alive(pool.device.ordinal):
+        pool.synchronize()
     for t in tracers:
         t.close()
     tracers.clear()
-    for e in events:
-        e.close()
-    for s in streams:
-        s.close()
-    streams.clear()
-    events.clear()
+    pool.release()
     del callbacks  # the trampoline may go only after the synchronize above
 
 
@@ -185,17 +176,15 @@ class EagerExecutor:
         self._pinned = PinnedCheck()
         self._callbacks = HostCallbacks()
         self._hostfn_ptr = _d.CUhostFn(self._callbacks.address)
-        self._all_streams: list[Stream] = []
-        self._stream_pool: dict[int, list[Stream]] = {}
-        self._events: list[Event] = []
+        self._pool = StreamPool(self.device, Stream, Event)
         self._tracers: list = []  # the EagerTracer trace=True uses (created on first use)
         self._prepared: collections.OrderedDict = collections.OrderedDict()
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._pending: list[_Pending] = []
         self._lock = threading.RLock()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._all_streams, self._events,
-                                           self._callbacks, self.device, self._tracers)
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._callbacks,
+                                           self._tracers)
         self._finalizer.atexit = False
 
     # -- pools ------------------------------------------------------------------------------
@@ -203,26 +192,12 @@ class EagerExecutor:
     @property
     def streams(self) -> tuple[Stream, ...]:
         """Every stream the executor has created (pooled, reused by every plan)."""
-        return tuple(self._all_streams)
+        return tuple(self._pool.streams)
 
     @property
     def event_count(self) -> int:
         """Sync-only events the executor has created (pooled)."""
-        return len(self._events)
-
-    def _take_streams(self, plan: Plan) -> dict[str, Stream]:
-        used: dict[int, int] = {}
-        out = {}
-        for spec in plan.streams:
-            k = used.get(spec.priority, 0)
-            used[spec.priority] = k + 1
-            pool = self._stream_pool.setdefault(spec.priority, [])
-            while len(pool) <= k:
-                s = Stream(self.device, spec.priority)
-                pool.append(s)
-                self._all_streams.append(s)
-            out[spec.name] = pool[k]
-        return out
+        return len(self._pool.events)
 
     @property
     def tracer(self):
@@ -234,11 +209,6 @@ class EagerExecutor:
 
             self._tracers.append(EagerTracer(self.device, executor="eager"))
         return self._tracers[0]
-
-    def _event(self, slot: int) -> Event:
-        while len(self._events) <= slot:
-            self._events.append(Event(self.device))  # sync-only: CU_EVENT_DISABLE_TIMING
-        return self._events[slot]
 
     # -- planning and preparation -----------------------------------------------------------
 
@@ -302,7 +272,7 @@ class EagerExecutor:
             if node.kind == "kernel":
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
-        prep.streams = self._take_streams(plan)
+        prep.streams = self._pool.take_streams(plan)
         for name in prep.spec.host:
             prep.host_slots[name] = len(prep.hptrs)
             prep.hptrs.append(0)
@@ -313,7 +283,7 @@ class EagerExecutor:
             prep.objs.append(None)
             prep.alloc_stream.append(None)
         slots, nslots = assign_event_slots(issue)
-        events = [self._event(i).handle for i in range(nslots)]
+        events = [self._pool.event(i).handle for i in range(nslots)]
         for i, (sname, step) in enumerate(issue):
             stream = prep.streams[sname]
             if isinstance(step, RunNode):
@@ -569,7 +539,7 @@ class EagerExecutor:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (
-            f"{len(self._all_streams)} streams, {len(self._events)} events, "
+            f"{len(self._pool.streams)} streams, {len(self._pool.events)} events, "
             f"{len(self._prepared)} prepared plans")
         return f"<EagerExecutor on device {self.device.ordinal}: {state}>"
 
