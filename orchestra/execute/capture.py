@@ -65,7 +65,7 @@ from orchestra.execute.graph_nodes import (
 from orchestra.execute.graph_spec import check_graph_memory
 from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
 from orchestra.execute.prepare import assign_event_slots, check_run
-from orchestra.execute.resources import StreamPool
+from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.schedule import RecordEvent, RunNode, verify
 
@@ -79,7 +79,7 @@ MODES = {
     "relaxed": _d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
 }
 
-_memset = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
+_memset = MEMSET_ASYNC
 
 
 def capture_mode(mode) -> object:

@@ -47,7 +47,7 @@ from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
-from orchestra.execute.resources import StreamPool
+from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode, schedule
 
@@ -59,7 +59,7 @@ _launch = _d.cuLaunchKernel
 _record = _d.cuEventRecord
 _wait = _d.cuStreamWaitEvent
 _hostfn = _d.cuLaunchHostFunc
-_memset = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
+_memset = MEMSET_ASYNC
 
 
 @attrs.frozen

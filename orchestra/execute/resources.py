@@ -4,11 +4,18 @@
 (``CU_EVENT_DISABLE_TIMING``), created on first need and reused by every later plan; the
 executor's finalizer / ``close()`` synchronizes them, then releases them. The pool holds no
 reference to its executor, so a finalizer may hold the pool.
+
+`MEMSET_ASYNC`: element size (1, 2, 4) -> the ``cuMemsetD8/D16/D32Async`` entry point both
+executors call for a `Memset` node.
 """
 
 from __future__ import annotations
 
+from cuda.bindings import driver as _d
+
 from orchestra.errors import CudaError
+
+MEMSET_ASYNC = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
 
 
 class StreamPool:
@@ -66,4 +73,4 @@ class StreamPool:
         self.events.clear()
 
 
-__all__ = ["StreamPool"]
+__all__ = ["MEMSET_ASYNC", "StreamPool"]
