@@ -7,7 +7,7 @@
 - Shared resolution every executor uses before enqueueing anything: checks and issue order
   (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
   arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`),
-  the eager and capture executors' pooled streams and sync-only events (`resources`).
+  pooled streams and sync-only events, the plan cache of ``plan_for`` (`resources`).
 
 ``make_executor(name)`` builds an executor by the name ``orchestra run --executor`` takes.
 """

@@ -47,9 +47,9 @@ from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
-from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
+from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
 from orchestra.graph import TaskGraph
-from orchestra.schedule import Plan, RecordEvent, RunNode, schedule
+from orchestra.schedule import Plan, RecordEvent, RunNode
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -179,7 +179,7 @@ class EagerExecutor:
         self._pool = StreamPool(self.device, Stream, Event)
         self._tracers: list = []  # the EagerTracer trace=True uses (created on first use)
         self._prepared: collections.OrderedDict = collections.OrderedDict()
-        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans = PlanCache()
         self._pending: list[_Pending] = []
         self._lock = threading.RLock()
         self._closed = False
@@ -215,16 +215,7 @@ class EagerExecutor:
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] is graph and hit[2] is costs:
-            self._plans.move_to_end(key)
-            return hit[1]
-        plan = schedule(graph, policy, streams, costs)
-        self._plans[key] = (graph, plan, costs)
-        while len(self._plans) > self.cache_size:
-            self._plans.popitem(last=False)
-        return plan
+        return self._plans.get(graph, policy, streams, costs, self.cache_size)
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:

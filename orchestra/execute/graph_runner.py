@@ -21,8 +21,9 @@ import time
 from typing import Any, Mapping
 
 from orchestra.execute.eager import RunResult
+from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
-from orchestra.schedule import Plan, schedule
+from orchestra.schedule import Plan
 
 KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-build"}
 
@@ -53,7 +54,7 @@ class GraphRunner:
         self.kernels = self.executor.kernels
         self.trace = bool(trace)
         self.cache_size = max(1, int(cache_size))
-        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans = PlanCache()
         self._execs: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.RLock()
         self.last_exec = None
@@ -64,16 +65,7 @@ class GraphRunner:
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] is graph and hit[2] is costs:
-            self._plans.move_to_end(key)
-            return hit[1]
-        plan = schedule(graph, policy, streams, costs)
-        self._plans[key] = (graph, plan, costs)
-        while len(self._plans) > self.cache_size:
-            self._plans.popitem(last=False)
-        return plan
+        return self._plans.get(graph, policy, streams, costs, self.cache_size)
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:

@@ -5,15 +5,21 @@
 executor's finalizer / ``close()`` synchronizes them, then releases them. The pool holds no
 reference to its executor, so a finalizer may hold the pool.
 
+`PlanCache`: ``schedule(graph, policy, streams, costs)`` results, LRU, for the eager executor
+and `GraphRunner` (``plan_for``).
+
 `MEMSET_ASYNC`: element size (1, 2, 4) -> the ``cuMemsetD8/D16/D32Async`` entry point both
 executors call for a `Memset` node.
 """
 
 from __future__ import annotations
 
+import collections
+
 from cuda.bindings import driver as _d
 
 from orchestra.errors import CudaError
+from orchestra.schedule import schedule
 
 MEMSET_ASYNC = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
 
@@ -73,4 +79,32 @@ class StreamPool:
         self.events.clear()
 
 
-__all__ = ["MEMSET_ASYNC", "StreamPool"]
+class PlanCache:
+    """Plans by (graph object, node count, policy, streams, costs object), least recently used
+    dropped first. Holds the graph and costs it keyed by, so their ids stay unique."""
+
+    def __init__(self):
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, graph, policy: str, streams: int, costs, size: int):
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object;
+        keeps at most ``size`` plans."""
+        key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is graph and hit[2] is costs:
+            self._plans.move_to_end(key)
+            return hit[1]
+        plan = schedule(graph, policy, streams, costs)
+        self._plans[key] = (graph, plan, costs)
+        while len(self._plans) > size:
+            self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+__all__ = ["MEMSET_ASYNC", "PlanCache", "StreamPool"]
