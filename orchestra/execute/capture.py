@@ -53,7 +53,7 @@ from orchestra.compiler.launch import build_launch_config
 from orchestra.driver import Event, Stream, cu
 from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
-from orchestra.errors import CudaError, HazardError, OrchestraError
+from orchestra.errors import CudaError, OrchestraError
 from orchestra.execute.capture_plan import UnjoinedStreamError, capture_steps, check_capture_steps
 from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
 from orchestra.execute.graph_nodes import (
@@ -62,7 +62,7 @@ from orchestra.execute.graph_nodes import (
     memcpy_params,
     memset_params,
 )
-from orchestra.execute.graph_spec import check_graph_memory
+from orchestra.execute.graph_spec import check_findings, check_graph_memory
 from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
@@ -339,11 +339,7 @@ class CaptureExecutor(GraphExecutorBase):
         issue = check_run(plan, graph, verify=False)  # structure, issue order, alloc order
         unfreed = check_graph_memory(graph, auto_free=auto_free)
         if self.verify:
-            findings = verify(plan, graph)
-            if auto_free:
-                findings = [f for f in findings if f.kind != "NEVER_FREED"]
-            if findings:
-                raise HazardError(findings)
+            check_findings(verify(plan, graph), auto_free=auto_free)
         check_capture_steps(capture_steps(plan, issue))  # every stream forked and joined
         self._check_devices(graph)
         kargs = self._resolve_kernels(graph)

@@ -28,7 +28,7 @@ import time
 from cuda.bindings import driver as _d
 
 from orchestra.driver import cu
-from orchestra.errors import CudaError, HazardError
+from orchestra.errors import CudaError
 from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
 from orchestra.execute.graph_nodes import (
     GraphExecutorBase,
@@ -39,7 +39,7 @@ from orchestra.execute.graph_nodes import (
     memcpy_params,
     memset_params,
 )
-from orchestra.execute.graph_spec import GraphSpec, check_graph_memory, translate
+from orchestra.execute.graph_spec import GraphSpec, check_findings, check_graph_memory, translate
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.graph import TaskGraph
 from orchestra.schedule import verify_graph_edges
@@ -55,11 +55,7 @@ def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = T
     unfreed = check_graph_memory(graph, auto_free=auto_free)
     spec = translate(graph)
     if verify:
-        findings = verify_graph_edges(graph, spec.edges)
-        if auto_free:
-            findings = [f for f in findings if f.kind != "NEVER_FREED"]
-        if findings:
-            raise HazardError(findings)
+        check_findings(verify_graph_edges(graph, spec.edges), auto_free=auto_free)
     return spec, unfreed
 
 

@@ -19,7 +19,8 @@ every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the s
 replayed graph never leaks its allocations; `check_graph_memory` refuses a graph that breaks
 this, unless the caller opted in to ``auto_free`` (the exec is then instantiated with
 ``CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH``, which frees the unfreed allocations of the
-previous launch when the graph is launched again).
+previous launch when the graph is launched again). `check_findings` raises the hazard
+verifier's findings for both graph executors, leaving out NEVER_FREED under that opt-in.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections import Counter
 
 import attrs
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, HazardError
 from orchestra.graph import TaskGraph
 
 # orchestra node kind -> CUDA graph node kind
@@ -185,5 +186,16 @@ def check_graph_memory(graph: TaskGraph, *, auto_free: bool = False) -> list[tup
     return unfreed
 
 
+def check_findings(findings, *, auto_free: bool = False) -> None:
+    """Raise `HazardError` for the verifier's ``findings`` on a graph that is to become a CUDA
+    graph; with ``auto_free`` (the C05 opt-in) NEVER_FREED findings are left out: those
+    allocations are left unfreed on purpose."""
+    if auto_free:
+        findings = [f for f in findings if f.kind != "NEVER_FREED"]
+    if findings:
+        raise HazardError(findings)
+
+
 __all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "GraphMemoryError", "GraphSpec", "SpecNode",
-           "check_graph_memory", "cuda_kind", "translate", "unfreed_allocations"]
+           "check_findings", "check_graph_memory", "cuda_kind", "translate",
+           "unfreed_allocations"]
