@@ -125,16 +125,14 @@ def _rng(what):
 
 
 @attrs.frozen
-class HostToDevice(Node):
-    """Copy ``src`` (host, pinned) to ``dst`` (device); ``cuMemcpyHtoDAsync``."""
+class _HostCopy(Node):
+    """A copy between pinned host memory and a device buffer: reads ``src``, writes ``dst``.
+    Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``."""
 
-    src: BufferRange = attrs.field(converter=_rng("HostToDevice src"))
-    dst: BufferRange = attrs.field(converter=_rng("HostToDevice dst"))
-    engine: ClassVar[str] = "upload"
-    kind: ClassVar[str] = "h2d"
+    src_is_host: ClassVar[bool]
 
     def __attrs_post_init__(self):
-        _copy_check(self, True)
+        _copy_check(self, self.src_is_host)
         super().__attrs_post_init__()
 
     @property
@@ -146,24 +144,25 @@ class HostToDevice(Node):
 
 
 @attrs.frozen
-class DeviceToHost(Node):
+class HostToDevice(_HostCopy):
+    """Copy ``src`` (host, pinned) to ``dst`` (device); ``cuMemcpyHtoDAsync``."""
+
+    src: BufferRange = attrs.field(converter=_rng("HostToDevice src"))
+    dst: BufferRange = attrs.field(converter=_rng("HostToDevice dst"))
+    engine: ClassVar[str] = "upload"
+    kind: ClassVar[str] = "h2d"
+    src_is_host: ClassVar[bool] = True
+
+
+@attrs.frozen
+class DeviceToHost(_HostCopy):
     """Copy ``src`` (device) to ``dst`` (host, pinned); ``cuMemcpyDtoHAsync``."""
 
     src: BufferRange = attrs.field(converter=_rng("DeviceToHost src"))
     dst: BufferRange = attrs.field(converter=_rng("DeviceToHost dst"))
     engine: ClassVar[str] = "download"
     kind: ClassVar[str] = "d2h"
-
-    def __attrs_post_init__(self):
-        _copy_check(self, False)
-        super().__attrs_post_init__()
-
-    @property
-    def nbytes(self) -> int:
-        return self.src.nbytes
-
-    def accesses(self):
-        return (Access(self.src, Mode.READ), Access(self.dst, Mode.WRITE))
+    src_is_host: ClassVar[bool] = False
 
 
 @attrs.frozen
