@@ -215,27 +215,33 @@ def check_launch(cfg: LaunchConfig, limits, *, kernel_name: str = "kernel",
     return optin_needed
 
 
-def launch_attribute_values(cfg: LaunchConfig) -> list:
+def launch_attribute_values(cfg: LaunchConfig, *, id_type=None, value_type=None,
+                            pdl: bool = True) -> list:
     """``[(CUlaunchAttributeID, CUlaunchAttributeValue), ...]`` for ``cfg``'s attributes: the
-    form kernel graph nodes take (``cuGraphKernelNodeSetAttribute``)."""
+    form kernel graph nodes take (``cuGraphKernelNodeSetAttribute``).
+
+    ``id_type`` / ``value_type``: the enum and value class to build instead (the graph
+    executors pass ``CUkernelNodeAttrID`` / ``CUkernelNodeAttrValue``). ``pdl=False`` leaves
+    the PDL attribute out."""
     from cuda.bindings import driver
 
-    ids = driver.CUlaunchAttributeID
+    ids = id_type if id_type is not None else driver.CUlaunchAttributeID
+    value = value_type if value_type is not None else driver.CUlaunchAttributeValue
     out = []
     if cfg.cooperative:
-        v = driver.CUlaunchAttributeValue()
+        v = value()
         v.cooperative = 1
         out.append((ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, v))
     if cfg.cluster is not None:
-        v = driver.CUlaunchAttributeValue()
+        v = value()
         v.clusterDim.x, v.clusterDim.y, v.clusterDim.z = cfg.cluster
         out.append((ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, v))
-    if cfg.pdl:
-        v = driver.CUlaunchAttributeValue()
+    if pdl and cfg.pdl:
+        v = value()
         v.programmaticStreamSerializationAllowed = 1
         out.append((ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, v))
     if cfg.priority is not None:
-        v = driver.CUlaunchAttributeValue()
+        v = value()
         v.priority = cfg.priority
         out.append((ids.CU_LAUNCH_ATTRIBUTE_PRIORITY, v))
     return out

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from cuda.bindings import driver as _d
 
+from orchestra.compiler.launch import launch_attribute_values
 from orchestra.driver import MemoryPool, Stream
 from orchestra.driver.device import as_device
 from orchestra.errors import OrchestraError
@@ -121,21 +122,8 @@ def kernel_node_attributes(cfg) -> list:
     ``CUlaunchAttributeValue`` that `launch_attribute_values` builds). ``pdl`` is left out:
     in an explicitly built graph the dependency is a full edge (programmatic edges are future
     work), which is always correct."""
-    ids = _d.CUkernelNodeAttrID
-    out = []
-    if cfg.cooperative:
-        v = _d.CUkernelNodeAttrValue()
-        v.cooperative = 1
-        out.append((ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, v))
-    if cfg.cluster is not None:
-        v = _d.CUkernelNodeAttrValue()
-        v.clusterDim.x, v.clusterDim.y, v.clusterDim.z = cfg.cluster
-        out.append((ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, v))
-    if cfg.priority is not None:
-        v = _d.CUkernelNodeAttrValue()
-        v.priority = cfg.priority
-        out.append((ids.CU_LAUNCH_ATTRIBUTE_PRIORITY, v))
-    return out
+    return launch_attribute_values(cfg, id_type=_d.CUkernelNodeAttrID,
+                                   value_type=_d.CUkernelNodeAttrValue, pdl=False)
 
 
 class GraphExecutorBase:
