@@ -211,6 +211,37 @@ class MainJob:
         if self.graph_dot and hasattr(executor, "dot"):
             executor.dot(self.graph_dot)
 
+    def _timed_runs(self, executor, run_once, check):
+        """``warmup`` + ``repeat`` runs of ``run_once(trace)`` (a `RunResult`), each verified by
+        ``check()``; the DOT dump; with ``trace``, one more traced and verified run. Returns
+        (the timed runs, every check, the most mismatches, the traced run's timeline)."""
+        runs, checks, mismatches = [], [], 0
+        for r in range(self.warmup + self.repeat):
+            res = run_once(False)
+            chk = check()
+            mismatches = max(mismatches, chk.mismatches)
+            checks.append(chk)
+            if r >= self.warmup:
+                runs.append(res)
+        self._dump_dot(executor)  # the timed runs' graph, not the traced one
+        timeline = None
+        if self.trace:  # after the timed runs: tracing never skews the wall times
+            timeline = run_once(True).timeline
+            chk = check()
+            mismatches = max(mismatches, chk.mismatches)
+            checks.append(chk)
+        return runs, checks, mismatches, timeline
+
+    @staticmethod
+    def _close(executor, stream, buffers) -> None:
+        """The executor, then the timing stream and the pinned buffers made so far."""
+        executor.close()
+        if stream is not None:
+            stream.close()
+        for p in buffers:
+            if p is not None:
+                p.close()
+
     # -- run --------------------------------------------------------------------------------
 
     def run(self) -> JobReport:
@@ -256,32 +287,17 @@ class MainJob:
                                  sm_count=dev.sm_count)
             plan, _ = self._plan(executor, jg.graph, single)
             reference = jd.Reference.build(x, single.iters)
-            runs, checks, mismatches = [], [], 0
-            for r in range(self.warmup + self.repeat):
+
+            def run_once(trace):
                 jd.poison(y)
-                res = executor.run(jg.graph, plan, bindings)
-                chk = reference.compare(y)
-                mismatches = max(mismatches, chk.mismatches)
-                checks.append(chk)
-                if r >= self.warmup:
-                    runs.append(res)
-            self._dump_dot(executor)  # the timed runs' graph, not the traced one
-            timeline = None
-            if self.trace:  # after the timed runs: tracing never skews the wall times
-                jd.poison(y)
-                timeline = executor.run(jg.graph, plan, bindings, trace=True).timeline
-                chk = reference.compare(y)
-                mismatches = max(mismatches, chk.mismatches)
-                checks.append(chk)
-            del x, y, bindings
+                return executor.run(jg.graph, plan, bindings, trace=trace)
+
+            runs, checks, mismatches, timeline = self._timed_runs(
+                executor, run_once, lambda: reference.compare(y))
+            x = y = bindings = None  # drop the views (run_once's too) before the buffers close
             return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
-            executor.close()
-            if stream is not None:
-                stream.close()
-            for p in (pin_in, pin_out):
-                if p is not None:
-                    p.close()
+            self._close(executor, stream, (pin_in, pin_out))
 
     def _run_file(self, dev) -> JobReport:
         from orchestra.driver import Stream
@@ -353,31 +369,17 @@ class MainJob:
 
             jg = build(single.iters)
             plan, _ = self._plan(executor, jg.graph, single)
-            runs, checks, mismatches = [], [], 0
-            for r in range(self.warmup + self.repeat):
-                res = one_run(jg.graph, plan)
+
+            def run_once(trace):
+                res = one_run(jg.graph, plan, trace=trace)
                 out_mm.flush()
-                chk = jd.check_against(flat_in, flat_out, single.iters)
-                mismatches = max(mismatches, chk.mismatches)
-                checks.append(chk)
-                if r >= self.warmup:
-                    runs.append(res)
-            self._dump_dot(executor)  # the timed runs' graph, not the traced one
-            timeline = None
-            if self.trace:  # after the timed runs: tracing never skews the wall times
-                timeline = one_run(jg.graph, plan, trace=True).timeline
-                out_mm.flush()
-                chk = jd.check_against(flat_in, flat_out, single.iters)
-                mismatches = max(mismatches, chk.mismatches)
-                checks.append(chk)
+                return res
+
+            runs, checks, mismatches, timeline = self._timed_runs(
+                executor, run_once, lambda: jd.check_against(flat_in, flat_out, single.iters))
             return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
-            executor.close()
-            if stream is not None:
-                stream.close()
-            for p in (stage_in, stage_out):
-                if p is not None:
-                    p.close()
+            self._close(executor, stream, (stage_in, stage_out))
             out_mm.flush()
             if tmp is not None:
                 try:
