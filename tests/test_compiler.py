@@ -27,6 +27,7 @@ from orchestra.compiler.includes import describe_versions
 from orchestra.compiler.launch import LaunchConfig, check_launch, normalize_dims
 from orchestra.compiler.params import Param, normalize_params, parse_params
 from orchestra.errors import CompileError
+from tests.helpers import TINY_PTX
 
 ARCH = "sm_90"
 KERNEL_DIR = oc.kernel_source_dir()
@@ -45,27 +46,6 @@ template <typename T> __global__ void scale(T* p, T a, int n) {
 namespace ns { __global__ void plain(float* p) { p[0] = 1.0f; } }
 __device__ int counter;
 """
-
-TINY_PTX = """
-.version 8.0
-.target sm_90
-.address_size 64
-
-.visible .entry add_one(
-    .param .u64 p
-)
-{
-    .reg .b64 %rd<3>;
-    .reg .f32 %f<3>;
-    ld.param.u64 %rd1, [p];
-    cvta.to.global.u64 %rd2, %rd1;
-    ld.global.f32 %f1, [%rd2];
-    add.f32 %f2, %f1, 0f3F800000;
-    st.global.f32 [%rd2], %f2;
-    ret;
-}
-"""
-
 
 def _entries(namespace="nvrtc"):
     return sorted(cache.cache_dir().glob(f"{namespace}-*.bin"))

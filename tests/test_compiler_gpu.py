@@ -11,6 +11,7 @@ import pytest
 
 import orchestra.compiler as oc
 from orchestra.compiler import KernelNotFoundError, PtxVersionError, load_kernel
+from tests.helpers import TINY_PTX
 
 pytestmark = pytest.mark.gpu
 
@@ -287,22 +288,7 @@ def test_ptx_module_load_checks_driver_version(dev, stream):
 
 
 def test_linked_ptx_runs(dev, stream):
-    ptx = """
-.version 8.0
-.target sm_90
-.address_size 64
-.visible .entry add_one(.param .u64 p)
-{
-    .reg .b64 %rd<3>;
-    .reg .f32 %f<3>;
-    ld.param.u64 %rd1, [p];
-    cvta.to.global.u64 %rd2, %rd1;
-    ld.global.f32 %f1, [%rd2];
-    add.f32 %f2, %f1, 0f3F800000;
-    st.global.f32 [%rd2], %f2;
-    ret;
-}
-"""
+    ptx = TINY_PTX
     if dev.arch != "sm_90":
         ptx = ptx.replace("sm_90", dev.arch)
     k = load_kernel(ptx, "add_one", params=("float* p",), device=dev)
