@@ -208,7 +208,23 @@ class ByHand:
             d.cuStreamDestroy(s)
 
 
-class CuPyLoop:
+class _FrameworkLoop:
+    """A framework's classic loop on its own 3 streams (``self.streams``): synchronize them,
+    no note, and on close synchronize, then free the framework's cached memory."""
+
+    def _synchronize(self):
+        for s in self.streams:
+            s.synchronize()
+
+    def note(self) -> str:
+        return ""
+
+    def close(self):
+        self._synchronize()
+        self._free_cache()
+
+
+class CuPyLoop(_FrameworkLoop):
     name = "CuPy, classic loop on 3 streams (RawKernel)"
 
     def __init__(self, w: Workload):
@@ -236,19 +252,13 @@ class CuPyLoop:
                 self.kernel((w.grid,), (w.block,), (din, dout) + args_tail)
                 rt.memcpyAsync(self.yaddr + off, dout.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
                 del din, dout  # back to CuPy's pool, stream-ordered on s
-        for s in self.streams:
-            s.synchronize()
+        self._synchronize()
 
-    def note(self) -> str:
-        return ""
-
-    def close(self):
-        for s in self.streams:
-            s.synchronize()
+    def _free_cache(self):
         self.cp.get_default_memory_pool().free_all_blocks()
 
 
-class TorchLoop:
+class TorchLoop(_FrameworkLoop):
     name = "PyTorch, classic loop on 3 streams (burn cubin on torch's stream)"
 
     def __init__(self, w: Workload):
@@ -277,15 +287,9 @@ class TorchLoop:
                                 [din.data_ptr(), dout.data_ptr(), n, w.iters, 0.5, 1.0])
                 self.y[lo:lo + n].copy_(dout, non_blocking=True)
                 del din, dout  # the caching allocator reuses them on s
-        for s in self.streams:
-            s.synchronize()
+        self._synchronize()
 
-    def note(self) -> str:
-        return ""
-
-    def close(self):
-        for s in self.streams:
-            s.synchronize()
+    def _free_cache(self):
         self.torch.cuda.empty_cache()
 
 
