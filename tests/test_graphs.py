@@ -152,6 +152,51 @@ def test_translation_counts_for_a_batch_pipeline():
     assert ("b2.kernel", "b2.free_in") in spec.edges
 
 
+@pytest.mark.parametrize("policy,streams", [("by-engine", 3), ("round-robin", 1),
+                                             ("round-robin", 2), ("critical-path", 4)])
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_plan_edges_add_each_streams_order(name, policy, streams):
+    """edges="plan": the DAG's order plus each plan stream's order (what a capture records),
+    transitively reduced; every dependency still created first."""
+    g = GRAPHS[name]()
+    plan = schedule(g, policy, streams)
+    spec = translate(g, plan=plan, edges="plan")
+    names = [n.name for n in g.nodes]
+    chained = set()
+    for sname in plan.stream_names:
+        on = plan.nodes(sname)
+        chained |= set(zip(on, on[1:]))
+    want = closure(names, set(g.edges) | chained)
+    assert closure(names, spec.edges) == want
+    # reduced: dropping any edge loses some order
+    for e in list(spec.edges)[:40]:
+        assert closure(names, spec.edges - {e}) != want
+    pos = {n: i for i, n in enumerate(spec.order)}
+    assert all(pos[d] < pos[s.name] for s in spec.nodes for d in s.deps)
+    assert verify_graph_edges(g, spec.edges) == []
+    assert spec.kinds() == translate(g).kinds()
+
+
+def test_plan_edges_make_one_chain_per_stream():
+    g = batch_graph(4)
+    single = translate(g, plan=schedule(g, "round-robin", 1), edges="plan")
+    order = single.order
+    # one stream: a straight line in the plan's order
+    assert single.edges == set(zip(order, order[1:]))
+    # the DAG itself keeps the batches independent
+    assert ("b0.free_out", "b1.alloc_in") not in translate(g).edges
+
+
+def test_plan_edges_refuse_bad_arguments():
+    g = batch_graph(2)
+    with pytest.raises(ValueError, match="edges must be one of"):
+        translate(g, edges="streams")
+    with pytest.raises(ValueError, match="needs the plan"):
+        translate(g, edges="plan")
+    with pytest.raises(ValueError, match="not a plan of this graph"):
+        translate(g, plan=schedule(batch_graph(3), "by-engine", 3), edges="plan")
+
+
 def test_diamond_translation_has_the_diamond():
     spec = translate(diamond_graph())
     assert set(spec.node("k3").deps) == {"k1", "k2", "poison_w"}
@@ -544,6 +589,33 @@ def test_fake_capture_and_build_make_the_same_graph_shape(fake):
         assert edges(gb, b) == g.reduced_edges()
         names = [n.name for n in g.nodes]
         assert closure(names, edges(ga, a)) >= closure(names, g.edges)
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("policy,streams", [("by-engine", 3), ("round-robin", 2)])
+def test_fake_graph_build_with_plan_edges_has_the_captures_order(fake, policy, streams):
+    """graph-build with edges="plan" orders exactly what a capture of the same plan orders,
+    and still computes the right outputs."""
+    g, bs, bind = job(4)
+    plan = schedule(g, policy, streams)
+    with make_executor("capture", fake) as cx, make_executor("graph-build", fake) as bx:
+        a = cx.build(g, plan, bind)
+        b = bx.build(g, plan, bind, edges="plan")
+        ga, gb = fake.graphs[int(a.cugraph)], fake.graphs[int(b.cugraph)]
+
+        def edges(gr, exe):
+            name = {int(r.gnode): n for n, r in exe._records.items()}
+            return {(name[d], name[int(n.id)]) for n in gr.nodes for d in n.deps
+                    if d in name and int(n.id) in name}
+
+        names = [n.name for n in g.nodes]
+        assert closure(names, edges(gb, b)) == closure(names, edges(ga, a))
+        assert edges(gb, b) == translate(g, plan=plan, edges="plan").edges
+        b.launch(sync=True)
+        check(bs, bind, 3)
+        with pytest.raises(ValueError, match="edges must be one of"):
+            bx.build(g, plan, bind, edges="stream")
         a.close()
         b.close()
 

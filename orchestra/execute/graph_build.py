@@ -8,7 +8,9 @@
 (no cycle), the C05 graph-memory policy (`graph_spec.check_graph_memory`), and, unless
 ``verify=False``, the hazard verifier over the very edges the CUDA graph gets
 (`schedule.verify_graph_edges` on the reduced edges). Then `graph_spec.translate` gives the
-nodes in creation order with their dependencies, and each becomes one driver call:
+nodes in creation order with their dependencies (``edges="dag"``, the default: the task
+graph's own; ``edges="plan"``: plus the plan's stream order, the shape a capture records), and
+each becomes one driver call:
 
     mem_alloc  cuGraphAddMemAllocNode   (the driver returns the address in params.dptr)
     memcpy     cuGraphAddMemcpyNode     (CUDA_MEMCPY3D, 1-D, host side pinned)
@@ -39,21 +41,28 @@ from orchestra.execute.graph_nodes import (
     memcpy_params,
     memset_params,
 )
-from orchestra.execute.graph_spec import GraphSpec, check_findings, check_graph_memory, translate
+from orchestra.execute.graph_spec import (
+    EDGE_SOURCES,
+    GraphSpec,
+    check_findings,
+    check_graph_memory,
+    translate,
+)
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.graph import TaskGraph
 from orchestra.schedule import verify_graph_edges
 
 
-def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True
-                  ) -> tuple[GraphSpec, list]:
+def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True,
+                  plan=None, edges: str = "dag") -> tuple[GraphSpec, list]:
     """The pre-CUDA checks of a graph build, in order: ``graph.validate()`` (`GraphError`),
-    the C05 policy (`GraphMemoryError` unless ``auto_free``), the hazard verifier on the
-    reduced edges (`HazardError`; allocations left unfreed on purpose are not findings with
+    the C05 policy (`GraphMemoryError` unless ``auto_free``), the translation
+    (`graph_spec.translate` with ``edges`` and ``plan``), the hazard verifier on the edges the
+    CUDA graph gets (`HazardError`; allocations left unfreed on purpose are not findings with
     ``auto_free``). Returns ``(spec, unfreed allocations)``."""
     graph.validate()
     unfreed = check_graph_memory(graph, auto_free=auto_free)
-    spec = translate(graph)
+    spec = translate(graph, plan=plan, edges=edges)
     if verify:
         check_findings(verify_graph_edges(graph, spec.edges), auto_free=auto_free)
     return spec, unfreed
@@ -67,11 +76,17 @@ class GraphBuildExecutor(GraphExecutorBase):
     executor_name = "graph-build"
 
     def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
-                     streams: int, costs, auto_free: bool) -> BuiltGraph:
+                     streams: int, costs, auto_free: bool, edges: str = "dag") -> BuiltGraph:
+        """``edges``: ``"dag"`` (the task graph's own dependencies: the most parallel graph)
+        or ``"plan"`` (plus each plan stream's order: the shape a capture of ``plan``, or of
+        the ``policy`` / ``streams`` schedule, would record; see `graph_spec.translate`)."""
         t0 = time.perf_counter_ns()
-        spec, unfreed = prepare_build(graph, auto_free=auto_free, verify=self.verify)
+        if edges not in EDGE_SOURCES:  # before scheduling: the error names the argument
+            raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
+        plan = self._plan(graph, plan, policy, streams, costs, need=trace or edges == "plan")
+        spec, unfreed = prepare_build(graph, auto_free=auto_free, verify=self.verify,
+                                      plan=plan, edges=edges)
         self._check_devices(graph)
-        plan = self._plan(graph, plan, policy, streams, costs, need=trace)
         kargs = self._resolve_kernels(graph)
         dev = self.device
         dev.make_current()

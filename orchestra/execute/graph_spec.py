@@ -25,12 +25,14 @@ verifier's findings for both graph executors, leaving out NEVER_FREED under that
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 
 import attrs
 
 from orchestra.errors import GraphError, HazardError
 from orchestra.graph import TaskGraph
+from orchestra.graph.taskgraph import transitive_reduction
 
 # orchestra node kind -> CUDA graph node kind
 CUDA_KIND = {
@@ -136,17 +138,78 @@ def cuda_kind(node) -> str:
                          "executor") from None
 
 
-def translate(graph: TaskGraph, *, reduce: bool = True) -> GraphSpec:
+EDGE_SOURCES = ("dag", "plan")
+
+
+def stream_order_edges(plan) -> set[tuple[str, str]]:
+    """``(a, b)`` for every two nodes run one after the other on one stream of ``plan``: the
+    ordering a capture of the plan records besides the task graph's own edges."""
+    out = set()
+    for name in plan.stream_names:
+        nodes = plan.nodes(name)
+        out.update(zip(nodes, nodes[1:]))
+    return out
+
+
+def _topological(names, edges) -> list[str]:
+    """Kahn's order of ``names`` under ``edges``, ties in the order of ``names``; `GraphError`
+    on a cycle (a plan whose stream order contradicts the graph's edges)."""
+    index = {n: i for i, n in enumerate(names)}
+    indeg = {n: 0 for n in names}
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    for p, s in edges:
+        succs[p].append(s)
+        indeg[s] += 1
+    ready = [index[n] for n in names if indeg[n] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        n = names[heapq.heappop(ready)]
+        out.append(n)
+        for s in succs[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, index[s])
+    if len(out) != len(names):
+        stuck = [n for n in names if indeg[n] > 0][:6]
+        raise GraphError("the plan's stream order contradicts the graph's edges (nodes "
+                         f"{', '.join(stuck)} wait on each other); schedule the graph again")
+    return out
+
+
+def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
+              edges: str = "dag") -> GraphSpec:
     """The CUDA graph shape of ``graph``: nodes in topological order (ties: program order),
     dependencies from ``graph.reduced_edges()`` (or every edge with ``reduce=False``).
 
-    Raises `GraphError` for a cycle, an unknown ``after=`` name or a node kind without a CUDA
-    graph node.
+    ``edges="plan"`` (needs ``plan``, a `schedule.Plan` of this graph) adds the plan's stream
+    order: each node also depends on the node before it on its plan stream, the ordering a
+    stream capture of that plan records, so the CUDA graph has the capture's few long chains
+    instead of the task graph's widest DAG (the driver runs wide DAGs on more internal streams
+    and launches them at more host cost). The union is transitively reduced.
+
+    Raises `GraphError` for a cycle, an unknown ``after=`` name, a node kind without a CUDA
+    graph node, or a plan whose stream order contradicts the edges; ``ValueError`` for an
+    unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan.
     """
+    if edges not in EDGE_SOURCES:
+        raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
     order = graph.topological_order()  # validates
-    edges = graph.reduced_edges() if reduce else graph.edges
+    if edges == "plan":
+        if plan is None:
+            raise ValueError('edges="plan" needs the plan whose stream order to add')
+        names = [n.name for n in graph.nodes]
+        planned = set(plan.node_stream)
+        if planned != set(names):
+            missing = sorted(set(names) - planned)[:4] or sorted(planned - set(names))[:4]
+            raise ValueError(f"the plan is not a plan of this graph (node mismatch: {missing})")
+        union = set(graph.edges) | stream_order_edges(plan)
+        order = _topological(names, union)
+        deps = transitive_reduction(order, union) if reduce else frozenset(union)
+    else:
+        deps = graph.reduced_edges() if reduce else graph.edges
     preds: dict[str, list[str]] = {n: [] for n in order}
-    for p, s in edges:
+    for p, s in deps:
         preds[s].append(p)
     pos = {n: i for i, n in enumerate(order)}
     out = []
@@ -196,6 +259,6 @@ def check_findings(findings, *, auto_free: bool = False) -> None:
         raise HazardError(findings)
 
 
-__all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "GraphMemoryError", "GraphSpec", "SpecNode",
-           "check_findings", "check_graph_memory", "cuda_kind", "translate",
-           "unfreed_allocations"]
+__all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "EDGE_SOURCES", "GraphMemoryError", "GraphSpec",
+           "SpecNode", "check_findings", "check_graph_memory", "cuda_kind",
+           "stream_order_edges", "translate", "unfreed_allocations"]

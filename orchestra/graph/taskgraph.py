@@ -233,22 +233,31 @@ class TaskGraph:
     def reduced_edges(self) -> frozenset[tuple[str, str]]:
         """The transitive reduction: edges not implied by a longer path."""
         order = self.topological_order()
-        pos = {n: i for i, n in enumerate(order)}
-        reach: dict[str, int] = {}  # bitset (by topo position) of nodes reachable from n
-        for n in reversed(order):
-            r = 0
-            for s in self._succs[n]:
-                r |= reach[s] | (1 << pos[s])
-            reach[n] = r
-        out = set()
-        for n in order:
-            succs = self._succs[n]
-            via = 0
-            for s in succs:
-                via |= reach[s]
-            out.update((n, s) for s in succs if not (via >> pos[s]) & 1)
-        return frozenset(out)
+        return transitive_reduction(order, ((n, s) for n in order for s in self._succs[n]))
 
     def __repr__(self):
         return (f"<TaskGraph {len(self._nodes)} nodes, {sum(len(p) for p in self._preds.values())} "
                 f"edges, {len(self.buffers)} buffers, {len(self.host_buffers)} host buffers>")
+
+
+def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
+    """The edges of ``edges`` (pairs of names) that no longer path implies; ``order`` is a
+    topological order of every name in them. Bitsets of reachable nodes by topological
+    position, so dense graphs of thousands of nodes stay fast."""
+    pos = {n: i for i, n in enumerate(order)}
+    succs: dict[str, list[str]] = {n: [] for n in order}
+    for p, s in edges:
+        succs[p].append(s)
+    reach: dict[str, int] = {}  # bitset of the nodes reachable from n
+    for n in reversed(order):
+        r = 0
+        for s in succs[n]:
+            r |= reach[s] | (1 << pos[s])
+        reach[n] = r
+    out = set()
+    for n in order:
+        via = 0
+        for s in succs[n]:
+            via |= reach[s]
+        out.update((n, s) for s in succs[n] if not (via >> pos[s]) & 1)
+    return frozenset(out)
