@@ -23,6 +23,10 @@ work (same data, same ``burn`` kernel, same grid):
 Wall time of every contender: host clock around the call that enqueues everything and
 synchronizes, median of ``--repeat`` runs after one warm-up; every run's output is poisoned with
 NaN before and compared with the numpy reference after (outside the timing).
+
+"vs duplex" is wall against the same bound with each steady-state step at least the time of an
+H2D and a D2H of one batch run at once (``t_duplex``): PCIe moves both directions at once more
+slowly than either alone, so that is what the link allows once the pipeline is full.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class Workload:
                 timer.close()
         self.iters = self.single.iters
         self.bound_ms = self.single.bound_ms(batches)
+        self.duplex_bound_ms = self.single.duplex_bound_ms(batches)
         self.reference = jd.Reference.build(self.x, self.iters)
 
     @property
@@ -331,6 +336,8 @@ def bench_workload(w: Workload, repeat: int, skip: set[str]) -> tuple[list[dict]
             wall = statistics.median(walls[c.name])
             rows.append({"workload": w.name, "implementation": c.name, "wall_ms": wall,
                          "bound_ms": w.bound_ms, "efficiency": w.bound_ms / wall,
+                         "duplex_bound_ms": w.duplex_bound_ms,
+                         "duplex_efficiency": w.duplex_bound_ms / wall,
                          "verified": ok[c.name], "note": c.note(),
                          "wall_ms_runs": walls[c.name]})
         return rows, skipped
@@ -365,7 +372,8 @@ def main(argv=None) -> int:
             s = w.single
             singles.append({"workload": w.name, "iters": s.iters, "t_h2d_ms": s.t_h2d_ms,
                             "t_kernel_ms": s.t_kernel_ms, "t_d2h_ms": s.t_d2h_ms,
-                            "bound_ms": w.bound_ms})
+                            "t_duplex_ms": s.t_duplex_ms, "bound_ms": w.bound_ms,
+                            "duplex_bound_ms": w.duplex_bound_ms})
             rows, skipped = bench_workload(w, args.repeat, skip)
             all_rows += rows
             notes += [f"{w.name}: {x}" for x in skipped]
@@ -389,11 +397,13 @@ def main(argv=None) -> int:
         for s in singles:
             print(f"  {s['workload']}: burn {s['iters']} iters; single batch H2D "
                   f"{s['t_h2d_ms']:.3f} ms, kernel {s['t_kernel_ms']:.3f} ms, D2H "
-                  f"{s['t_d2h_ms']:.3f} ms; bound {s['bound_ms']:.2f} ms")
-        header = ("workload", "implementation", "wall ms", "bound ms", "efficiency", "output",
-                  "note")
+                  f"{s['t_d2h_ms']:.3f} ms, H2D while D2H runs {s['t_duplex_ms']:.3f} ms; "
+                  f"bound {s['bound_ms']:.2f} ms, duplex bound {s['duplex_bound_ms']:.2f} ms")
+        header = ("workload", "implementation", "wall ms", "bound ms", "efficiency",
+                  "vs duplex", "output", "note")
         table = [header] + [(r["workload"], r["implementation"], f"{r['wall_ms']:.2f}",
                              f"{r['bound_ms']:.2f}", f"{r['efficiency']:.3f}",
+                             f"{r['duplex_efficiency']:.3f}",
                              "ok" if r["verified"] else "WRONG", r["note"]) for r in all_rows]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
         for row in table:

@@ -41,6 +41,13 @@ def test_sizes_and_grid():
     assert bound_ms(1.0, 2.0, 1.5, 10) == pytest.approx(1 + 20 + 1.5)
     sb = SingleBatch(4096, 9, 1.0, 2.0, 1.5, 7)
     assert sb.bound_ms(10) == pytest.approx(22.5) and sb.t_max_ms == 2.0
+    assert sb.duplex_bound_ms(10) is None
+    # copies at once slower than the kernel: the step is the duplex time
+    sb = SingleBatch(4096, 9, 1.0, 1.0, 1.0, 7, t_duplex_ms=1.1)
+    assert sb.bound_ms(32) == pytest.approx(34.0)
+    assert sb.duplex_bound_ms(32) == pytest.approx(1 + 32 * 1.1 + 1)
+    # the kernel slower still: the step is the kernel
+    assert SingleBatch(4096, 9, 1.0, 1.5, 1.0, 7, 1.1).duplex_bound_ms(4) == pytest.approx(8.0)
 
 
 def test_calibrate_iters_hits_the_target():
@@ -173,7 +180,7 @@ def fake_job(monkeypatch):
         assert host_in.dtype == np.float32 and host_in.size == host_out.size
         timings.append((host_in.size, grid))
         return SingleBatch(host_in.nbytes, self.iters if self.iters is not None else 40,
-                           1.0, 1.0, 1.0, 7)
+                           1.0, 1.0, 1.0, 7, 1.25)
 
     monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
     monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
@@ -197,11 +204,15 @@ def test_main_job_generated_data_on_the_fake(fake_job, policy):
     n_eff = r.data_bytes / r.batch_bytes
     assert r.bound_ms == pytest.approx(1.0 + n_eff * 1.0 + 1.0)
     assert r.efficiency == pytest.approx(r.bound_ms / r.wall_ms)
+    assert r.t_duplex_ms == 1.25
+    assert r.duplex_bound_ms == pytest.approx(1.0 + n_eff * 1.25 + 1.0)
+    assert r.duplex_efficiency == pytest.approx(r.duplex_bound_ms / r.wall_ms)
     assert fake_job.used == 0
     assert all(ex.closed for ex in fake_job.made)
     d = r.as_dict()
     for key in ("batches", "wall_ms", "bound_ms", "efficiency", "verified", "t_h2d_ms",
-                "t_kernel_ms", "t_d2h_ms", "policy", "streams", "compute_iters", "bytes"):
+                "t_kernel_ms", "t_d2h_ms", "policy", "streams", "compute_iters", "bytes",
+                "t_duplex_ms", "duplex_bound_ms", "duplex_efficiency"):
         assert key in d
     assert d["bytes"] == 2 * r.data_bytes
 

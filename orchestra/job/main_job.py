@@ -92,6 +92,8 @@ class JobReport:
     seed: int | None
     input: str | None = None
     output: str | None = None
+    t_duplex_ms: float | None = None  # an H2D and a D2H at once (see SingleBatch)
+    duplex_bound_ms: float | None = None  # the bound with steps of at least t_duplex
     timing: str = TIMING_NOTE
     timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
@@ -99,6 +101,13 @@ class JobReport:
     def bytes_moved(self) -> int:
         """H2D plus D2H bytes of one run."""
         return 2 * self.data_bytes
+
+    @property
+    def duplex_efficiency(self) -> float | None:
+        """duplex_bound / wall: how close the run came to what the link allows."""
+        if self.duplex_bound_ms is None or not self.wall_ms:
+            return None
+        return self.duplex_bound_ms / self.wall_ms
 
     @property
     def gbps(self) -> float:
@@ -110,6 +119,7 @@ class JobReport:
         d["wall_ms_runs"] = list(self.wall_ms_runs)
         d["bytes"] = self.bytes_moved
         d["gbps"] = self.gbps
+        d["duplex_efficiency"] = self.duplex_efficiency
         return d
 
 
@@ -205,7 +215,8 @@ class MainJob:
             check=bad.describe(), mismatches=mismatches, routing_check=routing,
             repeat=self.repeat, seed=None if self.input else self.seed,
             input=None if self.input is None else str(self.input),
-            output=None if self.output is None else str(self.output), timeline=timeline)
+            output=None if self.output is None else str(self.output), timeline=timeline,
+            t_duplex_ms=single.t_duplex_ms, duplex_bound_ms=single.duplex_bound_ms(n_eff))
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):

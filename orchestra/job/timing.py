@@ -30,6 +30,7 @@ class SingleBatch:
     t_kernel_ms: float
     t_d2h_ms: float
     repeats: int
+    t_duplex_ms: float | None = None  # per batch, H2Ds of nbytes while D2Hs of nbytes run
 
     @property
     def t_max_ms(self) -> float:
@@ -38,6 +39,16 @@ class SingleBatch:
     def bound_ms(self, batches: float) -> float:
         """``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h`` (fill-aware ideal)."""
         return self.t_h2d_ms + batches * self.t_max_ms + self.t_d2h_ms
+
+    def duplex_bound_ms(self, batches: float) -> float | None:
+        """The same bound with each steady-state step costing at least ``t_duplex``: in a full
+        pipeline batch b's H2D runs while batch b-2's D2H does, and the link moves both
+        directions at once more slowly than either alone (PCIe duplex contention). What the
+        hardware allows; None when not measured."""
+        if self.t_duplex_ms is None:
+            return None
+        step = max(self.t_duplex_ms, self.t_kernel_ms)
+        return self.t_h2d_ms + batches * step + self.t_d2h_ms
 
 
 def calibrate_iters(kernel_ms: Callable[[int], float], target_ms: float, *,
@@ -133,14 +144,35 @@ class BatchTimer:
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
 
+    def duplex_ms(self, pairs: int = 4) -> float:
+        """The time per batch of ``pairs`` H2Ds (on the timer's stream) running while as many
+        D2Hs run (on a second stream forked from it with an event and joined back): what one
+        pipeline step costs the link once both directions are busy."""
+        from orchestra.driver import Event, Stream
+
+        with Stream(self.stream.device) as other, Event(self.stream.device) as fork, \
+                Event(self.stream.device) as join:
+            def both():
+                fork.record(self.stream)
+                other.wait(fork)
+                for _ in range(pairs):
+                    self.d_in.copy_from_host(self.host_in, self.stream)
+                    self.d_out.copy_to_host(self.host_out, other)
+                join.record(other)
+                self.stream.wait(join)
+
+            return self._time(both) / pairs
+
     def measure(self, iters: int | None) -> SingleBatch:
-        """Time H2D and D2H, then the kernel at ``iters`` (None: calibrate to the slower copy)."""
+        """Time H2D and D2H alone and at once, then the kernel at ``iters`` (None: calibrate
+        to the slower copy alone)."""
         self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
         t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
+        t_duplex = self.duplex_ms()
         if iters is None:
             iters, _ = calibrate_iters(self.kernel_ms, max(t_h2d, t_d2h))
         t_k = self.kernel_ms(iters)
-        return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats)
+        return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, t_duplex)
 
     def close(self) -> None:
         self.stream.synchronize()
