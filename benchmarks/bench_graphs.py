@@ -1,7 +1,7 @@
 """CUDA Graph executors against eager and against a bare cuda-python graph, in one run (GPU).
 
-    python benchmarks/bench_graphs.py [--workloads 1024x0.0625,32x64] [--repeat 5]
-                                      [--iters 1,4] [--replays 300] [--host-budget 2]
+    python benchmarks/bench_graphs.py [--workloads 1024x0.0625,32x64,1x0.0625] [--repeat 5]
+                                      [--iters 1,4,1] [--replays 300] [--host-budget 2]
                                       [--phase-timeout 60] [--json]
 
 For each workload (batches x MiB of float32, one pinned input and one pinned output array
@@ -11,16 +11,18 @@ by-engine plan on 3 streams):
 1. wall time, median of ``--repeat`` runs after a warm-up, of
    - orchestra eager (``EagerExecutor.run``: enqueue every node, synchronize),
    - orchestra capture and orchestra graph-build (``GraphExec.replay(sync=True)``, no updates),
-     graph-build twice: with the task graph's own edges and with the plan's stream order added
-     (``edges="plan"``: the capture's shape),
+     graph-build twice: with the plan's stream order added to the task graph's edges (the
+     default, ``edges="plan"``: the capture's shape) and with the task graph's edges alone
+     (``edges="dag"``),
    - a bare captured graph: the same work captured by hand with raw cuda-python calls (upload /
      compute / download streams joined by events, exactly the by-engine plan), instantiated
      and launched with ``cuGraphLaunch`` (no orchestra on any path);
    host clock from the first call to the end of the synchronize; for the graphs also the GPU
    time of the launch (timing events recorded on the launch stream around ``cuGraphLaunch``)
    and GPU µs per node (that time / graph nodes), compared with the bare graph;
-2. host µs per replay, median over chunks of launches (enqueue only; the stream is drained
-   outside the timed region after every chunk, as bench_launch does):
+2. host µs per replay, median over launches (enqueue only; the GPU is drained outside the
+   timed region before every launch), every contender interleaved launch by launch so that
+   machine noise and drift hit all alike:
    - no updates (``replay(sync=False)``: launch only),
    - one node updated (a new scalar for one kernel node),
    - all inputs and outputs rebound (two array sets alternated: every H2D and D2H node is
@@ -310,6 +312,41 @@ def host_us(fn, count: int, sync) -> float:
     return statistics.median(per)
 
 
+def host_us_interleaved(calls, count: int) -> list[float]:
+    """`host_us` for several ``(fn, sync)`` contenders at once: each round times one call of
+    each, in turn, the GPU drained before each; the median per contender."""
+    per = [[] for _ in calls]
+    for _ in range(count):
+        for samples, (fn, sync) in zip(per, calls):
+            sync()
+            t0 = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+    for _, sync in calls:
+        sync()
+    return [statistics.median(p) for p in per]
+
+
+def replay_fns(exe, w, kname: str, nio: int) -> list:
+    """``(what, updated nodes, fn)`` of the three replays timed per exec: launch only, one
+    kernel node's scalar, every input and output rebound (two array sets alternated)."""
+    flip = [w.iters, w.iters + 1]
+    sets = [w.alt, w.bindings]
+    state = {"k": 0, "b": 0}
+
+    def one_node():
+        state["k"] ^= 1
+        exe.replay(scalars={kname: {"iters": flip[state["k"]]}}, sync=False)
+
+    def rebind():
+        state["b"] ^= 1
+        exe.replay(sets[state["b"]], sync=False)
+
+    return [("launch only", 0, lambda: exe.replay(sync=False)),
+            ("1 kernel node (scalar)", 1, one_node),
+            ("all inputs + outputs rebound", nio, rebind)]
+
+
 def launch_count(gpu_ms: float, replays: int, budget_s: float) -> int:
     """Launches for one host-cost measurement: at most ``replays``, about ``budget_s`` seconds
     of GPU work at ``gpu_ms`` per launch, at least 9 (3 chunks of 3)."""
@@ -420,66 +457,60 @@ def bench(w: Workload, repeat: int, replays: int, budget_s: float) -> dict:
     out["bare_gpu_us_per_node"] = bare_gpu * 1e3 / bare.nodes
     add_row({"executor": "bare cuda-python graph", "wall_ms": statistics.median(walls),
              "gpu_ms": bare_gpu, "gpu_us_per_node": out["bare_gpu_us_per_node"]})
-    count = launch_count(bare_gpu, replays, budget_s)
-    with phase(f"{w.name}: bare cuGraphLaunch host cost ({count} launches)"):
-        bare_launch_us = host_us(bare.launch, count, bare.sync)
-        bare.close()
-    add_host({"executor": "bare cuda-python graph", "what": "cuGraphLaunch only",
-              "updated_nodes": 0, "launches": count, "host_us": bare_launch_us})
-
-    # orchestra graphs
+    # orchestra graphs (all kept built, so the host costs below are measured interleaved)
     variants = (("capture", CaptureExecutor, {}), ("graph-build", GraphBuildExecutor, {}),
-                ("graph-build, plan edges", GraphBuildExecutor, {"edges": "plan"}))
-    for name, cls, options in variants:
-        with phase(f"{w.name}: orchestra {name}: build + {repeat + 1} runs"):
-            ex = cls(w.dev, kernel_resolver=w.resolver)
-            t = time.perf_counter_ns()
-            exe = ex.build(w.graph, plan, w.bindings, **options)
-            build_ms = (time.perf_counter_ns() - t) / 1e6
-            walls, gpus = timed_runs(name, lambda: exe.replay(sync=True),
-                                     lambda: exec_gpu_ms(exe, t0, t1))
-            exe.synchronize()
-        gpu = statistics.median(gpus)
-        add_row({"executor": f"orchestra {name}", "wall_ms": statistics.median(walls),
-                 "gpu_ms": gpu, "gpu_us_per_node": gpu * 1e3 / exe.node_count,
-                 "build_ms": build_ms, "instantiate_ms": exe.instantiate_ms})
+                ("graph-build, DAG edges", GraphBuildExecutor, {"edges": "dag"}))
+    built = []  # (name, executor, exec, gpu ms)
+    try:
+        for name, cls, options in variants:
+            with phase(f"{w.name}: orchestra {name}: build + {repeat + 1} runs"):
+                ex = cls(w.dev, kernel_resolver=w.resolver)
+                t = time.perf_counter_ns()
+                exe = ex.build(w.graph, plan, w.bindings, **options)
+                build_ms = (time.perf_counter_ns() - t) / 1e6
+                built.append((name, ex, exe))
+                walls, gpus = timed_runs(name, lambda: exe.replay(sync=True),
+                                         lambda: exec_gpu_ms(exe, t0, t1))
+                exe.synchronize()
+            gpu = statistics.median(gpus)
+            add_row({"executor": f"orchestra {name}", "wall_ms": statistics.median(walls),
+                     "gpu_ms": gpu, "gpu_us_per_node": gpu * 1e3 / exe.node_count,
+                     "build_ms": build_ms, "instantiate_ms": exe.instantiate_ms})
 
-        # host cost per replay
-        count = launch_count(gpu, replays, budget_s)
+        # host cost per replay, every contender interleaved launch by launch (the same drift
+        # and noise for all of them, so the cost added to the bare launch is orchestra's)
         kname = w.jg.batches[0].kernel.name
-        flip = [w.iters, w.iters + 1]
-        state = {"i": 0}
-
-        def one_node():
-            state["i"] ^= 1
-            exe.replay(scalars={kname: {"iters": flip[state["i"]]}}, sync=False)
-
-        sets = [w.alt, w.bindings]
-
-        def rebind():
-            state["i"] ^= 1
-            exe.replay(sets[state["i"]], sync=False)
-
         nio = 2 * w.batches
-        with phase(f"{w.name}: orchestra {name}: host cost, 3 x {count} launches"):
-            no_upd = host_us(lambda: exe.replay(sync=False), count, exe.synchronize)
-            one = host_us(one_node, count, exe.synchronize)
-            exe.replay(scalars={kname: {"iters": w.iters}}, sync=True)
-            all_io = host_us(rebind, count, exe.synchronize)
-            exe.replay(w.bindings, sync=True)
-        for what, nodes, us in (("launch only", 0, no_upd), ("1 kernel node (scalar)", 1, one),
-                                ("all inputs + outputs rebound", nio, all_io)):
-            add_host({"executor": f"orchestra {name}", "what": what, "updated_nodes": nodes,
-                      "launches": count, "host_us": us, "goal_us": 5 + nodes,
-                      "ok": us <= 5 + nodes, "over_bare_us": us - bare_launch_us,
-                      "over_bare_ok": us - bare_launch_us <= 5 + nodes})
-        with phase(f"{w.name}: orchestra {name}: final check"):
-            w.poison(full=True)
-            exe.replay(sync=True)
-            if not w.verify(full=True):
-                failures.append(f"{name} after replays")
+        contenders = [("bare cuda-python graph", "cuGraphLaunch only", 0, bare.launch,
+                       bare.sync)]
+        for name, _, exe in built:
+            contenders += [(f"orchestra {name}", what, nodes, fn, exe.synchronize)
+                           for what, nodes, fn in replay_fns(exe, w, kname, nio)]
+        count = launch_count(bare_gpu * len(contenders), replays, 3 * budget_s)
+        with phase(f"{w.name}: host cost, {len(contenders)} contenders x {count} launches, "
+                   "interleaved"):
+            per = host_us_interleaved([(fn, sync) for *_, fn, sync in contenders], count)
+        bare_launch_us = per[0]
+        for (executor, what, nodes, _, _), us in zip(contenders, per):
+            h = {"executor": executor, "what": what, "updated_nodes": nodes,
+                 "launches": count, "host_us": us}
+            if executor.startswith("orchestra"):
+                h.update(goal_us=5 + nodes, ok=us <= 5 + nodes,
+                         over_bare_us=us - bare_launch_us,
+                         over_bare_ok=us - bare_launch_us <= 5 + nodes)
+            add_host(h)
+        for name, _, exe in built:
+            exe.replay(w.bindings, scalars={kname: {"iters": w.iters}}, sync=True)
+            with phase(f"{w.name}: orchestra {name}: final check"):
+                w.poison(full=True)
+                exe.replay(sync=True)
+                if not w.verify(full=True):
+                    failures.append(f"{name} after replays")
+    finally:
+        for _, ex, exe in built:
             exe.close()
             ex.close()
+        bare.close()
     t0.close()
     t1.close()
     emit("  host cost per replay (enqueue only, median):")
@@ -514,10 +545,11 @@ def goals_of(results) -> list[tuple[str, bool]]:
 def main(argv=None) -> int:
     global _LOG, _PHASE_TIMEOUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="1024x0.0625,32x64",
-                    help="batches x MiB, comma separated (default 1024x0.0625,32x64)")
-    ap.add_argument("--iters", default="1,4",
-                    help="burn iterations per workload, comma separated (default 1,4)")
+    ap.add_argument("--workloads", default="1024x0.0625,32x64,1x0.0625",
+                    help="batches x MiB, comma separated (default 1024x0.0625,32x64,1x0.0625: "
+                         "launch-bound, the main job, and one request of a serving system)")
+    ap.add_argument("--iters", default="1,4,1",
+                    help="burn iterations per workload, comma separated (default 1,4,1)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per executor (default 5)")
     ap.add_argument("--replays", type=int, default=300,
                     help="most launches per host-cost measurement (default 300)")

@@ -576,7 +576,7 @@ def test_fake_capture_and_build_make_the_same_graph_shape(fake):
     g, bs, bind = job(3)
     with make_executor("capture", fake) as cx, make_executor("graph-build", fake) as bx:
         a = cx.build(g, None, bind)
-        b = bx.build(g, None, bind)
+        b = bx.build(g, None, bind, edges="dag")
         ga, gb = fake.graphs[int(a.cugraph)], fake.graphs[int(b.cugraph)]
         assert Counter(n.kind for n in ga.nodes) == Counter(n.kind for n in gb.nodes)
 
@@ -601,7 +601,7 @@ def test_fake_graph_build_with_plan_edges_has_the_captures_order(fake, policy, s
     plan = schedule(g, policy, streams)
     with make_executor("capture", fake) as cx, make_executor("graph-build", fake) as bx:
         a = cx.build(g, plan, bind)
-        b = bx.build(g, plan, bind, edges="plan")
+        b = bx.build(g, plan, bind)  # edges="plan" is the default
         ga, gb = fake.graphs[int(a.cugraph)], fake.graphs[int(b.cugraph)]
 
         def edges(gr, exe):
