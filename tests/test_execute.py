@@ -203,9 +203,12 @@ def test_pinned_ranges_registry():
     assert r.covers(1000, 1100) and r.covers(1050, 1060) and r.covers(5000, 5010)
     assert not r.covers(999, 1001) and not r.covers(1050, 1101) and not r.covers(2000, 2001)
     assert not r.covers(0, 1)
+    assert r.version == 0  # adding never unpins: version unchanged
     r.discard(1000)
     assert not r.covers(1000, 1001) and len(r) == 1
+    assert r.version == 1
     r.discard(1000)  # twice is fine
+    assert r.version == 1
 
 
 def test_external_device_buffers(pinned):

@@ -620,6 +620,52 @@ def test_fake_graph_build_with_plan_edges_has_the_captures_order(fake, policy, s
         b.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
+    """A pool of arrays bound in turn is checked once each; writability is checked every
+    time; a removed pinned range or an update makes every array be checked again."""
+    from orchestra.driver import host as H
+    from orchestra.execute import graph_exec as ge
+
+    g, bs, bind = job(2)
+    sets = [bind, {k: v.copy() for k, v in bind.items()}]
+    calls = []
+    real = ge.GraphExec._check_binding
+
+    def counting(self, name, value, ranges):
+        calls.append(name)
+        return real(self, name, value, ranges)
+
+    monkeypatch.setattr(ge.GraphExec, "_check_binding", counting)
+    with make_executor(kind, fake) as ex:
+        exe = ex.build(g, None, bind)
+        for i in range(1, 8):
+            exe.replay(sets[i % 2])
+            check(bs, sets[i % 2], 3)
+        assert len(calls) == 2 * len(bind)  # each array checked once (the build checks its own)
+        out = bs[0].host_out.buffer.name
+        exe.replay(sets[0])
+        sets[1][out].flags.writeable = False
+        with pytest.raises(BindingError, match="read-only"):
+            exe.replay(sets[1])
+        sets[1][out].flags.writeable = True
+        exe.replay(sets[0])  # back on the first set (the refused replay moved one input)
+        # a pinned range removed: everything is checked again
+        before = len(calls)
+        H.pinned_ranges().add(0x1000, 16)
+        H.pinned_ranges().discard(0x1000)
+        exe.replay(sets[1])
+        exe.replay(sets[0])
+        assert len(calls) == before + 2 * len(bind)
+        # an update (a new build) forgets what was checked
+        exe.update(g)
+        before = len(calls)
+        exe.replay(sets[1])
+        assert len(calls) == before + len(bind)
+        check(bs, sets[1], 3)
+        exe.close()
+
+
 from collections import Counter  # noqa: E402
 
 

@@ -34,12 +34,16 @@ class PinnedRanges:
     Executors check bindings against it before asking the driver: a hit costs a bisect under a
     lock instead of two ``cuPointerGetAttribute`` calls, so a loop of many runs does no driver
     query on its hot path. Ranges never overlap (the driver refuses overlapping registrations).
+
+    ``version`` counts removals: an answer "covered" stays true while it is unchanged (adding
+    a range never unpins anything), which lets callers remember checked arrays.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._ends: dict[int, int] = {}
+        self.version = 0
 
     def add(self, lo: int, nbytes: int) -> None:
         with self._lock:
@@ -51,6 +55,7 @@ class PinnedRanges:
         with self._lock:
             if self._ends.pop(lo, None) is not None:
                 del self._starts[bisect.bisect_left(self._starts, lo)]
+                self.version += 1
 
     def covers(self, lo: int, hi: int) -> bool:
         """True when ``[lo, hi)`` lies inside one known pinned range."""

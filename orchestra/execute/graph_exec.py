@@ -18,7 +18,10 @@ built, and a replay changes only the field that changed (``srcHost`` / ``dstHost
 scalar) before handing the same object to the driver. Parameters are never read back from the
 driver. A host binding whose array object is the one already bound costs nothing; a new array is
 checked (C-contiguous, same byte size, writable if the graph writes it, page-locked: orchestra's
-own pinned ranges first, the driver only for memory pinned elsewhere, remembered).
+own pinned ranges first, the driver only for memory pinned elsewhere, remembered). An array
+checked before (a pool of staging arrays bound in turn) is remembered by weak reference and
+skips those checks, except writability, until orchestra's pinned ranges lose a range (a
+`PinnedBuffer` closed, a registration undone) or an `update` changes the build.
 
 Lifetime: the exec holds every host array it is bound to, every external device buffer, the
 packed argument structs, the host-function trampoline and the timing events, until `close()`
@@ -427,6 +430,7 @@ class GraphExec:
         self._finalizer = weakref.finalize(self, _release, self._state)
         self._finalizer.atexit = False
         self._pinned = PinnedCheck()
+        self._checked: dict[int, tuple] = {}  # see _rebind
         self._pending_timeline = False
         self._own_pending = False  # a launch on the exec's own stream since the last sync
         self._retired: list = []  # arrays unbound while launches were pending
@@ -468,6 +472,7 @@ class GraphExec:
                             for name, users in built.host_users.items()}
         self._host_nbytes = built.host_nbytes
         self._host_written = built.host_written
+        self._checked = {}  # sizes may differ in a new build: check every array again
         self._bound = dict(built.bound)
         self._arrays = dict(built.arrays)
         self._kernels = {name: _KernelEntry(ka, built.records[name])
@@ -668,30 +673,24 @@ class GraphExec:
                 return self._synchronize() if sync else None
             return self._launch(stream, sync)
 
+    # arrays a replay already checked: id -> (weak reference, binding name, address, version
+    # of the pinned ranges then); a hit skips the layout, size and pinned checks
+    _CHECKED_MAX = 64
+
     def _rebind(self, name: str, value) -> None:
         users = self._host_users.get(name)
         if users is None:
             raise BindingError(self._unknown_binding(name))
-        a = value if type(value) is np.ndarray else _host_array(name, value)
-        if not a.flags.c_contiguous:
-            raise BindingError(
-                f"binding {name}: the array is not C-contiguous (strides {a.strides}); copy it "
-                "into a pinned contiguous array first")
-        nbytes = self._host_nbytes[name]
-        if a.nbytes != nbytes:
-            raise BindingError(
-                f"binding {name}: the array has {a.nbytes} bytes (shape {a.shape}, {a.dtype}) "
-                f"but host buffer {name} has {nbytes} bytes; the sizes must match exactly")
-        if name in self._host_written and not a.flags.writeable:
-            raise BindingError(f"binding {name}: the array is read-only, but the graph writes "
-                               "it; bind a writable pinned array")
-        if a.dtype.hasobject:
-            raise BindingError(f"binding {name}: an array of Python objects cannot be copied")
-        addr = _address(a)
-        if not _host.pinned_ranges().covers(addr, addr + nbytes) and not self._pinned(a):
-            raise PageableMemoryError(
-                f"binding {name}: the array (shape {a.shape}, {a.dtype}) is in pageable "
-                f"memory; graph copies read and write page-locked memory only: {PIN_HOWTO}")
+        ranges = _host.pinned_ranges()
+        hit = self._checked.get(id(value))
+        if hit is not None and hit[0]() is value and hit[1] == name and hit[3] == ranges.version:
+            a = value if type(value) is np.ndarray else _host_array(name, value)
+            addr = hit[2]
+            if name in self._host_written and not a.flags.writeable:
+                raise BindingError(f"binding {name}: the array is read-only, but the graph "
+                                   "writes it; bind a writable pinned array")
+        else:
+            a, addr = self._check_binding(name, value, ranges)
         exec_, ctx = self._exec, self._ctx
         for u in users:
             cell = u.cell
@@ -708,6 +707,39 @@ class GraphExec:
             self._retired.append(self._arrays.get(name))  # launches may still read it
         self._bound[name] = value
         self._arrays[name] = a
+
+    def _check_binding(self, name: str, value, ranges) -> tuple[np.ndarray, int]:
+        """Every check of a new host array (see `replay`): its array and address. Remembers
+        the array (weakly) so that binding it again skips the checks."""
+        a = value if type(value) is np.ndarray else _host_array(name, value)
+        if not a.flags.c_contiguous:
+            raise BindingError(
+                f"binding {name}: the array is not C-contiguous (strides {a.strides}); copy it "
+                "into a pinned contiguous array first")
+        nbytes = self._host_nbytes[name]
+        if a.nbytes != nbytes:
+            raise BindingError(
+                f"binding {name}: the array has {a.nbytes} bytes (shape {a.shape}, {a.dtype}) "
+                f"but host buffer {name} has {nbytes} bytes; the sizes must match exactly")
+        if name in self._host_written and not a.flags.writeable:
+            raise BindingError(f"binding {name}: the array is read-only, but the graph writes "
+                               "it; bind a writable pinned array")
+        if a.dtype.hasobject:
+            raise BindingError(f"binding {name}: an array of Python objects cannot be copied")
+        version = ranges.version
+        addr = _address(a)
+        if not ranges.covers(addr, addr + nbytes) and not self._pinned(a):
+            raise PageableMemoryError(
+                f"binding {name}: the array (shape {a.shape}, {a.dtype}) is in pageable "
+                f"memory; graph copies read and write page-locked memory only: {PIN_HOWTO}")
+        try:
+            ref = weakref.ref(value)
+        except TypeError:  # no weak references: checked every time
+            return a, addr
+        if len(self._checked) >= self._CHECKED_MAX:
+            self._checked.clear()
+        self._checked[id(value)] = (ref, name, addr, version)
+        return a, addr
 
     def _rollback(self, name: str, users, failed) -> None:
         """Put the nodes changed so far (up to ``failed``) back on the old array, so the exec
