@@ -48,6 +48,9 @@ def test_sizes_and_grid():
     assert sb.duplex_bound_ms(32) == pytest.approx(1 + 32 * 1.1 + 1)
     # the kernel slower still: the step is the kernel
     assert SingleBatch(4096, 9, 1.0, 1.5, 1.0, 7, 1.1).duplex_bound_ms(4) == pytest.approx(8.0)
+    # a noisy t_duplex below a single copy never takes the bound under the plain one
+    sb = SingleBatch(4096, 9, 1.0, 1.0, 1.3, 7, 1.1)
+    assert sb.duplex_bound_ms(10) == pytest.approx(sb.bound_ms(10))
 
 
 def test_calibrate_iters_hits_the_target():
@@ -383,3 +386,19 @@ def test_main_job_reports_the_streams_the_plan_runs_on(fake_job):
     r = MainJob(batches=2, batch_mib=0.01, streams=5, compute_iters=3, repeat=1).run()
     assert r.verified and r.streams == 4 and r.as_dict()["streams"] == 4
     assert MainJob(batches=3, batch_mib=0.01, streams=5, compute_iters=3, repeat=1).run().streams == 5
+
+
+def test_print_report_duplex_line(fake_job, capsys):
+    """The duplex line shows with a measured t_duplex and a wall time; a zero wall time (no
+    efficiency to give) leaves it out instead of failing."""
+    import attrs
+
+    from orchestra.cli.run_cmd import print_report
+
+    r = MainJob(batches=4, batch_mib=0.01, compute_iters=3, repeat=1).run()
+    print_report(r)
+    line = [x for x in capsys.readouterr().out.splitlines() if "while a D2H runs" in x]
+    assert len(line) == 1 and "1.250 ms per batch" in line[0]
+    assert f"{r.duplex_bound_ms:.3f} ms" in line[0]
+    print_report(attrs.evolve(r, wall_ms=0.0, efficiency=0.0))
+    assert "while a D2H runs" not in capsys.readouterr().out

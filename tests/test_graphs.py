@@ -195,6 +195,15 @@ def test_plan_edges_refuse_bad_arguments():
         translate(g, edges="plan")
     with pytest.raises(ValueError, match="not a plan of this graph"):
         translate(g, plan=schedule(batch_graph(3), "by-engine", 3), edges="plan")
+    with pytest.raises(TypeError, match="schedule.Plan"):
+        translate(g, plan=object(), edges="plan")
+    # a hand-made plan running a node before the node it depends on: a clear GraphError
+    g2 = TaskGraph()
+    g2.add(Memset("m0", Buffer("p", 64), 0))
+    g2.add(Memset("m1", Buffer("q", 64), 0, after=("m0",)))
+    backwards = PlanBuilder().stream("main").run("m1").run("m0").build()
+    with pytest.raises(GraphError, match="contradicts the graph's edges.*m0, m1"):
+        translate(g2, plan=backwards, edges="plan")
 
 
 def test_diamond_translation_has_the_diamond():
@@ -664,6 +673,42 @@ def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
         assert len(calls) == before + len(bind)
         check(bs, sets[1], 3)
         exe.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fake_update_keeps_the_plan_so_the_topology_matches(fake, kind):
+    """update() without a plan rebuilds with the exec's own plan while it is valid for the new
+    graph: a hand-given plan, or a critical-path schedule whose costs change with new sizes,
+    still gives an in-place cuGraphExecUpdate, and the outputs are right."""
+    g, bs, bind = job(4)
+    with make_executor(kind, fake) as ex:
+        exe = ex.build(g, schedule(g, "round-robin", 1), bind)
+        r = exe.update(g)
+        assert r.updated and not r.reinstantiated
+        g2, bs2 = build_pipeline(4, [N * 4, N // 4, N, N * 2], BURN, scalars=(3, 0.5, 1.0))
+        rng = np.random.default_rng(3)
+        bind2 = {}
+        for b in bs2:
+            bind2[b.host_in.buffer.name] = rng.standard_normal(b.nbytes // 4).astype(np.float32)
+            bind2[b.host_out.buffer.name] = np.full(b.nbytes // 4, np.nan, np.float32)
+        exe2 = ex.build(g, None, bind, policy="critical-path", streams=4)
+        r = exe2.update(g2, None, bind2)  # same nodes, new sizes: new costs
+        assert r.updated and not r.reinstantiated
+        exe2.launch(sync=True)
+        check(bs2, bind2, 3)
+        # a plan that no longer fits the new graph is not reused: a fresh schedule is made
+        g3 = TaskGraph()
+        for node in g.nodes:
+            g3.add(node)
+        extra = Buffer("extra", 64)
+        g3.add(Alloc("xa", extra))
+        g3.add(Free("xf", extra))
+        r = exe.update(g3)
+        assert r.reinstantiated and exe.node_count == len(g) + 2
+        exe.launch(sync=True)
+        check(bs, bind, 3)
+        exe.close()
+        exe2.close()
 
 
 from collections import Counter  # noqa: E402

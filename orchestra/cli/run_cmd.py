@@ -135,7 +135,7 @@ def print_report(r) -> None:
           "the end of the synchronize")
     print("bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h (single-batch times from "
           "timing events); efficiency = bound / wall")
-    if r.duplex_bound_ms is not None:
+    if r.duplex_efficiency is not None:
         print(f"H2D while a D2H runs: {r.t_duplex_ms:.3f} ms per batch (PCIe moves both "
               "directions at once more slowly than one); the bound with that step is "
               f"{r.duplex_bound_ms:.3f} ms, wall reaches {r.duplex_efficiency:.3f} of it")

@@ -795,7 +795,8 @@ class GraphExec:
     def update(self, taskgraph, plan=None, bindings: Mapping[str, Any] | None = None
                ) -> UpdateResult:
         """Make this exec run ``taskgraph`` (a new structure or new sizes with the same node
-        kinds and order): build its CUDA graph the way this exec was built, try
+        kinds and order): build its CUDA graph the way this exec was built (with ``plan``, else
+        the current plan while it is still valid for ``taskgraph``, else a new schedule), try
         ``cuGraphExecUpdate``; when the driver refuses, report its ``CUgraphExecUpdateResult``
         and the offending node (``last_update``, a log warning) and instantiate the new graph
         instead. ``bindings`` default: the current ones (they must fit the new graph).
@@ -807,7 +808,7 @@ class GraphExec:
                                      "rebuild for update()")
             if bindings is None:  # the current host arrays and external device buffers
                 bindings = {**self._built.external, **self._bound}
-            built = self._rebuild(taskgraph, plan, bindings)
+            built = self._rebuild(taskgraph, self._plan_for(taskgraph, plan), bindings)
             try:
                 self.device.make_current()
                 err, result, error_node, error_from = exec_update(self._state.exec,
@@ -851,6 +852,24 @@ class GraphExec:
             self._reinstantiate(built)
             self.last_update = UpdateResult(False, True, reason, node, from_node, msg)
             return self.last_update
+
+    def _plan_for(self, taskgraph, plan):
+        """The plan to rebuild ``taskgraph`` with: the one given; else the current plan when it
+        runs exactly the new graph's nodes and the hazard verifier finds nothing wrong with it
+        for the new graph (same stream order, same topology: what ``cuGraphExecUpdate`` needs,
+        where a fresh schedule of new sizes may order the nodes differently); else None (the
+        executor schedules anew)."""
+        old = self.plan
+        if plan is not None or old is None:
+            return plan
+        if set(old.node_stream) != {n.name for n in taskgraph.nodes}:
+            return None
+        from orchestra.schedule import verify
+
+        try:
+            return old if not verify(old, taskgraph) else None
+        except OrchestraError:  # e.g. the new graph has a cycle: let the rebuild report it
+            return None
 
     def _discard(self, built: BuiltGraph) -> None:
         try:

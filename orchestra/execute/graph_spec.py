@@ -33,6 +33,7 @@ import attrs
 from orchestra.errors import GraphError, HazardError
 from orchestra.graph import TaskGraph
 from orchestra.graph.taskgraph import transitive_reduction
+from orchestra.schedule import Plan
 
 # orchestra node kind -> CUDA graph node kind
 CUDA_KIND = {
@@ -171,9 +172,11 @@ def _topological(names, edges) -> list[str]:
             if indeg[s] == 0:
                 heapq.heappush(ready, index[s])
     if len(out) != len(names):
-        stuck = [n for n in names if indeg[n] > 0][:6]
-        raise GraphError("the plan's stream order contradicts the graph's edges (nodes "
-                         f"{', '.join(stuck)} wait on each other); schedule the graph again")
+        stuck = [n for n in names if indeg[n] > 0]
+        shown = ", ".join(stuck[:6]) + (f" and {len(stuck) - 6} more" if len(stuck) > 6 else "")
+        raise GraphError("the plan's stream order contradicts the graph's edges: a cycle runs "
+                         f"through these nodes or they wait behind one ({shown}); schedule "
+                         "the graph again")
     return out
 
 
@@ -190,7 +193,8 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
 
     Raises `GraphError` for a cycle, an unknown ``after=`` name, a node kind without a CUDA
     graph node, or a plan whose stream order contradicts the edges; ``ValueError`` for an
-    unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan.
+    unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan;
+    ``TypeError`` for a plan that is not a `schedule.Plan`.
     """
     if edges not in EDGE_SOURCES:
         raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
@@ -198,6 +202,8 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     if edges == "plan":
         if plan is None:
             raise ValueError('edges="plan" needs the plan whose stream order to add')
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
         names = [n.name for n in graph.nodes]
         planned = set(plan.node_stream)
         if planned != set(names):

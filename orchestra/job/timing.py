@@ -41,13 +41,14 @@ class SingleBatch:
         return self.t_h2d_ms + batches * self.t_max_ms + self.t_d2h_ms
 
     def duplex_bound_ms(self, batches: float) -> float | None:
-        """The same bound with each steady-state step costing at least ``t_duplex``: in a full
+        """The same bound with each steady-state step costing at least ``t_duplex`` (and at least
+        the plain bound's step, should a noisy ``t_duplex`` come in lower): in a full
         pipeline batch b's H2D runs while batch b-2's D2H does, and the link moves both
         directions at once more slowly than either alone (PCIe duplex contention). What the
         hardware allows; None when not measured."""
         if self.t_duplex_ms is None:
             return None
-        step = max(self.t_duplex_ms, self.t_kernel_ms)
+        step = max(self.t_duplex_ms, self.t_max_ms)  # never below the plain bound
         return self.t_h2d_ms + batches * step + self.t_d2h_ms
 
 
