@@ -43,8 +43,8 @@ from orchestra.execute.graph_nodes import (
     memset_params,
 )
 from orchestra.execute.graph_spec import (
-    EDGE_SOURCES,
     GraphSpec,
+    check_edge_source,
     check_findings,
     check_graph_memory,
     translate,
@@ -85,8 +85,7 @@ class GraphBuildExecutor(GraphExecutorBase):
         the DAG alone ran 1.12x to 1.58x the GPU time of the bare captured graph, the plan's
         shape 1.00x to 1.10x (benchmarks/bench_graphs.py)."""
         t0 = time.perf_counter_ns()
-        if edges not in EDGE_SOURCES:  # before scheduling: the error names the argument
-            raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
+        check_edge_source(edges)  # before scheduling: the error names the argument
         plan = self._plan(graph, plan, policy, streams, costs, need=trace or edges == "plan")
         spec, unfreed = prepare_build(graph, auto_free=auto_free, verify=self.verify,
                                       plan=plan, edges=edges)

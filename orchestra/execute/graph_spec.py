@@ -25,14 +25,13 @@ verifier's findings for both graph executors, leaving out NEVER_FREED under that
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 
 import attrs
 
 from orchestra.errors import GraphError, HazardError
 from orchestra.graph import TaskGraph
-from orchestra.graph.taskgraph import transitive_reduction
+from orchestra.graph.taskgraph import kahn_order, transitive_reduction
 from orchestra.schedule import Plan
 
 # orchestra node kind -> CUDA graph node kind
@@ -152,32 +151,24 @@ def stream_order_edges(plan) -> set[tuple[str, str]]:
     return out
 
 
-def _topological(names, edges) -> list[str]:
-    """Kahn's order of ``names`` under ``edges``, ties in the order of ``names``; `GraphError`
-    on a cycle (a plan whose stream order contradicts the graph's edges)."""
-    index = {n: i for i, n in enumerate(names)}
-    indeg = {n: 0 for n in names}
-    succs: dict[str, list[str]] = {n: [] for n in names}
-    for p, s in edges:
-        succs[p].append(s)
-        indeg[s] += 1
-    ready = [index[n] for n in names if indeg[n] == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        n = names[heapq.heappop(ready)]
-        out.append(n)
-        for s in succs[n]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(ready, index[s])
-    if len(out) != len(names):
-        stuck = [n for n in names if indeg[n] > 0]
+def check_edge_source(edges: str) -> None:
+    """``ValueError`` unless ``edges`` is one of `EDGE_SOURCES`."""
+    if edges not in EDGE_SOURCES:
+        raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
+
+
+def _plan_order(names, edges) -> list[str]:
+    """A topological order of ``names`` under the DAG-plus-stream-order ``edges``; `GraphError`
+    when a plan's stream order contradicts the graph's edges."""
+    order = kahn_order(names, edges)
+    if len(order) != len(names):
+        done = set(order)
+        stuck = [n for n in names if n not in done]
         shown = ", ".join(stuck[:6]) + (f" and {len(stuck) - 6} more" if len(stuck) > 6 else "")
         raise GraphError("the plan's stream order contradicts the graph's edges: a cycle runs "
                          f"through these nodes or they wait behind one ({shown}); schedule "
                          "the graph again")
-    return out
+    return order
 
 
 def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
@@ -196,8 +187,7 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan;
     ``TypeError`` for a plan that is not a `schedule.Plan`.
     """
-    if edges not in EDGE_SOURCES:
-        raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
+    check_edge_source(edges)
     order = graph.topological_order()  # validates
     if edges == "plan":
         if plan is None:
@@ -210,7 +200,7 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
             missing = sorted(set(names) - planned)[:4] or sorted(planned - set(names))[:4]
             raise ValueError(f"the plan is not a plan of this graph (node mismatch: {missing})")
         union = set(graph.edges) | stream_order_edges(plan)
-        order = _topological(names, union)
+        order = _plan_order(names, union)
         deps = transitive_reduction(order, union) if reduce else frozenset(union)
     else:
         deps = graph.reduced_edges() if reduce else graph.edges
@@ -266,5 +256,5 @@ def check_findings(findings, *, auto_free: bool = False) -> None:
 
 
 __all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "EDGE_SOURCES", "GraphMemoryError", "GraphSpec",
-           "SpecNode", "check_findings", "check_graph_memory", "cuda_kind",
+           "SpecNode", "check_edge_source", "check_findings", "check_graph_memory", "cuda_kind",
            "stream_order_edges", "translate", "unfreed_allocations"]

@@ -162,18 +162,8 @@ class TaskGraph:
     def _kahn(self) -> tuple[str, ...]:
         if self._topo is not None:
             return self._topo
-        indeg = {n: len(p) for n, p in self._preds.items()}
-        heap = [self._index[n] for n, d in indeg.items() if d == 0]
-        heapq.heapify(heap)
         names = list(self._nodes)
-        order = []
-        while heap:
-            n = names[heapq.heappop(heap)]
-            order.append(n)
-            for s in self._succs[n]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    heapq.heappush(heap, self._index[s])
+        order = kahn_order(names, ((n, s) for n in names for s in self._succs[n]))
         if len(order) != len(names):
             cycle = self._find_cycle(set(names) - set(order))
             why = ", ".join(f"{p} -> {q}: " + ("after=" if self._preds[q][p] == "after"
@@ -261,3 +251,26 @@ def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
             via |= reach[s]
         out.update((n, s) for s in succs[n] if not (via >> pos[s]) & 1)
     return frozenset(out)
+
+
+def kahn_order(names, edges) -> list[str]:
+    """Kahn's topological order of ``names`` (a list) under ``edges`` (pairs of names); among
+    ready nodes the earliest in ``names`` goes first. Shorter than ``names`` when a cycle
+    leaves nodes unordered (the caller says which)."""
+    index = {n: i for i, n in enumerate(names)}
+    indeg = dict.fromkeys(names, 0)
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    for p, s in edges:
+        succs[p].append(s)
+        indeg[s] += 1
+    heap = [index[n] for n in names if indeg[n] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        n = names[heapq.heappop(heap)]
+        order.append(n)
+        for s in succs[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, index[s])
+    return order
