@@ -21,6 +21,7 @@ another library) is asked of the driver once and remembered while the array's me
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import Any, Mapping
 
@@ -30,6 +31,19 @@ import numpy as np
 from orchestra.driver import host as _host
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
 from orchestra.graph import Buffer, HostBuffer, TaskGraph
+
+
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def host_address(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's first byte (0.4 µs, against 2.4 µs for
+    ``a.ctypes.data``); read-only, empty or strided arrays take the slow path."""
+    try:
+        return _addressof(_from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
 
 
 def is_pinned(array: np.ndarray) -> bool:
@@ -63,7 +77,7 @@ class PinnedCheck:
         self.driver_queries = 0
 
     def __call__(self, array: np.ndarray) -> bool:
-        lo = array.ctypes.data
+        lo = host_address(array)
         hi = lo + array.nbytes
         if _host.pinned_ranges().covers(lo, hi):
             return True
@@ -122,7 +136,9 @@ def _describe(a: np.ndarray) -> str:
     return f"shape {a.shape}, {a.dtype}, {a.nbytes} bytes"
 
 
-def _as_host_array(name: str, value) -> np.ndarray:
+def as_host_array(name: str, value) -> np.ndarray:
+    """The numpy array behind a host binding's ``value`` (an array, a `PinnedBuffer`, a live
+    `HostRegistration`); `BindingError` for anything else."""
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, _host.PinnedBuffer):
@@ -133,6 +149,41 @@ def _as_host_array(name: str, value) -> np.ndarray:
     raise BindingError(
         f"binding {name}: expected a pinned numpy array, a PinnedBuffer or a HostRegistration; "
         f"got {type(value).__name__}")
+
+
+def check_writable(name: str, a: np.ndarray, writer: str | None) -> None:
+    """`BindingError` when node ``writer`` (None: no node) writes host buffer ``name`` but ``a``
+    is read-only."""
+    if writer is not None and not a.flags.writeable:
+        raise BindingError(f"binding {name}: the array is read-only, but node {writer} "
+                           "writes it; bind a writable pinned array")
+
+
+def check_host_array(name: str, value, nbytes: int, writer: str | None,
+                     pinned: PinnedCheck) -> np.ndarray:
+    """Every check of one host binding, before anything is enqueued: the array behind
+    ``value``, no Python objects, C-contiguous, exactly ``nbytes`` bytes, writable when node
+    ``writer`` writes it, page-locked (``pinned``). Returns the array; raises `BindingError`
+    or `PageableMemoryError`, each saying what to change."""
+    a = as_host_array(name, value)
+    if a.dtype.hasobject:
+        raise BindingError(f"binding {name}: an array of Python objects (dtype=object) "
+                           "cannot be copied to the GPU")
+    if not a.flags.c_contiguous:
+        raise BindingError(
+            f"binding {name}: the array is not C-contiguous ({_describe(a)}, strides "
+            f"{a.strides}); copy it into a pinned contiguous array first, e.g. "
+            f"pinned = PinnedBuffer.empty(a.shape, a.dtype); pinned.array[...] = a")
+    if a.nbytes != nbytes:
+        raise BindingError(
+            f"binding {name}: the array has {a.nbytes} bytes ({_describe(a)}) but host "
+            f"buffer {name} has {nbytes} bytes; the sizes must match exactly")
+    check_writable(name, a, writer)
+    if not pinned(a):
+        raise PageableMemoryError(
+            f"binding {name}: the array ({_describe(a)}) is in pageable memory; orchestra "
+            f"copies asynchronously and only from or to page-locked memory: {PIN_HOWTO}")
+    return a
 
 
 class BindingSpec:
@@ -200,28 +251,8 @@ class BindingSpec:
         return (self.host.get(name) or self.external[name]).nbytes
 
     def _host(self, name: str, buf: HostBuffer, value, pinned: PinnedCheck) -> HostBinding:
-        a = _as_host_array(name, value)
-        if a.dtype.hasobject:
-            raise BindingError(f"binding {name}: an array of Python objects (dtype=object) "
-                               "cannot be copied to the GPU")
-        if not a.flags.c_contiguous:
-            raise BindingError(
-                f"binding {name}: the array is not C-contiguous ({_describe(a)}, strides "
-                f"{a.strides}); copy it into a pinned contiguous array first, e.g. "
-                f"pinned = PinnedBuffer.empty(a.shape, a.dtype); pinned.array[...] = a")
-        if a.nbytes != buf.nbytes:
-            raise BindingError(
-                f"binding {name}: the array has {a.nbytes} bytes ({_describe(a)}) but host "
-                f"buffer {name} has {buf.nbytes} bytes; the sizes must match exactly")
-        writer = self.written.get(name)
-        if writer is not None and not a.flags.writeable:
-            raise BindingError(f"binding {name}: the array is read-only, but node {writer} "
-                               "writes it; bind a writable pinned array")
-        if not pinned(a):
-            raise PageableMemoryError(
-                f"binding {name}: the array ({_describe(a)}) is in pageable memory; orchestra "
-                f"copies asynchronously and only from or to page-locked memory: {PIN_HOWTO}")
-        return HostBinding(name, a, a.ctypes.data, a.nbytes)
+        a = check_host_array(name, value, buf.nbytes, self.written.get(name), pinned)
+        return HostBinding(name, a, host_address(a), a.nbytes)
 
     def _device(self, name: str, buf: Buffer, value) -> DeviceBinding:
         ptr, nbytes = getattr(value, "ptr", None), getattr(value, "nbytes", None)

@@ -50,16 +50,20 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import as_device, context_alive
 from orchestra.driver.stream import check_stream
 from orchestra.errors import CudaError, OrchestraError
-from orchestra.execute.bindings import PinnedCheck
-from orchestra.execute.errors import PIN_HOWTO, BindingError, HostFunctionError, PageableMemoryError
+from orchestra.execute.bindings import (
+    PinnedCheck,
+    as_host_array,
+    check_host_array,
+    check_writable,
+    host_address,
+)
+from orchestra.execute.errors import BindingError, HostFunctionError
 
 log = logging.getLogger(__name__)
 
 _graph_launch = _d.cuGraphLaunch
 _set_memcpy = _d.cuGraphExecMemcpyNodeSetParams
 _set_kernel = _d.cuGraphExecKernelNodeSetParams
-_from_buffer = ctypes.c_char.from_buffer
-_addressof = ctypes.addressof
 
 AUTO_FREE_ON_LAUNCH = int(
     _d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
@@ -120,7 +124,7 @@ class BuiltGraph:
         self.records: dict[str, NodeRecord] = {}
         self.host_users: dict[str, list] = {}
         self.host_nbytes: dict[str, int] = {}
-        self.host_written: set[str] = set()
+        self.host_written: dict[str, str] = {}
         self.bound: dict[str, Any] = {}
         self.arrays: dict[str, np.ndarray] = {}
         self.kernels: dict[str, Any] = {}
@@ -250,15 +254,6 @@ def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
 # -- host arrays -----------------------------------------------------------------------------
 
 
-def _address(a: np.ndarray) -> int:
-    """The address of a C-contiguous array's first byte (0.4 µs, against 2.4 µs for
-    ``a.ctypes.data``); read-only arrays take the slow path."""
-    try:
-        return _addressof(_from_buffer(a))
-    except (TypeError, ValueError, BufferError):
-        return a.ctypes.data
-
-
 # Byte offsets of the host pointers in CUDA_MEMCPY3D (the C ABI, unchanged since CUDA 3.2:
 # eight 8-byte source fields, then the memory type, srcHost at 40; dstHost at 128). A replay
 # writes the new address straight into the record's struct through a ctypes cell (0.1 µs
@@ -328,18 +323,6 @@ class _KernelEntry:
                                 "parameters can be replayed with new values")
             slot = self.slots[key] = (layout.field_names[i], layout.converters[i])
         return slot
-
-
-def _host_array(name: str, value) -> np.ndarray:
-    if type(value) is np.ndarray or isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, _host.PinnedBuffer):
-        return value.view(np.uint8)
-    if isinstance(value, _host.HostRegistration):
-        value.ptr  # noqa: B018 - ValueError once unregistered
-        return value.array
-    raise BindingError(f"binding {name}: expected a pinned numpy array, a PinnedBuffer or a "
-                       f"HostRegistration; got {type(value).__name__}")
 
 
 # -- the exec --------------------------------------------------------------------------------
@@ -684,11 +667,9 @@ class GraphExec:
         ranges = _host.pinned_ranges()
         hit = self._checked.get(id(value))
         if hit is not None and hit[0]() is value and hit[1] == name and hit[3] == ranges.version:
-            a = value if type(value) is np.ndarray else _host_array(name, value)
+            a = value if type(value) is np.ndarray else as_host_array(name, value)
             addr = hit[2]
-            if name in self._host_written and not a.flags.writeable:
-                raise BindingError(f"binding {name}: the array is read-only, but the graph "
-                                   "writes it; bind a writable pinned array")
+            check_writable(name, a, self._host_written.get(name))
         else:
             a, addr = self._check_binding(name, value, ranges)
         exec_, ctx = self._exec, self._ctx
@@ -711,27 +692,10 @@ class GraphExec:
     def _check_binding(self, name: str, value, ranges) -> tuple[np.ndarray, int]:
         """Every check of a new host array (see `replay`): its array and address. Remembers
         the array (weakly) so that binding it again skips the checks."""
-        a = value if type(value) is np.ndarray else _host_array(name, value)
-        if not a.flags.c_contiguous:
-            raise BindingError(
-                f"binding {name}: the array is not C-contiguous (strides {a.strides}); copy it "
-                "into a pinned contiguous array first")
-        nbytes = self._host_nbytes[name]
-        if a.nbytes != nbytes:
-            raise BindingError(
-                f"binding {name}: the array has {a.nbytes} bytes (shape {a.shape}, {a.dtype}) "
-                f"but host buffer {name} has {nbytes} bytes; the sizes must match exactly")
-        if name in self._host_written and not a.flags.writeable:
-            raise BindingError(f"binding {name}: the array is read-only, but the graph writes "
-                               "it; bind a writable pinned array")
-        if a.dtype.hasobject:
-            raise BindingError(f"binding {name}: an array of Python objects cannot be copied")
-        version = ranges.version
-        addr = _address(a)
-        if not ranges.covers(addr, addr + nbytes) and not self._pinned(a):
-            raise PageableMemoryError(
-                f"binding {name}: the array (shape {a.shape}, {a.dtype}) is in pageable "
-                f"memory; graph copies read and write page-locked memory only: {PIN_HOWTO}")
+        version = ranges.version  # read first: a range removed meanwhile forgets this check
+        a = check_host_array(name, value, self._host_nbytes[name], self._host_written.get(name),
+                             self._pinned)
+        addr = host_address(a)
         try:
             ref = weakref.ref(value)
         except TypeError:  # no weak references: checked every time
@@ -747,7 +711,7 @@ class GraphExec:
         prev = self._arrays.get(name)
         if prev is None:
             return
-        paddr = _address(prev)
+        paddr = host_address(prev)
         for u in users:
             u.set(paddr)
             _set_memcpy(self._exec, u.gnode, u.params, self._ctx)

@@ -184,7 +184,7 @@ class GraphExecutorBase:
             hb = resolved.host[name]
             built.bound[name] = bindings[name]
             built.arrays[name] = hb.array
-        built.host_written = set(spec.written)
+        built.host_written = dict(spec.written)
         for name, db in resolved.device.items():
             built.external[name] = db.obj
         return built, resolved
