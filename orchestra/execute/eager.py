@@ -42,6 +42,7 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import as_device, context_alive
 from orchestra.errors import CudaError, OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
+from orchestra.execute.closable import Closable
 from orchestra.execute.errors import HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
@@ -150,7 +151,7 @@ def _shutdown(pool: StreamPool, callbacks: HostCallbacks, tracers: list) -> None
     del callbacks  # the trampoline may go only after the synchronize above
 
 
-class EagerExecutor:
+class EagerExecutor(Closable):
     """Runs task graphs by enqueueing their plans onto pooled non-blocking streams.
 
     Args:
@@ -503,14 +504,6 @@ class EagerExecutor:
 
     # -- lifetime ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("this EagerExecutor is closed")
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Wait for pending work, then release the pooled streams and events (idempotent)."""
         with self._lock:
@@ -521,12 +514,6 @@ class EagerExecutor:
             self._prepared.clear()
             self._plans.clear()
             self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

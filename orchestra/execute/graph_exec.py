@@ -57,6 +57,7 @@ from orchestra.execute.bindings import (
     check_writable,
     host_address,
 )
+from orchestra.execute.closable import Closable
 from orchestra.execute.errors import BindingError, HostFunctionError
 
 log = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ def _release(state: _State) -> None:
     state.keep.clear()
 
 
-class GraphExec:
+class GraphExec(Closable):
     """An instantiated CUDA graph of an orchestra task graph (make one with a graph executor's
     ``build``).
 
@@ -472,10 +473,6 @@ class GraphExec:
     # -- queries ------------------------------------------------------------------------------
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def handle(self):
         """The ``CUgraphExec``."""
         self._check_open()
@@ -500,10 +497,6 @@ class GraphExec:
     def bindings(self) -> dict:
         """host buffer name -> the bound object (what the next launch reads and writes)."""
         return dict(self._bound)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("this GraphExec is closed")
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -897,12 +890,6 @@ class GraphExec:
                 return
             self._closed = True
             self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self._closed:

@@ -32,6 +32,7 @@ from orchestra.driver import MemoryPool, Stream
 from orchestra.driver.device import as_device
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
+from orchestra.execute.closable import Closable
 from orchestra.execute.graph_exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
@@ -126,7 +127,7 @@ def kernel_node_attributes(cfg) -> list:
                                    value_type=_d.CUkernelNodeAttrValue, pdl=False)
 
 
-class GraphExecutorBase:
+class GraphExecutorBase(Closable):
     """Shared setup of the graph executors: device, default memory pool configured now (at
     setup, never during a capture: case C03), kernel resolver, pinned-memory checks.
 
@@ -149,10 +150,6 @@ class GraphExecutorBase:
         self._closed = False
 
     # -- shared steps -------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(f"this {type(self).__name__} is closed")
 
     def _check_devices(self, graph: TaskGraph) -> None:
         ordinal = self.device.ordinal
@@ -246,16 +243,6 @@ class GraphExecutorBase:
         """Release what the executor pools (idempotent). Execs it built stay usable (they own
         their graphs); `GraphExec.update` needs the executor open."""
         self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = ["GraphExecutorBase", "alloc_params", "host_params", "kernel_node_attributes",

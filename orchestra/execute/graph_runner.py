@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Mapping
 
+from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
@@ -28,7 +29,7 @@ from orchestra.schedule import Plan
 KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-build"}
 
 
-class GraphRunner:
+class GraphRunner(Closable):
     """``kind``: ``"capture"`` or ``"graph"`` (explicit build). Other arguments as for the
     executors (`CaptureExecutor`, `GraphBuildExecutor`); ``trace=True`` builds traced execs
     (each run's `RunResult.timeline` is set)."""
@@ -130,14 +131,6 @@ class GraphRunner:
 
     # -- lifetime -----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("this GraphRunner is closed")
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Close every cached exec, then the executor (idempotent)."""
         with self._lock:
@@ -150,12 +143,6 @@ class GraphRunner:
             self._plans.clear()
             self.last_exec = None
             self.executor.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<GraphRunner {self.kind}: {len(self._execs)} cached execs>"

@@ -1,0 +1,28 @@
+"""`Closable`: the shared lifetime surface of executors and graph execs."""
+
+from __future__ import annotations
+
+
+class Closable:
+    """Mixin for objects with a ``_closed`` flag that their ``close()`` sets: the ``closed``
+    property, `_check_open` (``ValueError`` naming the class once closed) and a ``with`` block
+    that calls ``close()``."""
+
+    _closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"this {type(self).__name__} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Closable"]
