@@ -248,30 +248,15 @@ def launch_attribute_values(cfg: LaunchConfig, *, id_type=None, value_type=None,
 
 
 def launch_attributes(cfg: LaunchConfig) -> list:
-    """``cfg``'s attributes as a list of ``CUlaunchAttribute`` (for ``CUlaunchConfig.attrs``)."""
+    """``cfg``'s attributes as a list of ``CUlaunchAttribute`` (for ``CUlaunchConfig.attrs``):
+    the pairs of `launch_attribute_values`, each in one struct."""
     from cuda.bindings import driver
 
-    ids = driver.CUlaunchAttributeID
     out = []
-    if cfg.cooperative:
+    for attr_id, value in launch_attribute_values(cfg):
         a = driver.CUlaunchAttribute()
-        a.id = ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        a.value.cooperative = 1
-        out.append(a)
-    if cfg.cluster is not None:
-        a = driver.CUlaunchAttribute()
-        a.id = ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cfg.cluster
-        out.append(a)
-    if cfg.pdl:
-        a = driver.CUlaunchAttribute()
-        a.id = ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        a.value.programmaticStreamSerializationAllowed = 1
-        out.append(a)
-    if cfg.priority is not None:
-        a = driver.CUlaunchAttribute()
-        a.id = ids.CU_LAUNCH_ATTRIBUTE_PRIORITY
-        a.value.priority = cfg.priority
+        a.id = attr_id
+        a.value = value
         out.append(a)
     return out
 
