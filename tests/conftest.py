@@ -26,3 +26,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(tmp_path_factory.mktemp("cubin-cache")))
+
+
+# GPU fixtures shared by the *_gpu test files (only gpu-marked tests use them, and those are
+# skipped without a device before any fixture runs)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    """Device 0, current on this thread."""
+    from orchestra.driver import Device
+
+    d = Device.get(0)
+    d.make_current()
+    return d
+
+
+@pytest.fixture(scope="module")
+def pool(dev):
+    """Device 0's default memory pool (release threshold and dependencies configured)."""
+    from orchestra.driver import MemoryPool
+
+    return MemoryPool.default(dev)

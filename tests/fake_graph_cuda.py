@@ -40,7 +40,8 @@ from orchestra.execute import graph_build as build_mod
 from orchestra.execute import graph_exec as exec_mod
 from orchestra.execute import graph_nodes as nodes_mod
 from orchestra.execute.kernels import KernelResolver
-from tests.fake_cuda import LIMITS, FakeHandle, FakeKernel
+from tests import fake_cuda
+from tests.fake_cuda import FakeHandle, FakeKernel
 
 R = driver.CUresult
 OK = R.CUDA_SUCCESS
@@ -54,17 +55,11 @@ def _handle() -> FakeHandle:
     return FakeHandle(0x10000 + next(_ids))
 
 
-class FakeDevice:
-    ordinal = 0
-    name = "Fake GPU"
-    sm_count = 4
-    arch = "sm_90"
-    limits = LIMITS
+class FakeDevice(fake_cuda.FakeDevice):
+    """The eager fake's device, plus what graph code reads: a handle, a context, pushed()."""
+
     handle = 0
     context = "fake-ctx"
-
-    def make_current(self, force=False):
-        return self
 
     @contextlib.contextmanager
     def pushed(self):

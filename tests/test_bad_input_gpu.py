@@ -27,7 +27,7 @@ from orchestra.compiler import KernelNotFoundError, load_kernel
 from orchestra.compiler import cache as cubin_cache
 from orchestra.compiler import compile as nvrtc_compile
 from orchestra.driver import (
-    Device, DeviceBuffer, MemoryPool, PinnedBuffer, Stream, leaked, live_handles,
+    DeviceBuffer, PinnedBuffer, Stream, leaked, live_handles,
 )
 from orchestra.errors import CompileError, CudaError, GraphError, HazardError
 from orchestra.execute import BindingError, EagerExecutor, PageableMemoryError
@@ -41,16 +41,6 @@ from orchestra.schedule import PlanBuilder
 pytestmark = pytest.mark.gpu
 
 N = 16 * 1024  # floats per batch
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return Device.get(0)
-
-
-@pytest.fixture(scope="module")
-def pool(dev):
-    return MemoryPool.default(dev)
 
 
 def burn(dev):

@@ -23,15 +23,6 @@ template <typename T> __global__ void scale(T* p, T a, int n) {
 """
 
 
-@pytest.fixture(scope="module")
-def dev():
-    from orchestra.driver import Device
-
-    d = Device.get(0)
-    d.make_current()
-    return d
-
-
 @pytest.fixture
 def stream(dev):
     from orchestra.driver import Stream

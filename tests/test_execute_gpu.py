@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cuda.bindings import driver
 
-from orchestra.driver import Device, MemoryPool, PinnedBuffer, register_host
+from orchestra.driver import PinnedBuffer, register_host
 from orchestra.errors import CudaError
 from orchestra.execute import EagerExecutor, HostFunctionError, PageableMemoryError
 from orchestra.graph import (
@@ -43,19 +43,9 @@ UINT64_MAX = (1 << 64) - 1
 
 
 @pytest.fixture(scope="module")
-def dev():
-    return Device.get(0)
-
-
-@pytest.fixture(scope="module")
 def ex(dev):
     with EagerExecutor(dev) as e:
         yield e
-
-
-@pytest.fixture(scope="module")
-def pool(dev):
-    return MemoryPool.default(dev)
 
 
 def burn_ref(x, iters=ITERS):

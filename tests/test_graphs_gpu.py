@@ -24,7 +24,7 @@ import gc
 import numpy as np
 import pytest
 
-from orchestra.driver import Device, DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
+from orchestra.driver import DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
 from orchestra.execute import EagerExecutor, PageableMemoryError
 from orchestra.execute.capture import (
     CaptureError,
@@ -56,16 +56,6 @@ from orchestra.schedule import POLICIES
 pytestmark = pytest.mark.gpu
 
 ITERS = 5
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return Device.get(0)
-
-
-@pytest.fixture(scope="module")
-def pool(dev):
-    return MemoryPool.default(dev)
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,10 @@ import sys
 
 import pytest
 
-from orchestra.driver import Device, MemoryPool, leaked, live_handles
+from orchestra.driver import MemoryPool, leaked, live_handles
 from orchestra.trace import OVERLAP_ENGINES, intersect, to_chrome_trace, union
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def dev():
-    return Device.get(0)
 
 
 @pytest.fixture(scope="module")
