@@ -69,6 +69,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+from bench_common import parse_workloads
 
 SAMPLE_ABOVE = 1 << 22  # outputs with more elements are checked on a strided sample when timed
 STRIDE = 4099
@@ -94,14 +95,6 @@ def phase(name: str, timeout: float | None = None):
     finally:
         faulthandler.cancel_dump_traceback_later()
     log(f"{name}: {time.perf_counter() - t:.1f} s")
-
-
-def parse_workloads(text: str) -> list[tuple[int, float]]:
-    out = []
-    for item in text.split(","):
-        n, mib = item.lower().split("x")
-        out.append((int(n), float(mib)))
-    return out
 
 
 def ref_into(x, iters, out):

@@ -44,16 +44,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+from bench_common import parse_workloads
 
 GOAL = 0.95
-
-
-def parse_workloads(text: str) -> list[tuple[int, float]]:
-    out = []
-    for item in text.split(","):
-        n, mib = item.lower().split("x")
-        out.append((int(n), float(mib)))
-    return out
 
 
 class Workload:
