@@ -59,6 +59,7 @@ from orchestra.execute.bindings import (
 )
 from orchestra.execute.closable import Closable
 from orchestra.execute.errors import BindingError, HostFunctionError
+from orchestra.schedule import verify
 
 log = logging.getLogger(__name__)
 
@@ -821,8 +822,6 @@ class GraphExec(Closable):
             return plan
         if set(old.node_stream) != {n.name for n in taskgraph.nodes}:
             return None
-        from orchestra.schedule import verify
-
         try:
             return old if not verify(old, taskgraph) else None
         except OrchestraError:  # e.g. the new graph has a cycle: let the rebuild report it
