@@ -35,7 +35,7 @@ from orchestra.graph import (
     BURN_PARAMS, Alloc, Buffer, Free, HostBuffer, HostToDevice, In, KernelNode, KernelRef, Memset,
     Out, TaskGraph, build_pipeline,
 )
-from orchestra.job import MainJob, burn_kernel_ref
+from orchestra.app.job import MainJob, burn_kernel_ref
 from orchestra.schedule import PlanBuilder
 
 pytestmark = pytest.mark.gpu

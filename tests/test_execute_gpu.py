@@ -33,7 +33,7 @@ from orchestra.graph import (
     TaskGraph,
     build_pipeline,
 )
-from orchestra.job import MainJob, burn_kernel_ref
+from orchestra.app.job import MainJob, burn_kernel_ref
 from orchestra.schedule import POLICIES, schedule
 
 pytestmark = pytest.mark.gpu

@@ -50,7 +50,7 @@ from orchestra.graph import (
     TaskGraph,
     build_pipeline,
 )
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 from orchestra.schedule import POLICIES
 
 pytestmark = pytest.mark.gpu
@@ -329,7 +329,7 @@ import numpy as np
 from orchestra.driver import Device, PinnedBuffer
 from orchestra.execute import CaptureExecutor, GraphBuildExecutor
 from orchestra.graph import HostBuffer, build_pipeline
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 
 def pipeline(iters, seed):
     n = 4096

@@ -14,7 +14,7 @@ Modules:
 Only `catalog.load`, `stages` and `pdlchain` need a GPU; the rest runs anywhere.
 """
 
-from orchestra.kernels_bench.pdl import (
+from orchestra.app.kernels_bench.pdl import (
     entry_points,
     kernel_waits_on_grid_dependency,
     kernels_waiting_on_grid_dependency,

@@ -18,7 +18,7 @@ import attrs
 
 from orchestra.graph import BURN_PARAMS, HostBuffer, HostFunc, KernelRef, TaskGraph, add_batch
 from orchestra.graph import build_pipeline
-from orchestra.job.data import SCALE, SHIFT
+from orchestra.app.job.data import SCALE, SHIFT
 from orchestra.schedule import CostModel
 
 MIB = 1 << 20
