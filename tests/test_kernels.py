@@ -306,7 +306,7 @@ def test_ex_launch_builds_its_launch_config_once_per_configuration_and_stream(mo
     from cuda.bindings import driver
 
     from orchestra.compiler import LaunchConfig
-    from orchestra.compiler import module as mod
+    from orchestra.kernel import module as mod
 
     sent = []
     fake = SimpleNamespace(cuLaunchKernelEx=lambda cfg, f, a, e: (sent.append(cfg), (0,))[1])

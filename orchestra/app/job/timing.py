@@ -108,7 +108,7 @@ class BatchTimer:
     """Times one batch of ``nbytes`` on ``stream``: H2D from pinned ``host_in`` (a 1-D float32
     view of ``nbytes``), the kernel, D2H into pinned ``host_out``.
 
-    ``kernel``: the compiler `Kernel` for burn; ``grid``/``block`` as in the job's graph.
+    ``kernel``: the `orchestra.kernel.Kernel` for burn; ``grid``/``block`` as in the job's graph.
     `close()` frees the device buffers and events.
     """
 

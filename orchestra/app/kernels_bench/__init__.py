@@ -4,7 +4,7 @@ benchmarks behind ``orchestra bench``.
 
 Modules:
     catalog    one `KernelSpec` per kernel (source, name, name expression, parameters, launch
-               requirements) and `load` to get a launchable `orchestra.compiler.Kernel`.
+               requirements) and `load` to get a launchable `orchestra.kernel.Kernel`.
     reference  numpy reference of every kernel.
     pdl        `kernel_waits_on_grid_dependency` and friends: does a kernel execute
                ``griddepcontrol.wait`` before it may be launched with the PDL attribute?
