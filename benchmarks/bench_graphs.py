@@ -423,8 +423,8 @@ def host_cells(h) -> tuple:
 def bench(w: Workload, repeat: int, replays: int, budget_s: float) -> dict:
     from orchestra.driver import Event
     from orchestra.execute import EagerExecutor
-    from orchestra.execute.capture import CaptureExecutor
-    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
     out = {"workload": w.name, "batches": w.batches, "batch_bytes": w.batch_bytes,
            "iters": w.iters, "nodes": len(w.graph), "rows": [], "host": []}

@@ -35,10 +35,10 @@ import numpy as np
 from cuda.bindings import driver
 
 from orchestra.execute import bindings as bindings_mod
-from orchestra.execute import capture as capture_mod
-from orchestra.execute import graph_build as build_mod
-from orchestra.execute import graph_exec as exec_mod
-from orchestra.execute import graph_nodes as nodes_mod
+from orchestra.execute.cuda_graph import capture as capture_mod
+from orchestra.execute.cuda_graph import build as build_mod
+from orchestra.execute.cuda_graph import exec as exec_mod
+from orchestra.execute.cuda_graph import executor as nodes_mod
 from orchestra.execute.kernels import KernelResolver
 from tests import fake_cuda
 from tests.fake_cuda import FakeHandle, FakeKernel

@@ -329,8 +329,8 @@ def _raise_graph():
 
 def _graph_executor(kind):
     from orchestra.driver import Device
-    from orchestra.execute.capture import CaptureExecutor
-    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
     dev = Device.get(0)
     cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor

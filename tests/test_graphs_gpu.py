@@ -26,16 +26,16 @@ import pytest
 
 from orchestra.driver import DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
 from orchestra.execute import EagerExecutor, PageableMemoryError
-from orchestra.execute.capture import (
+from orchestra.execute.cuda_graph.capture import (
     CaptureError,
     CaptureExecutor,
     CaptureSession,
     is_capturing,
 )
-from orchestra.execute.capture_plan import UnjoinedStreamError
-from orchestra.execute.graph_build import GraphBuildExecutor
-from orchestra.execute.graph_exec import graph_memory
-from orchestra.execute.graph_spec import GraphMemoryError
+from orchestra.execute.cuda_graph.capture_plan import UnjoinedStreamError
+from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+from orchestra.execute.cuda_graph.exec import graph_memory
+from orchestra.execute.cuda_graph.spec import GraphMemoryError
 from orchestra.graph import (
     Alloc,
     Buffer,
@@ -679,7 +679,7 @@ def test_orchestra_run_with_graph_executors(executor, tmp_path, capsys):
 
 
 def test_graph_cache_with_pow2_buckets_serves_padded_requests(dev, capture):
-    from orchestra.execute.graph_cache import GraphCache
+    from orchestra.execute.cuda_graph.cache import GraphCache
 
     per = 2048  # elements per batch
     cache = GraphCache(max_entries=4, buckets="pow2")

@@ -54,15 +54,15 @@ from orchestra.driver import Event, Stream, cu
 from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
 from orchestra.errors import CudaError, OrchestraError
-from orchestra.execute.capture_plan import UnjoinedStreamError, capture_steps, check_capture_steps
-from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
-from orchestra.execute.graph_nodes import (
+from orchestra.execute.cuda_graph.capture_plan import UnjoinedStreamError, capture_steps, check_capture_steps
+from orchestra.execute.cuda_graph.exec import BuiltGraph, NodeRecord
+from orchestra.execute.cuda_graph.executor import (
     GraphExecutorBase,
     kernel_params,
     memcpy_params,
     memset_params,
 )
-from orchestra.execute.graph_spec import check_findings, check_graph_memory
+from orchestra.execute.cuda_graph.spec import check_findings, check_graph_memory
 from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
