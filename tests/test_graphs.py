@@ -15,13 +15,9 @@ import threading
 
 import pytest
 
+from orchestra.driver.capture import UnjoinedStreamError
 from orchestra.errors import GraphError
-from orchestra.execute.cuda_graph.capture_plan import (
-    CaptureStep,
-    UnjoinedStreamError,
-    capture_steps,
-    check_capture_steps,
-)
+from orchestra.execute.cuda_graph.capture_plan import CaptureStep, capture_steps, check_capture_steps
 from orchestra.execute.cuda_graph.cache import BucketPolicy, GraphCache, Signature, pad_to
 from orchestra.execute.cuda_graph.spec import (
     CUDA_KIND,
@@ -513,7 +509,8 @@ def test_signature_is_plain_data():
 
 import numpy as np  # noqa: E402
 
-from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor, CaptureSession  # noqa: E402
+from orchestra.driver.capture import CaptureSession  # noqa: E402
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor  # noqa: E402
 from orchestra.execute.errors import (  # noqa: E402
     BindingError,
     HostFunctionError,
@@ -1052,11 +1049,12 @@ def test_launch_host_func_calls_the_driver_entry_point_not_the_bindings_wrapper(
     function twice, as two graph launches would."""
     import ctypes
 
+    from orchestra.driver import entry_points
     from orchestra.execute import hostfunc
 
     seen = []
 
-    @hostfunc._LAUNCH_HOSTFN
+    @entry_points._LAUNCH_HOSTFN
     def entry(stream, fn, user):
         seen.append((stream, fn, user))
         hostfunc._HOSTFN(fn)(user)  # launch 1
@@ -1073,15 +1071,15 @@ def test_launch_host_func_calls_the_driver_entry_point_not_the_bindings_wrapper(
         def cuLaunchHostFunc(*a):
             raise AssertionError("cuda-bindings' cuLaunchHostFunc must not be used")
 
-    monkeypatch.setattr(hostfunc, "_raw", None)
+    monkeypatch.setattr(entry_points, "_raw", None)
     cb = hostfunc.HostCallbacks()
     calls = []
     token = cb.add(lambda: calls.append(1), "h")
-    assert hostfunc.launch_host_func(Driver, 0x1234, cb.address, token) == 0
+    assert entry_points.launch_host_func(Driver, 0x1234, cb.address, token) == 0
     assert calls == [1, 1] and cb.take_errors() == []
     assert seen == [(0x1234, cb.address, token)]
-    assert hostfunc.driver_launch_host_func_source() == "cuGetProcAddress"
-    monkeypatch.setattr(hostfunc, "_raw", None)
+    assert entry_points.driver_launch_host_func_source() == "cuGetProcAddress"
+    monkeypatch.setattr(entry_points, "_raw", None)
 
 
 def test_fake_graph_build_sets_kernel_node_attributes(fake):

@@ -25,16 +25,11 @@ import numpy as np
 import pytest
 
 from orchestra.driver import DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
+from orchestra.driver.capture import CaptureSession, UnjoinedStreamError, is_capturing
+from orchestra.driver.graph_memory import graph_memory
 from orchestra.execute import EagerExecutor, PageableMemoryError
-from orchestra.execute.cuda_graph.capture import (
-    CaptureError,
-    CaptureExecutor,
-    CaptureSession,
-    is_capturing,
-)
-from orchestra.execute.cuda_graph.capture_plan import UnjoinedStreamError
 from orchestra.execute.cuda_graph.build import GraphBuildExecutor
-from orchestra.execute.cuda_graph.exec import graph_memory
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor
 from orchestra.execute.cuda_graph.spec import GraphMemoryError
 from orchestra.graph import (
     Alloc,

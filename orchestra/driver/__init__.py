@@ -4,11 +4,17 @@ Every driver call goes through `cu`. Every object here owns one handle, releases
 ``close()`` (idempotent, also via ``with``) or, if forgotten, from a finalizer, and never
 touches a primary context that was already released at interpreter exit.
 `live_handles()` counts the handles held now, by kind (leak accounting).
+
+Beside streams and events: stream capture (`CaptureSession`, `capture`), the graph allocator's
+memory (`graph_memory`), and the driver entry points called through ctypes where cuda-bindings'
+wrappers fall short (`entry_points`).
 """
 
+from orchestra.driver.capture import CaptureSession, UnjoinedStreamError, capture_status, is_capturing
 from orchestra.driver.check import cu, device_available, ensure_initialized
 from orchestra.driver.device import Device, DeviceLimits, context_alive, device_count, devices
 from orchestra.driver.event import Event
+from orchestra.driver.graph_memory import GraphMemory, graph_memory, trim_graph_memory
 from orchestra.driver.host import (
     HostRegistration,
     PinnedBuffer,
@@ -29,4 +35,6 @@ __all__ = [
     "PinnedBuffer", "HostRegistration", "register_host", "is_pinned", "PinnedRanges",
     "pinned_ranges",
     "Owner", "Resource", "live_handles", "leaked",
+    "CaptureSession", "UnjoinedStreamError", "capture_status", "is_capturing",
+    "GraphMemory", "graph_memory", "trim_graph_memory",
 ]

@@ -33,11 +33,18 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.staging import StagingPool
 
-from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor, CaptureSession  # noqa: E402
-from orchestra.execute.cuda_graph.build import GraphBuildExecutor  # noqa: E402
-from orchestra.execute.cuda_graph.cache import GraphCache, Signature  # noqa: E402
-from orchestra.execute.cuda_graph.exec import GraphExec, UpdateResult, graph_memory  # noqa: E402
-from orchestra.execute.cuda_graph.runner import GraphRunner  # noqa: E402
+from orchestra.driver.capture import CaptureSession  # noqa: E402  (documented here too)
+from orchestra.driver.graph_memory import graph_memory  # noqa: E402
+from orchestra.execute.cuda_graph import (  # noqa: E402
+    CaptureError,
+    CaptureExecutor,
+    GraphBuildExecutor,
+    GraphCache,
+    GraphExec,
+    GraphRunner,
+    Signature,
+    UpdateResult,
+)
 
 EXECUTORS = ("eager", "capture", "graph")
 AVAILABLE_EXECUTORS = ("eager", "capture", "graph")

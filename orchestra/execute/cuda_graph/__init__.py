@@ -13,15 +13,13 @@
 
 from orchestra.execute.cuda_graph.build import GraphBuildExecutor, prepare_build
 from orchestra.execute.cuda_graph.cache import BucketPolicy, GraphCache, Signature, pad_to
-from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor, CaptureSession
-from orchestra.execute.cuda_graph.capture_plan import UnjoinedStreamError
-from orchestra.execute.cuda_graph.exec import GraphExec, UpdateResult, graph_memory
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor
+from orchestra.execute.cuda_graph.exec import GraphExec, UpdateResult
 from orchestra.execute.cuda_graph.runner import GraphRunner
 from orchestra.execute.cuda_graph.spec import GraphMemoryError, GraphSpec, SpecNode, translate
 
 __all__ = [
-    "BucketPolicy", "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor",
-    "GraphCache", "GraphExec", "GraphMemoryError", "GraphRunner", "GraphSpec", "Signature",
-    "SpecNode", "UnjoinedStreamError", "UpdateResult", "graph_memory", "pad_to",
-    "prepare_build", "translate",
+    "BucketPolicy", "CaptureError", "CaptureExecutor", "GraphBuildExecutor", "GraphCache",
+    "GraphExec", "GraphMemoryError", "GraphRunner", "GraphSpec", "Signature", "SpecNode",
+    "UpdateResult", "pad_to", "prepare_build", "translate",
 ]
