@@ -19,8 +19,8 @@ from cuda.bindings import driver
 from orchestra.driver import PinnedBuffer, register_host
 from orchestra.errors import CudaError
 from orchestra.execute import EagerExecutor, HostFunctionError, PageableMemoryError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS,
     Alloc,
     Buffer,
     DeviceToHost,

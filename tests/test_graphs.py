@@ -26,8 +26,8 @@ from orchestra.execute.cuda_graph.spec import (
     translate,
     unfreed_allocations,
 )
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS,
     Alloc,
     Buffer,
     DeviceToHost,

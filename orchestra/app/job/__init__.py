@@ -3,6 +3,7 @@ pinned host memory, three-way overlapped, timed against the fill-aware bound and
 against numpy. `graphs` builds its task graphs without a GPU (``orchestra plan``)."""
 
 from orchestra.app.job.graphs import (
+    BURN_PARAMS,
     JobGraph,
     batch_bytes_from_mib,
     batch_sizes,
@@ -17,7 +18,8 @@ from orchestra.app.job.main_job import JobReport, MainJob, bound_ms, parse_iters
 from orchestra.app.job.timing import SingleBatch, calibrate_iters
 
 __all__ = [
-    "InputArray", "JobGraph", "JobReport", "MainJob", "SingleBatch", "batch_bytes_from_mib",
+    "BURN_PARAMS", "InputArray", "JobGraph", "JobReport", "MainJob", "SingleBatch",
+    "batch_bytes_from_mib",
     "batch_sizes", "bound_ms", "build_job_graph", "build_staged_graph", "burn_grid",
     "burn_kernel_ref", "calibrate_iters", "job_costs", "open_input", "parse_iters",
 ]
