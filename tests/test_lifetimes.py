@@ -883,3 +883,89 @@ def test_graph_runner_leases_its_exec_and_closes_evicted_ones_once(monkeypatch):
         assert fake.counts["cuGraphInstantiate"] == 3
         assert fake.counts["cuGraphExecDestroy"] == 2  # the two evicted ones, once each
     assert fake.counts["cuGraphExecDestroy"] == 3 and not fake.live_graphs
+
+
+# -- a built graph's external device buffer closed by its owner (fake graph driver) ----------
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+@pytest.mark.parametrize("leased", [True, False])
+def test_graph_exec_external_buffer_closed_under_a_lease_replays_right(monkeypatch, kind,
+                                                                      leased):
+    """An exec is built with external device buffers x and y; their owner closes them; the
+    exec is replayed. With leases held for the exec (what the executor's binding holds), the
+    memory stays allocated and each replay is right; it is freed exactly once, after the exec
+    closed and the leases ended. Without leases the fake driver catches the replay touching
+    freed memory: the hazard the leases remove."""
+    from orchestra.execute.capture import CaptureExecutor
+    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.graph import (
+        BURN_PARAMS, Buffer, DeviceToHost, HostBuffer, HostToDevice, In, KernelNode, KernelRef,
+        Out, TaskGraph,
+    )
+    from tests import fake_graph_cuda as fg
+
+    fake = fg.install(monkeypatch)
+    monkeypatch.setattr(owner_mod, "context_alive", lambda ordinal: True)
+    odev = types.SimpleNamespace(ordinal=0, pushed=contextlib.nullcontext)
+    freed = []
+
+    class FakeDeviceBuffer(od.Resource):
+        """An external device buffer in the fake's memory, owned like a DeviceBuffer."""
+
+        def __init__(self, nbytes):
+            self.nbytes, self.device = nbytes, 0
+            ptr = fake._new_memory(nbytes, fake.mem)
+
+            def free(p):
+                fake.mem.pop(p)[:] = 0xDD
+                freed.append(p)
+
+            self._own = od.Owner(self, ptr, free, odev, "DeviceBuffer")
+
+        @property
+        def ptr(self):
+            return self._own.handle
+
+    n = 1024
+    g = TaskGraph()
+    x, y = Buffer("x", 4 * n), Buffer("y", 4 * n)
+    hin, hout = HostBuffer("hin", 4 * n), HostBuffer("hout", 4 * n)
+    g.add(HostToDevice("up", hin, x))
+    g.add(KernelNode("k", KernelRef("burn.cu", "burn", params=BURN_PARAMS), 1, 256,
+                     (In(x), Out(y), n, 3, 0.5, 1.0)))
+    g.add(DeviceToHost("down", y, hout))
+    before = od.live_handles()
+    xb, yb = FakeDeviceBuffer(4 * n), FakeDeviceBuffer(4 * n)
+    ptrs = {xb.ptr, yb.ptr}
+    a = np.zeros(n, np.float32)
+    out = np.zeros(n, np.float32)
+    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
+    rng = np.random.default_rng(1)
+    with cls(fake.device, kernel_resolver=fg.resolver(fake)) as ex:
+        exe = ex.build(g, None, {"x": xb, "y": yb, "hin": a, "hout": out})
+        keep = [xb.lease(), yb.lease()] if leased else []
+        xb.close()
+        yb.close()
+        assert xb.closed and yb.closed
+        if not leased:
+            assert sorted(freed) == sorted(ptrs)
+            with pytest.raises(AssertionError, match="not inside device memory"):
+                exe.launch(sync=True)  # a replay of freed memory, caught by the fake
+            exe.close()
+            return
+        assert freed == [] and od.live_handles()["device_buffer"] == before["device_buffer"] + 2
+        for _ in range(3):
+            a[:] = rng.standard_normal(n).astype(np.float32)
+            out[:] = np.nan
+            exe.launch(sync=True)
+            ref = a.copy()
+            for _ in range(3):
+                ref = ref * np.float32(0.5) + np.float32(1)
+            np.testing.assert_array_equal(out, ref)
+        exe.close()
+        assert freed == []  # the exec is gone, the leases are not yet
+        for lease in keep:
+            lease.release()
+    assert sorted(freed) == sorted(ptrs)  # each exactly once, after the last lease
+    assert od.live_handles() == before and od.deferred_releases()["device_buffer"] == 0

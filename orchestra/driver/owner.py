@@ -108,10 +108,11 @@ class Lease:
         self.release()
 
     def __del__(self):
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - nothing can be raised from a finalizer
-            pass
+        if self._claim:  # the common case, released already, costs no exception
+            try:
+                self.release()
+            except Exception:  # noqa: BLE001 - nothing can be raised from a finalizer
+                pass
 
     def __repr__(self) -> str:
         return f"<Lease on a {self.what}{' (released)' if not self._claim else ''}>"
