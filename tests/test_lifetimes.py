@@ -98,7 +98,8 @@ def test_lease_after_close_is_refused_with_a_clear_error(fake_device):
     t.close()
     with pytest.raises(ResourceClosedError) as info:
         t.lease()
-    assert "this PinnedBuffer is closed: it cannot be leased or bound to new work" in str(info.value)
+    message = str(info.value)
+    assert "this PinnedBuffer is closed: it cannot be leased or bound to new work" in message
     assert isinstance(info.value, ValueError) and isinstance(info.value, OrchestraError)
     assert info.value.what == "PinnedBuffer"
     assert released == ["h3"] and od.live_handles() == before
