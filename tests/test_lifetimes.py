@@ -891,8 +891,8 @@ def test_graph_runner_leases_its_exec_and_closes_evicted_ones_once(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["capture", "graph-build"])
 @pytest.mark.parametrize("leased", [True, False])
-def test_graph_exec_external_buffer_closed_under_a_lease_replays_right(monkeypatch, kind,
-                                                                      leased):
+def test_fake_c19_external_buffer_closed_under_a_lease_replays_right(monkeypatch, kind,
+                                                                     leased):
     """An exec is built with external device buffers x and y; their owner closes them; the
     exec is replayed. With leases held for the exec (what the executor's binding holds), the
     memory stays allocated and each replay is right; it is freed exactly once, after the exec

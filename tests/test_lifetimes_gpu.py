@@ -201,7 +201,7 @@ def test_host_registration_closed_while_leased_is_copied_through_the_lease():
     ''')
 
 
-def test_graph_exec_replays_right_after_its_external_device_buffer_was_closed_under_a_lease():
+def test_c19_graph_exec_replays_right_after_its_external_buffer_was_closed_under_a_lease():
     """A built graph's external device buffers are closed by their owner and the graph is
     replayed: the leases (the executor's part of the rule) keep the memory alive, the replays
     are right, no other allocation is touched, and everything returns to its baseline once the
