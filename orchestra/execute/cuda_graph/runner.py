@@ -21,9 +21,9 @@ import time
 from typing import Any, Mapping
 
 from orchestra.execute.closable import Closable
-from orchestra.execute.eager import RunResult
 from orchestra.execute.cuda_graph.cache import GraphCache
 from orchestra.execute.resources import PlanCache
+from orchestra.execute.result import RunResult
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
 
@@ -37,7 +37,7 @@ class GraphRunner(Closable):
 
     def __init__(self, kind: str = "capture", device=None, *, verify: bool = True,
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
-                 mode="thread-local", trace: bool = False):
+                 mode="thread-local", trace: bool = False, driver=None):
         if kind not in KINDS:
             raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
@@ -45,18 +45,19 @@ class GraphRunner(Closable):
             from orchestra.execute.cuda_graph.capture import CaptureExecutor
 
             self.executor = CaptureExecutor(device, mode=mode, verify=verify,
-                                            kernel_resolver=kernel_resolver, auto_free=auto_free)
+                                            kernel_resolver=kernel_resolver, auto_free=auto_free,
+                                            driver=driver)
         else:
             from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
             self.executor = GraphBuildExecutor(device, verify=verify,
                                                kernel_resolver=kernel_resolver,
-                                               auto_free=auto_free)
+                                               auto_free=auto_free, driver=driver)
         self.device = self.executor.device
         self.kernels = self.executor.kernels
         self.trace = bool(trace)
         self.cache_size = max(1, int(cache_size))
-        self._plans = PlanCache()
+        self._plans = PlanCache(self.cache_size)
         self._execs = GraphCache(max_entries=self.cache_size)  # key -> _Cached
         self._lock = threading.RLock()
         self.last_exec = None
@@ -67,7 +68,7 @@ class GraphRunner(Closable):
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs, self.cache_size)
+        return self._plans.get(graph, policy, streams, costs)
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:
