@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from orchestra.driver.api import default_api
 from orchestra.errors import OrchestraError
-from orchestra.execute.bindings import BindingTable, PinnedCheck
+from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
 from orchestra.execute.closable import Closable
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
@@ -32,7 +32,8 @@ from orchestra.graph import TaskGraph
 def _shutdown(api, pool: StreamPool, tracers: list, keep: list) -> None:
     """Finalizer / close(): wait for pending work (host functions may still call a
     trampoline), then release the pooled streams and events and the tracers' timing events;
-    ``keep`` (host-function tables) goes only after the synchronize."""
+    ``keep`` (host-function tables, binding tables, what kept bound memory alive) goes only
+    after the synchronize."""
     if api.context_alive(pool.device.ordinal):
         pool.synchronize()
     for t in tracers:
@@ -42,7 +43,8 @@ def _shutdown(api, pool: StreamPool, tracers: list, keep: list) -> None:
             pass
     tracers.clear()
     pool.release()
-    keep.clear()
+    items, keep[:] = list(keep), []
+    release_keep(items)
 
 
 class ExecutorBase(Closable):
@@ -72,7 +74,7 @@ class ExecutorBase(Closable):
         self._lock = threading.RLock()
         self._stream_pool = StreamPool(self.device, api)
         self._tracers: list = []  # tracers whose events the executor owns
-        self._keep: list = []  # released after the final synchronize (host-function tables)
+        self._keep: list = []  # released after the final synchronize (see _shutdown)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, api, self._stream_pool,
                                            self._tracers, self._keep)

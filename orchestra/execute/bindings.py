@@ -39,12 +39,14 @@ import attrs
 import numpy as np
 
 from orchestra.driver import host as _host
+from orchestra.driver.owner import Lease
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
 from orchestra.execute.lru import IdentityLRU
 from orchestra.graph import Buffer, HostBuffer, TaskGraph
 
 _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
+_RANGES = _host.pinned_ranges()  # the process-wide registry of orchestra's pinned ranges
 
 
 def host_address(a: np.ndarray) -> int:
@@ -90,7 +92,7 @@ class PinnedCheck:
     def __call__(self, array: np.ndarray) -> bool:
         lo = host_address(array)
         hi = lo + array.nbytes
-        if _host.pinned_ranges().covers(lo, hi):
+        if _RANGES.covers(lo, hi):
             return True
         owner = _memory_owner(array)
         try:
@@ -366,11 +368,6 @@ class BindingTable:
         return {**{n: b.value for n, b in self.external.items()},
                 **{n: b.value for n, b in self.host.items()}}
 
-    def keeps(self) -> tuple:
-        """What keeps the currently bound memory alive (for work queued with it)."""
-        return tuple(b.keep for b in self.host.values()) + tuple(
-            b.keep for b in self.external.values())
-
     def use(self, name: str, user) -> None:
         """Register ``user`` as a place binding ``name``'s address is written; names that are
         not bindings (buffers the graph allocates) are ignored."""
@@ -410,14 +407,26 @@ class BindingTable:
 
     def commit(self, b: Binding, value, array, address: int, version: int):
         """Record ``value`` (checked with `check`) as bound to ``b``; returns what kept the
-        previous value alive (to release once work queued with it is done)."""
+        previous value alive (to `release_keep` once the work queued with it is done)."""
         old = b.keep
         b.value = value
         b.array = array
         b.address = address
         b.version = version
-        b.keep = value
+        b.keep = self.keep_alive(b, value, array)
         return old
+
+    def keep_alive(self, b: Binding, value, array):
+        """What keeps ``value``'s memory alive while it is bound to ``b``: the value itself
+        (the one place a reference-counted lease on the memory behind it would be taken)."""
+        return value
+
+    def release(self) -> None:
+        """Unbind everything: release what kept the bound memory alive (only once no queued
+        work uses it); the table binds again from scratch."""
+        for b in (*self.host.values(), *self.external.values()):
+            keep, b.keep, b.value, b.array, b.version = b.keep, None, None, None, -1
+            release_keep(keep)
 
     def unknown(self, bindings: Mapping) -> None:
         """`BindingError` listing every buffer ``bindings`` leaves unbound and every name that
@@ -463,7 +472,7 @@ class BindingTable:
         host, external = self.host, self.external
         if len(bindings) != len(host) + len(external):
             self.unknown(bindings)
-        version = _host.pinned_ranges().version
+        version = _RANGES.version
         checked = []
         try:
             for name, b in host.items():
@@ -506,7 +515,21 @@ class BindingTable:
 BindingSpec = BindingTable  # its earlier name
 
 
+def release_keep(keep) -> None:
+    """End what `BindingTable.keep_alive` (or `commit`) handed out: a `BindingTable`'s keeps,
+    a lease (``release()``), each item of a list or tuple; a plain object needs nothing."""
+    if keep is None:
+        return
+    if isinstance(keep, BindingTable):
+        keep.release()
+    elif isinstance(keep, (list, tuple)):
+        for k in keep:
+            release_keep(k)
+    elif isinstance(keep, Lease):
+        keep.release()
+
+
 __all__ = ["Binding", "BindingSpec", "BindingTable", "BindingUser", "DeviceBinding",
            "FIELD_OFFSETS", "HostBinding", "PinnedCheck", "ResolvedBindings", "SlotUser",
            "as_host_array", "check_device_buffer", "check_host_array", "check_writable",
-           "field_cell", "host_address"]
+           "field_cell", "host_address", "release_keep"]

@@ -41,7 +41,7 @@ import attrs
 from orchestra.driver import Device
 from orchestra.errors import CudaError
 from orchestra.execute.base import ExecutorBase
-from orchestra.execute.bindings import BindingTable
+from orchestra.execute.bindings import BindingTable, release_keep
 from orchestra.execute.errors import HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernels import KernelResolver
@@ -82,7 +82,6 @@ class _Prepared:
 @attrs.define
 class _Pending:
     prepared: _Prepared
-    keep: Any  # what the run's bindings were: bound memory stays alive until synchronized
     tracer: Any
     t0: int
     enqueue_us: float
@@ -116,6 +115,7 @@ class EagerExecutor(ExecutorBase):
         self._prepared = IdentityLRU(self.cache_size, on_evict=self._evicted)
         self._plans = PlanCache(self.cache_size)
         self._pending: list[_Pending] = []
+        self._retired: list = []  # what kept memory alive that pending runs may still use
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -161,6 +161,14 @@ class EagerExecutor(ExecutorBase):
         if not self._pending:  # queued work may still call the trampoline with its tokens
             for t in prep.tokens:
                 self._callbacks.remove(t)
+        self._retire(prep.bindings)
+
+    def _retire(self, keep) -> None:
+        """Release ``keep`` (what kept bound memory alive) once no queued run can use it."""
+        if self._pending:
+            self._retired.append(keep)
+        else:
+            release_keep(keep)
 
     def _plan_checks(self, graph, plan):
         """Checks 1-4 of `prepare.check_run`: the issue order."""
@@ -213,8 +221,9 @@ class EagerExecutor(ExecutorBase):
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
             prep, prepare_ms = self._get_prepared(graph, plan)
-            table = prep.bindings
-            table.bind(bindings)
+            retired = prep.bindings.bind(bindings)
+            if retired:
+                self._retire(retired)
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
@@ -228,8 +237,7 @@ class EagerExecutor(ExecutorBase):
             t0 = time.perf_counter_ns()
             self._enqueue(prep, tracer)
             t1 = time.perf_counter_ns()
-            self._pending.append(_Pending(prep, table.keeps(), tracer, t0, (t1 - t0) / 1e3,
-                                          prepare_ms))
+            self._pending.append(_Pending(prep, tracer, t0, (t1 - t0) / 1e3, prepare_ms))
             if not sync:
                 return self._result(prep, None, (t1 - t0) / 1e3, prepare_ms, None)
             return self._sync_pending()
@@ -322,6 +330,9 @@ class EagerExecutor(ExecutorBase):
                     p.tracer.abort()
             self._callbacks.take_errors()
             raise
+        finally:
+            retired, self._retired = self._retired, []
+            release_keep(retired)
         t2 = time.perf_counter_ns()
         for p in pending:
             if p.prepared.unfreed:
@@ -351,6 +362,10 @@ class EagerExecutor(ExecutorBase):
     # -- lifetime ---------------------------------------------------------------------------
 
     def _on_close(self) -> None:
+        # bound memory is released only after the final synchronize (the finalizer's)
+        self._keep.extend(self._retired)
+        self._keep.extend(p.bindings for p in self._prepared.values())
+        self._retired.clear()
         self._pending.clear()
         self._prepared.clear()
         self._plans.clear()

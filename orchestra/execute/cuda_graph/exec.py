@@ -36,6 +36,7 @@ from orchestra.driver import Device, Stream, cu
 from orchestra.driver.api import default_api
 from orchestra.driver.check import error_from_result
 from orchestra.errors import CudaError
+from orchestra.execute.bindings import release_keep
 from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.replay import KernelScalars, Replay
@@ -61,6 +62,7 @@ class _State:
         self.own_stream: Stream | None = None
         self.owns_stream = True  # False when the caller gave the stream: not closed here
         self.keep: list = []  # BuiltGraphs (bindings, packed args, callbacks) kept alive
+        self.retired: list = []  # what kept memory alive that a replay unbound meanwhile
 
 
 def _release(state: _State) -> None:
@@ -99,7 +101,10 @@ def _release(state: _State) -> None:
         if state.owns_stream:
             state.own_stream.close()
         state.own_stream = None
+    # the graphs are gone: what kept their bound memory alive may go too
+    release_keep([b.bindings for b in state.keep] + state.retired)
     state.keep.clear()
+    state.retired.clear()
 
 
 class GraphExec(Replay, Update, Closable):
@@ -141,7 +146,6 @@ class GraphExec(Replay, Update, Closable):
         self._finalizer.atexit = False
         self._pending_timeline = False
         self._own_pending = False  # a launch on the exec's own stream since the last sync
-        self._retired: list = []  # arrays unbound while launches were pending
         self._host_errors: list = []  # (node, exception) from host functions, not yet raised
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
@@ -307,8 +311,11 @@ class GraphExec(Replay, Update, Closable):
         for b in self._state.keep:
             if b.callbacks is not None:
                 self._host_errors.extend(b.callbacks.take_errors())
-        del self._state.keep[:-1]  # earlier builds / arrays unbound while launches ran
-        self._retired.clear()
+        state = self._state
+        if len(state.keep) > 1 or state.retired:  # earlier builds, arrays unbound meanwhile
+            release_keep([b.bindings for b in state.keep[:-1]] + state.retired)
+            del state.keep[:-1]
+            state.retired.clear()
         if self._host_errors and raise_host_errors:
             errors, self._host_errors = self._host_errors, []
             self._pending_timeline = False

@@ -10,7 +10,7 @@ never read back from the driver.
 
 The bindings go through the exec's `BindingTable`, the same one a build filled: a host buffer
 bound to the very object it is bound to costs an identity test (while orchestra's pinned ranges
-are unchanged); a new array is checked (C-contiguous, same byte size, writable if the graph
+are unchanged; its writability is not checked again); a new array is checked (C-contiguous, same byte size, writable if the graph
 writes it, page-locked: orchestra's own pinned ranges first, the driver only for memory pinned
 elsewhere); an array checked before (a pool of staging arrays bound in turn) is remembered by
 weak reference and skips those checks, except writability, until the pinned ranges lose a
@@ -27,9 +27,10 @@ from typing import Any, Mapping
 
 from orchestra.driver import host as _host
 from orchestra.driver.check import error_from_result
+from orchestra.execute.bindings import release_keep
 from orchestra.execute.errors import BindingError
 
-_pinned_ranges = _host.pinned_ranges
+_RANGES = _host.pinned_ranges()  # the process-wide registry (one object): its version
 
 
 class KernelScalars:
@@ -95,13 +96,12 @@ class Replay:
                     raise BindingError(f"bindings must be a mapping of host buffer name -> "
                                        f"array; got {type(bindings).__name__}") from None
                 host = self._host
-                version = _pinned_ranges().version
+                version = _RANGES.version
                 for name, value in items:
                     b = host.get(name)
+                    # the very object bound now, its memory still pinned: nothing to do
                     if b is None or value is not b.value or b.version != version:
                         self._rebind(name, b, value, version)
-                    elif b.writer is not None and not b.array.flags.writeable:
-                        self._rebind(name, b, value, version)  # raises: now read-only
             if scalars:
                 try:
                     items = scalars.items()
@@ -140,8 +140,11 @@ class Replay:
                     raise error_from_result("cuGraphExecMemcpyNodeSetParams", err,
                                             context=f"node {u.record.name}, rebinding {name}")
         old = table.commit(b, value, a, addr, version)
-        if old is not value and (self._own_pending or self._state.streams):
-            self._retired.append(old)  # launches may still read it
+        if old is not None and old is not b.keep:
+            if self._own_pending or self._state.streams:
+                self._state.retired.append(old)  # launches may still read it
+            else:
+                release_keep(old)
 
     def _rollback(self, b, failed) -> None:
         """Put the nodes changed so far (up to ``failed``) back on the bound array, so the exec

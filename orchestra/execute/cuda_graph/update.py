@@ -17,6 +17,7 @@ from cuda.bindings import driver as _d
 
 from orchestra.driver.check import cu
 from orchestra.errors import OrchestraError
+from orchestra.execute.bindings import release_keep
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.schedule import verify
 
@@ -149,7 +150,9 @@ class Update:
             t.close()
         old.graphs = [built.cugraph]
         old.tracers = []
+        release_keep([b.bindings for b in old.keep] + old.retired)  # synchronized above
         old.keep = []
+        old.retired = []
         old.launched = False
         old.exec = new_exec
         self._exec = new_exec
