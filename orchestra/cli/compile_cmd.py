@@ -12,7 +12,9 @@ from pathlib import Path
 
 def register(sub) -> None:
     p = sub.add_parser("compile", help="compile a CUDA C++ file (or link a .ptx file) to a cubin")
-    p.add_argument("file", type=Path, help="a .cu source file, or a .ptx file to link with nvJitLink")
+    p.add_argument("file", type=Path,
+                   help="a .cu source file, or a .ptx file to link with nvJitLink; a bare name "
+                        "such as burn.cu is also looked up among the kernels orchestra ships")
     p.add_argument("--arch", help="target, e.g. sm_90 (default: the current GPU; required without one)")
     p.add_argument("-o", "--output", type=Path, help="where to write the cubin/PTX (default: FILE.cubin)")
     p.add_argument("--ptx", action="store_true", help="emit PTX for compute_XX instead of a cubin")
@@ -25,8 +27,20 @@ def register(sub) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"orchestra compile: {message}", file=sys.stderr)
-    return 2
+    """Refuse the command line (exit 2; printed by `orchestra.cli.main`, as JSON under --json)."""
+    from orchestra.cli.exit_codes import UsageError
+
+    raise UsageError(message)
+
+
+def _find_input(path: Path) -> Path:
+    """``path`` as given, else a kernel shipped with orchestra of that name (``burn.cu``,
+    ``cp_async.ptx``), else ``path`` unchanged (reported missing by the caller)."""
+    if path.exists() or path.is_absolute():
+        return path
+    from orchestra.compiler.sources import kernel_source_dir, ptx_source_dir, resolve_path
+
+    return resolve_path(path, (kernel_source_dir(), ptx_source_dir())) or path
 
 
 def _current_arch() -> str | None:
@@ -44,6 +58,8 @@ def run(args) -> int:
     from orchestra.compiler import compile as nvrtc_compile, link_ptx
     from orchestra.compiler.target import normalize_arch, virtual_arch
 
+    out = args.output or args.file.with_suffix(".ptx" if args.ptx else ".cubin")  # as given
+    args.file = _find_input(args.file)
     if args.file.is_dir():
         return _fail(f"{args.file} is a directory: give a .cu or .ptx file")
     if not args.file.is_file():
@@ -82,7 +98,6 @@ def run(args) -> int:
             print(f"{expr} -> {lowered}")
         if result.log.strip():
             print(result.log.rstrip(), file=sys.stderr)
-    out = args.output or args.file.with_suffix(".ptx" if args.ptx else ".cubin")
     out.write_bytes(data)
     print(f"wrote {out} ({len(data)} bytes, {what}){extra}")
     return 0

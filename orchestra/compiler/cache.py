@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import tempfile
 from pathlib import Path
 
 import attrs
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MAGIC = b"ORCACHE\0"
@@ -143,16 +146,18 @@ def load(namespace: str, key: str) -> CacheEntry | None:
     path = entry_path(namespace, key)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        return None
     except OSError:
+        log.debug("compile cache miss: %s", path)
         return None
     entry = decode_entry(data)
     if entry is None:
+        log.debug("compile cache: bad entry %s deleted (a miss)", path)
         try:
             path.unlink()
         except OSError:
             pass
+    else:
+        log.debug("compile cache hit: %s (%d bytes)", path, len(data))
     return entry
 
 

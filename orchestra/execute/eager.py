@@ -29,6 +29,7 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -51,6 +52,8 @@ from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode
+
+log = logging.getLogger(__name__)
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -497,6 +500,9 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits; enqueue %.0f us, "
+                  "wall %s ms", prep.nodes, len(prep.streams), prep.events, prep.waits,
+                  enqueue_us, "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
                          steps=len(prep.steps), events=prep.events, waits=prep.waits,
                          streams=len(prep.streams), policy=prep.plan.policy,

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 import operator
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs
+
+log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype) -> str:
@@ -196,11 +199,13 @@ class GraphCache:
                 if signature in self._entries:
                     self._entries.move_to_end(signature)
                     self.hits += 1
+                    log.debug("graph cache hit: %s", signature)
                     return self._entries[signature]
                 pending = self._building.get(signature)
                 if pending is None:
                     pending = self._building[signature] = threading.Event()
                     self.misses += 1
+                    log.debug("graph cache miss: %s (building)", signature)
                     break
             pending.wait()
         try:

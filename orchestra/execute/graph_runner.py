@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Mapping
@@ -25,6 +26,8 @@ from orchestra.execute.eager import RunResult
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
+
+log = logging.getLogger(__name__)
 
 KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-build"}
 
@@ -95,10 +98,13 @@ class GraphRunner(Closable):
             if hit is not None and hit[0] is graph and hit[1] is plan:
                 exe = hit[2]
                 self._execs.move_to_end(key)
+                log.debug("graph runner: replaying the cached exec (%d nodes)", exe.node_count)
             else:
                 t0 = time.perf_counter_ns()
                 exe = self.executor.build(graph, plan, bindings, trace=trace)
                 prepare_ms = (time.perf_counter_ns() - t0) / 1e6
+                log.debug("graph runner: built a %s exec of %d nodes in %.1f ms", self.kind,
+                          exe.node_count, prepare_ms)
                 self._execs[key] = (graph, plan, exe)
                 while len(self._execs) > self.cache_size:
                     self._execs.popitem(last=False)[1][2].close()

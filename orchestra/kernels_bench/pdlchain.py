@@ -32,6 +32,7 @@ kernel with PDL, judged on the stream chains.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -257,26 +258,37 @@ def _programmatic_edges(graph) -> int | None:
 
 def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeats: int = 5,
                   gate_ms: float | None = None, graphs: bool = True, links=LINKS,
-                  device=None) -> PdlReport:
+                  device=None, progress: Callable[[str, int, int], None] | None = None
+                  ) -> PdlReport:
     """Measure (see the module doc). ``gate_ms`` None: scaled from the host's enqueue time.
-    ``graphs``: also time the chains as CUDA graph replays. ``links``: the link kernels."""
+    ``graphs``: also time the chains as CUDA graph replays. ``links``: the link kernels.
+    ``progress(stage, done, total)`` is called before each measured configuration."""
     from orchestra.driver import Device
 
     if kernels < 1 or n < 1 or repeats < 1 or (gate_ms is not None and gate_ms <= 0):
         raise ValueError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
-    results = []
+    results: list[ChainResult] = []
     grid = -(-n // block)
+    # without PDL the links behave alike: time one (the first) without, every one with PDL
+    total = (len(links) + 1) * (2 if graphs else 1)
+
+    def step(what: str) -> None:
+        if progress is not None:
+            progress(what, len(results), total)
+
     for key in links:
         chain = _Chain(dev, key, kernels, n, block)
         try:
             for pdl in (False, True):
-                if pdl or key == links[0]:  # without PDL the links behave alike: time one
+                if pdl or key == links[0]:
+                    step(f"{key} stream chain{' with PDL' if pdl else ''}")
                     results.append(chain.stream_result(pdl, repeats, gate_ms))
             if graphs:
                 for pdl in (False, True):
                     if pdl or key == links[0]:
+                        step(f"{key} graph chain{' with PDL' if pdl else ''}")
                         results.append(chain.graph_result(pdl, repeats))
         finally:
             chain.close()
