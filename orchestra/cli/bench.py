@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--block", type=int, default=256, help="threads per block (default 256)")
     s.add_argument("--repeats", type=int, default=20, help="timed launches per contender")
     s.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    _common(s, "the best stage count stays under 85% of the copy's bandwidth")
+    _common(s, "the best stage count stays under 85%% of the copy's bandwidth")
     s.set_defaults(func=run_stages_cmd)
 
     d = bsub.add_parser("pdl", help="chain of small dependent kernels with and without PDL")

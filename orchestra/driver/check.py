@@ -14,7 +14,6 @@ from orchestra.errors import CudaError, NoDeviceError
 
 _init_lock = threading.Lock()
 _initialized = False
-_calls = 0  # driver calls made through `cu`, for debug logs (see `driver_calls`)
 
 
 def _driver():
@@ -50,8 +49,6 @@ def cu(fn, *args):
     Returns the call's outputs: ``None``, the single value, or a tuple.
     Raises `CudaError` with ``fn``'s name, the ``CUresult`` name and the driver's message.
     """
-    global _calls
-    _calls += 1
     out = fn(*args)
     if out[0]:  # CUresult is an IntEnum; CUDA_SUCCESS == 0
         raise error_from_result(fn.__name__, out[0])
@@ -61,15 +58,6 @@ def cu(fn, *args):
     if n == 2:
         return out[1]
     return out[1:]
-
-
-def driver_calls() -> int:
-    """How many driver calls went through `cu` in this process so far.
-
-    A statistic for debug logs (``orchestra run -v`` logs the calls per run as the difference
-    of two readings); the count is not locked, so threads calling at once may undercount it.
-    """
-    return _calls
 
 
 def ensure_initialized() -> None:

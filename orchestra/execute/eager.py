@@ -500,9 +500,10 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
-        log.debug("eager run: %d nodes on %d streams, %d events, %d waits; enqueue %.0f us, "
-                  "wall %s ms", prep.nodes, len(prep.streams), prep.events, prep.waits,
-                  enqueue_us, "-" if wall_ms is None else f"{wall_ms:.3f}")
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
+                  "enqueued (one per step), in %.0f us; wall %s ms", prep.nodes,
+                  len(prep.streams), prep.events, prep.waits, len(prep.steps), enqueue_us,
+                  "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
                          steps=len(prep.steps), events=prep.events, waits=prep.waits,
                          streams=len(prep.streams), policy=prep.plan.policy,

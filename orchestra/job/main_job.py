@@ -234,16 +234,13 @@ class MainJob:
         """``warmup`` + ``repeat`` runs of ``run_once(trace)`` (a `RunResult`), each verified by
         ``check()``; the DOT dump; with ``trace``, one more traced and verified run. Returns
         (the timed runs, every check, the most mismatches, the traced run's timeline)."""
-        from orchestra.driver.check import driver_calls
-
         runs, checks, mismatches = [], [], 0
         total = self.warmup + self.repeat + int(self.trace)
         for r in range(self.warmup + self.repeat):
             self._step("warm-up run" if r < self.warmup else "timed run", r, total)
-            calls = driver_calls()
             res = run_once(False)
-            log.debug("main job: run %d: %d nodes, %d driver calls, %s ms", r + 1, res.nodes,
-                      driver_calls() - calls, res.wall_ms)
+            log.debug("main job: run %d of %d: %d nodes, %d steps, wall %.3f ms", r + 1,
+                      self.warmup + self.repeat, res.nodes, res.steps, res.wall_ms)
             chk = check()
             mismatches = max(mismatches, chk.mismatches)
             checks.append(chk)
