@@ -84,9 +84,12 @@ def test_closed_pipe_exits_141_without_a_word():
 
 
 def test_ctrl_c_exits_130_without_a_traceback():
+    # SIGINT as a terminal delivers it: a shell's background job (and so a test run started
+    # with `&`) ignores it, and a child would inherit that
     proc = subprocess.Popen([sys.executable, "-m", "orchestra", "-v", "plan", "--batches",
                              "100000", "--batch-mib", "0.01", "--summary"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stderr:  # wait until the command is at work: its first debug line
         seen.append(line)

@@ -74,6 +74,7 @@ def run(args) -> int:
             verb, it = ("apply", "them") if len(nvrtc_only) > 1 else ("applies", "it")
             return _fail(f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a .ptx "
                          f"input is linked with nvJitLink as it is: drop {it}")
+    arch: str | None
     if args.arch:
         try:
             arch = normalize_arch(args.arch)

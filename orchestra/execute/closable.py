@@ -24,5 +24,8 @@ class Closable:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def close(self) -> None:  # each subclass releases its own handles, then sets _closed
+        raise NotImplementedError
+
 
 __all__ = ["Closable"]

@@ -50,7 +50,7 @@ from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ class EagerExecutor(Closable):
         # Kernels first: compile errors, argument and launch-limit errors surface before any
         # stream or event is created.
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
         prep.streams = self._pool.take_streams(plan)

@@ -36,7 +36,7 @@ from orchestra.execute.closable import Closable
 from orchestra.execute.graph_exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, schedule
 
 _MT = _d.CUmemorytype
@@ -129,7 +129,7 @@ def kernel_node_attributes(cfg) -> list:
 
 class GraphExecutorBase(Closable):
     """Shared setup of the graph executors: device, default memory pool configured now (at
-    setup, never during a capture: case C03), kernel resolver, pinned-memory checks.
+    setup, never during a capture), kernel resolver, pinned-memory checks.
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
     costs, auto_free, **kw) -> BuiltGraph``.
@@ -165,7 +165,7 @@ class GraphExecutorBase(Closable):
         execs, so one exec's scalar replays cannot change another's)."""
         out = {}
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 out[node.name] = resolve_kernel_node(node, kernel)
         return out
@@ -219,6 +219,11 @@ class GraphExecutorBase(Closable):
         flags = AUTO_FREE_ON_LAUNCH if auto_free else 0
         return GraphExec(built, self.device, flags=flags, upload=upload, rebuild=rebuild,
                          stream=stream)
+
+    def _build_graph(self, graph: TaskGraph, plan: Plan | None, bindings, *, trace: bool,
+                     policy: str, streams: int, costs, auto_free: bool) -> BuiltGraph:
+        """Build the ``CUgraph`` (each executor its own way: capture or node by node)."""
+        raise NotImplementedError
 
     def _rebuild(self, options, graph, plan, bindings) -> BuiltGraph:
         self._check_open()

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
+from orchestra.execute.graph_nodes import GraphExecutorBase
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
@@ -43,6 +44,7 @@ class GraphRunner(Closable):
         if kind not in KINDS:
             raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
+        self.executor: GraphExecutorBase
         if self.kind == "capture":
             from orchestra.execute.capture import CaptureExecutor
 

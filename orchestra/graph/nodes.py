@@ -10,7 +10,7 @@ and ``accesses()`` -> tuple of `Access`. ``engine`` says which hardware queue it
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 
@@ -61,7 +61,7 @@ class Node:
 
     def buffers(self) -> tuple:
         """The distinct buffers this node touches, in declaration order."""
-        seen = {}
+        seen: dict[Any, Buffer | HostBuffer] = {}
         for a in self.accesses():
             seen.setdefault(a.buffer.key, a.buffer)
         return tuple(seen.values())
@@ -120,16 +120,15 @@ def _copy_check(node, want_src_host: bool):
                          f"dst {dst} has {dst.nbytes}; sizes must match")
 
 
-def _rng(what):
-    return lambda x: as_range(x, what)
-
-
 @attrs.frozen
 class _HostCopy(Node):
     """A copy between pinned host memory and a device buffer: reads ``src``, writes ``dst``.
     Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``."""
 
     src_is_host: ClassVar[bool]
+    if TYPE_CHECKING:  # fields of each subclass (with its own converter), not of this class
+        src: BufferRange
+        dst: BufferRange
 
     def __attrs_post_init__(self):
         _copy_check(self, self.src_is_host)
@@ -147,8 +146,8 @@ class _HostCopy(Node):
 class HostToDevice(_HostCopy):
     """Copy ``src`` (host, pinned) to ``dst`` (device); ``cuMemcpyHtoDAsync``."""
 
-    src: BufferRange = attrs.field(converter=_rng("HostToDevice src"))
-    dst: BufferRange = attrs.field(converter=_rng("HostToDevice dst"))
+    src: BufferRange = attrs.field(converter=lambda x: as_range(x, "HostToDevice src"))
+    dst: BufferRange = attrs.field(converter=lambda x: as_range(x, "HostToDevice dst"))
     engine: ClassVar[str] = "upload"
     kind: ClassVar[str] = "h2d"
     src_is_host: ClassVar[bool] = True
@@ -158,8 +157,8 @@ class HostToDevice(_HostCopy):
 class DeviceToHost(_HostCopy):
     """Copy ``src`` (device) to ``dst`` (host, pinned); ``cuMemcpyDtoHAsync``."""
 
-    src: BufferRange = attrs.field(converter=_rng("DeviceToHost src"))
-    dst: BufferRange = attrs.field(converter=_rng("DeviceToHost dst"))
+    src: BufferRange = attrs.field(converter=lambda x: as_range(x, "DeviceToHost src"))
+    dst: BufferRange = attrs.field(converter=lambda x: as_range(x, "DeviceToHost dst"))
     engine: ClassVar[str] = "download"
     kind: ClassVar[str] = "d2h"
     src_is_host: ClassVar[bool] = False
@@ -170,7 +169,7 @@ class Memset(Node):
     """Fill ``dst`` (device) with ``value`` repeated as ``element_size``-byte elements
     (``cuMemsetD8/D16/D32Async``). To poison float32 with NaN: value=0x7FC00000, element_size=4."""
 
-    dst: BufferRange = attrs.field(converter=_rng("Memset dst"))
+    dst: BufferRange = attrs.field(converter=lambda x: as_range(x, "Memset dst"))
     value: int
     element_size: int = attrs.field(default=1)
     kind: ClassVar[str] = "memset"
@@ -207,7 +206,7 @@ class Memset(Node):
 class In:
     """A kernel argument the kernel only reads."""
 
-    target: BufferRange = attrs.field(converter=_rng("In(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "In(...)"))
     mode: ClassVar[Mode] = Mode.READ
 
 
@@ -215,7 +214,7 @@ class In:
 class Out:
     """A kernel argument the kernel only writes."""
 
-    target: BufferRange = attrs.field(converter=_rng("Out(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "Out(...)"))
     mode: ClassVar[Mode] = Mode.WRITE
 
 
@@ -223,7 +222,7 @@ class Out:
 class InOut:
     """A kernel argument the kernel reads and writes."""
 
-    target: BufferRange = attrs.field(converter=_rng("InOut(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "InOut(...)"))
     mode: ClassVar[Mode] = Mode.READ_WRITE
 
 

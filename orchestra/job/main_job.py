@@ -279,7 +279,7 @@ class MainJob:
 
         dev = as_device(self.device)
         if self.input is not None:
-            return self._run_file(dev)
+            return self._run_file(dev, self.input)
         return self._run_generated(dev)
 
     def _run_generated(self, dev) -> JobReport:
@@ -323,16 +323,16 @@ class MainJob:
 
             runs, checks, mismatches, timeline = self._timed_runs(
                 executor, run_once, lambda: reference.compare(y))
-            x = y = bindings = None  # drop the views (run_once's too) before the buffers close
+            del x, y, bindings  # drop the views (run_once's too) before the buffers close
             return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
             self._close(executor, stream, (pin_in, pin_out))
 
-    def _run_file(self, dev) -> JobReport:
+    def _run_file(self, dev, path: Path) -> JobReport:
         from orchestra.driver import Stream
         from orchestra.execute import StagingPool, make_executor
 
-        inp = open_input(self.input)  # the checks `orchestra plan --input` makes too
+        inp = open_input(path)  # the checks `orchestra plan --input` makes too
         src, fortran, flat_in = inp.array, inp.fortran, inp.flat
         tmp = None
         out_path = self.output

@@ -6,8 +6,8 @@ launch k - 1 wrote (y = x + 1, two buffers used in turn), so without PDL each la
 the previous one to finish and for its own launch latency; with PDL (launch attribute
 PROGRAMMATIC_STREAM_SERIALIZATION on every link but the first) link k + 1 may be launched while
 link k runs and only its griddepcontrol.wait waits for link k. PDL is applied only after the
-kernel's PTX has been checked to contain griddepcontrol.wait (case C12:
-`orchestra.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
+kernel's PTX has been checked to contain griddepcontrol.wait
+(`orchestra.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
 the next link is launched as early as possible) and ``pdl_chain_step_after_wait`` (wait, then
 trigger).
 
@@ -25,7 +25,7 @@ and uploaded once; each timed replay is one ``cuGraphLaunch`` between the events
 host gaps to hide.
 
 GPU microseconds per kernel = elapsed / kernels, median over ``repeats`` chains (after one
-warm-up). Every chain's final output is compared with numpy. Goal (issue 5): <= 0.7 us per
+warm-up). Every chain's final output is compared with numpy. Goal: <= 0.7 us per
 kernel with PDL, judged on the stream chains.
 """
 
@@ -105,7 +105,7 @@ class _Chain:
 
         spec = cat.spec(kernel_key)
         ptx, entry = cat.ptx_text(spec, arch=dev.arch)
-        require_grid_dependency_wait(ptx, entry)  # C12: never PDL on a kernel that does not wait
+        require_grid_dependency_wait(ptx, entry)  # never PDL on a kernel that does not wait
         self.key = kernel_key
         self.step = cat.load(spec, dev)
         self.spin = cat.load("pdl_spin", dev)

@@ -15,7 +15,9 @@ comparison. Goal: the best stage count reaches >= 85% of the copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -95,7 +97,7 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
     try:
         fill_pattern(x, n, stream, dev)
 
-        contenders = []  # (label, enqueue function, extra)
+        contenders: list[tuple[Any, Callable[[], Any]]] = []  # (label, enqueue function)
         copy = ("copy", lambda: cu(driver.cuMemcpyDtoDAsync, y.handle, x.handle, nbytes,
                                    stream.handle))
         contenders.append(copy)
@@ -110,8 +112,7 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
             grid = occ * dev.sm_count
             args = k.pack((x, y, n, A, B))
             configs[s] = (occ, grid, smem)
-            contenders.append((s, lambda k=k, grid=grid, smem=smem, args=args:
-                               k.launch(stream, grid, block, args, smem)))
+            contenders.append((s, functools.partial(k.launch, stream, grid, block, args, smem)))
 
         events = [(Event(dev, timing=True), Event(dev, timing=True)) for _ in contenders]
         times: dict = {label: [] for label, _ in contenders}
