@@ -71,10 +71,10 @@ from orchestra.compiler.module import (  # noqa: E402  (imports cuda.bindings.dr
 )
 
 __all__ = [
-    "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel", "KernelAttributes",
-    "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError", "PackedArgs", "Param",
-    "PtxVersionError", "build_launch_config", "cache_clear", "cache_dir", "cache_enabled", "cache_info", "check_launch",
-    "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
+    "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",
+    "KernelAttributes", "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError",
+    "PackedArgs", "Param", "PtxVersionError", "build_launch_config", "cache_clear", "cache_dir",
+    "cache_enabled", "cache_info", "check_launch", "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
     "kernel_source_dir", "launch_attribute_values", "launch_attributes", "link_ptx", "load_kernel",
     "normalize_arch", "normalize_dims", "normalize_params", "nvrtc_version", "parse_params",
     "prepare_compile", "ptx_isa_version", "ptx_source_dir", "required_cuda_for_ptx",

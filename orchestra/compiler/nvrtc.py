@@ -32,7 +32,7 @@ from orchestra.compiler.includes import (
     missing_headers,
     system_include_dirs,
 )
-from orchestra.compiler.headers import header_key, search_path
+from orchestra.compiler.headers import header_digest, search_path
 from orchestra.compiler.sources import Source, read_source
 from orchestra.compiler.target import default_arch, normalize_arch, virtual_arch
 from orchestra.errors import CompileError
@@ -235,7 +235,7 @@ def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(
     for n in names:
         if not n.strip():
             raise ValueError("an empty name expression was given")
-    headers = header_key(src.text, src.name, opts, system_include_dirs())
+    headers = header_digest(src.text, src.name, opts, system_include_dirs())
     key = cache.make_key("nvrtc", src.text, src.name, headers, opts, arch, bool(ptx), names,
                          nvrtc_version())
     searched, _pre, _src_inc = search_path(opts)  # -I from options= too, in NVRTC's order
