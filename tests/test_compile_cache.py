@@ -380,6 +380,7 @@ def test_settled_tree_new_subdirectory_header(settled_tree):
      ("/w/rel",), ("p.h", "q.h"), False),
     (("-I/a", "-I/a", "-DX=1", "-I"), ("/a", "/w"), (), True),
     (("-I", "-DX"), ("/w/-DX",), (), True),  # NVRTC takes the next item whatever it is
+    (("--use-bundled-headers=/nv", "-I/x"), ("/nv", "/nv/cccl", "/x"), (), True),
 ])
 def test_search_path_parsing(opts, dirs, pre, src_inc):
     assert headers.search_path(opts, cwd="/w") == (dirs, pre, src_inc)

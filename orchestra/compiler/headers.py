@@ -9,7 +9,8 @@ therefore covers, besides the program text and the options, the include graph fo
   source file's directory, ``cuda_src/`` and the CCCL / cudart directories (which `nvrtc`
   appends as ``-I``), and ``-I`` given through ``options=``, ``KernelRef(options=...)`` and the
   CLI's ``-O=-I...``. A relative directory is taken relative to the working directory, as NVRTC
-  takes it. ``-include <h>`` / ``--pre-include=<h>`` headers are reached too.
+  takes it. ``-include <h>`` / ``--pre-include=<h>`` headers are reached too, and
+  ``--use-bundled-headers=<dir>`` adds ``<dir>`` and ``<dir>/cccl`` (versioned, see below).
 * **Resolution**, as NVRTC 13 resolves (checked against NVRTC 13.x on the CPU):
   ``#include "x"`` looks in the including file's directory first (the program's own directory
   for the program: the directory of its name, the working directory for inline text; neither
@@ -72,6 +73,7 @@ _HAS_INCLUDE_RE = re.compile(rb'__has_include(_next)?[ \t]*\([ \t]*([<"])([^>"\r
 _INCLUDE_PATH_FLAGS = ("-I", "--include-path")
 _PRE_INCLUDE_FLAGS = ("-include", "--pre-include")
 _NO_SOURCE_INCLUDE = ("--no-source-include", "-no-source-include")
+_BUNDLED_HEADERS = "--use-bundled-headers="
 
 #: Files modified more recently than this are re-read on every key (see the module doc).
 SETTLE_NS = 2_000_000_000
@@ -81,6 +83,13 @@ _file_memo: dict[str, tuple] = {}
 _dir_memo: dict[str, tuple] = {}
 _graph_memo: dict[tuple, tuple] = {}
 _version_memo: dict[str, tuple] = {}
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory was deleted: relative paths resolve nowhere
+        return os.sep + "nonexistent-working-directory"
 
 
 def _option_value(opts, i: int, flags) -> tuple[str | None, int]:
@@ -104,7 +113,7 @@ def search_path(options, cwd: str | None = None) -> tuple[tuple[str, ...], tuple
     source_include)``. Directories are absolute and normalized (relative ones joined to
     ``cwd``, default the working directory); ``source_include`` is False with
     ``--no-source-include``."""
-    cwd = cwd or os.getcwd()
+    cwd = cwd or _cwd()
     opts = list(options)
     dirs: list[str] = []
     pre: list[str] = []
@@ -122,6 +131,13 @@ def search_path(options, cwd: str | None = None) -> tuple[tuple[str, ...], tuple
                 d = os.path.normpath(os.path.join(cwd, v.strip()))
                 if d not in dirs:
                     dirs.append(d)
+            continue
+        if o.startswith(_BUNDLED_HEADERS):  # NVRTC adds -I<dir> and -I<dir>/cccl
+            d = os.path.normpath(os.path.join(cwd, o[len(_BUNDLED_HEADERS):].strip()))
+            for x in (d, os.path.join(d, "cccl")):
+                if x not in dirs:
+                    dirs.append(x)
+            i += 1
             continue
         if o.startswith(_PRE_INCLUDE_FLAGS):
             v, i = _option_value(opts, i, _PRE_INCLUDE_FLAGS)
@@ -303,7 +319,7 @@ def header_digest(text: str, name: str, options, system_dirs=(), cwd: str | None
 
 
 def _key_and_digest(text, name, options, system_dirs, cwd) -> tuple[tuple, str]:
-    cwd = cwd or os.getcwd()
+    cwd = cwd or _cwd()
     memo_key = (text, name, options, system_dirs, cwd)
     hit = _graph_memo.get(memo_key)
     if hit is not None and all(_sig(p) == s for p, s in hit[0]):
