@@ -11,7 +11,7 @@ import pytest
 
 from orchestra.cli.main import main
 from orchestra.driver.check import device_available
-from orchestra.job import batch_sizes, build_job_graph, build_staged_graph
+from orchestra.app.job import batch_sizes, build_job_graph, build_staged_graph
 from orchestra.schedule import POLICIES, schedule
 
 no_gpu = pytest.mark.skipif(device_available(), reason="checks the behaviour without a GPU")

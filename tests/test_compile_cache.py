@@ -407,7 +407,7 @@ def test_nvrtc_has_no_dependency_output(flag, tmp_path):
 
 def test_kernel_ref_options_reach_the_key(case, monkeypatch):
     """KernelRef(options=...) -> KernelResolver's loader -> load_kernel -> prepare_compile."""
-    from orchestra.compiler import module as mod
+    from orchestra.kernel import module as mod
     from orchestra.execute.kernels import KernelResolver
     from orchestra.graph import KernelRef
 

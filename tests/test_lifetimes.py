@@ -32,7 +32,7 @@ from orchestra.driver import owner as owner_mod
 from orchestra.driver import stream as stream_mod
 from orchestra.driver.owner import Lease, ResourceClosedError
 from orchestra.errors import CudaError, OrchestraError
-from orchestra.execute.graph_cache import CacheLease, GraphCache
+from orchestra.execute.cuda_graph.cache import CacheLease, GraphCache
 
 # -- pure Python: Owner with fake release functions ------------------------------------------
 
@@ -640,7 +640,7 @@ def test_pinned_range_of_new_memory_at_a_reused_address_is_kept(fake_mem):
 
 
 def test_module_closed_while_leased_unloads_after_the_last_lease(fake_mem):
-    from orchestra.compiler.module import Module
+    from orchestra.kernel.module import Module
 
     before = od.live_handles()
     m = Module("lib-handle", b"\x7fELF", fake_mem.device)
@@ -848,8 +848,9 @@ def test_graph_runner_leases_its_exec_and_closes_evicted_ones_once(monkeypatch):
     """`GraphRunner` keeps its execs in a `GraphCache` of ``cache_size`` and leases the one it
     launches: alternating two graphs in a cache of 1 rebuilds each time and destroys every
     exec exactly once (fake graph driver)."""
-    from orchestra.execute.graph_runner import GraphRunner
-    from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+    from orchestra.execute.cuda_graph.runner import GraphRunner
+    from orchestra.app.job.graphs import BURN_PARAMS
+    from orchestra.graph import KernelRef, build_pipeline
     from tests import fake_graph_cuda as fg
 
     fake = fg.install(monkeypatch)
@@ -898,11 +899,11 @@ def test_fake_c19_external_buffer_closed_under_a_lease_replays_right(monkeypatch
     memory stays allocated and each replay is right; it is freed exactly once, after the exec
     closed and the leases ended. Without leases the fake driver catches the replay touching
     freed memory: the hazard the leases remove."""
-    from orchestra.execute.capture import CaptureExecutor
-    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+    from orchestra.app.job.graphs import BURN_PARAMS
     from orchestra.graph import (
-        BURN_PARAMS, Buffer, DeviceToHost, HostBuffer, HostToDevice, In, KernelNode, KernelRef,
-        Out, TaskGraph,
+        Buffer, DeviceToHost, HostBuffer, HostToDevice, In, KernelNode, KernelRef, Out, TaskGraph,
     )
     from tests import fake_graph_cuda as fg
 

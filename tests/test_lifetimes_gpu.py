@@ -211,7 +211,7 @@ def test_c19_graph_exec_replays_right_after_its_external_buffer_was_closed_under
     from orchestra.graph import (
         Buffer, DeviceToHost, HostBuffer, HostToDevice, In, KernelNode, Out, TaskGraph,
     )
-    from orchestra.job import burn_kernel_ref
+    from orchestra.app.job import burn_kernel_ref
 
     g = TaskGraph()
     x, y = Buffer("x", NB), Buffer("y", NB)

@@ -1,5 +1,6 @@
 """orchestra.compiler: CUDA C++ -> cubin with NVRTC (cached), PTX -> cubin with nvJitLink,
-module loading, kernel lookup, argument packing and checked launches.
+argument packing and launch checks. Loaded modules, kernels and launches are `orchestra.kernel`
+(re-exported here: `Module`, `Kernel`, `load_kernel`).
 
 Public API::
 
@@ -20,7 +21,8 @@ Public API::
     kernel_source_dir(), ptx_source_dir()
     cache_info() -> CacheInfo;  cache_clear() -> (entries, bytes)   # `orchestra cache`
 
-See docs/ARCHITECTURE.md. Everything but `Module`/`Kernel`/`load_kernel` runs without a GPU.
+See docs/ARCHITECTURE.md. Everything here runs without a GPU; `Module`/`Kernel`/`load_kernel`
+(from `orchestra.kernel`) need one.
 """
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
@@ -62,13 +64,18 @@ from orchestra.compiler.ptx import (
 from orchestra.compiler.sources import kernel_source_dir, ptx_source_dir
 from orchestra.compiler.target import normalize_arch
 
-from orchestra.compiler.module import (  # noqa: E402  (imports cuda.bindings.driver lazily)
-    Kernel,
-    KernelAttributes,
-    KernelNotFoundError,
-    Module,
-    load_kernel,
-)
+# Loaded code lives in orchestra.kernel (which imports this package); its documented names are
+# re-exported here on first use, so ``from orchestra.compiler import load_kernel`` keeps working.
+_KERNEL_NAMES = ("Kernel", "KernelAttributes", "KernelNotFoundError", "Module", "load_kernel")
+
+
+def __getattr__(name):
+    if name in _KERNEL_NAMES:
+        import orchestra.kernel
+
+        return getattr(orchestra.kernel, name)
+    raise AttributeError(f"module 'orchestra.compiler' has no attribute {name!r}")
+
 
 __all__ = [
     "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",

@@ -7,11 +7,22 @@ touches a primary context that was already released at interpreter exit. ``obj.l
 still refers to the handle (docs/errors.md, "Lifetimes").
 `live_handles()` counts the handles held now, by kind (leak accounting);
 `deferred_releases()` those closed but still leased.
+
+Beside streams and events: stream capture (`CaptureSession`, `capture`), the graph allocator's
+memory (`graph_memory`), and the driver entry points called through ctypes where cuda-bindings'
+wrappers fall short (`entry_points`).
 """
 
+from orchestra.driver.capture import (
+    CaptureSession,
+    UnjoinedStreamError,
+    capture_status,
+    is_capturing,
+)
 from orchestra.driver.check import cu, device_available, ensure_initialized
 from orchestra.driver.device import Device, DeviceLimits, context_alive, device_count, devices
 from orchestra.driver.event import Event
+from orchestra.driver.graph_memory import GraphMemory, graph_memory, trim_graph_memory
 from orchestra.driver.host import (
     HostRegistration,
     PinnedBuffer,
@@ -33,4 +44,6 @@ __all__ = [
     "pinned_ranges",
     "Owner", "Resource", "Lease", "ResourceClosedError", "live_handles", "leaked",
     "deferred_releases",
+    "CaptureSession", "UnjoinedStreamError", "capture_status", "is_capturing",
+    "GraphMemory", "graph_memory", "trim_graph_memory",
 ]

@@ -9,7 +9,7 @@ In a task graph this is written with `HostFunc` nodes that declare the slot they
 (``writes=[slot]``) or read (``reads=[slot]``): the graph infers the write-after-read edge from
 the H2D of chunk ``b`` to the refill for chunk ``b + slots``, the scheduler turns it into stream
 order or an event, and the hazard verifier checks it (HOST_WAR). The main job's ``--input`` path
-(`orchestra.job.graphs.build_staged_graph`, run by `MainJob`) is built that way. Slots are never made per chunk: ``slots`` buffers
+(`orchestra.app.job.graphs.build_staged_graph`, run by `MainJob`) is built that way. Slots are never made per chunk: ``slots`` buffers
 serve any number of chunks and runs.
 """
 

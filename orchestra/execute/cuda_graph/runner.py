@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
-from orchestra.execute.graph_cache import GraphCache
+from orchestra.execute.cuda_graph.cache import GraphCache
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
@@ -42,12 +42,12 @@ class GraphRunner(Closable):
             raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
         if self.kind == "capture":
-            from orchestra.execute.capture import CaptureExecutor
+            from orchestra.execute.cuda_graph.capture import CaptureExecutor
 
             self.executor = CaptureExecutor(device, mode=mode, verify=verify,
                                             kernel_resolver=kernel_resolver, auto_free=auto_free)
         else:
-            from orchestra.execute.graph_build import GraphBuildExecutor
+            from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
             self.executor = GraphBuildExecutor(device, verify=verify,
                                                kernel_resolver=kernel_resolver,
