@@ -328,9 +328,9 @@ def test_compile_logs_cache_misses_and_hits(tmp_path, monkeypatch, capsys):
     src = tmp_path / "k.cu"
     src.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }\n')
     assert main(["compile", str(src), "--arch", "sm_90", "-v"]) == 0
-    assert "[compiler.cache] compile cache miss: " in capsys.readouterr().err
+    assert "[compiler.cache] cache miss nvrtc-" in capsys.readouterr().err
     assert main(["compile", "-v", str(src), "--arch", "sm_90"]) == 0
-    assert "[compiler.cache] compile cache hit: " in capsys.readouterr().err
+    assert "[compiler.cache] cache hit nvrtc-" in capsys.readouterr().err
 
 
 # -- plan makes run's option checks ---------------------------------------------------------------
@@ -387,8 +387,8 @@ def test_run_checks_the_device_block_limit_and_memory(monkeypatch, capsys):
 
 
 def test_memory_needs_match_the_graph():
-    from orchestra.job import batch_sizes, build_job_graph
-    from orchestra.job.graphs import IN_FLIGHT
+    from orchestra.app.job import batch_sizes, build_job_graph
+    from orchestra.app.job.graphs import IN_FLIGHT
 
     args = build_parser().parse_args(["plan", "--batches", "9", "--batch-mib", "0.01"])
     needs = jo.memory_needs(args)

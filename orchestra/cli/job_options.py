@@ -107,8 +107,8 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     whole input and output, or the staging slots with ``--input``), ``device_batch_bytes`` (one
     batch's input and output buffers on the device, at least what a run needs at once) and
     ``device_peak_bytes`` (what the batches that may be in flight together hold)."""
-    from orchestra.job import batch_bytes_from_mib
-    from orchestra.job.graphs import IN_FLIGHT
+    from orchestra.app.job import batch_bytes_from_mib
+    from orchestra.app.job.graphs import IN_FLIGHT
 
     batch_bytes = batch_bytes_from_mib(args.batch_mib)
     if input_elements is not None:

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     """(job graph, plan, source description, memory needs) for the options: the graph
     `orchestra run` would build, after the checks `run` makes (`check_options`)."""
-    from orchestra.job import (
+    from orchestra.app.job import (
         batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
     )
     from orchestra.schedule import schedule
@@ -44,7 +44,7 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     per = batch_bytes_from_mib(args.batch_mib) // 4
     source = None
     if args.input:
-        from orchestra.job.inputs import open_input
+        from orchestra.app.job.inputs import open_input
 
         inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
         needs = check_options(args, "plan", input_elements=inp.size)

@@ -1,4 +1,4 @@
-"""`orchestra run`: the main job on the GPU (see `orchestra.job.main_job`).
+"""`orchestra run`: the main job on the GPU (see `orchestra.app.job.main_job`).
 
 Generates float32 batches (or streams ``--input FILE.npy``), measures single-batch H2D, kernel
 and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-poisoned outputs,
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("--seed does not apply with --input: the file is the input")
     input_elements = None
     if args.input:
-        from orchestra.job.inputs import open_input
+        from orchestra.app.job.inputs import open_input
 
         input_elements = open_input(args.input).size  # the checks `orchestra plan` makes too
     needs = check_options(args, "run", input_elements)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise UsageError(problem)
     from orchestra.driver import Device
-    from orchestra.job import MainJob
+    from orchestra.app.job import MainJob
 
     dev = Device.get(args.device)  # NoDeviceError here: exit 3 before any work
     check_device(args, needs, dev)

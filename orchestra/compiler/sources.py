@@ -19,6 +19,8 @@ from typing import Iterable
 
 import attrs
 
+from orchestra.errors import OrchestraError
+
 log = logging.getLogger(__name__)
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../orchestra
@@ -58,6 +60,29 @@ def ptx_source_dir() -> Path:
     Overridable with ``$ORCHESTRA_PTX_DIR``; otherwise found as `kernel_source_dir` is.
     """
     return _kernel_dir("ptx", "ORCHESTRA_PTX_DIR")
+
+
+class SourceEncodingError(OrchestraError, ValueError):
+    """A kernel source file is not UTF-8 text; the message names the file and the first bad
+    byte. ``path``: the file."""
+
+    def __init__(self, path, byte: int, offset: int):
+        self.path, self.byte, self.offset = str(path), byte, offset
+        super().__init__(
+            f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {offset}): a kernel source"
+            " must be UTF-8 CUDA C++ or PTX; is it a binary file (a .cubin?) or saved in"
+            " another encoding?")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.byte, self.offset))
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceEncodingError(path, data[exc.start], exc.start) from None
 
 
 @attrs.frozen
@@ -111,7 +136,8 @@ def read_source(source_or_path: str | bytes | os.PathLike[str], *, inline_name: 
     or the program text itself. bytes are taken as program text (UTF-8).
 
     Raises ``FileNotFoundError`` for a `Path`, or for a str that looks like a file name (ends in
-    ``.cu``/``.ptx``/..., holds no newline) but exists nowhere; ``TypeError`` for other types.
+    ``.cu``/``.ptx``/..., holds no newline) but exists nowhere; `SourceEncodingError` (a
+    ``ValueError``) for a file that is not UTF-8; ``TypeError`` for other types.
     """
     search = (kernel_source_dir(), ptx_source_dir()) if search is None else tuple(search)
     if isinstance(source_or_path, bytes):
@@ -125,7 +151,7 @@ def read_source(source_or_path: str | bytes | os.PathLike[str], *, inline_name: 
             raise FileNotFoundError(
                 f"kernel source {os.fspath(source_or_path)!r} not found (looked in the working"
                 f" directory and {dirs}); pass an existing path or the program text itself")
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
         log.debug("kernel source %s (%d bytes)", path, len(text))
         return Source(text, path, str(path))
     if isinstance(source_or_path, str):

@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench.common import check_buffer, fill_pattern, median, pattern
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench.common import check_buffer, fill_pattern, median, pattern
 
 GOAL_PERCENT = 85.0
 A, B = 1.5, -0.5  # y = A * x + B: exact in float32 for the fill pattern

@@ -42,8 +42,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.job import data as jd
-from orchestra.job.graphs import (
+from orchestra.app.job import data as jd
+from orchestra.app.job.graphs import (
     ELEMENT,
     batch_bytes_from_mib,
     batch_sizes,
@@ -53,8 +53,8 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
-from orchestra.job.inputs import open_input
-from orchestra.job.timing import BatchTimer, SingleBatch
+from orchestra.app.job.inputs import open_input
+from orchestra.app.job.timing import BatchTimer, SingleBatch
 
 log = logging.getLogger(__name__)
 
