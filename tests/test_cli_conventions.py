@@ -166,8 +166,8 @@ def test_every_command_takes_json_v_and_q():
         for a in subs:
             stack.extend(dict.fromkeys(a.choices.values()))
     assert {p.prog for p in leaves} == {
-        "orchestra devices", "orchestra compile", "orchestra plan", "orchestra run",
-        "orchestra bench stages", "orchestra bench pdl"}
+        "orchestra devices", "orchestra compile", "orchestra cache info", "orchestra cache clear",
+        "orchestra plan", "orchestra run", "orchestra bench stages", "orchestra bench pdl"}
     for p in leaves:
         for opt in ("--json", "-v", "--verbose", "-q", "--quiet"):
             assert opt in p._option_string_actions, (p.prog, opt)
@@ -317,7 +317,7 @@ def test_run_logs_driver_calls_per_run(fake_job, monkeypatch, capsys):  # noqa: 
     assert sum(calls) == len(fake_job.driver_calls())
     assert calls[0] == calls[1] > 14  # 2 batches x 7 nodes, plus the event records and waits
     assert "eager run: 14 nodes on 3 streams, 4 events, 4 waits" in runs[0]
-    jobs = [line for line in err.splitlines() if "[job.main_job] main job: run " in line]
+    jobs = [line for line in err.splitlines() if "[app.job.main_job] main job: run " in line]
     assert [j.split("main job: ")[1].split(", wall")[0] for j in jobs] == [
         f"run 1 of 2: 14 nodes, {calls[0]} steps", f"run 2 of 2: 14 nodes, {calls[1]} steps"]
 

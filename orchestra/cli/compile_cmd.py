@@ -163,6 +163,7 @@ def _run(args) -> int:
             verb, it = ("apply", "them") if len(nvrtc_only) > 1 else ("applies", "it")
             return _fail(args, f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a "
                                f".ptx input is linked with nvJitLink as it is: drop {it}")
+    arch: str | None
     if args.arch:
         try:
             arch = normalize_arch(args.arch)

@@ -37,7 +37,7 @@ import collections
 import logging
 import operator
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import attrs
 
@@ -274,10 +274,10 @@ class GraphCache:
         """
         return self._lookup(signature, build_fn, lease=False)
 
-    def lease(self, signature: Signature,
-              build_fn: Callable[[Signature], Any] | None = None) -> CacheLease:
-        """A `CacheLease` on the value for ``signature`` (built with ``build_fn`` on a miss,
-        as `get_or_build` does): the value stays open until the lease is released, even if it
+    def lease(self, signature: Hashable,
+              build_fn: Callable[[Any], Any] | None = None) -> CacheLease:
+        """A `CacheLease` on the value for ``signature`` (a `Signature`, or any hashable key, as
+        `GraphRunner` uses; built with ``build_fn`` on a miss, as `get_or_build` does): the value stays open until the lease is released, even if it
         is evicted meanwhile (then it is closed at the last lease's end).
 
         ``with cache.lease(sig, build_fn) as exe: exe.replay(...)``. Without ``build_fn`` a

@@ -98,14 +98,14 @@ class GraphRunner(Closable):
             trace = self.trace or trace or tracer is not None
             # the entry holds graph and plan, so their ids cannot be reused while it is cached
             key = (id(graph), len(graph), id(plan), trace)
-            prepare_ms = []
+            built_ms: list[float] = []
 
             def build(_key):
                 t0 = time.perf_counter_ns()
                 exe = self.executor.build(graph, plan, bindings, trace=trace)
-                prepare_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                built_ms.append((time.perf_counter_ns() - t0) / 1e6)
                 log.debug("graph runner: built a %s exec of %d nodes in %.1f ms", self.kind,
-                          exe.node_count, prepare_ms[-1])
+                          exe.node_count, built_ms[-1])
                 return _Cached(graph, plan, exe)
 
             with self._execs.lease(key, build) as cached:
@@ -119,7 +119,7 @@ class GraphRunner(Closable):
                 if sync:
                     timeline = exe.synchronize()
                     wall = (time.perf_counter_ns() - t0) / 1e6
-            prepare_ms = prepare_ms[0] if prepare_ms else 0.0
+            prepare_ms = built_ms[0] if built_ms else 0.0
             return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
                              steps=1, events=plan.event_count, waits=plan.wait_count,
                              streams=len(plan.streams), policy=plan.policy,
