@@ -55,6 +55,7 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
 from orchestra.errors import CudaError, OrchestraError
 from orchestra.execute.capture_plan import UnjoinedStreamError, capture_steps, check_capture_steps
+from orchestra.execute.errors import ExecutorArgumentTypeError, ExecutorArgumentValueError
 from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
 from orchestra.execute.graph_nodes import (
     GraphExecutorBase,
@@ -92,7 +93,8 @@ def capture_mode(mode) -> object:
     try:
         return MODES[key]
     except KeyError:
-        raise ValueError(f"capture mode must be one of {', '.join(MODES)}; got {mode!r}") \
+        raise ExecutorArgumentValueError(
+            f"capture mode must be one of {', '.join(MODES)}; got {mode!r}") \
             from None
 
 
@@ -334,7 +336,8 @@ class CaptureExecutor(GraphExecutorBase):
                  mode) -> BuiltGraph:
         t0 = time.perf_counter_ns()
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"capture takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"capture takes a TaskGraph, got {type(graph).__name__}")
         plan = self._plan(graph, plan, policy, streams, costs, need=True)
         issue = check_run(plan, graph, verify=False)  # structure, issue order, alloc order
         unfreed = check_graph_memory(graph, auto_free=auto_free)

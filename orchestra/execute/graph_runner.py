@@ -20,8 +20,10 @@ import threading
 import time
 from typing import Any, Mapping
 
+from orchestra.errors import NotReadyError
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
+from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
@@ -38,7 +40,8 @@ class GraphRunner(Closable):
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
                  mode="thread-local", trace: bool = False):
         if kind not in KINDS:
-            raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
+            raise ExecutorArgumentValueError(
+                f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
         if self.kind == "capture":
             from orchestra.execute.capture import CaptureExecutor
@@ -126,7 +129,7 @@ class GraphRunner(Closable):
     def dot(self, path, *, verbose: bool = False) -> str:
         """The last exec's graph as DOT (``cuGraphDebugDotPrint``); ValueError before any run."""
         if self.last_exec is None or self.last_exec.closed:
-            raise ValueError("no graph has been built yet: run() first")
+            raise NotReadyError("no graph has been built yet: run() first")
         return self.last_exec.dot(path, verbose=verbose)
 
     # -- lifetime -----------------------------------------------------------------------------

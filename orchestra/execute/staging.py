@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestra.driver import PinnedBuffer
+from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.graph import HostBuffer
 
 
@@ -31,8 +32,9 @@ class StagingPool:
 
     def __init__(self, slots: int, slot_bytes: int, device=None, *, prefix: str = "stage"):
         if slots < 1 or slot_bytes < 1:
-            raise ValueError(f"StagingPool needs slots >= 1 and slot_bytes >= 1; got {slots}, "
-                             f"{slot_bytes}")
+            raise ExecutorArgumentValueError(
+                f"StagingPool needs slots >= 1 and slot_bytes >= 1; got {slots}, "
+                f"{slot_bytes}")
         self.slot_bytes = int(slot_bytes)
         self.names = tuple(f"{prefix}{k}" for k in range(slots))
         self.buffers: list[PinnedBuffer] = []
