@@ -41,15 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         hint = getattr(args, "no_device_hint", "")
         print(f"orchestra: {exc}{hint}", file=sys.stderr)
         return 2
-    except OrchestraError as exc:
-        print(f"orchestra: {exc}", file=sys.stderr)
-        return 1
     except (ValueError, TypeError, KeyError, OverflowError, OSError) as exc:
         # Bad input (an option, a file, an argument): one line that says what to change.
+        # orchestra's own usage errors keep these builtins as second bases, so they land here.
         if args.verbose:
             raise
         print(f"orchestra {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OrchestraError as exc:
+        print(f"orchestra: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

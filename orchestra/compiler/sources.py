@@ -13,6 +13,8 @@ from pathlib import Path
 
 import attrs
 
+from orchestra.errors import CompilerArgumentTypeError, KernelSourceNotFoundError
+
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _PACKAGE_DIR.parent.parent
 
@@ -100,12 +102,12 @@ def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) 
         path = resolve_path(source_or_path, search)
         if path is None:
             dirs = ", ".join(str(d) for d in search)
-            raise FileNotFoundError(
+            raise KernelSourceNotFoundError(
                 f"kernel source {os.fspath(source_or_path)!r} not found (looked in the working"
                 f" directory and {dirs}); pass an existing path or the program text itself")
         return Source(path.read_text(encoding="utf-8"), path, str(path))
     if isinstance(source_or_path, str):
         return Source(source_or_path, None, inline_name)
-    raise TypeError(
+    raise CompilerArgumentTypeError(
         "expected a path (str or Path) to a kernel source file or the program text (str),"
         f" got {type(source_or_path).__name__}")

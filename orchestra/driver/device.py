@@ -24,6 +24,7 @@ import attrs
 from cuda.bindings import driver
 
 from orchestra.driver.check import cu, ensure_initialized
+from orchestra.errors import DriverArgumentTypeError, DriverArgumentValueError
 
 _A = driver.CUdevice_attribute
 
@@ -128,7 +129,8 @@ class Device:
         ordinal = operator.index(ordinal)
         count = cu(driver.cuDeviceGetCount)
         if not 0 <= ordinal < count:
-            raise ValueError(f"device ordinal {ordinal} is out of range: {count} device(s) visible")
+            raise DriverArgumentValueError(
+                f"device ordinal {ordinal} is out of range: {count} device(s) visible")
         with _lock:
             dev = _devices.get(ordinal)
             if dev is None:
@@ -241,7 +243,7 @@ def as_device(device) -> Device:
     try:
         ordinal = operator.index(device)
     except TypeError:
-        raise TypeError(
+        raise DriverArgumentTypeError(
             f"expected a Device, an int ordinal or None, got {type(device).__name__}") from None
     return Device.get(ordinal)
 

@@ -16,6 +16,7 @@ import weakref
 
 from orchestra.driver import live
 from orchestra.driver.device import context_alive
+from orchestra.errors import ClosedError
 
 
 def _release(release, handle, device, kind) -> None:
@@ -47,7 +48,7 @@ class Owner:
     @property
     def handle(self):
         if not self._finalizer.alive:
-            raise ValueError(f"this {self._what} is closed")
+            raise ClosedError(f"this {self._what} is closed")
         return self._handle
 
     @property
