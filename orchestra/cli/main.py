@@ -51,6 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     except OrchestraError as exc:
         print(f"orchestra: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        # cuda-bindings' own failures outside orchestra's checked calls (a driver without an
+        # entry point): one line and exit 2, like NoDeviceError.
+        from orchestra.driver.check import binding_failure
+
+        err = binding_failure("a driver call", exc)
+        if err is None:
+            raise
+        print(f"orchestra: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -112,7 +112,7 @@ def make_converter(p: Param):
             if ptr is not None:
                 try:
                     return conv_ptr(int(ptr))
-                except TypeError:
+                except (TypeError, ValueError):  # int("0x10") is a ValueError
                     raise KernelArgumentTypeError(
                         f"{label}: {_describe(v)}.ptr is not an address") from None
             if type(v).__name__ == "CUdeviceptr":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import operator
+import os
 import threading
 
 import attrs
@@ -33,6 +34,25 @@ _devices: dict[int, "Device"] = {}
 _alive: dict[int, bool] = {}  # ordinal -> primary context retained and not yet released
 _tls = threading.local()  # .ctx: int value of the context this thread last made current
 _atexit_registered = False
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked after ``cuInit`` (see `orchestra.driver.check`): forget the parent's
+    devices and contexts, so `Device.get` goes through `ensure_initialized` (which raises
+    `CudaForkError`), finalizers skip their releases (`context_alive` is False) and the exit hook
+    releases nothing: the child must not call the driver with the parent's handles."""
+    global _lock, _tls
+    from orchestra.driver.check import forked_after_init
+
+    _lock = threading.RLock()  # another thread may have held it at the fork
+    if forked_after_init():
+        _devices.clear()
+        _alive.clear()
+        _tls = threading.local()
+
+
+if hasattr(os, "register_at_fork"):  # registered after check.py's hook, so it runs after it
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def context_alive(ordinal: int) -> bool:
