@@ -22,7 +22,8 @@ def _record(inst) -> str:
 
 
 def _positive_int(inst, attribute, value):
-    check_int(_record(inst), attribute.name, value, minimum=1, what="a positive int (bytes)")
+    check_int(lambda: _record(inst), attribute.name, value, minimum=1,
+              what="a positive int (bytes)")
 
 
 def _name(inst, attribute, value):
@@ -70,7 +71,7 @@ class Buffer(_RangeMixin):
 
     @device.validator
     def _device(self, attribute, value):
-        check_int(_record(self), "device", value, minimum=0,
+        check_int(lambda: _record(self), "device", value, minimum=0,
                   what="a device ordinal (an int >= 0)")
 
     is_host = False
@@ -107,11 +108,14 @@ class BufferRange:
         if not isinstance(self.buffer, (Buffer, HostBuffer)):
             raise NodeFieldTypeError(f"BufferRange: buffer must be a Buffer or HostBuffer, got"
                                      f" {got(self.buffer)}")
-        record = f"range of {self.buffer.name}"
-        check_int(record, "offset", self.offset, minimum=0)
-        check_int(record, "nbytes", self.nbytes, minimum=0)
+        offset, nbytes = self.offset, self.nbytes
+        if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0):
+            record = f"range of {self.buffer.name}"
+            check_int(record, "offset", offset, minimum=0)
+            check_int(record, "nbytes", nbytes, minimum=0)
         if self.nbytes == 0:
-            raise NodeFieldValueError(f"{record}: an empty range (0 bytes) touches nothing")
+            raise NodeFieldValueError(f"range of {self.buffer.name}: an empty range (0 bytes)"
+                                      " touches nothing")
         if self.offset + self.nbytes > self.buffer.nbytes:
             raise NodeFieldValueError(
                 f"range [{self.offset}, {self.offset + self.nbytes}) is out of bounds of "

@@ -20,16 +20,24 @@ def got(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def type_error(record: str, field: str, expected: str, value) -> NodeFieldTypeError:
-    return NodeFieldTypeError(f"{record}: {field} must be {expected}, got {got(value)}")
+def _name(record) -> str:
+    # Checks run for every record built (graphs of 100k nodes): the record's name is a callable
+    # when building it costs something, and is only built for a message.
+    return record() if callable(record) else record
 
 
-def value_error(record: str, field: str, expected: str, value) -> NodeFieldValueError:
-    return NodeFieldValueError(f"{record}: {field} must be {expected}, got {got(value)}")
+def type_error(record, field: str, expected: str, value) -> NodeFieldTypeError:
+    return NodeFieldTypeError(f"{_name(record)}: {field} must be {expected}, got {got(value)}")
+
+
+def value_error(record, field: str, expected: str, value) -> NodeFieldValueError:
+    return NodeFieldValueError(f"{_name(record)}: {field} must be {expected}, got {got(value)}")
 
 
 def is_int(value) -> bool:
     """A Python or numpy integer, never a bool."""
+    if type(value) is int:  # the common case first
+        return True
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
@@ -38,10 +46,13 @@ def is_int(value) -> bool:
         and value.dtype.kind in "iu" and getattr(value, "shape", None) == ()
 
 
-def check_int(record: str, field: str, value, *, minimum: int | None = None,
+def check_int(record, field: str, value, *, minimum: int | None = None,
               optional: bool = False, what: str | None = None) -> None:
-    """``value`` is an int (or None when ``optional``) and at least ``minimum``."""
-    if optional and value is None:
+    """``value`` is an int (or None when ``optional``) and at least ``minimum``; ``record`` is
+    the record's name, or a callable giving it."""
+    if value is None and optional:
+        return
+    if type(value) is int and (minimum is None or value >= minimum):
         return
     if minimum is None:
         expected = what or ("an int or None" if optional else "an int")
@@ -53,8 +64,10 @@ def check_int(record: str, field: str, value, *, minimum: int | None = None,
         raise value_error(record, field, expected, value)
 
 
-def check_name(record: str, field: str, value) -> None:
+def check_name(record, field: str, value) -> None:
     """A non-empty ``str``."""
+    if type(value) is str and value:
+        return
     if not isinstance(value, str):
         raise type_error(record, field, "a non-empty str", value)
     if not value:
@@ -71,10 +84,12 @@ def str_tuple(value):
     return value
 
 
-def check_str_tuple(record: str, field: str, value, *, item: str = "a str",
+def check_str_tuple(record, field: str, value, *, item: str = "a str",
                     expected: str = "a str or a list/tuple of str") -> None:
     """A tuple of ``str`` (what `str_tuple` made of a str or a list/tuple of str); ``expected``
     describes the whole field, ``item`` one entry."""
+    if value == ():
+        return
     if not isinstance(value, tuple):
         raise type_error(record, field, expected, value)
     for i, v in enumerate(value):

@@ -47,14 +47,18 @@ class Node:
         """How messages name this node: ``KernelNode k``."""
         return f"{type(self).__name__} {self.name}"
 
+    def _record_of(self) -> str:  # the same, as a callable the checks call only to fail
+        return self._record
+
     def __attrs_post_init__(self):
         # Wrong types and values raise NodeFieldTypeError / NodeFieldValueError (GraphErrors)
         # naming the node and the field, before anything reads the fields.
+        record = self._record_of
         check_name(type(self).__name__, "name", self.name)
-        check_int(self._record, "batch", self.batch, optional=True)
-        check_int(self._record, "device", self.device, minimum=0, optional=True,
+        check_int(record, "batch", self.batch, optional=True)
+        check_int(record, "device", self.device, minimum=0, optional=True,
                   what="a device ordinal (an int >= 0) or None")
-        check_str_tuple(self._record, "after", self.after, item="a node name (str)",
+        check_str_tuple(record, "after", self.after, item="a node name (str)",
                         expected="a node name (str) or a list/tuple of node names")
         self._check()
         devices = {a.buffer.device for a in self.accesses() if not a.buffer.is_host}
@@ -191,7 +195,7 @@ class Memset(Node):
     def _check(self):
         self._check_range("dst", device=True)
         es = self.element_size
-        check_int(self._record, "element_size", es, what="1, 2 or 4 (bytes)")
+        check_int(self._record_of, "element_size", es, what="1, 2 or 4 (bytes)")
         if es not in (1, 2, 4):
             raise NodeFieldValueError(f"{self._record}: element_size must be 1, 2 or 4; got {es!r}")
         if self.dst.offset % es or self.dst.nbytes % es:
@@ -199,7 +203,7 @@ class Memset(Node):
                                       f"{es}-byte elements")
         bits = 8 * es
         expected = f"an int that fits {es} byte(s)"
-        check_int(self._record, "value", self.value, what=expected)
+        check_int(self._record_of, "value", self.value, what=expected)
         if not -(1 << (bits - 1)) <= self.value < (1 << bits):
             raise NodeFieldValueError(f"{self._record}: value must be {expected}; got"
                                       f" {self.value!r}")
@@ -302,29 +306,31 @@ class KernelNode(Node):
     kind: ClassVar[str] = "kernel"
 
     def _check(self):
-        r = self._record
         if not isinstance(self.kernel, KernelRef):
-            raise NodeFieldTypeError(f"{r}: kernel must be a KernelRef, got {got(self.kernel)}")
+            raise NodeFieldTypeError(f"{self._record}: kernel must be a KernelRef, got"
+                                     f" {got(self.kernel)}")
         _check_dim3(self, "grid")
         _check_dim3(self, "block")
-        check_int(r, "shared_mem", self.shared_mem, minimum=0, what="an int >= 0 (bytes)")
+        check_int(self._record_of, "shared_mem", self.shared_mem, minimum=0,
+                  what="an int >= 0 (bytes)")
+        r = self._record_of
         if not isinstance(self.attributes, tuple):
-            raise NodeFieldTypeError(f"{r}: attributes must be a mapping of launch attribute"
+            raise NodeFieldTypeError(f"{r()}: attributes must be a mapping of launch attribute"
                                      f" name -> value, got {got(self.attributes)}")
         if not isinstance(self.args, tuple):
-            raise NodeFieldTypeError(f"{r}: args must be a tuple or list of kernel arguments, got"
+            raise NodeFieldTypeError(f"{r()}: args must be a tuple or list of kernel arguments, got"
                                      f" {got(self.args)}")
         for i, a in enumerate(self.args):
             if isinstance(a, (In, Out, InOut, Buffer, BufferRange)):
                 target = a.target if isinstance(a, (In, Out, InOut)) else as_range(a)
                 if target.buffer.is_host:
-                    raise NodeFieldTypeError(f"{r}: argument {i} is host buffer "
+                    raise NodeFieldTypeError(f"{r()}: argument {i} is host buffer "
                                              f"{target.buffer.name}; kernels take device buffers")
             elif isinstance(a, HostBuffer):
-                raise NodeFieldTypeError(f"{r}: argument {i} is host buffer {a.name}; "
+                raise NodeFieldTypeError(f"{r()}: argument {i} is host buffer {a.name}; "
                                          f"kernels take device buffers")
             elif not _is_scalar(a):
-                raise NodeFieldTypeError(f"{r}: argument {i} ({a!r}) is neither a scalar nor a"
+                raise NodeFieldTypeError(f"{r()}: argument {i} ({a!r}) is neither a scalar nor a"
                                          f" buffer (In/Out/InOut/Buffer/BufferRange)")
 
     def accesses(self):
