@@ -58,8 +58,12 @@ _BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
 ALLOWED = {
     # abstract method: every node kind overrides accesses()
     ("graph/nodes.py", "Node.accesses", "NotImplementedError"),
-    # unreachable: graph_spec.translate only produces the node kinds _add handles
-    ("execute/graph_build.py", "GraphBuildExecutor._add", "AssertionError"),
+    # unreachable: the graph spec only produces the node kinds _add handles
+    ("execute/cuda_graph/build.py", "GraphBuildExecutor._add", "AssertionError"),
+    # unreachable: the loop returns at its last unit
+    ("cli/cache_cmd.py", "human_bytes", "AssertionError"),
+    # the module __getattr__ protocol: hasattr() and getattr(..., default) need AttributeError
+    ("compiler/__init__.py", "__getattr__", "AttributeError"),
     # cache keys are built from orchestra's own values (str, bytes, ints, tuples of those)
     ("compiler/cache.py", "make_key.feed", "TypeError"),
     # recorded, never raised: a driver callback with a token orchestra never issued
@@ -158,7 +162,8 @@ def test_every_exception_class_of_the_package_is_an_orchestra_error():
 def _expected_bases():
     """Class -> the builtin it must also be, read from docs/errors.md's table."""
     doc = (PACKAGE.parent / "docs" / "errors.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", doc, re.M)
+    section = doc.split("\n## The error family\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M)
     return {name: re.findall(r"`(\w+)`", bases) for name, bases in rows}
 
 

@@ -15,7 +15,7 @@ import sys
 from orchestra.errors import NoDeviceError, OrchestraError
 
 # Subcommand modules, in the order `orchestra --help` lists them.
-_COMMANDS = ("devices", "compile_cmd", "plan_cmd", "run_cmd", "bench")
+_COMMANDS = ("devices", "compile_cmd", "cache_cmd", "plan_cmd", "run_cmd", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -189,6 +189,11 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
     Raises `CompileError` (with nvJitLink's error log) when the PTX does not assemble or link,
     ``ValueError`` for an unknown ``arch`` or text that is not PTX.
     """
+    return link_ptx_cached(ptx_source_or_path, arch=arch, options=options)[0]
+
+
+def link_ptx_cached(ptx_source_or_path, *, arch, options=()) -> tuple[bytes, bool]:
+    """`link_ptx` that also tells whether the cubin came from the cache: ``(cubin, hit)``."""
     if isinstance(ptx_source_or_path, (bytes, bytearray)):
         text = bytes(ptx_source_or_path).rstrip(b"\0")
         name = "inline.ptx"
@@ -204,7 +209,17 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
     key = cache.make_key("nvjitlink", text, arch, opts, nvjitlink_version())
     entry = cache.load("nvjitlink", key)
     if entry is not None and is_elf(entry.image):
-        return entry.image
+        return entry.image, True
     cubin, info = _run_nvjitlink(text, name, opts)
     cache.store("nvjitlink", key, cubin, info, {})
-    return cubin
+    return cubin, False
+
+
+_ENTRY_RE = re.compile(r"^\s*(?:\.(?:visible|weak|extern)\s+)*\.entry\s+([A-Za-z_$%][\w$]*)",
+                       re.MULTILINE)
+
+
+def ptx_entry_names(ptx) -> list[str]:
+    """Names of the kernels (``.entry`` directives) a PTX text defines, in order."""
+    text = ptx.decode("utf-8", errors="replace") if isinstance(ptx, (bytes, bytearray)) else ptx
+    return _ENTRY_RE.findall(text)

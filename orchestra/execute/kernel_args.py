@@ -40,7 +40,7 @@ class PointerArg:
 
 
 class KernelArgs:
-    """One kernel node, ready to launch: ``kernel`` (compiler `Kernel`), ``config`` (checked
+    """One kernel node, ready to launch: ``kernel`` (`orchestra.kernel.Kernel`), ``config`` (checked
     `LaunchConfig`), ``packed`` (`PackedArgs`), ``pointers`` (`PointerArg` per buffer argument),
     ``attributes`` (launch keyword arguments: cooperative, cluster, pdl, priority)."""
 
@@ -79,7 +79,7 @@ def _buffer_target(arg):
 
 def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] | None = None
                         ) -> KernelArgs:
-    """Check and pack ``node`` for ``kernel`` (a compiler `Kernel`).
+    """Check and pack ``node`` for ``kernel`` (an `orchestra.kernel.Kernel`).
 
     ``addresses`` (buffer name -> device address) fills the pointer fields now; without it they
     hold 0 until `KernelArgs.bind`. Raises ``TypeError`` / ``ValueError`` naming the node and the

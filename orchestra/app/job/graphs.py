@@ -17,13 +17,17 @@ from typing import Callable, Sequence
 import attrs
 
 from orchestra.errors import JobConfigError
-from orchestra.graph import BURN_PARAMS, HostBuffer, HostFunc, KernelRef, TaskGraph, add_batch
+from orchestra.graph import HostBuffer, HostFunc, KernelRef, TaskGraph, add_batch
 from orchestra.graph import build_pipeline
-from orchestra.job.data import SCALE, SHIFT
+from orchestra.app.job.data import SCALE, SHIFT
 from orchestra.schedule import CostModel
 
 MIB = 1 << 20
 ELEMENT = 4  # float32
+
+# cuda_src/burn.cu: burn(const float* x, float* y, size_t n, int iters, float s, float t), the
+# elementwise argument layout `add_batch` uses by default
+BURN_PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s", "float t")
 
 
 def burn_kernel_ref() -> KernelRef:

@@ -7,7 +7,7 @@ the previous one to finish and for its own launch latency; with PDL (launch attr
 PROGRAMMATIC_STREAM_SERIALIZATION on every link but the first) link k + 1 may be launched while
 link k runs and only its griddepcontrol.wait waits for link k. PDL is applied only after the
 kernel's PTX has been checked to contain griddepcontrol.wait (case C12:
-`orchestra.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
+`orchestra.app.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
 the next link is launched as early as possible) and ``pdl_chain_step_after_wait`` (wait, then
 trigger).
 
@@ -37,10 +37,10 @@ import attrs
 import numpy as np
 
 from orchestra.errors import BenchConfigError
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench import reference as ref
-from orchestra.kernels_bench.common import median
-from orchestra.kernels_bench.pdl import require_grid_dependency_wait
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench import reference as ref
+from orchestra.app.kernels_bench.common import median
+from orchestra.app.kernels_bench.pdl import require_grid_dependency_wait
 
 GOAL_US = 0.7
 #: The link kernels timed, the default (trigger first) first.

@@ -41,8 +41,8 @@ import attrs
 import numpy as np
 
 from orchestra.errors import JobConfigError
-from orchestra.job import data as jd
-from orchestra.job.graphs import (
+from orchestra.app.job import data as jd
+from orchestra.app.job.graphs import (
     ELEMENT,
     batch_bytes_from_mib,
     batch_sizes,
@@ -52,8 +52,8 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
-from orchestra.job.inputs import open_input
-from orchestra.job.timing import BatchTimer, SingleBatch
+from orchestra.app.job.inputs import open_input
+from orchestra.app.job.timing import BatchTimer, SingleBatch
 
 TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
                "stream synchronize, median over the timed runs; single-batch times: timing "

@@ -110,7 +110,7 @@ class BatchTimer:
     """Times one batch of ``nbytes`` on ``stream``: H2D from pinned ``host_in`` (a 1-D float32
     view of ``nbytes``), the kernel, D2H into pinned ``host_out``.
 
-    ``kernel``: the compiler `Kernel` for burn; ``grid``/``block`` as in the job's graph.
+    ``kernel``: the `orchestra.kernel.Kernel` for burn; ``grid``/``block`` as in the job's graph.
     `close()` frees the device buffers and events.
     """
 
@@ -142,7 +142,7 @@ class BatchTimer:
         return self._time(lambda: self.d_out.copy_to_host(self.host_out, self.stream))
 
     def kernel_ms(self, iters: int) -> float:
-        from orchestra.job.graphs import burn_scalars
+        from orchestra.app.job.graphs import burn_scalars
 
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))

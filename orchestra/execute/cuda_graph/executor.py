@@ -33,8 +33,8 @@ from orchestra.driver.device import as_device
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
 from orchestra.execute.closable import Closable
+from orchestra.execute.cuda_graph.exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
 from orchestra.execute.errors import ExecutorArgumentTypeError
-from orchestra.execute.graph_exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.graph import TaskGraph

@@ -47,7 +47,8 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Stream, cu
 from orchestra.driver import host as _host
 from orchestra.driver.check import error_from_result
-from orchestra.driver.device import as_device, context_alive
+from orchestra.driver.device import context_alive
+from orchestra.driver.entry_points import exec_update
 from orchestra.driver.stream import check_stream
 from orchestra.errors import (
     ClosedError,
@@ -176,88 +177,6 @@ class UpdateResult:
     node: str | None = None
     from_node: str | None = None
     message: str = ""
-
-
-@attrs.frozen
-class GraphMemory:
-    """``cuDeviceGetGraphMemAttribute`` for one device, in bytes: memory currently associated
-    with graphs (``used``), the graph allocator's reservation (``reserved``) and their high
-    watermarks."""
-
-    used: int
-    used_high: int
-    reserved: int
-    reserved_high: int
-
-
-def graph_memory(device=None) -> GraphMemory:
-    """The device's graph-memory attributes (``cuDeviceGetGraphMemAttribute``)."""
-    dev = as_device(device)
-    dev.make_current()
-    A = _d.CUgraphMem_attribute
-
-    def get(a):
-        return int(cu(_d.cuDeviceGetGraphMemAttribute, dev.handle, a))
-
-    return GraphMemory(get(A.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
-                       get(A.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH),
-                       get(A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
-                       get(A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH))
-
-
-def trim_graph_memory(device=None) -> None:
-    """Return graph-allocator memory no exec is using to the OS (``cuDeviceGraphMemTrim``)."""
-    dev = as_device(device)
-    dev.make_current()
-    cu(_d.cuDeviceGraphMemTrim, dev.handle)
-
-
-# -- cuGraphExecUpdate with its result info ------------------------------------------------
-
-
-class _UpdateResultInfo(ctypes.Structure):
-    """``CUgraphExecUpdateResultInfo``: ``{CUgraphExecUpdateResult result; CUgraphNode
-    errorNode; CUgraphNode errorFromNode;}``."""
-
-    _fields_ = [("result", ctypes.c_int), ("errorNode", ctypes.c_void_p),
-                ("errorFromNode", ctypes.c_void_p)]
-
-
-_UPDATE_FN_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.POINTER(_UpdateResultInfo))
-_update_fn: tuple | None = None  # (the driver module it came from, the ctypes function)
-
-
-def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
-    """``cuGraphExecUpdate(exec_, graph)`` -> ``(CUresult, CUgraphExecUpdateResult,
-    errorNode, errorFromNode)`` as ints (None when unknown).
-
-    cuda-bindings returns ``(err, None)`` when the call fails, dropping the result info exactly
-    when it says why; so the driver's own entry point (``cuGetProcAddress("cuGraphExecUpdate",
-    12000)``: the CUDA 12+ form taking a ``CUgraphExecUpdateResultInfo*``) is called through
-    ctypes with orchestra's struct. If that is unavailable, the bindings' call is used and a
-    refusal's reason is unknown.
-    """
-    global _update_fn
-    if _update_fn is None or _update_fn[0] is not _d:
-        _update_fn = (_d, None)
-        try:
-            err, pfn, _status = _d.cuGetProcAddress(b"cuGraphExecUpdate", 12000, 0)
-            if not err and pfn:
-                _update_fn = (_d, _UPDATE_FN_TYPE(int(pfn)))
-        except Exception:  # noqa: BLE001 - fall back to the bindings' call below
-            pass
-    fn = _update_fn[1]
-    if fn is not None:
-        info = _UpdateResultInfo()
-        err = fn(int(exec_), int(graph), ctypes.byref(info))
-        return int(err), int(info.result), info.errorNode, info.errorFromNode
-    err, info = _d.cuGraphExecUpdate(exec_, graph)
-    if info is None:
-        return int(err), (0 if not err else None), None, None
-    en, ef = info.errorNode, info.errorFromNode
-    return (int(err), int(info.result), None if en is None else int(en),
-            None if ef is None else int(ef))
 
 
 # -- host arrays -----------------------------------------------------------------------------
@@ -782,7 +701,7 @@ class GraphExec(Closable):
             try:
                 self.device.make_current()
                 err, result, error_node, error_from = exec_update(self._state.exec,
-                                                                  built.cugraph)
+                                                                  built.cugraph, _d)
             except BaseException:
                 self._discard(built)
                 raise
@@ -909,6 +828,4 @@ class GraphExec(Closable):
                 f" on device {self.device.ordinal}>")
 
 
-__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord",
-           "exec_update",
-           "UpdateResult", "graph_memory", "trim_graph_memory"]
+__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "NodeRecord", "UpdateResult"]

@@ -4,7 +4,7 @@ The source files' header comments are the full statement of each kernel's launch
 `KernelSpec` carries the parts code needs (block size, dynamic shared memory, cluster, compute
 capability) so tests, checks and benchmarks launch each kernel the same way.
 
-`load(spec, device)` returns a launchable ``orchestra.compiler.Kernel`` (NVRTC for ``.cu``,
+`load(spec, device)` returns a launchable ``orchestra.kernel.Kernel`` (NVRTC for ``.cu``,
 nvJitLink for ``.ptx``); `compile_spec` and `ptx_text` work without a GPU.
 
 Prebuilt cubins: `build_cubins(directory)` compiles every source once here (no GPU needed) and
@@ -184,11 +184,11 @@ def ptx_text(s: KernelSpec, *, arch: str = "sm_90") -> tuple[str, str]:
 
 
 def load(s: KernelSpec | str, device=None):
-    """A launchable ``orchestra.compiler.Kernel`` for ``s`` (a spec or its key) on ``device``
+    """A launchable ``orchestra.kernel.Kernel`` for ``s`` (a spec or its key) on ``device``
     (compiled/linked for that device's arch, cached; or taken from the prebuilt cubins of
     ``$ORCHESTRA_KERNEL_CUBINS``). Raises ``RuntimeError`` when the device's compute capability
     is below ``s.min_cc`` or a prebuilt cubin is missing, stale or for another arch."""
-    from orchestra.compiler import load_kernel
+    from orchestra.kernel import load_kernel
     from orchestra.driver import Device
 
     s = spec(s) if isinstance(s, str) else s
@@ -242,7 +242,7 @@ _prebuilt_modules: dict = {}
 
 
 def _load_prebuilt(s: KernelSpec, dev, directory: Path):
-    from orchestra.compiler import Module
+    from orchestra.kernel import Module
 
     cubin, meta_path = directory / f"{s.source}.cubin", directory / f"{s.source}.json"
     if not cubin.is_file() or not meta_path.is_file():

@@ -26,7 +26,6 @@ from orchestra.compiler.ptx import (
 )
 from orchestra.driver.owner import Resource
 from orchestra.errors import (
-    ClosedError,
     CompilerArgumentTypeError,
     CudaError,
     DriverArgumentTypeError,
@@ -90,6 +89,12 @@ class Module(Resource):
     driver layer's `Owner` finalizer does it for a module that is dropped, and skips the call
     once the device's primary context has been released at interpreter exit. `Kernel` objects
     keep their module alive.
+
+    Lifetime: `lease` keeps the library loaded for a built exec or queued work that launches
+    its kernels. `close()` while a lease is out returns at once and the module reads as closed
+    (``library`` raises `ResourceClosedError`, `kernel` refuses, no new lease), but the kernels
+    it handed out keep working and ``cuLibraryUnload`` runs when the last lease ends
+    (docs/errors.md, "Lifetimes"). Thread-safe.
     """
 
     def __init__(self, library, image: bytes, device, *, lowered_names=None, source=None):
@@ -109,8 +114,14 @@ class Module(Resource):
 
     @property
     def library(self):
-        """The ``CUlibrary``; `ClosedError` (a ``ValueError``) once closed."""
+        """The ``CUlibrary``; `ResourceClosedError` (a ``ValueError``) once closed."""
         return self._own.handle
+
+    def lease(self):
+        """A `Lease` that keeps the library loaded (and its kernels launchable) until it is
+        released, even if the module is closed meanwhile. `ResourceClosedError` if closed
+        already. Release it only after the launches that use its kernels have completed."""
+        return self._own.lease()
 
     @classmethod
     def load(cls, image, device=None, *, source=None, lowered_names=None) -> "Module":
@@ -149,7 +160,8 @@ class Module(Resource):
         return cls(library, data, dev, lowered_names=lowered_names, source=source)
 
     def close(self) -> None:
-        """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable."""
+        """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable once
+        it is unloaded: now, or, while a `lease` is out, when the last lease ends."""
         self._own.close()
 
     def kernel_names(self) -> list[str]:
@@ -183,7 +195,10 @@ class Module(Resource):
         Raises `KernelNotFoundError` (a ``KeyError``) listing the kernels present.
         """
         if self.closed:
-            raise ClosedError("the module is closed")
+            from orchestra.driver.owner import ResourceClosedError
+
+            raise ResourceClosedError("this Module is closed: load it again to look up "
+                                      f"kernel {name!r}", "Module")
         explicit = None if params is None else normalize_params(params)
         key = (name, explicit)
         k = self._kernels.get(key)

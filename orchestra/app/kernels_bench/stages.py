@@ -19,8 +19,8 @@ import attrs
 import numpy as np
 
 from orchestra.errors import BenchConfigError, UnsupportedDeviceError
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench.common import check_buffer, fill_pattern, median, pattern
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench.common import check_buffer, fill_pattern, median, pattern
 
 GOAL_PERCENT = 85.0
 A, B = 1.5, -0.5  # y = A * x + B: exact in float32 for the fill pattern

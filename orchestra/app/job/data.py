@@ -12,7 +12,7 @@ every float32 in [0, 1) has become exactly 2.0 and stays there, so the reference
 soon as a chunk stops changing, and a chunk whose reference is one constant is stored as that
 constant (the default iteration counts need no reference memory at all). Because such an output
 no longer depends on the input, the job also runs a *routing check* with a few iterations (see
-`orchestra.job.main_job`), whose output still identifies each input element.
+`orchestra.app.job.main_job`), whose output still identifies each input element.
 """
 
 from __future__ import annotations
