@@ -173,8 +173,8 @@ def test_other_runtime_errors_are_not_swallowed(monkeypatch):
 def test_an_unimportable_cuda_bindings_is_a_driver_binding_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # `from cuda.bindings import` fails
     with pytest.raises(DriverBindingError, match=r"^cuda\.bindings \(cuda-python's driver"
-                       r" bindings\) cannot be imported: ModuleNotFoundError: .*; reinstall it with pip"
-                       r" install 'cuda-bindings>=13,<14'$") as info:
+                       r" bindings\) cannot be imported: ModuleNotFoundError: .*; reinstall it"
+                       r" with pip install 'cuda-bindings>=13,<14'$") as info:
         check._driver()
     assert isinstance(info.value, NoDeviceError)
 

@@ -13,9 +13,9 @@ library `NoDeviceError`: all three are `NoDeviceError`s, one line and exit code 
 
 Fork safety: CUDA does not support ``fork()`` once initialized: it copies none of its internal
 state or threads into the child, so CUDA use there is undefined (NVIDIA CUDA C++ Guidelines,
-rule 1.6: fork must be followed by exec). An ``os.register_at_fork`` hook marks a child forked after ``cuInit``; in it,
-`ensure_initialized` and the error path of `cu` / `error_from_result` raise `CudaForkError`,
-which says to use the spawn start method. The parent is untouched, and `cu`'s success path pays
+rule 1.6: fork must be followed by exec). An ``os.register_at_fork`` hook marks a child forked
+after ``cuInit``; in it, `ensure_initialized` and the error path of `cu` / `error_from_result`
+raise `CudaForkError`, which says to use the spawn start method. The parent is untouched, and `cu`'s success path pays
 nothing for this (the flag is read only when a call already failed).
 """
 
