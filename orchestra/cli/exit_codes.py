@@ -21,7 +21,10 @@ option it refuses after parsing (the message says what to change).
 
 from __future__ import annotations
 
-from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError, OrchestraError
+from orchestra.errors import (
+    CompileError, CudaError, HazardError, MissingExtraError, NoDeviceError, OrchestraError,
+    UnsupportedDeviceError,
+)
 
 OK = 0
 CHECK_FAILED = 1
@@ -63,15 +66,15 @@ _INPUT_ERRORS = (ValueError, TypeError, KeyError, OverflowError, OSError)
 
 def exit_code(exc: BaseException) -> int:
     """The exit code for ``exc`` (see the module doc): the most specific class wins."""
-    if isinstance(exc, NoDeviceError):
-        return NO_DEVICE
+    if isinstance(exc, (NoDeviceError, UnsupportedDeviceError)):
+        return NO_DEVICE  # also a driver too old or without an entry point (subclasses)
     if isinstance(exc, CompileError):
         return COMPILE_ERROR
     if isinstance(exc, CudaError):
         return CUDA_ERROR
     if isinstance(exc, HazardError):
         return CHECK_FAILED
-    if isinstance(exc, _INPUT_ERRORS):
+    if isinstance(exc, (*_INPUT_ERRORS, MissingExtraError)):  # an extra to install is usage too
         return USAGE  # UsageError, and OrchestraErrors that are also ValueError / TypeError
     if isinstance(exc, OrchestraError):
         return CUDA_ERROR

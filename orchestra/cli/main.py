@@ -32,7 +32,7 @@ from orchestra.cli import logs, progress
 from orchestra.cli.exit_codes import (
     EPILOG, INTERNAL_ERROR, INTERRUPTED, PIPE_CLOSED, USAGE, exit_code,
 )
-from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError
+from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError, OrchestraError
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,12 @@ def _usage_failure(err: _ParseError, as_json: bool) -> int:
 
 
 def _failure(exc: Exception, prog: str, args: argparse.Namespace | None, as_json: bool) -> int:
+    if isinstance(exc, RuntimeError) and not isinstance(exc, OrchestraError):
+        # cuda-bindings' own failures outside orchestra's checked calls (a driver without an
+        # entry point, a driver library that does not load): a no-GPU error, one line
+        from orchestra.driver.check import binding_failure
+
+        exc = binding_failure("a driver call", exc) or exc
     code = exit_code(exc)
     message = str(exc)
     if isinstance(exc, NoDeviceError):

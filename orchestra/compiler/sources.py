@@ -19,7 +19,11 @@ from typing import Iterable
 
 import attrs
 
-from orchestra.errors import OrchestraError
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    KernelSourceNotFoundError,
+    OrchestraError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +152,7 @@ def read_source(source_or_path: str | bytes | os.PathLike[str], *, inline_name: 
         path = resolve_path(source_or_path, search)
         if path is None:
             dirs = ", ".join(str(d) for d in search)
-            raise FileNotFoundError(
+            raise KernelSourceNotFoundError(
                 f"kernel source {os.fspath(source_or_path)!r} not found (looked in the working"
                 f" directory and {dirs}); pass an existing path or the program text itself")
         text = _read_text(path)
@@ -156,6 +160,6 @@ def read_source(source_or_path: str | bytes | os.PathLike[str], *, inline_name: 
         return Source(text, path, str(path))
     if isinstance(source_or_path, str):
         return Source(source_or_path, None, inline_name)
-    raise TypeError(
+    raise CompilerArgumentTypeError(
         "expected a path (str or Path) to a kernel source file or the program text (str),"
         f" got {type(source_or_path).__name__}")

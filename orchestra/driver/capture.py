@@ -28,7 +28,7 @@ from cuda.bindings import driver as _d
 from orchestra.driver.check import cu, error_from_result
 from orchestra.driver.event import Event
 from orchestra.driver.stream import Stream
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import CudaError, DriverArgumentValueError, OrchestraError
 
 _CS = _d.CUstreamCaptureStatus
 _ACTIVE = _CS.CU_STREAM_CAPTURE_STATUS_ACTIVE
@@ -51,7 +51,8 @@ def capture_mode(mode) -> object:
     try:
         return MODES[key]
     except KeyError:
-        raise ValueError(f"capture mode must be one of {', '.join(MODES)}; got {mode!r}") \
+        raise DriverArgumentValueError(
+            f"capture mode must be one of {', '.join(MODES)}; got {mode!r}") \
             from None
 
 

@@ -26,10 +26,18 @@ from orchestra.compiler.ptx import (
     ptx_isa_version,
 )
 from orchestra.driver.owner import Resource
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    KernelArgumentTypeError,
+    NotFoundError,
+    ParamDeclarationValueError,
+)
 
 
-class KernelNotFoundError(OrchestraError, KeyError):
+class KernelNotFoundError(NotFoundError):
     """No kernel of that name in a module; the message lists the kernels present.
 
     Attributes: ``name`` (asked for), ``available`` (tuple of lowered names present).
@@ -141,8 +149,9 @@ class Module(Resource):
         elif isinstance(image, (str, os.PathLike)):
             data = Path(image).read_bytes()
         else:
-            raise TypeError("Module.load takes a CompileResult, image bytes, PTX text or a"
-                            f" path, got {type(image).__name__}")
+            raise CompilerArgumentTypeError(
+                "Module.load takes a CompileResult, image bytes, PTX text or a"
+                f" path, got {type(image).__name__}")
         if is_ptx(data):
             check_ptx_loadable(ptx_isa_version(data), driver_version())
             data = data.rstrip(b"\0") + b"\0"  # the driver reads PTX as a C string
@@ -270,7 +279,8 @@ class Kernel:
         A cubin's own parameter table (`elf.kernel_params`) is read first, with no driver call;
         a PTX-loaded module asks the driver (``cuFuncGetParamCount`` where it exists, then
         ``cuFuncGetParamInfo`` for the declared indices only: probing past the end would raise
-        a driver error that compute-sanitizer reports). A mismatch is ``ValueError``."""
+        a driver error that compute-sanitizer reports). A mismatch is
+        `ParamDeclarationValueError` (a ``ValueError``)."""
         image = self.module._image
         actual = kernel_params(image, self.lowered_name) if is_elf(image) else None
         if actual is None:
@@ -280,12 +290,12 @@ class Kernel:
         layout = self._need_layout()  # set: the parameters were declared
         declared = [(o, p.size) for o, p in zip(layout.offsets, self.params)]
         if len(actual) != len(declared):
-            raise ValueError(
+            raise ParamDeclarationValueError(
                 f"kernel {self.name} takes {len(actual)} parameters in the image, but"
                 f" {len(declared)} were declared: {layout.signature}; fix params=")
         for idx, ((ao, asz), (do, dsz), p) in enumerate(zip(actual, declared, self.params)):
             if ao != do or asz != dsz:
-                raise ValueError(
+                raise ParamDeclarationValueError(
                     f"kernel {self.name}: parameter {idx} ({p}) is {dsz} bytes at offset {do}"
                     f" as declared, but the image has {asz} bytes at offset {ao}; fix params=")
 
@@ -313,8 +323,9 @@ class Kernel:
 
     def _need_layout(self) -> ArgLayout:
         if self.layout is None:
-            raise TypeError(self._params_error or f"kernel {self.name}: parameters unknown;"
-                            " pass params= to Module.kernel/load_kernel")
+            raise KernelArgumentTypeError(
+                self._params_error or f"kernel {self.name}: parameters unknown;"
+                " pass params= to Module.kernel/load_kernel")
         return self.layout
 
     def pack(self, args) -> PackedArgs:
@@ -340,7 +351,7 @@ class Kernel:
         cfg = LaunchConfig.make(1, block, shared_mem)
         self.device.make_current()
         return int(_cu(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
-                       cfg.threads_per_block, cfg.shared_mem))
+                   cfg.threads_per_block, cfg.shared_mem))
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -381,8 +392,9 @@ class Kernel:
             if args.layout is self.layout or (self.layout is not None
                                               and args.layout.params == self.layout.params):
                 return args, args.address
-            raise TypeError(f"these PackedArgs were packed for {args.layout.signature}, not for"
-                            f" {self._need_layout().signature}")
+            raise KernelArgumentTypeError(
+                f"these PackedArgs were packed for {args.layout.signature}, not for"
+                f" {self._need_layout().signature}")
         packed = self.pack(args)
         return packed, packed.address
 
@@ -484,14 +496,16 @@ from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 def _raw_stream(stream):
     """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
     if stream is None:
-        raise ValueError("launch needs a Stream: orchestra never enqueues on the legacy default"
-                         " stream (pass a Stream(device) created non-blocking)")
+        raise DriverArgumentValueError(
+            "launch needs a Stream: orchestra never enqueues on the legacy default"
+            " stream (pass a Stream(device) created non-blocking)")
     if type(stream).__name__ == "CUstream":
         if int(stream) == 0:
-            raise ValueError("CUstream 0 is the legacy default stream: pass a Stream instead")
+            raise DriverArgumentValueError(
+                "CUstream 0 is the legacy default stream: pass a Stream instead")
         return stream
-    raise TypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
-                    f" {type(stream).__name__}")
+    raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
+                                  f" {type(stream).__name__}")
 
 
 class KernelAttributes:

@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from orchestra.errors import JobConfigError
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
     ELEMENT,
@@ -133,7 +134,7 @@ def parse_iters(value) -> int | None:
         return None
     iters = int(value)
     if iters < 0:
-        raise ValueError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
+        raise JobConfigError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
     return iters
 
 
@@ -157,7 +158,7 @@ class MainJob:
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
                  progress: Callable[[str, int, int], None] | None = None):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
-            raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
+            raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
         self.batches = int(batches)
         self.streams = int(streams)

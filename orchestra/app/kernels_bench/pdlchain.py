@@ -37,6 +37,7 @@ from collections.abc import Callable
 import attrs
 import numpy as np
 
+from orchestra.errors import BenchConfigError
 from orchestra.app.kernels_bench import catalog as cat
 from orchestra.app.kernels_bench import reference as ref
 from orchestra.app.kernels_bench.common import median
@@ -266,7 +267,7 @@ def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeat
     from orchestra.driver import Device
 
     if kernels < 1 or n < 1 or repeats < 1 or (gate_ms is not None and gate_ms <= 0):
-        raise ValueError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
+        raise BenchConfigError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
     results: list[ChainResult] = []

@@ -62,6 +62,7 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
 from orchestra.errors import CudaError, OrchestraError
 from orchestra.execute.cuda_graph.capture_plan import capture_steps, check_capture_steps
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.cuda_graph.exec import BuiltGraph, NodeRecord
 from orchestra.execute.cuda_graph.executor import (
     GraphExecutorBase,
@@ -171,7 +172,8 @@ class CaptureExecutor(GraphExecutorBase):
                  mode) -> BuiltGraph:
         t0 = time.perf_counter_ns()
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"capture takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"capture takes a TaskGraph, got {type(graph).__name__}")
         plan = self._plan(graph, plan, policy, streams, costs, need=True)
         issue = check_run(plan, graph, verify=False)  # structure, issue order, alloc order
         unfreed = check_graph_memory(graph, auto_free=auto_free)

@@ -50,7 +50,14 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
 from orchestra.driver.entry_points import exec_update
 from orchestra.driver.stream import check_stream
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    ClosedError,
+    CudaError,
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    OrchestraError,
+    prefixed,
+)
 from orchestra.execute.bindings import (
     PinnedCheck,
     as_host_array,
@@ -243,9 +250,10 @@ class _KernelEntry:
             layout = self.layout
             i = layout.resolve(key)
             if i in self.pointers or layout.params[i].is_pointer:
-                raise TypeError(f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
-                                "pointer the graph binds to its buffers; only scalar "
-                                "parameters can be replayed with new values")
+                raise KernelArgumentTypeError(
+                    f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
+                    "pointer the graph binds to its buffers; only scalar "
+                    "parameters can be replayed with new values")
             slot = self.slots[key] = (layout.field_names[i], layout.converters[i])
         return slot
 
@@ -545,7 +553,7 @@ class GraphExec(Closable):
         """
         with self._lock:
             if self._closed:
-                raise ValueError("this GraphExec is closed")
+                raise ClosedError("this GraphExec is closed")
             if bindings:
                 bound = self._bound
                 try:
@@ -560,8 +568,9 @@ class GraphExec(Closable):
                 try:
                     items = scalars.items()
                 except AttributeError:
-                    raise TypeError("scalars must map kernel node name -> {parameter: value}; "
-                                    f"got {type(scalars).__name__}") from None
+                    raise KernelArgumentTypeError(
+                        "scalars must map kernel node name -> {parameter: value}; "
+                        f"got {type(scalars).__name__}") from None
                 for node, values in items:
                     self._set_scalars(node, values)
             if stream is None and self._tracer is None:  # the common path, inlined
@@ -649,20 +658,23 @@ class GraphExec(Closable):
         entry = self._kernels.get(node)
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
-            raise ValueError(f"scalars: {node!r} is not a kernel node of this graph (kernel "
-                             f"nodes: {known})")
+            raise KernelArgumentValueError(
+                f"scalars: {node!r} is not a kernel node of this graph (kernel "
+                f"nodes: {known})")
         struct = entry.struct
         try:
             items = values.items()
         except AttributeError:
-            raise TypeError(f"scalars[{node!r}] must map parameter name or index -> value; got "
-                            f"{type(values).__name__}") from None
+            raise KernelArgumentTypeError(
+                f"scalars[{node!r}] must map parameter name or index -> value; got "
+                f"{type(values).__name__}") from None
         for key, value in items:
             field, conv = entry.slot(node, key)
             try:
                 setattr(struct, field, conv(value))
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"kernel node {node}: {exc}") from exc
+                raise prefixed(exc, f"kernel node {node}: ", KernelArgumentTypeError,
+                               KernelArgumentValueError) from exc
         (err,) = _set_kernel(self._exec, entry.gnode, entry.params)
         if err:
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")

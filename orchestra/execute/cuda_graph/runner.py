@@ -22,10 +22,12 @@ import threading
 import time
 from typing import Any, Mapping
 
+from orchestra.errors import NotReadyError
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
 from orchestra.execute.cuda_graph.cache import GraphCache
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
+from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
@@ -44,7 +46,8 @@ class GraphRunner(Closable):
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
                  mode="thread-local", trace: bool = False):
         if kind not in KINDS:
-            raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
+            raise ExecutorArgumentValueError(
+                f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
         self.executor: GraphExecutorBase
         if self.kind == "capture":
@@ -135,7 +138,7 @@ class GraphRunner(Closable):
     def dot(self, path, *, verbose: bool = False) -> str:
         """The last exec's graph as DOT (``cuGraphDebugDotPrint``); ValueError before any run."""
         if self.last_exec is None or self.last_exec.closed:
-            raise ValueError("no graph has been built yet: run() first")
+            raise NotReadyError("no graph has been built yet: run() first")
         return self.last_exec.dot(path, verbose=verbose)
 
     # -- lifetime -----------------------------------------------------------------------------
