@@ -21,6 +21,8 @@ option it refuses after parsing (the message says what to change).
 
 from __future__ import annotations
 
+from typing import Any
+
 from orchestra.errors import (
     CompileError, CudaError, HazardError, MissingExtraError, NoDeviceError, OrchestraError,
     UnsupportedDeviceError,
@@ -55,9 +57,18 @@ stdout), -v (debug log on stderr) and -q (errors only, no progress bars), anywhe
 
 
 class UsageError(OrchestraError, ValueError):
-    """An option or argument a command refuses after parsing; exit code 2.
+    """An option or argument a command refuses; exit code 2.
 
-    The message says what to change (``--output needs --input ...``)."""
+    The message says what to change (``--output needs --input ...``). ``parser``: the
+    argparse parser whose usage goes with it (set for parse errors, else None).
+    """
+
+    def __init__(self, message: str, parser: Any = None):
+        super().__init__(message)
+        self.parser = parser
+
+    def __reduce__(self):
+        return (type(self), (str(self),))
 
 
 # Bad input from the caller (an option, a file, an argument): one line that says what to change.

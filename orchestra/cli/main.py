@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from orchestra.cli import logs, progress
 from orchestra.cli.exit_codes import (
-    EPILOG, INTERNAL_ERROR, INTERRUPTED, PIPE_CLOSED, USAGE, exit_code,
+    EPILOG, INTERNAL_ERROR, INTERRUPTED, PIPE_CLOSED, USAGE, UsageError, exit_code,
 )
 from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError, OrchestraError
 
@@ -40,21 +40,12 @@ log = logging.getLogger(__name__)
 _COMMANDS = ("devices", "compile_cmd", "cache_cmd", "plan_cmd", "run_cmd", "bench")
 
 
-class _ParseError(Exception):
-    """argparse's usage error, with the parser (and so the usage) it belongs to."""
-
-    def __init__(self, parser: argparse.ArgumentParser, message: str):
-        super().__init__(message)
-        self.parser = parser
-        self.message = message
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose usage errors `main` reports (text or JSON) instead
-    of exiting from inside argparse."""
+    of exiting from inside argparse: a `UsageError` whose ``parser`` is the (sub)command's."""
 
     def error(self, message: str) -> NoReturn:
-        raise _ParseError(self, message)
+        raise UsageError(message, parser=self)
 
 
 def version_text() -> str:
@@ -156,12 +147,13 @@ def _print_json_error(type_name: str, message: str, code: int, **details: Any) -
     print(json.dumps({"error": error}, indent=1))
 
 
-def _usage_failure(err: _ParseError, as_json: bool) -> int:
+def _usage_failure(err: UsageError, parser: argparse.ArgumentParser, as_json: bool) -> int:
+    parser = err.parser or parser
     if as_json:
-        _print_json_error("UsageError", err.message, USAGE, usage=err.parser.format_usage().strip())
+        _print_json_error("UsageError", str(err), USAGE, usage=parser.format_usage().strip())
     else:
-        err.parser.print_usage(sys.stderr)
-        print(f"{err.parser.prog}: error: {err.message}", file=sys.stderr)
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
     return USAGE
 
 
@@ -210,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         try:
             args = parse_args(parser, argv)
-        except _ParseError as err:
-            return _usage_failure(err, as_json)
+        except UsageError as err:
+            return _usage_failure(err, parser, as_json)
         prog = args._parser.prog
         as_json = bool(getattr(args, "json", False))
         logs.configure(args.verbose, args.quiet, prog)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestra.errors import ClosedError
 
 
@@ -26,8 +28,7 @@ class Closable:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:  # each subclass releases its own handles, then sets _closed
-        raise NotImplementedError
+    close: Callable[[], None]  # each subclass's own: releases its handles, sets _closed
 
 
 __all__ = ["Closable"]

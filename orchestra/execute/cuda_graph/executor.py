@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from cuda.bindings import driver as _d
 
@@ -136,6 +136,8 @@ class GraphExecutorBase(Closable):
     costs, auto_free, **kw) -> BuiltGraph``.
     """
 
+    _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)
+
     executor_name = "graph"
 
     def __init__(self, device=None, *, verify: bool = True,
@@ -222,11 +224,6 @@ class GraphExecutorBase(Closable):
         flags = AUTO_FREE_ON_LAUNCH if auto_free else 0
         return GraphExec(built, self.device, flags=flags, upload=upload, rebuild=rebuild,
                          stream=stream)
-
-    def _build_graph(self, graph: TaskGraph, plan: Plan | None, bindings, *, trace: bool,
-                     policy: str, streams: int, costs, auto_free: bool) -> BuiltGraph:
-        """Build the ``CUgraph`` (each executor its own way: capture or node by node)."""
-        raise NotImplementedError
 
     def _rebuild(self, options, graph, plan, bindings) -> BuiltGraph:
         self._check_open()
