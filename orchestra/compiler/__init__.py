@@ -19,13 +19,21 @@ Public API::
     Kernel.occupancy(block, shared_mem=0) -> int;  Kernel.attributes
     parse_params(source, kernel_name) -> tuple[Param, ...]
     kernel_source_dir(), ptx_source_dir()
+    cache_info() -> CacheInfo;  cache_clear() -> (entries, bytes)   # `orchestra cache`
 
 See docs/ARCHITECTURE.md. Everything here runs without a GPU; `Module`/`Kernel`/`load_kernel`
 (from `orchestra.kernel`) need one.
 """
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
-from orchestra.compiler.cache import cache_dir, cache_enabled
+from orchestra.compiler.cache import (
+    CacheConfigError,
+    CacheInfo,
+    cache_clear,
+    cache_dir,
+    cache_enabled,
+    cache_info,
+)
 from orchestra.compiler.elf import kernel_names
 from orchestra.compiler.launch import (
     LaunchConfig,
@@ -70,10 +78,10 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ArgLayout", "CompileJob", "CompileResult", "Kernel", "KernelAttributes",
-    "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError", "PackedArgs", "Param",
-    "PtxVersionError", "build_launch_config", "cache_dir", "cache_enabled", "check_launch",
-    "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
+    "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",
+    "KernelAttributes", "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError",
+    "PackedArgs", "Param", "PtxVersionError", "build_launch_config", "cache_clear", "cache_dir",
+    "cache_enabled", "cache_info", "check_launch", "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
     "kernel_source_dir", "launch_attribute_values", "launch_attributes", "link_ptx", "load_kernel",
     "normalize_arch", "normalize_dims", "normalize_params", "nvrtc_version", "parse_params",
     "prepare_compile", "ptx_isa_version", "ptx_source_dir", "required_cuda_for_ptx",

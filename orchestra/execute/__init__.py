@@ -26,6 +26,10 @@ from orchestra.execute.bindings import (
 from orchestra.execute.eager import EagerExecutor
 from orchestra.execute.errors import (
     BindingError,
+    BucketOverflowError,
+    ExecutorArgumentError,
+    ExecutorArgumentTypeError,
+    ExecutorArgumentValueError,
     ExecutorUnavailable,
     HostFunctionError,
     PageableMemoryError,
@@ -74,8 +78,9 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True, driv
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "DeviceBinding",
-    "EXECUTORS", "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
+    "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
     "HostFunctionError", "KernelArgs", "KernelResolver", "Lowering", "NoLoweringError",
     "PageableMemoryError", "PinnedCheck", "PlanMismatchError", "PointerArg",
     "ResolvedBindings", "RunResult", "StagingPool", "assign_event_slots", "check_run",

@@ -1,8 +1,7 @@
 """`ExecutorBase`: what the eager, the capture and the graph-build executor share.
 
 - setup: the `DriverAPI` every driver call goes through (``driver=``, default: the process's),
-  the `Device`, the default memory pool configured now (at setup, never during a capture:
-  case C03), a `KernelResolver`, a `PinnedCheck`, the stream / event pool, one lock;
+  the `Device`, the default memory pool configured now (at setup, never during a capture), a `KernelResolver`, a `PinnedCheck`, the stream / event pool, one lock;
 - the pre-run checks, composed one way for every executor (`_checked`): the graph's type,
   then the executor's own plan and graph checks (`_plan_checks`: plan structure, issue order
   and allocation order for the stream executors, the graph-memory policy and the capture's
@@ -17,12 +16,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 from orchestra.driver.api import default_api
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
 from orchestra.execute.closable import Closable
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
 from orchestra.execute.resources import StreamPool
@@ -100,15 +100,15 @@ class ExecutorBase(Closable):
         checks raise (`GraphError`, `PlanMismatchError`, `HazardError`, `GraphMemoryError`,
         `UnjoinedStreamError`, kernel and argument errors, `NoLoweringError`)."""
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"{self._takes} takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"{self._takes} takes a TaskGraph, got {type(graph).__name__}")
         shape = self._plan_checks(graph, plan, **opts)
         self._check_devices(graph)
         return shape, self._resolve(graph)
 
-    def _plan_checks(self, graph, plan, **opts):
-        """The executor's own checks of ``graph`` (and ``plan``), hazards included unless
-        ``verify=False``; returns what its build needs (issue order, translation, ...)."""
-        raise NotImplementedError
+    # each executor's own checks of ``graph`` (and ``plan``), hazards included unless
+    # ``verify=False``; returns what its build needs (issue order, translation, ...)
+    _plan_checks: Callable[..., Any]
 
     def _check_devices(self, graph: TaskGraph) -> None:
         ordinal = self.device.ordinal

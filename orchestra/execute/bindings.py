@@ -40,11 +40,13 @@ import numpy as np
 
 from orchestra.driver import host as _host
 from orchestra.driver.owner import Lease
+from orchestra.errors import NotFoundError
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
 from orchestra.execute.lru import IdentityLRU
-from orchestra.graph import Buffer, HostBuffer, TaskGraph
+from orchestra.graph import Alloc, Buffer, Free, TaskGraph
 
-_from_buffer = ctypes.c_char.from_buffer
+# any object with the writable buffer protocol (a TypeError otherwise, caught by the caller)
+_from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 _RANGES = _host.pinned_ranges()  # the process-wide registry of orchestra's pinned ranges
 
@@ -140,7 +142,7 @@ class ResolvedBindings:
     def address(self, name: str) -> int:
         b = self.host.get(name) or self.device.get(name)
         if b is None:
-            raise KeyError(f"no binding named {name!r}")
+            raise NotFoundError(f"no binding named {name!r}")
         return b.address
 
 
@@ -314,10 +316,10 @@ class Binding:
         self.buffer = buffer
         self.nbytes = buffer.nbytes
         self.writer = writer
-        self.value = None
-        self.array = None
+        self.value: Any = None
+        self.array: Any = None  # np.ndarray once a host value is bound
         self.address = 0
-        self.keep = None
+        self.keep: Any = None
         self.version = -1
         self.users: list = []
 
@@ -341,7 +343,7 @@ class BindingTable:
 
     def __init__(self, graph: TaskGraph, pinned: PinnedCheck | None = None):
         self.pinned = pinned if pinned is not None else PinnedCheck()
-        allocated = {n.buffer.name for n in graph.nodes if n.kind in ("alloc", "free")}
+        allocated = {n.buffer.name for n in graph.nodes if isinstance(n, (Alloc, Free))}
         self.allocated = frozenset(allocated)
         written: dict[str, str] = {}
         for node in graph.nodes:
@@ -439,7 +441,8 @@ class BindingTable:
         parts = []
         if missing:
             parts.append("unbound: " + ", ".join(
-                f"{n} ({self._kind(n)}, {self.get(n).nbytes} bytes)" for n in missing))
+                f"{n} ({self._kind(n)}, {(self.host.get(n) or self.external[n]).nbytes} bytes)"
+                for n in missing))
         if unknown:
             allocated = [n for n in unknown if n in self.allocated]
             other = [n for n in unknown if n not in self.allocated]
@@ -473,7 +476,7 @@ class BindingTable:
         if len(bindings) != len(host) + len(external):
             self.unknown(bindings)
         version = _RANGES.version
-        checked = []
+        checked: list[tuple[Any, ...]] = []
         try:
             for name, b in host.items():
                 value = bindings[name]

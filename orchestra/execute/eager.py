@@ -33,16 +33,17 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Mapping
 
 import attrs
 
 from orchestra.driver import Device
-from orchestra.errors import CudaError
+from orchestra.errors import CallOrderError, CudaError
 from orchestra.execute.base import ExecutorBase
 from orchestra.execute.bindings import BindingTable, release_keep
-from orchestra.execute.errors import HostFunctionError
+from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
@@ -52,6 +53,8 @@ from orchestra.execute.resources import PlanCache
 from orchestra.execute.result import RunResult
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
+
+log = logging.getLogger(__name__)
 
 
 class _Prepared:
@@ -173,7 +176,8 @@ class EagerExecutor(ExecutorBase):
     def _plan_checks(self, graph, plan):
         """Checks 1-4 of `prepare.check_run`: the issue order."""
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"plan must be a schedule.Plan, got {type(plan).__name__}")
         return check_run(plan, graph, verify=self.verify)
 
     def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
@@ -227,7 +231,7 @@ class EagerExecutor(ExecutorBase):
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
-                    raise RuntimeError(
+                    raise CallOrderError(
                         "a run traced with trace=True is still pending (sync=False); call "
                         "synchronize() before the next traced run, or pass tracer=EagerTracer()")
             self.device.make_current()
@@ -354,6 +358,10 @@ class EagerExecutor(ExecutorBase):
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
         program = prep.program
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
+                  "enqueued (one per step), in %.0f us; wall %s ms", program.node_count,
+                  len(prep.streams), program.event_count, program.wait_count,
+                  len(program.steps), enqueue_us, "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=program.node_count,
                          steps=len(program.steps), events=program.event_count,
                          waits=program.wait_count, streams=len(prep.streams),

@@ -19,6 +19,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from orchestra.execute.errors import ExecutorArgumentValueError
+
 
 class IdentityLRU:
     """At most ``size`` values keyed by ``(objects, extra)``, least recently used dropped first.
@@ -34,7 +36,8 @@ class IdentityLRU:
     def __init__(self, size: int, *, weak: bool = False,
                  on_evict: Callable[[Any], None] | None = None):
         if size < 1:
-            raise ValueError(f"an IdentityLRU holds at least one entry; got size={size}")
+            raise ExecutorArgumentValueError(
+                f"an IdentityLRU holds at least one entry; got size={size}")
         self.size = int(size)
         self.weak = bool(weak)
         self._on_evict = on_evict

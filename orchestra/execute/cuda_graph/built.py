@@ -7,6 +7,12 @@ parameters read back from the driver.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time: tracing and host nodes are optional
+    from orchestra.execute.hostfunc import HostCallbacks
+    from orchestra.trace import GraphTracer
+
 
 class NodeRecord:
     """One orchestra node in a CUDA graph: ``gnode`` (the ``CUgraphNode`` per-node updates
@@ -59,8 +65,8 @@ class BuiltGraph:
         self.kernels: dict = {}
         self.allocs: dict[str, int] = {}
         self.unfreed: list[int] = []
-        self.callbacks = None
-        self.tracer = None
+        self.callbacks: HostCallbacks | None = None
+        self.tracer: GraphTracer | None = None
         self.build_ms = 0.0
         self.meta: dict = {}
 

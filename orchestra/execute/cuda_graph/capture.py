@@ -7,11 +7,11 @@
 How a plan is captured (`capture_plan.capture_steps`, checked by `check_capture_steps` before
 anything is enqueued):
 
-1. checks, all before the capture (`ExecutorBase._checked`): graph and plan structure, the C05
+1. checks, all before the capture (`ExecutorBase._checked`): graph and plan structure, the
    graph-memory policy, hazards (``verify``), every stream forked and joined, devices,
    kernels compiled and arguments packed; then bindings resolved, streams and sync-only
    events taken from the executor's pools (the default memory pool was configured at executor
-   setup: C03, no pool attribute is touched during a capture), tracer events created, and the
+   setup: no pool attribute is touched during a capture), tracer events created, and the
    plan lowered onto streams in capture mode (`lowering.stream.lower_plan`: the steps the
    eager executor runs, each node also recording its graph node's parameter struct);
 2. ``cuStreamBeginCapture(origin, mode)`` on the executor's origin stream (not a plan stream)
@@ -31,7 +31,7 @@ anything is enqueued):
    status is checked (ACTIVE, nothing added since its join), and ``cuStreamEndCapture(origin)``.
 
 If anything fails on the way (a driver call refused, an illegal call made during the capture
-such as a stream query or synchronize: case C01, the capture invalidated), the executor joins
+such as a stream query or synchronize, which invalidates the capture), the executor joins
 what it can, ends the capture on the origin, destroys whatever graph came back, checks that every
 stream has left capture mode, and raises `CaptureError` naming the failing call and the node
 being captured. Nothing leaks: streams and events are the executor's pooled ones, graph
@@ -44,7 +44,7 @@ The begin / fork / join / end discipline itself is the driver layer's `CaptureSe
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from cuda.bindings import driver as _d
 
@@ -60,9 +60,10 @@ from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.capture_plan import capture_steps, check_capture_steps
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.cuda_graph.spec import check_findings, check_graph_memory
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.prepare import assign_event_slots, check_run
-from orchestra.graph import TaskGraph
+from orchestra.graph import Node, TaskGraph
 from orchestra.schedule import verify
 
 _ACTIVE = _d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
@@ -100,12 +101,13 @@ class CaptureExecutor(GraphExecutorBase):
         mode: ``"thread-local"`` (default), ``"global"`` or ``"relaxed"``.
         verify: run the hazard verifier before capturing (`HazardError`).
         kernel_resolver: a shared `KernelResolver`.
-        auto_free: the C05 opt-in (see `GraphExecutorBase.build`).
+        auto_free: the opt-in to allocations the graph does not free (see
+            `GraphExecutorBase.build`).
         driver: the `DriverAPI` every driver call goes through (default: the process's).
 
     ``build(graph, plan=None, bindings, *, policy, streams, trace, hook=None, ...)``:
     ``hook(stream, node)``, when given, is called right after each node is captured (a test
-    seam: C01 injects a stream query there). Streams (one per plan `StreamSpec`, by priority),
+    seam: a test injects an illegal stream query there). Streams (one per plan `StreamSpec`, by priority),
     the origin stream and sync-only events are pooled and reused by every capture; one capture
     at a time per executor.
     """
@@ -129,9 +131,10 @@ class CaptureExecutor(GraphExecutorBase):
     # -- checks -------------------------------------------------------------------------------
 
     def _plan_checks(self, graph, plan, *, auto_free: bool):
-        """Structure, issue order and allocation order (`check_run` without hazards), the C05
-        policy, the hazard verifier (unless ``verify=False``; NEVER_FREED findings left out
-        under ``auto_free``), every stream forked and joined. Returns ``(issue, unfreed)``."""
+        """Structure, issue order and allocation order (`check_run` without hazards), the
+        graph-memory policy, the hazard verifier (unless ``verify=False``; NEVER_FREED
+        findings left out under ``auto_free``), every stream forked and joined. Returns
+        ``(issue, unfreed)``."""
         issue = check_run(plan, graph, verify=False)
         unfreed = check_graph_memory(graph, auto_free=auto_free)
         if self.verify:
@@ -153,7 +156,8 @@ class CaptureExecutor(GraphExecutorBase):
                  mode) -> BuiltGraph:
         t0 = time.perf_counter_ns()
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"capture takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"capture takes a TaskGraph, got {type(graph).__name__}")
         plan = self._plan(graph, plan, policy, streams, costs, need=True)
         (issue, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free)
         table = self._bindings(graph, bindings)
@@ -184,7 +188,7 @@ class CaptureExecutor(GraphExecutorBase):
         records = built.records
         api = self.api
         session = CaptureSession(self._origin, mode, events=fork_join, api=api)
-        current = None
+        current: tuple[Node | None, Any] | None = None  # (node being captured, its stream)
         try:
             session.begin()
             session.fork(*(s for _, s in ordered), names=names)

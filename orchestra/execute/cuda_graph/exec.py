@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from cuda.bindings import driver as _d
 
@@ -40,71 +41,15 @@ from orchestra.execute.bindings import release_keep
 from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.replay import KernelScalars, Replay
+from orchestra.execute.cuda_graph.state import ExecState, release_exec
 from orchestra.execute.cuda_graph.update import Update, UpdateResult
 from orchestra.execute.errors import HostFunctionError
 
+if TYPE_CHECKING:  # imported lazily at run time: tracing is optional
+    from orchestra.trace import Timeline
+
 AUTO_FREE_ON_LAUNCH = int(
     _d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-
-
-class _State:
-    """Everything the finalizer releases (no reference back to the `GraphExec`)."""
-
-    def __init__(self, device: Device, api):
-        self.device = device
-        self.api = api
-        self.exec = None  # CUgraphExec
-        self.graphs: list = []  # every CUgraph the exec owns (instantiation graph first)
-        self.tracers: list = []
-        self.unfreed: list[int] = []
-        self.launched = False
-        self.streams: dict[int, Stream] = {}  # streams launched on since the last synchronize
-        self.own_stream: Stream | None = None
-        self.owns_stream = True  # False when the caller gave the stream: not closed here
-        self.keep: list = []  # BuiltGraphs (bindings, packed args, callbacks) kept alive
-        self.retired: list = []  # what kept memory alive that a replay unbound meanwhile
-
-
-def _release(state: _State) -> None:
-    """Destroy the exec, free what it left allocated, destroy its graphs, close its tracers.
-    Runs on `close()` or from the finalizer (then inside ``device.pushed()``)."""
-    dev, api = state.device, state.api
-    if api.context_alive(dev.ordinal):
-        with dev.pushed():
-            own = [state.own_stream] if state.own_stream is not None else []
-            for s in list(state.streams.values()) + own:
-                try:
-                    if not s.closed:
-                        s.synchronize()
-                except CudaError:
-                    pass
-            if state.exec is not None:
-                api.cuGraphExecDestroy(state.exec)
-            if state.unfreed and state.launched:
-                # auto_free graphs: the last launch's allocations are live (C05 opt-in); a
-                # graph allocation may be freed with cuMemFree once its work is done.
-                for dptr in state.unfreed:
-                    api.cuMemFree(dptr)
-            for g in state.graphs:
-                api.cuGraphDestroy(g)
-    state.exec = None
-    state.graphs.clear()
-    state.unfreed = []
-    for t in state.tracers:
-        try:
-            t.close()
-        except Exception:  # noqa: BLE001 - events die with the context anyway
-            pass
-    state.tracers.clear()
-    state.streams.clear()
-    if state.own_stream is not None:
-        if state.owns_stream:
-            state.own_stream.close()
-        state.own_stream = None
-    # the graphs are gone: what kept their bound memory alive may go too
-    release_keep([b.bindings for b in state.keep] + state.retired)
-    state.keep.clear()
-    state.retired.clear()
 
 
 class GraphExec(Replay, Update, Closable):
@@ -141,8 +86,8 @@ class GraphExec(Replay, Update, Closable):
         self._rebuild = rebuild
         self._lock = threading.RLock()
         self._closed = False
-        self._state = _State(device, api)
-        self._finalizer = weakref.finalize(self, _release, self._state)
+        self._state = ExecState(device, api)
+        self._finalizer = weakref.finalize(self, release_exec, self._state)
         self._finalizer.atexit = False
         self._pending_timeline = False
         self._own_pending = False  # a launch on the exec's own stream since the last sync
@@ -150,7 +95,7 @@ class GraphExec(Replay, Update, Closable):
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
         self.last_update: UpdateResult | None = None
-        self.timeline = None
+        self.timeline: Timeline | None = None
         device.make_current()
         self._ctx = device.context
         self._state.own_stream = stream if stream is not None else api.stream(device)
@@ -321,9 +266,10 @@ class GraphExec(Replay, Update, Closable):
             self._pending_timeline = False
             node, exc = errors[0]
             raise HostFunctionError(node, exc, errors[1:]) from exc
-        if self._pending_timeline:
+        tracer = self._tracer
+        if self._pending_timeline and tracer is not None:  # pending: only traced execs
             self._pending_timeline = False
-            self.timeline = self._tracer.finish()
+            self.timeline = tracer.finish()
             return self.timeline
         return None
 

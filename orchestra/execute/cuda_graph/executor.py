@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from orchestra.driver import Stream
 from orchestra.execute.base import ExecutorBase
+from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.exec import AUTO_FREE_ON_LAUNCH, GraphExec
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan, schedule
 
@@ -19,11 +21,13 @@ from orchestra.schedule import Plan, schedule
 class GraphExecutorBase(ExecutorBase):
     """Shared setup of the graph executors (see `ExecutorBase`), plus ``auto_free``: allow
     Allocs without Frees and instantiate with ``CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH``
-    (case C05's opt-in).
+    (the opt-in to allocations the graph does not free).
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
     costs, auto_free, **kw) -> BuiltGraph``.
     """
+
+    _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)
 
     executor_name = "graph"
     _device_verb = "builds for"
@@ -37,7 +41,8 @@ class GraphExecutorBase(ExecutorBase):
     def _plan(self, graph, plan, policy, streams, costs, need: bool) -> Plan | None:
         if plan is not None:
             if not isinstance(plan, Plan):
-                raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+                raise ExecutorArgumentTypeError(
+                    f"plan must be a schedule.Plan, got {type(plan).__name__}")
             return plan
         return schedule(graph, policy, streams, costs) if need else None
 
@@ -57,7 +62,8 @@ class GraphExecutorBase(ExecutorBase):
         launch stream (default: a new non-blocking one it owns).
         """
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"build() takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"build() takes a TaskGraph, got {type(graph).__name__}")
         self._check_open()
         auto_free = self.auto_free if auto_free is None else bool(auto_free)
         options = dict(trace=bool(trace), policy=policy, streams=streams, costs=costs,

@@ -27,7 +27,14 @@ from typing import Any, Mapping
 
 from orchestra.driver import host as _host
 from orchestra.driver.check import error_from_result
+from orchestra.errors import (
+    ClosedError,
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    prefixed,
+)
 from orchestra.execute.bindings import release_keep
+from orchestra.execute.cuda_graph.state import ExecParts
 from orchestra.execute.errors import BindingError
 
 _RANGES = _host.pinned_ranges()  # the process-wide registry (one object): its version
@@ -55,14 +62,15 @@ class KernelScalars:
             layout = self.layout
             i = layout.resolve(key)
             if i in self.pointers or layout.params[i].is_pointer:
-                raise TypeError(f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
-                                "pointer the graph binds to its buffers; only scalar "
-                                "parameters can be replayed with new values")
+                raise KernelArgumentTypeError(
+                    f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
+                    "pointer the graph binds to its buffers; only scalar "
+                    "parameters can be replayed with new values")
             slot = self.slots[key] = (layout.field_names[i], layout.converters[i])
         return slot
 
 
-class Replay:
+class Replay(ExecParts):
     """`GraphExec.replay` and `GraphExec.scalars` (a part of `GraphExec`: it uses the exec's
     state, lock, binding table and bound driver functions)."""
 
@@ -88,7 +96,7 @@ class Replay:
         """
         with self._lock:
             if self._closed:
-                raise ValueError("this GraphExec is closed")
+                raise ClosedError("this GraphExec is closed")
             if bindings:
                 try:
                     items = bindings.items()
@@ -106,8 +114,9 @@ class Replay:
                 try:
                     items = scalars.items()
                 except AttributeError:
-                    raise TypeError("scalars must map kernel node name -> {parameter: value}; "
-                                    f"got {type(scalars).__name__}") from None
+                    raise KernelArgumentTypeError(
+                        "scalars must map kernel node name -> {parameter: value}; "
+                        f"got {type(scalars).__name__}") from None
                 for node, values in items:
                     self._set_scalars(node, values)
             if stream is None and self._tracer is None:  # the common path, inlined
@@ -170,20 +179,23 @@ class Replay:
         entry = self._kernels.get(node)
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
-            raise ValueError(f"scalars: {node!r} is not a kernel node of this graph (kernel "
-                             f"nodes: {known})")
+            raise KernelArgumentValueError(
+                f"scalars: {node!r} is not a kernel node of this graph (kernel "
+                f"nodes: {known})")
         struct = entry.struct
         try:
             items = values.items()
         except AttributeError:
-            raise TypeError(f"scalars[{node!r}] must map parameter name or index -> value; got "
-                            f"{type(values).__name__}") from None
+            raise KernelArgumentTypeError(
+                f"scalars[{node!r}] must map parameter name or index -> value; got "
+                f"{type(values).__name__}") from None
         for key, value in items:
             field, conv = entry.slot(node, key)
             try:
                 setattr(struct, field, conv(value))
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"kernel node {node}: {exc}") from exc
+                raise prefixed(exc, f"kernel node {node}: ", KernelArgumentTypeError,
+                               KernelArgumentValueError) from exc
         (err,) = self._set_kernel(self._exec, entry.gnode, entry.params)
         if err:
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")

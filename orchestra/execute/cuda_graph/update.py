@@ -19,6 +19,7 @@ from orchestra.driver.check import cu
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import release_keep
 from orchestra.execute.cuda_graph.built import BuiltGraph
+from orchestra.execute.cuda_graph.state import ExecParts
 from orchestra.schedule import verify
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class UpdateResult:
     message: str = ""
 
 
-class Update:
+class Update(ExecParts):
     """`GraphExec.update` and what it needs (a part of `GraphExec`: it uses the exec's state,
     lock and driver API)."""
 

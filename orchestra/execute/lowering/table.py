@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar
 
 from orchestra.errors import GraphError
+from orchestra.graph import Node
 
 LOWERINGS: dict[type, "Lowering"] = {}
 
@@ -45,7 +46,7 @@ class Lowering:
     attributes, and override what they support; an entry is stateless (one instance serves
     every executor and thread)."""
 
-    node_type: ClassVar[type]
+    node_type: ClassVar[type[Node]]
     graph_node: ClassVar[str | None] = None
     driver_node_type: ClassVar[str | None] = None
     replay_params: ClassVar[str | None] = None
@@ -83,7 +84,7 @@ class Lowering:
         return f"<Lowering {self.node_type.__name__} -> {self.graph_node}>"
 
 
-def register(cls: type) -> type:
+def register(cls: type[Lowering]) -> type[Lowering]:
     """Class decorator: register an instance of the `Lowering` subclass ``cls`` for its
     ``node_type`` (replacing an earlier entry for that class). Returns ``cls``."""
     LOWERINGS[cls.node_type] = cls()
