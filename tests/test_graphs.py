@@ -1,6 +1,6 @@
 """CPU tests of the CUDA Graph executors' pure parts (no GPU needed).
 
-- the graph-build translation (`graph_spec.translate`): node kinds and edges equal the
+- the graph-build translation (`cuda_graph.spec.translate`): node kinds and edges equal the
   TaskGraph's own DAG for chain, diamond and batch pipelines;
 - the C05 graph-memory policy: an Alloc without its Free is refused (unless auto_free);
 - the capture plan: fork/join around the plan's steps never leaves a stream unjoined, and the
@@ -296,7 +296,7 @@ def test_c05_realloc_without_free_in_between_counts():
 
 def test_c05_graph_executors_check_before_building():
     # The executors call check_graph_memory before any CUDA call: the same function, so the
-    # CPU check is the executors' check (see graph_build.prepare_build).
+    # CPU check is the executors' check (see cuda_graph.build.prepare_build).
     from orchestra.execute.cuda_graph.build import prepare_build
 
     g = TaskGraph()
