@@ -451,6 +451,13 @@ def test_bindings_list_every_field_their_address_is_written_to(fakes, kind):
         assert table.get("x").value is xb and table.get("x").keep is xb
         ref = reference(np.concatenate([np.zeros(n // 2, np.float32), hin[:n // 2]]))
         np.testing.assert_array_equal(hout, ref)
+        # the same external buffers again (what GraphRunner passes every run): no change
+        launches = graph.counts["cuGraphLaunch"]
+        exe.replay({"x": xb, "y": yb, "hin": hin, "hout": hout})
+        assert graph.counts["cuGraphLaunch"] == launches + 1
+        assert graph.counts["cuGraphExecMemcpyNodeSetParams"] == 0
+        with pytest.raises(orchestra.execute.BindingError, match="baked into the graph"):
+            exe.replay({"x": _FakeBuf(graph, N)})
         exe.close()
 
 

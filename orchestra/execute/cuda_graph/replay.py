@@ -82,8 +82,9 @@ class Replay(ExecParts):
         Args:
             bindings: host buffer name -> pinned array (numpy array, `PinnedBuffer`,
                 `HostRegistration`), only those that change; a name bound to the very same
-                object as before costs nothing. Same byte size as the graph's host buffer,
-                C-contiguous, writable for outputs, page-locked.
+                object as before costs nothing (an external device buffer too; another one is
+                refused: its address is in the graph's nodes). Same byte size as the graph's
+                host buffer, C-contiguous, writable for outputs, page-locked.
             scalars: kernel node name -> {parameter name or index: value} (scalar parameters
                 only; checked like ``Kernel.pack``). Values persist for later launches.
             stream: launch stream (default: the exec's own).
@@ -131,6 +132,9 @@ class Replay(ExecParts):
 
     def _rebind(self, name: str, b, value, version: int) -> None:
         if b is None:
+            e = self._table.external.get(name)
+            if e is not None and value is e.value:
+                return  # the external device buffer bound already: nothing changes
             raise BindingError(self._unknown_binding(name))
         table = self._table
         a, addr = table.check(b, value, version)
