@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.buffers import Buffer, HostBuffer
 from orchestra.graph.nodes import Node
 from orchestra.graph.ranges import RangeTracker
@@ -39,7 +39,7 @@ class TaskGraph:
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
         if name in self._nodes:
-            raise GraphError(f"a node named {name!r} is already in the graph "
+            raise NameCollisionError(f"a node named {name!r} is already in the graph "
                              f"({type(self._nodes[name]).__name__}); node names must be unique")
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
@@ -75,7 +75,7 @@ class TaskGraph:
         if known is None:
             self._buffers[buf.name] = buf
         elif known != buf:
-            raise GraphError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
+            raise NameCollisionError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
                              f"not {buf!r}; give different buffers different names")
 
     def _edge(self, pred, succ, reason, explicit=False):
