@@ -735,3 +735,23 @@ def test_the_example_without_a_gpu_prints_one_line_and_exits_2():
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("build_graph: no CUDA device:")
+
+
+def test_builders_in_threads_are_independent():
+    from concurrent.futures import ThreadPoolExecutor
+
+    serial = pipeline(30).build()
+    with ThreadPoolExecutor(4) as pool:
+        graphs = list(pool.map(lambda _: pipeline(30).build(), range(8)))
+    for g in graphs:
+        assert g.nodes == serial.nodes and g.edges == serial.edges
+
+
+def test_lifetime_of_a_buffer_the_builder_does_not_allocate():
+    with GraphBuilder() as g:
+        e = g.external_buffer("e", N)
+        g.memset(e, 0)
+        for buf in (e, Buffer("buf#0", N), "buf#0"):
+            with pytest.raises(BufferLifetimeError, match="is not a buffer this builder"
+                                                          " allocates"):
+                g.lifetime(buf)

@@ -21,15 +21,17 @@ only then is each buffer's last use known: the graph is exactly the one the same
 a `TaskGraph` by hand in that order give, with each `Alloc` just before its buffer's first use
 and each `Free` just after its last (its edges are inferred as always: the `Free` writes every
 byte, so it follows every use). Everything a `TaskGraph` would refuse is refused at the call
-that causes it, and nothing is changed by a refused call.
+that causes it, and nothing is changed by a refused call; only what the whole graph shows (an
+``after=`` naming no node, a cycle) waits for the close.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from bisect import bisect_right
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import attrs
 
@@ -59,10 +61,12 @@ from orchestra.graph.nodes import (
 from orchestra.graph.taskgraph import TaskGraph
 
 _OPEN, _CLOSED, _FAILED = "open", "closed", "failed"
+N = TypeVar("N", bound=Node)
 
 # Every builder alive, to recognise a graph allocation of another builder passed to this one
-# (a plain `Buffer` record cannot say who made it).
+# (a plain `Buffer` record cannot say who made it). Builders of different threads share it.
 _BUILDERS: "weakref.WeakSet[GraphBuilder]" = weakref.WeakSet()
+_BUILDERS_LOCK = threading.Lock()
 
 
 @attrs.frozen
@@ -145,13 +149,14 @@ class GraphBuilder:
     name with ``#``), `BufferLifetimeError`, `HostBufferUseError`, `BuilderClosedError` after
     close; the graph's own checks (`validate()`: unknown ``after=`` names, cycles) run at close.
 
-    Not thread-safe: one thread builds a graph. The graph it returns is a plain `TaskGraph`.
+    Thread-safety: a builder is used by one thread at a time; builders in different threads
+    are independent. The graph it returns is a plain `TaskGraph`.
     """
 
     def __init__(self, *, check_overwrites: bool = True):
         self._state = _OPEN
         self._graph: TaskGraph | None = None
-        self._ops: list[Node] = []
+        self._ops: list[tuple[Node, tuple[_Owned, ...]]] = []  # node, graph allocations it uses
         self._node_names: set[str] = set()
         self._nodes = NameCounter()
         self._buffer_names = NameCounter()
@@ -163,7 +168,8 @@ class GraphBuilder:
         self._unread: dict[str, _Unread] = {}
         self._check_overwrites = bool(check_overwrites)
         self._batch: int | None = None
-        _BUILDERS.add(self)
+        with _BUILDERS_LOCK:
+            _BUILDERS.add(self)
 
     # -- life of the builder ----------------------------------------------------------------
 
@@ -171,7 +177,7 @@ class GraphBuilder:
         self._check_open()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             try:
                 self.build()
@@ -180,7 +186,6 @@ class GraphBuilder:
                 raise
         elif self._state == _OPEN:
             self._fail()  # the graph is never written
-        return False
 
     def _fail(self) -> None:
         self._state = _FAILED
@@ -193,7 +198,7 @@ class GraphBuilder:
         `TaskGraph.validate` raises (an ``after=`` naming no node, a cycle); after such an
         error the builder is unchanged and still open (the with block's end closes it).
         """
-        if self._state == _CLOSED:
+        if self._graph is not None:
             return self._graph
         self._check_open()
         unwritten = [n for n, role in self._roles.items()
@@ -204,10 +209,8 @@ class GraphBuilder:
                 f" would read back whatever the array held: copy a result into each"
                 f" (g.to_host(device_buffer, output)), or declare it with host_buffer() if that"
                 f" is intended")
-        owned = self._owned
         graph = TaskGraph()
-        for i, node in enumerate(self._ops):
-            mine = [owned[b.name] for b in node.buffers() if b.name in owned]
+        for i, (node, mine) in enumerate(self._ops):
             for o in mine:
                 if o.first == i:
                     life = o.life
@@ -230,7 +233,7 @@ class GraphBuilder:
     @property
     def graph(self) -> TaskGraph:
         """The `TaskGraph`, once the builder closed (`NotReadyError` before)."""
-        if self._state == _CLOSED:
+        if self._graph is not None:
             return self._graph
         if self._state == _FAILED:
             raise NotReadyError("this GraphBuilder closed without a graph: an exception ended"
@@ -317,7 +320,7 @@ class GraphBuilder:
 
     def lifetime(self, buffer: Buffer) -> Lifetime:
         """The `Alloc` / `Free` names of a buffer this builder allocates."""
-        o = self._owned.get(getattr(buffer, "name", None))
+        o = self._owned.get(buffer.name) if isinstance(buffer, Buffer) else None
         if o is None or o.life.buffer != buffer:
             raise BufferLifetimeError(f"{got(buffer)} is not a buffer this builder allocates"
                                       " (make one with device_buffer() or to_device())")
@@ -341,7 +344,7 @@ class GraphBuilder:
         buf = Buffer(name, nbytes, device)
         self._check_new_buffer_name(name)
         lab = label(name, "buf")
-        names = []
+        names: list[tuple[str, str | None]] = []
         for kind, given in (("alloc", alloc_name), ("free", free_name)):
             if given is None:
                 names.append((self._nodes.peek(f"{kind}:{lab}"), f"{kind}:{lab}"))
@@ -438,14 +441,14 @@ class GraphBuilder:
         node = HostFunc(node_name, fn, reads, writes, **self._node_kw(after, batch, "host_func"))
         return self._push(node, generated=name is None)
 
-    def add(self, node: Node) -> Node:
+    def add(self, node: N) -> N:
         """Add a node record made by hand (any kind), under its own name. `Alloc` / `Free` of
         a buffer this builder allocates are refused: it inserts those itself."""
         self._check_open()
         if not isinstance(node, Node):
             raise NodeFieldTypeError(f"GraphBuilder.add takes a node record (KernelNode,"
                                      f" HostToDevice, ...), got {got(node)}")
-        if node.kind in ("alloc", "free") and node.buffer.name in self._owned:
+        if isinstance(node, (Alloc, Free)) and node.buffer.name in self._owned:
             life = self._owned[node.buffer.name].life
             raise BufferLifetimeError(
                 f"{type(node).__name__} {node.name}: buffer {node.buffer.name} is allocated by"
@@ -457,7 +460,7 @@ class GraphBuilder:
     @property
     def nodes(self) -> tuple[Node, ...]:
         """The nodes added so far, in call order (without the inserted `Alloc` / `Free`)."""
-        return tuple(self._ops)
+        return tuple(node for node, _ in self._ops)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -491,18 +494,18 @@ class GraphBuilder:
         return tuple(out)
 
     def _foreign_owner(self, buf) -> "GraphBuilder | None":
-        for other in list(_BUILDERS):
-            if other is not self and other._made.get(id(buf)) is buf and buf.name in other._owned:
+        with _BUILDERS_LOCK:
+            others = list(_BUILDERS)
+        for other in others:
+            if other is not self and buf.name in other._owned and other._made.get(id(buf)) is buf:
                 return other
         return None
 
-    def _check_buffer(self, buf, node: Node, new: set) -> bool:
+    def _check_buffer(self, buf, node: Node) -> bool:
         """Is ``buf`` usable by ``node`` here? True when it is not known yet (the caller
         registers it on success)."""
         known = self._buffers.get(buf.name)
         if known is buf:
-            return False
-        if buf.name in new:
             return False
         if known is None or known == buf:
             if not buf.is_host and self._made.get(id(buf)) is not buf:
@@ -523,7 +526,7 @@ class GraphBuilder:
             f"{type(node).__name__} {node.name}: buffer name {buf.name!r} already names"
             f" {known!r}, not {buf!r}; give different buffers different names")
 
-    def _push(self, node: Node, *, generated: bool, new: _Owned | None = None) -> Node:
+    def _push(self, node: N, *, generated: bool, new: _Owned | None = None) -> N:
         """Check ``node`` against the builder (every check before any change), then add it."""
         name = node.name
         if name in self._node_names:
@@ -534,12 +537,17 @@ class GraphBuilder:
             check_user_name("node", name)
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
-        new_names = {new.life.buffer.name} if new is not None else set()
-        fresh = {}
-        for buf in node.buffers():
-            if self._check_buffer(buf, node, new_names):
-                fresh[buf.name] = buf
-        host = [a for a in node.accesses() if a.buffer.is_host]
+        new_name = new.life.buffer.name if new is not None else None
+        accesses = node.accesses()
+        buffers: dict = {}  # key -> buffer, in declaration order (Node.buffers(), once)
+        host = []
+        for a in accesses:
+            buf = a.range.buffer
+            buffers.setdefault(buf.key, buf)
+            if buf.is_host:
+                host.append(a)
+        fresh = [buf for buf in buffers.values()
+                 if buf.name != new_name and self._check_buffer(buf, node)]
         if host:
             self._check_host(node, host)
         # -- accepted: commit
@@ -548,15 +556,17 @@ class GraphBuilder:
         if generated:
             self._nodes.take(name.rsplit("#", 1)[0])
         self._node_names.add(name)
-        self._buffers.update(fresh)
+        for buf in fresh:
+            self._buffers[buf.name] = buf
         index = len(self._ops)
-        self._ops.append(node)
-        for buf in node.buffers():
-            o = self._owned.get(buf.name)
-            if o is not None:
-                if o.first is None:
-                    o.first = index
-                o.last = index
+        owned = self._owned
+        mine = tuple(owned[b.name] for b in buffers.values()
+                     if not b.is_host and b.name in owned)
+        for o in mine:
+            if o.first is None:
+                o.first = index
+            o.last = index
+        self._ops.append((node, mine))
         if host:
             self._record_host(node, host)
         return node
