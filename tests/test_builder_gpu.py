@@ -92,3 +92,16 @@ def test_the_builder_example_runs():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("eager run, CUDA graph launch and replay match numpy")
+
+
+def test_building_md_runs_on_the_gpu():
+    import re
+
+    text = (ROOT / "docs" / "building.md").read_text(encoding="utf-8")
+    blocks = [code for lang, code in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+              if lang == "python" and not code.startswith("# signatures")]
+    assert any(code.startswith("# needs a GPU") for code in blocks)
+    proc = subprocess.run([sys.executable, "-c", "\n".join(blocks)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the GPU block asserts its output
+    assert "run    kernel:saxpy#0" in proc.stdout
