@@ -296,7 +296,9 @@ class CudaBackend(Backend):
         from orchestra.execute import CaptureExecutor, GraphBuildExecutor, KernelResolver
 
         self.build_fn = build_fn
-        self.device = device if isinstance(device, Device) else Device.get(device or 0)
+        # a Device (or a stand-in with the same methods), else an ordinal
+        self.device = (Device.get(device or 0) if device is None or isinstance(device, int)
+                       else device)
         self.verify = bool(verify)
         self.streams = int(streams)
         self.build_lock = threading.Lock()

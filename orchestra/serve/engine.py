@@ -101,9 +101,10 @@ class _Group:
 
 
 class _Req:
-    __slots__ = ("arrays", "rows", "bucket", "out", "t0", "fut", "group", "pinned")
+    __slots__ = ("arrays", "rows", "bucket", "out", "t0", "fut", "group", "pinned", "caller")
 
     def __init__(self, arrays, rows, bucket, out, t0, fut, group=None, pinned=False):
+        self.caller = 0  # the blocking call's thread id: launched there, it waits there too
         self.arrays = arrays
         self.rows = rows
         self.bucket = bucket
@@ -413,9 +414,10 @@ class Engine:
             self._bad += 1
             fut.set_exception(exc)
             return fut
+        if inline:
+            reqs[0].caller = threading.get_ident()
         launches, builds = self._admit(reqs, timeout, block)
         for launch in launches:
-            launch.inline = inline
             self._run(launch)
         for b in builds:
             self._build(b)
@@ -557,9 +559,12 @@ class Engine:
             launch.claim()
             return self._release(launch, None)
         inst = launch.inst
+        r0 = reqs[0]
+        # the blocking call launching its own request waits for it right here: no event, no
+        # completion thread
+        launch.inline = len(reqs) == 1 and r0.caller == threading.get_ident() != 0
         try:
             bind = None
-            r0 = reqs[0]
             if len(reqs) == 1 and r0.pinned and r0.rows == inst.rows:
                 bind = r0.arrays
             else:
@@ -787,7 +792,6 @@ class Engine:
                 return None
             self._work.wait()
         if self.batching is None:
-            r = q.popleft()
             n = 1
         else:
             deadline = q[0].t0 + self._max_delay_ns
@@ -816,16 +820,19 @@ class Engine:
 
     def _dispatch_loop(self) -> None:
         while True:
+            reqs = None
             try:
                 with self._lock:
                     reqs = self._take_batch()
                 if reqs is None:
                     return
-                if not reqs:
-                    continue
-                self._dispatch(reqs)
-            except BaseException:  # noqa: BLE001 - never let an error end this thread
+                if reqs:
+                    self._dispatch(reqs)
+            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
+                for r in reqs or ():
+                    if not r.fut.done():
+                        self._fail(r, exc)
 
     def _dispatch(self, reqs: list[_Req]) -> None:
         rows = sum(r.rows for r in reqs)
