@@ -713,6 +713,7 @@ def test_graph_backend_over_the_fake_driver(monkeypatch, memory):
 
     fake = fg.install(monkeypatch)
     monkeypatch.setattr(cb, "_d", fake)
+    fake.cuStreamSynchronize = lambda stream: (fg.OK,)
     monkeypatch.setattr(cb, "PinnedBuffer", _FakePinned)
     monkeypatch.setattr(cb, "Event", _FakeEvent)
     monkeypatch.setattr(cb, "is_pinned", lambda a: True)

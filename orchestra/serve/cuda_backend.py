@@ -189,9 +189,12 @@ class GraphInstance(_CudaInstance):
                                                streams=backend.streams)
         self.build_ms = self.fn_ms + self.exec.build_ms
         self.instantiate_ms = self.exec.instantiate_ms
-        self._sh = self.exec.stream.handle
+        self._sh = self.exec.stream.handle  # the exec's own stream: only this instance's work
         self._done_h = self.done_event.handle
         self._t0h, self._t1h = self._t0.handle, self._t1.handle
+        # host nodes report their errors through the exec's synchronize()
+        self._host_nodes = any(n.kind == "host" for n in sg.graph.nodes)
+        self._rebound = False
 
     def launch(self, *, notify, timed, bind=None):
         self.device.make_current()
@@ -201,7 +204,8 @@ class GraphInstance(_CudaInstance):
         changes = self._rebind(bind) if (bind is not None or self._bound is not self._staging) \
             else None
         if changes:
-            self.exec.replay(changes, sync=False)
+            self.exec.replay(changes, sync=False)  # cuGraphExecMemcpyNodeSetParams + launch
+            self._rebound = True
         else:
             self.exec.launch()
         if timed:
@@ -210,13 +214,19 @@ class GraphInstance(_CudaInstance):
             cu(_d.cuEventRecord, self._done_h, sh)
 
     def wait(self):
-        self.exec.synchronize()
+        # cuStreamSynchronize on the exec's own stream (the context's scheduling policy: spin
+        # by default), without the exec's lock and bookkeeping: the caller's latency path
+        cu(_d.cuStreamSynchronize, self._sh)
 
     def wait_blocking(self):
         self.done_event.synchronize()
 
     def finish(self, timed):
-        self.exec.synchronize()  # returns at once: done; releases arrays a rebind retired
+        if self._host_nodes or self._rebound:
+            # returns at once (the launch is done): reports host-function errors, releases the
+            # arrays a zero-copy rebind retired
+            self._rebound = False
+            self.exec.synchronize()
         return super().finish(timed)
 
     def _close_order(self):

@@ -119,7 +119,7 @@ class _Launch:
     """One leased instance running one request or one batch. ``claim`` makes exactly one
     thread finish it (or fail it)."""
 
-    __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_claim", "done")
+    __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_token", "done")
 
     def __init__(self, inst: Instance, bucket, reqs):
         self.inst = inst
@@ -128,14 +128,52 @@ class _Launch:
         self.timed = False
         self.waiter = False  # a caller is waiting in result(): the completion thread skips it
         self.inline = False  # launched by the blocking call: no event, no completion thread
-        self._claim = threading.Lock()
+        self._token = [True]
         self.done = False
 
     def claim(self) -> bool:
-        if self._claim.acquire(False):
-            self.done = True
-            return True
-        return False
+        """True for exactly one caller (``list.pop`` is atomic: cheaper than a lock)."""
+        try:
+            self._token.pop()
+        except IndexError:
+            return False
+        self.done = True
+        return True
+
+
+class _Direct:
+    """The blocking call's stand-in for a future (no condition variable: the calling thread
+    itself completes it, or sees it completed)."""
+
+    __slots__ = ("state", "value", "_launches")
+
+    def __init__(self):
+        self.state = 0  # 0 pending, 1 result, 2 exception
+        self.value = None
+        self._launches: list = []
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def set_result(self, value) -> None:
+        if self.state:
+            raise InvalidStateError("already done")
+        self.value, self.state = value, 1
+
+    def set_exception(self, exc) -> None:
+        if self.state:
+            raise InvalidStateError("already done")
+        self.value, self.state = exc, 2
+
+    def done(self) -> bool:
+        return self.state != 0
+
+    def get(self):
+        while not self.state:  # another thread claimed the launch and is completing it
+            time.sleep(1e-4)
+        if self.state == 2:
+            raise self.value
+        return self.value
 
 
 class ServeFuture(concurrent.futures.Future):
@@ -376,9 +414,34 @@ class Engine:
                             timeout, self.on_full == "block", False)
 
     def __call__(self, inputs, *, out=None, pinned: bool = False):
-        """Run one request and wait for it in this thread: the lowest-latency path (no event,
-        no completion thread when an instance is free). Returns the outputs; raises what
-        `submit` raises and what the request failed with."""
+        """Run one request and wait for it in this thread: the lowest-latency path (no
+        future, no event, no completion thread when an instance is free). Returns the outputs;
+        raises what `submit` raises and what the request fails with (a bad request raises its
+        `BadRequest` here)."""
+        if self.dispatch == "caller":
+            d = _Direct()
+            try:
+                reqs = self._requests(inputs, out, pinned, d, _now())
+            except OrchestraError:
+                self._bad += 1
+                raise
+            if len(reqs) == 1:
+                r = reqs[0]
+                r.caller = threading.get_ident()
+                launch = None
+                with self._lock:
+                    b = self._buckets.get(r.bucket)
+                    if (b is not None and b.free and not b.queue and self._state == "open"
+                            and self._broken is None):
+                        b.stats.hits += 1
+                        launch = _Launch(b.free.pop(), b, reqs)
+                        self._running.add(launch)
+                if launch is not None:
+                    self._run(launch)
+                    if not launch.done:
+                        self._wait_launch(launch)
+                    return d.get()
+        # queued, being built, split or dispatched by the thread: the general path
         fut = self._submit(inputs, out, pinned, self.submit_timeout, self.on_full == "block",
                            True)
         return fut.result()
@@ -550,19 +613,25 @@ class Engine:
     def _start(self, launch: _Launch) -> _Launch | None:
         """Copy the inputs in and launch; returns the next launch to start when this one had
         nothing to run (every request cancelled) or failed."""
-        reqs = [r for r in launch.reqs if self._set_running(r)]
+        reqs = launch.reqs
+        if len(reqs) == 1:
+            r0 = reqs[0]
+            if not self._set_running(r0):
+                reqs = []
+        else:
+            reqs = [r for r in reqs if self._set_running(r)]
+            r0 = reqs[0] if reqs else None
         if len(reqs) != len(launch.reqs):
             with self._lock:
                 self._cancelled += len(launch.reqs) - len(reqs)
-        launch.reqs = reqs
-        if not reqs:
-            launch.claim()
-            return self._release(launch, None)
+            launch.reqs = reqs
+            if not reqs:
+                launch.claim()
+                return self._release(launch, None)
         inst = launch.inst
-        r0 = reqs[0]
         # the blocking call launching its own request waits for it right here: no event, no
         # completion thread
-        launch.inline = len(reqs) == 1 and r0.caller == threading.get_ident() != 0
+        launch.inline = r0.caller != 0 and len(reqs) == 1 and r0.caller == threading.get_ident()
         try:
             bind = None
             if len(reqs) == 1 and r0.pinned and r0.rows == inst.rows:
@@ -579,18 +648,18 @@ class Engine:
                         for name, a in r.arrays.items():
                             staging[name][row:row + n] = a
                     row += n
-                if self.zero_padding and inst.dirty > row:
+                if inst.dirty > row and self.zero_padding:
                     for a in staging.values():
                         a[row:inst.dirty] = 0
                 inst.dirty = row
             every = self.timing_every
             if every:
                 self._nlaunch += 1
-                launch.timed = self._nlaunch % every == 1 or every == 1
+                launch.timed = every == 1 or self._nlaunch % every == 1
             inst.launch(notify=not launch.inline, timed=launch.timed, bind=bind)
         except BaseException as exc:  # noqa: BLE001 - fail this launch's requests, keep serving
             return self._launch_failed(launch, exc)
-        # only now may a caller's result() wait on it (an unlaunched instance is "done")
+        # only now may a caller's result() wait on it (an unlaunched instance looks done)
         for r in reqs:
             r.fut._launches.append(launch)
         if not launch.inline:
@@ -603,15 +672,17 @@ class Engine:
         """``result()`` in the caller's thread: wait on each launch of the request's own
         instance, then complete it (unless another thread did first)."""
         for launch in list(fut._launches):
-            if launch.done:
-                continue
-            launch.waiter = True
-            try:
-                launch.inst.wait()
-            except BaseException as exc:  # noqa: BLE001 - the future carries it
-                self._run(self._launch_failed(launch, exc))
-                continue
-            self._finish(launch)
+            if not launch.done:
+                self._wait_launch(launch)
+
+    def _wait_launch(self, launch: _Launch) -> None:
+        launch.waiter = True
+        try:
+            launch.inst.wait()
+        except BaseException as exc:  # noqa: BLE001 - the future carries it
+            self._run(self._launch_failed(launch, exc))
+            return
+        self._finish(launch)
 
     def _completion_loop(self) -> None:
         cq = self._cq
@@ -635,11 +706,12 @@ class Engine:
         if not launch.claim():
             return
         inst = launch.inst
+        reqs = launch.reqs
         try:
             gpu_ms = inst.finish(launch.timed)
             results = []
             row = 0
-            for r in launch.reqs:
+            for r in reqs:
                 outs = {}
                 n = r.rows
                 whole = n == inst.rows
@@ -657,9 +729,10 @@ class Engine:
             self._run(self._launch_failed(launch, exc, claimed=True))
             return
         nxt = self._release(launch, gpu_ms)
-        self._run(nxt)  # the next queued request first: keep the GPU busy
+        if nxt is not None:
+            self._run(nxt)  # the next queued request first: keep the GPU busy
         stats = launch.bucket.stats
-        for r, outs in zip(launch.reqs, results):
+        for r, outs in zip(reqs, results):
             self._deliver(r, outs, stats)
 
     def _deliver(self, r: _Req, outs: dict, stats: BucketStats) -> None:
@@ -730,10 +803,11 @@ class Engine:
             n = len(launch.reqs)
             if failed:
                 st.failed += failed
-            elif launch.reqs:
+            elif n:
                 st.requests += n
                 st.launches += 1
-                st.rows_served += sum(r.rows for r in launch.reqs)
+                st.rows_served += launch.reqs[0].rows if n == 1 else sum(r.rows
+                                                                         for r in launch.reqs)
                 if gpu_ms is not None:
                     st.gpu_ms.append(gpu_ms)
             if self._broken is None:
