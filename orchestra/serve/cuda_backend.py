@@ -21,7 +21,6 @@ import time
 from typing import Any, Callable, Mapping
 
 import attrs
-import numpy as np
 from cuda.bindings import driver as _d
 
 from orchestra.driver import Device, Event, PinnedBuffer, cu, is_pinned

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from concurrent.futures import InvalidStateError
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -50,7 +50,6 @@ from orchestra.errors import CudaError, OrchestraError
 from orchestra.serve.backend import Backend, Instance
 from orchestra.serve.buckets import Buckets, bucket_sizes
 from orchestra.serve.errors import (
-    BadRequest,
     EngineBroken,
     EngineClosed,
     Overloaded,
