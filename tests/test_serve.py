@@ -703,11 +703,12 @@ class _FakeEvent:
         self.closed = True
 
 
+@pytest.mark.parametrize("kind", ["graph-build", "capture"])
 @pytest.mark.parametrize("memory", ["external", "graph"])
-def test_graph_backend_over_the_fake_driver(monkeypatch, memory):
+def test_graph_backend_over_the_fake_driver(monkeypatch, memory, kind):
     from tests import fake_graph_cuda as fg
 
-    from orchestra.execute import GraphBuildExecutor
+    from orchestra.execute import CaptureExecutor, GraphBuildExecutor
     from orchestra.serve import cuda_backend as cb
     from orchestra.serve import demo
 
@@ -747,7 +748,8 @@ def test_graph_backend_over_the_fake_driver(monkeypatch, memory):
         return cb.ServeGraph(ext, inputs={"x": "x_host"}, outputs={"y": "y_host"},
                              bindings={"x_dev": x, "y_dev": y}, owned=(x, y))
 
-    ex = GraphBuildExecutor(kernel_resolver=fg.resolver(fake))
+    cls = GraphBuildExecutor if kind == "graph-build" else CaptureExecutor
+    ex = cls(kernel_resolver=fg.resolver(fake))
     backend = cb.CudaBackend(build, ex, device=fake.device)
     e = Engine(backend=backend, inputs={"x": ((8,), "float32")},
                outputs={"y": ((8,), "float32")}, buckets=[2, 4], instances=2, timing_every=1)
@@ -768,7 +770,7 @@ def test_graph_backend_over_the_fake_driver(monkeypatch, memory):
         x4b = x4 + 1
         assert e(x4b).tobytes() == demo.demo_reference(x4b, 2).tobytes()
         st = e.stats()
-        assert st["engine"]["executor"] == "graph-build"
+        assert st["engine"]["executor"] == kind
         assert st["buckets"][4]["gpu_ms"]["mean"] == 0.25
         blocking = [ev for ev in _FakeEvent.made if ev.blocking]
         assert len(blocking) == 4 and sum(ev.syncs for ev in blocking) >= 0
@@ -778,3 +780,66 @@ def test_graph_backend_over_the_fake_driver(monkeypatch, memory):
     assert all(b.closed for b in bufs)
     live = [x for x in fake.execs.values() if x.graph is not None]
     assert not live  # every exec destroyed
+
+
+@pytest.mark.parametrize("memory", ["external", "graph"])
+def test_eager_backend_over_the_fake_driver(monkeypatch, memory):
+    from tests.fake_cuda import FakeCuda, FakeKernel
+
+    from orchestra.execute import KernelResolver
+    from orchestra.execute import bindings as bindings_mod
+    from orchestra.serve import cuda_backend as cb
+    from orchestra.serve import demo
+
+    fake = FakeCuda(monkeypatch)
+    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
+    monkeypatch.setattr(cb, "is_pinned", lambda a: True)
+    monkeypatch.setattr(cb, "PinnedBuffer", _FakePinned)
+    monkeypatch.setattr(cb, "Event", _FakeEvent)
+    _FakeEvent.made = []
+
+    class _Buf:
+        def __init__(self, nbytes):
+            self._a = np.zeros(nbytes, np.uint8)
+            self.ptr = self._a.ctypes.data
+            fake.mem[self.ptr] = self._a
+            self.nbytes = nbytes
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    def build(sig):
+        sg = demo.demo_graph(sig, memory="graph", iters=2)
+        if memory == "graph":
+            return sg
+        from orchestra.graph import TaskGraph
+
+        n = 4 * int(np.prod(sig.shape("x")))
+        x, y = _Buf(n), _Buf(n)
+        ext = TaskGraph()
+        for node in sg.graph.nodes:
+            if node.kind not in ("alloc", "free"):
+                ext.add(node)
+        return cb.ServeGraph(ext, inputs={"x": "x_host"}, outputs={"y": "y_host"},
+                             bindings={"x_dev": x, "y_dev": y}, owned=(x, y))
+
+    backend = cb.CudaBackend(build, "eager", device=fake.device)
+    backend.kernels = KernelResolver(fake.device, lambda ref, d: FakeKernel())
+    backend.graph_memory = lambda: None
+    backend.trim = lambda: None
+    e = Engine(backend=backend, inputs={"x": ((8,), "float32")},
+               outputs={"y": ((8,), "float32")}, buckets=[2, 4], instances=2)
+    try:
+        e.warmup()
+        for n in (1, 2, 3, 4):
+            x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+            assert e(x).tobytes() == demo.demo_reference(x, 2).tobytes()
+            assert e.submit(x).result(timeout=5).tobytes() == demo.demo_reference(x, 2).tobytes()
+        x4 = np.random.default_rng(9).standard_normal((4, 8)).astype(np.float32)
+        assert e(x4, pinned=True).tobytes() == demo.demo_reference(x4, 2).tobytes()
+        assert e(x4 + 1).tobytes() == demo.demo_reference(x4 + 1, 2).tobytes()
+        assert e.stats()["engine"]["executor"] == "eager"
+    finally:
+        e.close()
+    assert all(ev.closed for ev in _FakeEvent.made)

@@ -1148,7 +1148,7 @@ class Engine:
                 stuck = [] if progressed else [l for l in self._running if not l.done]
             for launch in stuck:
                 try:
-                    launch.inst.wait_blocking()
+                    launch.inst.wait()  # not the event: a blocking call's launch records none
                 except BaseException as exc:  # noqa: BLE001
                     self._run(self._launch_failed(launch, exc))
                     continue
