@@ -143,7 +143,7 @@ def _fill_random(a: np.ndarray, rng) -> None:
 class Workload:
     def __init__(self, dev, pins: Pins, resolver, batches: int, mib: float, iters: int,
                  block: int = 256):
-        from orchestra.job import batch_bytes_from_mib, build_job_graph, burn_grid, burn_kernel_ref
+        from orchestra.app.job import batch_bytes_from_mib, build_job_graph, burn_grid, burn_kernel_ref
 
         self.dev, self.batches, self.mib, self.iters, self.block = dev, batches, mib, iters, block
         self.batch_bytes = batch_bytes_from_mib(mib)
@@ -423,8 +423,8 @@ def host_cells(h) -> tuple:
 def bench(w: Workload, repeat: int, replays: int, budget_s: float) -> dict:
     from orchestra.driver import Event
     from orchestra.execute import EagerExecutor
-    from orchestra.execute.capture import CaptureExecutor
-    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
     out = {"workload": w.name, "batches": w.batches, "batch_bytes": w.batch_bytes,
            "iters": w.iters, "nodes": len(w.graph), "rows": [], "host": []}
@@ -616,7 +616,7 @@ def main(argv=None) -> int:
     iters += [iters[-1]] * (len(workloads) - len(iters))
     with phase("device, kernel"):
         from orchestra.execute import KernelResolver
-        from orchestra.job import batch_bytes_from_mib, burn_kernel_ref
+        from orchestra.app.job import batch_bytes_from_mib, burn_kernel_ref
 
         dev = Device.get(0)
         resolver = KernelResolver(dev)

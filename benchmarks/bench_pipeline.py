@@ -55,9 +55,9 @@ class Workload:
     def __init__(self, dev, batches: int, mib: float, seed: int = 0, block: int = 256):
         from orchestra.driver import PinnedBuffer, Stream
         from orchestra.execute import KernelResolver
-        from orchestra.job import batch_bytes_from_mib, burn_grid, burn_kernel_ref
-        from orchestra.job import data as jd
-        from orchestra.job.timing import BatchTimer
+        from orchestra.app.job import batch_bytes_from_mib, burn_grid, burn_kernel_ref
+        from orchestra.app.job import data as jd
+        from orchestra.app.job.timing import BatchTimer
 
         self.dev, self.batches, self.mib, self.block = dev, batches, mib, block
         self.batch_bytes = batch_bytes_from_mib(mib)
@@ -88,7 +88,7 @@ class Workload:
         return f"{self.batches} x {self.mib:g} MiB"
 
     def poison(self):
-        from orchestra.job import data as jd
+        from orchestra.app.job import data as jd
         jd.poison(self.y)
 
     def verify(self) -> bool:
@@ -105,7 +105,7 @@ class Workload:
 class Orchestra:
     def __init__(self, w: Workload, policy: str):
         from orchestra.execute import EagerExecutor
-        from orchestra.job import build_job_graph
+        from orchestra.app.job import build_job_graph
 
         self.name = f"orchestra eager, {policy}, 3 streams"
         self.ex = EagerExecutor(w.dev, kernel_resolver=w.resolver)

@@ -19,7 +19,7 @@ from orchestra.compiler.launch import LaunchConfig, check_launch
 from orchestra.compiler.params import normalize_params
 from orchestra.driver.device import DeviceLimits
 from orchestra.execute import eager
-from orchestra.graph import BURN_PARAMS
+from orchestra.app.job.graphs import BURN_PARAMS
 
 OK = driver.CUresult.CUDA_SUCCESS
 LIMITS = DeviceLimits(

@@ -34,11 +34,12 @@ from collections import Counter
 import numpy as np
 from cuda.bindings import driver
 
+from orchestra.driver import capture as session_mod
 from orchestra.execute import bindings as bindings_mod
-from orchestra.execute import capture as capture_mod
-from orchestra.execute import graph_build as build_mod
-from orchestra.execute import graph_exec as exec_mod
-from orchestra.execute import graph_nodes as nodes_mod
+from orchestra.execute.cuda_graph import capture as capture_mod
+from orchestra.execute.cuda_graph import build as build_mod
+from orchestra.execute.cuda_graph import exec as exec_mod
+from orchestra.execute.cuda_graph import executor as nodes_mod
 from orchestra.execute.kernels import KernelResolver
 from tests import fake_cuda
 from tests.fake_cuda import FakeHandle, FakeKernel
@@ -645,7 +646,7 @@ def install(monkeypatch) -> FakeGraphDriver:
     FakeStream.fake = fake
     dev = FakeDevice()
     m = monkeypatch
-    for mod in (exec_mod, nodes_mod, build_mod, capture_mod):
+    for mod in (exec_mod, nodes_mod, build_mod, capture_mod, session_mod):
         m.setattr(mod, "_d", fake)
     m.setattr(exec_mod, "_graph_launch", fake.cuGraphLaunch)
     m.setattr(exec_mod, "_set_memcpy", fake.cuGraphExecMemcpyNodeSetParams)
@@ -653,11 +654,11 @@ def install(monkeypatch) -> FakeGraphDriver:
     m.setattr(exec_mod, "Stream", FakeStream)
     m.setattr(exec_mod, "context_alive", lambda ordinal: True)
     m.setattr(exec_mod, "check_stream", lambda s, what="": s)
-    m.setattr(exec_mod, "as_device", lambda d=None: dev)
     m.setattr(nodes_mod, "as_device", lambda d=None: dev)
     m.setattr(nodes_mod.MemoryPool, "default", classmethod(lambda cls, d=None, r=None: FakePool()))
     m.setattr(capture_mod, "Stream", FakeStream)
     m.setattr(capture_mod, "Event", FakeEvent)
+    m.setattr(session_mod, "Event", FakeEvent)
     m.setattr(capture_mod, "context_alive", lambda ordinal: True)
     m.setattr(capture_mod, "_memset", {1: fake.cuMemsetD8Async, 2: fake.cuMemsetD16Async,
                                        4: fake.cuMemsetD32Async})

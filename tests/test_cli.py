@@ -11,7 +11,7 @@ import pytest
 
 from orchestra.cli.main import main
 from orchestra.driver.check import device_available
-from orchestra.job import batch_sizes, build_job_graph, build_staged_graph
+from orchestra.app.job import batch_sizes, build_job_graph, build_staged_graph
 from orchestra.schedule import POLICIES, schedule
 
 no_gpu = pytest.mark.skipif(device_available(), reason="checks the behaviour without a GPU")
@@ -252,8 +252,8 @@ def test_compile_links_a_ptx_input(ptx_file, capsys):
     assert main(["compile", str(ptx_file), "--arch", "sm_90"]) == 0
     out = ptx_file.with_suffix(".cubin")
     assert out.read_bytes()[:4] == b"\x7fELF"
-    assert capsys.readouterr().out.strip() == (
-        f"wrote {out} ({out.stat().st_size} bytes, cubin for sm_90)")
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"wrote {out} ({out.stat().st_size} bytes, cubin for sm_90)", "  kernel cp_async_scale"]
 
 
 def test_compile_ptx_output_names_the_virtual_architecture(tmp_path, capsys):
@@ -262,10 +262,11 @@ def test_compile_ptx_output_names_the_virtual_architecture(tmp_path, capsys):
     assert main(["compile", str(src), "--arch", "90", "--ptx"]) == 0
     out = src.with_suffix(".ptx")
     assert b".target sm_90" in out.read_bytes()  # PTX's own spelling of compute_90
-    line = capsys.readouterr().out.strip()
+    line, kernel = capsys.readouterr().out.strip().splitlines()
     assert line.startswith(f"wrote {out} (") and line.endswith(" bytes, PTX for compute_90)")
+    assert kernel == "  kernel saxpy"
     assert main(["compile", str(src), "--arch", "sm_90"]) == 0
-    assert capsys.readouterr().out.strip().endswith(" bytes, cubin for sm_90)")
+    assert capsys.readouterr().out.strip().splitlines()[0].endswith(" bytes, cubin for sm_90)")
 
 
 def test_compile_a_directory_or_a_missing_file_or_a_bad_arch(tmp_path, capsys):

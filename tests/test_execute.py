@@ -27,8 +27,8 @@ from orchestra.execute import (
 )
 from orchestra.execute import bindings as bindings_mod
 from orchestra.execute.errors import ExecutorUnavailable
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS,
     Alloc,
     Buffer,
     DeviceToHost,

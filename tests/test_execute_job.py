@@ -10,7 +10,7 @@ import orchestra.execute as oe
 from orchestra.execute import EagerExecutor, KernelResolver
 from orchestra.execute import bindings as bindings_mod
 from orchestra.execute import staging as staging_mod
-from orchestra.job import (
+from orchestra.app.job import (
     MainJob,
     batch_bytes_from_mib,
     batch_sizes,
@@ -19,9 +19,9 @@ from orchestra.job import (
     calibrate_iters,
     parse_iters,
 )
-from orchestra.job import data as jd
-from orchestra.job import main_job as mj
-from orchestra.job.timing import SingleBatch
+from orchestra.app.job import data as jd
+from orchestra.app.job import main_job as mj
+from orchestra.app.job.timing import SingleBatch
 from orchestra.schedule import POLICIES
 from tests.fake_cuda import FakeCuda, FakeKernel, patch_eager_tracer
 
@@ -326,7 +326,7 @@ def test_main_job_block_over_the_limit_is_refused_before_any_timing_or_run(fake_
     assert all(ex.closed for ex in fake_job.made)
 
 
-# -- --input files: one check for run and plan (orchestra.job.inputs) --------------------------
+# -- --input files: one check for run and plan (orchestra.app.job.inputs) --------------------------
 
 BAD_INPUTS = {
     "float64": (lambda: np.ones(1000), "the array is float64; orchestra run --input streams "
@@ -365,7 +365,7 @@ def test_run_and_plan_refuse_the_same_input_files_with_the_same_message(
 
 
 def test_open_input_keeps_the_storage_order(tmp_path):
-    from orchestra.job import open_input
+    from orchestra.app.job import open_input
 
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     for arr, fortran in ((a, False), (np.asfortranarray(a), True), (a[0], False)):

@@ -15,23 +15,19 @@ import threading
 
 import pytest
 
+from orchestra.driver.capture import UnjoinedStreamError
 from orchestra.errors import GraphError
-from orchestra.execute.capture_plan import (
-    CaptureStep,
-    UnjoinedStreamError,
-    capture_steps,
-    check_capture_steps,
-)
-from orchestra.execute.graph_cache import BucketPolicy, GraphCache, Signature, pad_to
-from orchestra.execute.graph_spec import (
+from orchestra.execute.cuda_graph.capture_plan import CaptureStep, capture_steps, check_capture_steps
+from orchestra.execute.cuda_graph.cache import BucketPolicy, GraphCache, Signature, pad_to
+from orchestra.execute.cuda_graph.spec import (
     CUDA_KIND,
     GraphMemoryError,
     check_graph_memory,
     translate,
     unfreed_allocations,
 )
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS,
     Alloc,
     Buffer,
     DeviceToHost,
@@ -251,9 +247,9 @@ def test_translation_refuses_cycles_and_unknown_kinds():
 
 
 def test_translation_imports_no_cuda_call_path():
-    import orchestra.execute.capture_plan as cp
-    import orchestra.execute.graph_cache as gc
-    import orchestra.execute.graph_spec as gs
+    import orchestra.execute.cuda_graph.capture_plan as cp
+    import orchestra.execute.cuda_graph.cache as gc
+    import orchestra.execute.cuda_graph.spec as gs
 
     for mod in (gs, cp, gc):
         assert "cuda.bindings" not in mod.__dict__.get("__builtins__", {})
@@ -298,7 +294,7 @@ def test_c05_realloc_without_free_in_between_counts():
 def test_c05_graph_executors_check_before_building():
     # The executors call check_graph_memory before any CUDA call: the same function, so the
     # CPU check is the executors' check (see graph_build.prepare_build).
-    from orchestra.execute.graph_build import prepare_build
+    from orchestra.execute.cuda_graph.build import prepare_build
 
     g = TaskGraph()
     x = Buffer("x", N)
@@ -513,13 +509,14 @@ def test_signature_is_plain_data():
 
 import numpy as np  # noqa: E402
 
-from orchestra.execute.capture import CaptureError, CaptureExecutor, CaptureSession  # noqa: E402
+from orchestra.driver.capture import CaptureSession  # noqa: E402
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor  # noqa: E402
 from orchestra.execute.errors import (  # noqa: E402
     BindingError,
     HostFunctionError,
     PageableMemoryError,
 )
-from orchestra.execute.graph_build import GraphBuildExecutor  # noqa: E402
+from orchestra.execute.cuda_graph.build import GraphBuildExecutor  # noqa: E402
 from tests import fake_graph_cuda as fg  # noqa: E402
 
 
@@ -634,7 +631,7 @@ def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
     """A pool of arrays bound in turn is checked once each; writability is checked every
     time; a removed pinned range or an update makes every array be checked again."""
     from orchestra.driver import host as H
-    from orchestra.execute import graph_exec as ge
+    from orchestra.execute.cuda_graph import exec as ge
 
     g, bs, bind = job(2)
     sets = [bind, {k: v.copy() for k, v in bind.items()}]
@@ -1052,11 +1049,12 @@ def test_launch_host_func_calls_the_driver_entry_point_not_the_bindings_wrapper(
     function twice, as two graph launches would."""
     import ctypes
 
+    from orchestra.driver import entry_points
     from orchestra.execute import hostfunc
 
     seen = []
 
-    @hostfunc._LAUNCH_HOSTFN
+    @entry_points._LAUNCH_HOSTFN
     def entry(stream, fn, user):
         seen.append((stream, fn, user))
         hostfunc._HOSTFN(fn)(user)  # launch 1
@@ -1073,15 +1071,15 @@ def test_launch_host_func_calls_the_driver_entry_point_not_the_bindings_wrapper(
         def cuLaunchHostFunc(*a):
             raise AssertionError("cuda-bindings' cuLaunchHostFunc must not be used")
 
-    monkeypatch.setattr(hostfunc, "_raw", None)
+    monkeypatch.setattr(entry_points, "_raw", None)
     cb = hostfunc.HostCallbacks()
     calls = []
     token = cb.add(lambda: calls.append(1), "h")
-    assert hostfunc.launch_host_func(Driver, 0x1234, cb.address, token) == 0
+    assert entry_points.launch_host_func(Driver, 0x1234, cb.address, token) == 0
     assert calls == [1, 1] and cb.take_errors() == []
     assert seen == [(0x1234, cb.address, token)]
-    assert hostfunc.driver_launch_host_func_source() == "cuGetProcAddress"
-    monkeypatch.setattr(hostfunc, "_raw", None)
+    assert entry_points.driver_launch_host_func_source() == "cuGetProcAddress"
+    monkeypatch.setattr(entry_points, "_raw", None)
 
 
 def test_fake_graph_build_sets_kernel_node_attributes(fake):
@@ -1147,7 +1145,7 @@ def test_fake_capture_failure_in_a_driver_call_names_the_node(fake):
 
 @pytest.mark.parametrize("kind", ["capture", "graph"])
 def test_fake_graph_runner_has_the_eager_interface(fake, kind, tmp_path):
-    from orchestra.execute.graph_runner import GraphRunner
+    from orchestra.execute.cuda_graph.runner import GraphRunner
 
     g, bs, bind = job(3)
     with GraphRunner(kind, fake.device, kernel_resolver=fg.resolver(fake)) as runner:

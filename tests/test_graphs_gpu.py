@@ -25,17 +25,12 @@ import numpy as np
 import pytest
 
 from orchestra.driver import DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
+from orchestra.driver.capture import CaptureSession, UnjoinedStreamError, is_capturing
+from orchestra.driver.graph_memory import graph_memory
 from orchestra.execute import EagerExecutor, PageableMemoryError
-from orchestra.execute.capture import (
-    CaptureError,
-    CaptureExecutor,
-    CaptureSession,
-    is_capturing,
-)
-from orchestra.execute.capture_plan import UnjoinedStreamError
-from orchestra.execute.graph_build import GraphBuildExecutor
-from orchestra.execute.graph_exec import graph_memory
-from orchestra.execute.graph_spec import GraphMemoryError
+from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor
+from orchestra.execute.cuda_graph.spec import GraphMemoryError
 from orchestra.graph import (
     Alloc,
     Buffer,
@@ -50,7 +45,7 @@ from orchestra.graph import (
     TaskGraph,
     build_pipeline,
 )
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 from orchestra.schedule import POLICIES
 
 pytestmark = pytest.mark.gpu
@@ -329,7 +324,7 @@ import numpy as np
 from orchestra.driver import Device, PinnedBuffer
 from orchestra.execute import CaptureExecutor, GraphBuildExecutor
 from orchestra.graph import HostBuffer, build_pipeline
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 
 def pipeline(iters, seed):
     n = 4096
@@ -679,7 +674,7 @@ def test_orchestra_run_with_graph_executors(executor, tmp_path, capsys):
 
 
 def test_graph_cache_with_pow2_buckets_serves_padded_requests(dev, capture):
-    from orchestra.execute.graph_cache import GraphCache
+    from orchestra.execute.cuda_graph.cache import GraphCache
 
     per = 2048  # elements per batch
     cache = GraphCache(max_entries=4, buckets="pow2")

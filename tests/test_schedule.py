@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestra.errors import GraphError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In, InOut,
+    Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In, InOut,
     KernelNode, KernelRef, Memset, Out, TaskGraph, build_pipeline,
 )
 from orchestra.schedule import (

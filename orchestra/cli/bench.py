@@ -1,8 +1,8 @@
 """`orchestra bench stages|pdl`: the kernel library's two benchmarks (need a GPU).
 
 ``stages``: the block-scope unified pipeline at 1-4 stages vs a device-to-device copy of the
-same bytes (`orchestra.kernels_bench.stages`). ``pdl``: a chain of small dependent kernels with
-and without programmatic dependent launch (`orchestra.kernels_bench.pdlchain`). Both print a
+same bytes (`orchestra.app.kernels_bench.stages`). ``pdl``: a chain of small dependent kernels with
+and without programmatic dependent launch (`orchestra.app.kernels_bench.pdlchain`). Both print a
 table (or ``--json``) and check their output against numpy; exit 1 when the output is wrong, or
 with ``--check-goal`` when the issue's goal is missed.
 """
@@ -53,8 +53,8 @@ def _common(p) -> None:
 
 
 def run_stages_cmd(args) -> int:
-    from orchestra.kernels_bench.common import format_table
-    from orchestra.kernels_bench.stages import GOAL_PERCENT, run_stages
+    from orchestra.app.kernels_bench.common import format_table
+    from orchestra.app.kernels_bench.stages import GOAL_PERCENT, run_stages
 
     rep = run_stages(mib=args.mib, block=args.block, repeats=args.repeats, warmup=args.warmup,
                      device=args.device)
@@ -84,8 +84,8 @@ def run_stages_cmd(args) -> int:
 
 
 def run_pdl_cmd(args) -> int:
-    from orchestra.kernels_bench.common import format_table
-    from orchestra.kernels_bench.pdlchain import GOAL_US, run_pdl_chain
+    from orchestra.app.kernels_bench.common import format_table
+    from orchestra.app.kernels_bench.pdlchain import GOAL_US, run_pdl_chain
 
     rep = run_pdl_chain(kernels=args.kernels, n=args.n, block=args.block, repeats=args.repeats,
                         gate_ms=args.gate_ms, graphs=not args.no_graphs, device=args.device)

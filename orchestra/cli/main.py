@@ -15,7 +15,7 @@ import sys
 from orchestra.errors import NoDeviceError, OrchestraError
 
 # Subcommand modules, in the order `orchestra --help` lists them.
-_COMMANDS = ("devices", "compile_cmd", "plan_cmd", "run_cmd", "bench")
+_COMMANDS = ("devices", "compile_cmd", "cache_cmd", "plan_cmd", "run_cmd", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,14 +41,25 @@ def main(argv: list[str] | None = None) -> int:
         hint = getattr(args, "no_device_hint", "")
         print(f"orchestra: {exc}{hint}", file=sys.stderr)
         return 2
-    except OrchestraError as exc:
-        print(f"orchestra: {exc}", file=sys.stderr)
-        return 1
     except (ValueError, TypeError, KeyError, OverflowError, OSError) as exc:
         # Bad input (an option, a file, an argument): one line that says what to change.
+        # orchestra's own usage errors keep these builtins as second bases, so they land here.
         if args.verbose:
             raise
         print(f"orchestra {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OrchestraError as exc:
+        print(f"orchestra: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        # cuda-bindings' own failures outside orchestra's checked calls (a driver without an
+        # entry point): one line and exit 2, like NoDeviceError.
+        from orchestra.driver.check import binding_failure
+
+        err = binding_failure("a driver call", exc)
+        if err is None:
+            raise
+        print(f"orchestra: {err}", file=sys.stderr)
         return 2
 
 

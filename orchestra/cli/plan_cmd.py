@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def build(args):
     """(graph, plan, info) for the options: the graph `orchestra run` would build."""
-    from orchestra.job import (
+    from orchestra.app.job import (
         batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
     )
     from orchestra.schedule import schedule
@@ -37,7 +37,7 @@ def build(args):
     per = batch_bytes // 4
     source = None
     if args.input:
-        from orchestra.job.inputs import open_input
+        from orchestra.app.job.inputs import open_input
 
         inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
         sizes = batch_sizes(inp.size, per)

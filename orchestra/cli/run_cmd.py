@@ -1,4 +1,4 @@
-"""`orchestra run`: the main job on the GPU (see `orchestra.job.main_job`).
+"""`orchestra run`: the main job on the GPU (see `orchestra.app.job.main_job`).
 
 Generates float32 batches (or streams ``--input FILE.npy``), measures single-batch H2D, kernel
 and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-poisoned outputs,
@@ -77,7 +77,7 @@ def run(args) -> int:
         print(f"orchestra run: {problem}", file=sys.stderr)
         return 2
     from orchestra.driver import Device
-    from orchestra.job import MainJob
+    from orchestra.app.job import MainJob
 
     dev = Device.get(args.device)  # NoDeviceError here: exit 2 before any work
     job = MainJob(batches=args.batches, batch_mib=args.batch_mib, streams=args.streams,

@@ -13,6 +13,12 @@ from pathlib import Path
 
 import attrs
 
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    KernelSourceNotFoundError,
+    OrchestraError,
+)
+
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _PACKAGE_DIR.parent.parent
 
@@ -37,6 +43,29 @@ def ptx_source_dir() -> Path:
     """
     env = os.environ.get("ORCHESTRA_PTX_DIR")
     return Path(env).resolve() if env else _REPO_ROOT / "ptx"
+
+
+class SourceEncodingError(OrchestraError, ValueError):
+    """A kernel source file is not UTF-8 text; the message names the file and the first bad
+    byte. ``path``: the file."""
+
+    def __init__(self, path, byte: int, offset: int):
+        self.path, self.byte, self.offset = str(path), byte, offset
+        super().__init__(
+            f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {offset}): a kernel source"
+            " must be UTF-8 CUDA C++ or PTX; is it a binary file (a .cubin?) or saved in"
+            " another encoding?")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.byte, self.offset))
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceEncodingError(path, data[exc.start], exc.start) from None
 
 
 @attrs.frozen
@@ -88,7 +117,8 @@ def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) 
     or the program text itself. bytes are taken as program text (UTF-8).
 
     Raises ``FileNotFoundError`` for a `Path`, or for a str that looks like a file name (ends in
-    ``.cu``/``.ptx``/..., holds no newline) but exists nowhere; ``TypeError`` for other types.
+    ``.cu``/``.ptx``/..., holds no newline) but exists nowhere; `SourceEncodingError` (a
+    ``ValueError``) for a file that is not UTF-8; ``TypeError`` for other types.
     """
     if search is None:
         search = (kernel_source_dir(), ptx_source_dir())
@@ -100,12 +130,12 @@ def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) 
         path = resolve_path(source_or_path, search)
         if path is None:
             dirs = ", ".join(str(d) for d in search)
-            raise FileNotFoundError(
+            raise KernelSourceNotFoundError(
                 f"kernel source {os.fspath(source_or_path)!r} not found (looked in the working"
                 f" directory and {dirs}); pass an existing path or the program text itself")
-        return Source(path.read_text(encoding="utf-8"), path, str(path))
+        return Source(_read_text(path), path, str(path))
     if isinstance(source_or_path, str):
         return Source(source_or_path, None, inline_name)
-    raise TypeError(
+    raise CompilerArgumentTypeError(
         "expected a path (str or Path) to a kernel source file or the program text (str),"
         f" got {type(source_or_path).__name__}")

@@ -1,9 +1,9 @@
 """orchestra.execute: run a task graph's plan on the GPU.
 
 - `EagerExecutor`: enqueue each step onto pooled non-blocking streams (`eager`).
-- CUDA Graphs: `CaptureExecutor` (`capture`), `GraphBuildExecutor` (`graph_build`), both giving
-  a `GraphExec` (`graph_exec`: launch, replay with new inputs and scalars, update); `GraphCache`
-  (`graph_cache`); `GraphRunner` (`graph_runner`: the eager interface over a graph executor).
+- CUDA Graphs (the `cuda_graph` sub-package): `CaptureExecutor`, `GraphBuildExecutor`, both
+  giving a `GraphExec` (launch, replay with new inputs and scalars, update); `GraphCache`;
+  `GraphRunner` (the eager interface over a graph executor).
 - Shared resolution every executor uses before enqueueing anything: checks and issue order
   (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
   arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`),
@@ -22,6 +22,10 @@ from orchestra.execute.bindings import (
 from orchestra.execute.eager import EagerExecutor, RunResult
 from orchestra.execute.errors import (
     BindingError,
+    BucketOverflowError,
+    ExecutorArgumentError,
+    ExecutorArgumentTypeError,
+    ExecutorArgumentValueError,
     ExecutorUnavailable,
     HostFunctionError,
     PageableMemoryError,
@@ -33,11 +37,18 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.staging import StagingPool
 
-from orchestra.execute.capture import CaptureError, CaptureExecutor, CaptureSession  # noqa: E402
-from orchestra.execute.graph_build import GraphBuildExecutor  # noqa: E402
-from orchestra.execute.graph_cache import GraphCache, Signature  # noqa: E402
-from orchestra.execute.graph_exec import GraphExec, UpdateResult, graph_memory  # noqa: E402
-from orchestra.execute.graph_runner import GraphRunner  # noqa: E402
+from orchestra.driver.capture import CaptureSession  # noqa: E402  (documented here too)
+from orchestra.driver.graph_memory import graph_memory  # noqa: E402
+from orchestra.execute.cuda_graph import (  # noqa: E402
+    CaptureError,
+    CaptureExecutor,
+    GraphBuildExecutor,
+    GraphCache,
+    GraphExec,
+    GraphRunner,
+    Signature,
+    UpdateResult,
+)
 
 EXECUTORS = ("eager", "capture", "graph")
 AVAILABLE_EXECUTORS = ("eager", "capture", "graph")
@@ -50,7 +61,7 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True):
     if name == "eager":
         return EagerExecutor(device, verify=verify)
     if name in ("capture", "graph"):
-        from orchestra.execute.graph_runner import GraphRunner
+        from orchestra.execute.cuda_graph.runner import GraphRunner
 
         return GraphRunner(name, device, verify=verify)
     if name in EXECUTORS:
@@ -62,7 +73,9 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True):
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "DeviceBinding", "EXECUTORS",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BucketOverflowError",
+    "ExecutorArgumentError", "ExecutorArgumentTypeError", "ExecutorArgumentValueError",
+    "DeviceBinding", "EXECUTORS",
     "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
     "HostFunctionError", "KernelArgs", "KernelResolver", "PageableMemoryError", "PinnedCheck",
     "PlanMismatchError", "PointerArg", "ResolvedBindings", "RunResult", "StagingPool",

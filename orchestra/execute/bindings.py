@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 
 from orchestra.driver import host as _host
+from orchestra.errors import NotFoundError
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
 from orchestra.graph import Buffer, HostBuffer, TaskGraph
 
@@ -128,7 +129,7 @@ class ResolvedBindings:
     def address(self, name: str) -> int:
         b = self.host.get(name) or self.device.get(name)
         if b is None:
-            raise KeyError(f"no binding named {name!r}")
+            raise NotFoundError(f"no binding named {name!r}")
         return b.address
 
 

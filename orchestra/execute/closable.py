@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from orchestra.errors import ClosedError
+
 
 class Closable:
     """Mixin for objects with a ``_closed`` flag that their ``close()`` sets: the ``closed``
@@ -12,7 +14,7 @@ class Closable:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"this {type(self).__name__} is closed")
+            raise ClosedError(f"this {type(self).__name__} is closed")
 
     @property
     def closed(self) -> bool:

@@ -40,10 +40,10 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Event, MemoryPool, Stream
 from orchestra.driver.check import error_from_result
 from orchestra.driver.device import as_device, context_alive
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
 from orchestra.execute.closable import Closable
-from orchestra.execute.errors import HostFunctionError
+from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
@@ -247,9 +247,11 @@ class EagerExecutor(Closable):
 
     def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"run() takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"run() takes a TaskGraph, got {type(graph).__name__}")
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"plan must be a schedule.Plan, got {type(plan).__name__}")
         issue = check_run(plan, graph, verify=self.verify)
         ordinal = self.device.ordinal
         for node in graph.nodes:
@@ -373,7 +375,7 @@ class EagerExecutor(Closable):
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
-                    raise RuntimeError(
+                    raise CallOrderError(
                         "a run traced with trace=True is still pending (sync=False); call "
                         "synchronize() before the next traced run, or pass tracer=EagerTracer()")
             for name, slot in prep.host_slots.items():

@@ -7,7 +7,7 @@
 Edges come from what nodes read and write (RAW, WAR, WAW on overlapping bytes) plus ``after=``.
 """
 
-from orchestra.graph.batch import BURN_PARAMS, Batch, add_batch, build_pipeline, burn_args
+from orchestra.graph.batch import Batch, add_batch, build_pipeline, elementwise_args
 from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
@@ -29,8 +29,8 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the design map's name for the node kind
 
 __all__ = [
-    "Access", "Alloc", "BURN_PARAMS", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free",
-    "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel", "KernelNode", "KernelRef",
-    "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch", "build_pipeline",
-    "burn_args",
+    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "HostBuffer",
+    "HostFunc", "HostToDevice", "In", "InOut", "Kernel", "KernelNode", "KernelRef", "Memset",
+    "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch", "build_pipeline",
+    "elementwise_args",
 ]

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 
+from orchestra.errors import TraceTypeError
 from orchestra.trace.timeline import Timeline
 
 
 def to_chrome_trace(timeline: Timeline) -> dict:
     """The timeline as a Chrome trace object (``json.dumps`` it, or use `write_chrome_trace`)."""
     if not isinstance(timeline, Timeline):
-        raise TypeError(f"to_chrome_trace expects a Timeline; got {type(timeline).__name__}")
+        raise TraceTypeError(f"to_chrome_trace expects a Timeline; got {type(timeline).__name__}")
     tids = {name: i for i, name in enumerate(timeline.streams)}
     pids = sorted({timeline.device} | {s.device for s in timeline.spans})
     used = {(s.device, s.stream) for s in timeline.spans}

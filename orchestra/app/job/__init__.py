@@ -2,7 +2,8 @@
 pinned host memory, three-way overlapped, timed against the fill-aware bound and verified
 against numpy. `graphs` builds its task graphs without a GPU (``orchestra plan``)."""
 
-from orchestra.job.graphs import (
+from orchestra.app.job.graphs import (
+    BURN_PARAMS,
     JobGraph,
     batch_bytes_from_mib,
     batch_sizes,
@@ -12,12 +13,13 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
-from orchestra.job.inputs import InputArray, open_input
-from orchestra.job.main_job import JobReport, MainJob, bound_ms, parse_iters
-from orchestra.job.timing import SingleBatch, calibrate_iters
+from orchestra.app.job.inputs import InputArray, open_input
+from orchestra.app.job.main_job import JobReport, MainJob, bound_ms, parse_iters
+from orchestra.app.job.timing import SingleBatch, calibrate_iters
 
 __all__ = [
-    "InputArray", "JobGraph", "JobReport", "MainJob", "SingleBatch", "batch_bytes_from_mib",
+    "BURN_PARAMS", "InputArray", "JobGraph", "JobReport", "MainJob", "SingleBatch",
+    "batch_bytes_from_mib",
     "batch_sizes", "bound_ms", "build_job_graph", "build_staged_graph", "burn_grid",
     "burn_kernel_ref", "calibrate_iters", "job_costs", "open_input", "parse_iters",
 ]

@@ -29,7 +29,12 @@ from collections import Counter
 
 import attrs
 
-from orchestra.errors import GraphError, HazardError
+from orchestra.errors import GraphError, HazardError, NotFoundError
+from orchestra.execute.errors import (
+    ExecutorArgumentTypeError,
+    ExecutorArgumentValueError,
+    PlanMismatchError,
+)
 from orchestra.graph import TaskGraph
 from orchestra.graph.taskgraph import kahn_order, transitive_reduction
 from orchestra.schedule import Plan
@@ -117,7 +122,7 @@ class GraphSpec:
         for n in self.nodes:
             if n.name == name:
                 return n
-        raise KeyError(f"no node named {name!r} in the graph spec")
+        raise NotFoundError(f"no node named {name!r} in the graph spec")
 
     def topology(self) -> tuple:
         """A hashable description of the shape: ``((kind, (dep index, ...)), ...)`` in creation
@@ -154,7 +159,8 @@ def stream_order_edges(plan) -> set[tuple[str, str]]:
 def check_edge_source(edges: str) -> None:
     """``ValueError`` unless ``edges`` is one of `EDGE_SOURCES`."""
     if edges not in EDGE_SOURCES:
-        raise ValueError(f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
+        raise ExecutorArgumentValueError(
+            f"edges must be one of {', '.join(EDGE_SOURCES)}; got {edges!r}")
 
 
 def _plan_order(names, edges) -> list[str]:
@@ -191,14 +197,17 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     order = graph.topological_order()  # validates
     if edges == "plan":
         if plan is None:
-            raise ValueError('edges="plan" needs the plan whose stream order to add')
+            raise ExecutorArgumentValueError(
+                'edges="plan" needs the plan whose stream order to add')
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"plan must be a schedule.Plan, got {type(plan).__name__}")
         names = [n.name for n in graph.nodes]
         planned = set(plan.node_stream)
         if planned != set(names):
             missing = sorted(set(names) - planned)[:4] or sorted(planned - set(names))[:4]
-            raise ValueError(f"the plan is not a plan of this graph (node mismatch: {missing})")
+            raise PlanMismatchError(
+                f"the plan is not a plan of this graph (node mismatch: {missing})")
         union = set(graph.edges) | stream_order_edges(plan)
         order = _plan_order(names, union)
         deps = transitive_reduction(order, union) if reduce else frozenset(union)

@@ -20,29 +20,11 @@ from __future__ import annotations
 
 import attrs
 
+from orchestra.driver.capture import UnjoinedStreamError
 from orchestra.errors import OrchestraError
 from orchestra.schedule import Plan, RecordEvent, RunNode, WaitEvent
 
 ORIGIN = "<origin>"
-
-
-class UnjoinedStreamError(OrchestraError):
-    """A stream of a capture is not joined back to the origin stream before the capture ends
-    (or does work without having been forked into the capture). ``streams`` names them."""
-
-    def __init__(self, streams, detail: str = ""):
-        self.streams = tuple(streams)
-        self.detail = detail
-        names = ", ".join(self.streams)
-        text = (f"stream capture: stream(s) {names} not joined back to the origin stream before "
-                "the capture ends (record an event on each after its last work and make the "
-                "origin wait for it)")
-        if detail:
-            text += f": {detail}"
-        super().__init__(text)
-
-    def __reduce__(self):
-        return (type(self), (self.streams, self.detail))
 
 
 @attrs.frozen

@@ -32,8 +32,8 @@ from cuda.bindings import driver as _d
 
 from orchestra.driver import cu
 from orchestra.errors import CudaError
-from orchestra.execute.graph_exec import BuiltGraph, NodeRecord
-from orchestra.execute.graph_nodes import (
+from orchestra.execute.cuda_graph.exec import BuiltGraph, NodeRecord
+from orchestra.execute.cuda_graph.executor import (
     GraphExecutorBase,
     alloc_params,
     host_params,
@@ -42,7 +42,7 @@ from orchestra.execute.graph_nodes import (
     memcpy_params,
     memset_params,
 )
-from orchestra.execute.graph_spec import (
+from orchestra.execute.cuda_graph.spec import (
     GraphSpec,
     check_edge_source,
     check_findings,

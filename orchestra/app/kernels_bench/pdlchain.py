@@ -7,7 +7,7 @@ the previous one to finish and for its own launch latency; with PDL (launch attr
 PROGRAMMATIC_STREAM_SERIALIZATION on every link but the first) link k + 1 may be launched while
 link k runs and only its griddepcontrol.wait waits for link k. PDL is applied only after the
 kernel's PTX has been checked to contain griddepcontrol.wait (case C12:
-`orchestra.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
+`orchestra.app.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
 the next link is launched as early as possible) and ``pdl_chain_step_after_wait`` (wait, then
 trigger).
 
@@ -36,10 +36,11 @@ import time
 import attrs
 import numpy as np
 
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench import reference as ref
-from orchestra.kernels_bench.common import median
-from orchestra.kernels_bench.pdl import require_grid_dependency_wait
+from orchestra.errors import BenchConfigError
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench import reference as ref
+from orchestra.app.kernels_bench.common import median
+from orchestra.app.kernels_bench.pdl import require_grid_dependency_wait
 
 GOAL_US = 0.7
 #: The link kernels timed, the default (trigger first) first.
@@ -263,7 +264,7 @@ def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeat
     from orchestra.driver import Device
 
     if kernels < 1 or n < 1 or repeats < 1 or (gate_ms is not None and gate_ms <= 0):
-        raise ValueError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
+        raise BenchConfigError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
     results = []

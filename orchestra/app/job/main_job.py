@@ -40,8 +40,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.job import data as jd
-from orchestra.job.graphs import (
+from orchestra.errors import JobConfigError
+from orchestra.app.job import data as jd
+from orchestra.app.job.graphs import (
     ELEMENT,
     batch_bytes_from_mib,
     batch_sizes,
@@ -51,8 +52,8 @@ from orchestra.job.graphs import (
     burn_kernel_ref,
     job_costs,
 )
-from orchestra.job.inputs import open_input
-from orchestra.job.timing import BatchTimer, SingleBatch
+from orchestra.app.job.inputs import open_input
+from orchestra.app.job.timing import BatchTimer, SingleBatch
 
 TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
                "stream synchronize, median over the timed runs; single-batch times: timing "
@@ -129,7 +130,7 @@ def parse_iters(value) -> int | None:
         return None
     iters = int(value)
     if iters < 0:
-        raise ValueError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
+        raise JobConfigError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
     return iters
 
 
@@ -151,7 +152,7 @@ class MainJob:
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
                  graph_dot: str | os.PathLike | None = None, trace: bool = False):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
-            raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
+            raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
         self.batches = int(batches)
         self.streams = int(streams)

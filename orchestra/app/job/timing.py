@@ -16,6 +16,8 @@ from typing import Callable
 
 import attrs
 
+from orchestra.errors import JobConfigError
+
 PROBES = (64, 512)
 MAX_ITERS = 1 << 20
 
@@ -61,7 +63,7 @@ def calibrate_iters(kernel_ms: Callable[[int], float], target_ms: float, *,
     predicts, measures there and corrects once more with the slope through that point.
     """
     if not target_ms > 0:
-        raise ValueError(f"target time must be > 0 ms; got {target_ms!r}")
+        raise JobConfigError(f"target time must be > 0 ms; got {target_ms!r}")
     i1, i2 = probes
     t1, t2 = kernel_ms(i1), kernel_ms(i2)
     slope = (t2 - t1) / (i2 - i1)
@@ -108,7 +110,7 @@ class BatchTimer:
     """Times one batch of ``nbytes`` on ``stream``: H2D from pinned ``host_in`` (a 1-D float32
     view of ``nbytes``), the kernel, D2H into pinned ``host_out``.
 
-    ``kernel``: the compiler `Kernel` for burn; ``grid``/``block`` as in the job's graph.
+    ``kernel``: the `orchestra.kernel.Kernel` for burn; ``grid``/``block`` as in the job's graph.
     `close()` frees the device buffers and events.
     """
 
@@ -140,7 +142,7 @@ class BatchTimer:
         return self._time(lambda: self.d_out.copy_to_host(self.host_out, self.stream))
 
     def kernel_ms(self, iters: int) -> float:
-        from orchestra.job.graphs import burn_scalars
+        from orchestra.app.job.graphs import burn_scalars
 
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))

@@ -33,7 +33,8 @@ from orchestra.driver.device import as_device
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
 from orchestra.execute.closable import Closable
-from orchestra.execute.graph_exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
+from orchestra.execute.cuda_graph.exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.graph import TaskGraph
@@ -189,7 +190,8 @@ class GraphExecutorBase(Closable):
     def _plan(self, graph, plan, policy, streams, costs, need: bool) -> Plan | None:
         if plan is not None:
             if not isinstance(plan, Plan):
-                raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+                raise ExecutorArgumentTypeError(
+                    f"plan must be a schedule.Plan, got {type(plan).__name__}")
             return plan
         return schedule(graph, policy, streams, costs) if need else None
 
@@ -209,7 +211,8 @@ class GraphExecutorBase(Closable):
         launch stream (default: a new non-blocking one it owns).
         """
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"build() takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"build() takes a TaskGraph, got {type(graph).__name__}")
         self._check_open()
         auto_free = self.auto_free if auto_free is None else bool(auto_free)
         options = dict(trace=bool(trace), policy=policy, streams=streams, costs=costs,

@@ -47,9 +47,17 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Stream, cu
 from orchestra.driver import host as _host
 from orchestra.driver.check import error_from_result
-from orchestra.driver.device import as_device, context_alive
+from orchestra.driver.device import context_alive
+from orchestra.driver.entry_points import exec_update
 from orchestra.driver.stream import check_stream
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    ClosedError,
+    CudaError,
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    OrchestraError,
+    prefixed,
+)
 from orchestra.execute.bindings import (
     PinnedCheck,
     as_host_array,
@@ -171,88 +179,6 @@ class UpdateResult:
     message: str = ""
 
 
-@attrs.frozen
-class GraphMemory:
-    """``cuDeviceGetGraphMemAttribute`` for one device, in bytes: memory currently associated
-    with graphs (``used``), the graph allocator's reservation (``reserved``) and their high
-    watermarks."""
-
-    used: int
-    used_high: int
-    reserved: int
-    reserved_high: int
-
-
-def graph_memory(device=None) -> GraphMemory:
-    """The device's graph-memory attributes (``cuDeviceGetGraphMemAttribute``)."""
-    dev = as_device(device)
-    dev.make_current()
-    A = _d.CUgraphMem_attribute
-
-    def get(a):
-        return int(cu(_d.cuDeviceGetGraphMemAttribute, dev.handle, a))
-
-    return GraphMemory(get(A.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
-                       get(A.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH),
-                       get(A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
-                       get(A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH))
-
-
-def trim_graph_memory(device=None) -> None:
-    """Return graph-allocator memory no exec is using to the OS (``cuDeviceGraphMemTrim``)."""
-    dev = as_device(device)
-    dev.make_current()
-    cu(_d.cuDeviceGraphMemTrim, dev.handle)
-
-
-# -- cuGraphExecUpdate with its result info ------------------------------------------------
-
-
-class _UpdateResultInfo(ctypes.Structure):
-    """``CUgraphExecUpdateResultInfo``: ``{CUgraphExecUpdateResult result; CUgraphNode
-    errorNode; CUgraphNode errorFromNode;}``."""
-
-    _fields_ = [("result", ctypes.c_int), ("errorNode", ctypes.c_void_p),
-                ("errorFromNode", ctypes.c_void_p)]
-
-
-_UPDATE_FN_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.POINTER(_UpdateResultInfo))
-_update_fn: tuple | None = None  # (the driver module it came from, the ctypes function)
-
-
-def exec_update(exec_, graph) -> tuple[int, int | None, int | None, int | None]:
-    """``cuGraphExecUpdate(exec_, graph)`` -> ``(CUresult, CUgraphExecUpdateResult,
-    errorNode, errorFromNode)`` as ints (None when unknown).
-
-    cuda-bindings returns ``(err, None)`` when the call fails, dropping the result info exactly
-    when it says why; so the driver's own entry point (``cuGetProcAddress("cuGraphExecUpdate",
-    12000)``: the CUDA 12+ form taking a ``CUgraphExecUpdateResultInfo*``) is called through
-    ctypes with orchestra's struct. If that is unavailable, the bindings' call is used and a
-    refusal's reason is unknown.
-    """
-    global _update_fn
-    if _update_fn is None or _update_fn[0] is not _d:
-        _update_fn = (_d, None)
-        try:
-            err, pfn, _status = _d.cuGetProcAddress(b"cuGraphExecUpdate", 12000, 0)
-            if not err and pfn:
-                _update_fn = (_d, _UPDATE_FN_TYPE(int(pfn)))
-        except Exception:  # noqa: BLE001 - fall back to the bindings' call below
-            pass
-    fn = _update_fn[1]
-    if fn is not None:
-        info = _UpdateResultInfo()
-        err = fn(int(exec_), int(graph), ctypes.byref(info))
-        return int(err), int(info.result), info.errorNode, info.errorFromNode
-    err, info = _d.cuGraphExecUpdate(exec_, graph)
-    if info is None:
-        return int(err), (0 if not err else None), None, None
-    en, ef = info.errorNode, info.errorFromNode
-    return (int(err), int(info.result), None if en is None else int(en),
-            None if ef is None else int(ef))
-
-
 # -- host arrays -----------------------------------------------------------------------------
 
 
@@ -320,9 +246,10 @@ class _KernelEntry:
             layout = self.layout
             i = layout.resolve(key)
             if i in self.pointers or layout.params[i].is_pointer:
-                raise TypeError(f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
-                                "pointer the graph binds to its buffers; only scalar "
-                                "parameters can be replayed with new values")
+                raise KernelArgumentTypeError(
+                    f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
+                    "pointer the graph binds to its buffers; only scalar "
+                    "parameters can be replayed with new values")
             slot = self.slots[key] = (layout.field_names[i], layout.converters[i])
         return slot
 
@@ -621,7 +548,7 @@ class GraphExec(Closable):
         """
         with self._lock:
             if self._closed:
-                raise ValueError("this GraphExec is closed")
+                raise ClosedError("this GraphExec is closed")
             if bindings:
                 bound = self._bound
                 try:
@@ -636,8 +563,9 @@ class GraphExec(Closable):
                 try:
                     items = scalars.items()
                 except AttributeError:
-                    raise TypeError("scalars must map kernel node name -> {parameter: value}; "
-                                    f"got {type(scalars).__name__}") from None
+                    raise KernelArgumentTypeError(
+                        "scalars must map kernel node name -> {parameter: value}; "
+                        f"got {type(scalars).__name__}") from None
                 for node, values in items:
                     self._set_scalars(node, values)
             if stream is None and self._tracer is None:  # the common path, inlined
@@ -725,20 +653,23 @@ class GraphExec(Closable):
         entry = self._kernels.get(node)
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
-            raise ValueError(f"scalars: {node!r} is not a kernel node of this graph (kernel "
-                             f"nodes: {known})")
+            raise KernelArgumentValueError(
+                f"scalars: {node!r} is not a kernel node of this graph (kernel "
+                f"nodes: {known})")
         struct = entry.struct
         try:
             items = values.items()
         except AttributeError:
-            raise TypeError(f"scalars[{node!r}] must map parameter name or index -> value; got "
-                            f"{type(values).__name__}") from None
+            raise KernelArgumentTypeError(
+                f"scalars[{node!r}] must map parameter name or index -> value; got "
+                f"{type(values).__name__}") from None
         for key, value in items:
             field, conv = entry.slot(node, key)
             try:
                 setattr(struct, field, conv(value))
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"kernel node {node}: {exc}") from exc
+                raise prefixed(exc, f"kernel node {node}: ", KernelArgumentTypeError,
+                               KernelArgumentValueError) from exc
         (err,) = _set_kernel(self._exec, entry.gnode, entry.params)
         if err:
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")
@@ -770,7 +701,7 @@ class GraphExec(Closable):
             try:
                 self.device.make_current()
                 err, result, error_node, error_from = exec_update(self._state.exec,
-                                                                  built.cugraph)
+                                                                  built.cugraph, _d)
             except BaseException:
                 self._discard(built)
                 raise
@@ -897,6 +828,4 @@ class GraphExec(Closable):
                 f" on device {self.device.ordinal}>")
 
 
-__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "GraphMemory", "NodeRecord",
-           "exec_update",
-           "UpdateResult", "graph_memory", "trim_graph_memory"]
+__all__ = ["AUTO_FREE_ON_LAUNCH", "BuiltGraph", "GraphExec", "NodeRecord", "UpdateResult"]

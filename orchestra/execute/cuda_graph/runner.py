@@ -6,7 +6,8 @@
 
 - the first ``run`` of a (graph, plan) builds and instantiates its CUDA graph (capture or
   explicit build; the time goes to ``RunResult.prepare_ms``) with that run's bindings; the exec
-  is cached (LRU, ``cache_size``);
+  is cached (a `GraphCache`, LRU, ``cache_size``) and leased for each launch, so an eviction
+  never closes an exec while a run launches it;
 - every ``run`` is then a `GraphExec.replay` with the run's bindings (only arrays that changed
   are rebound) and one ``cuGraphLaunch``; ``wall_ms`` is host time from the replay call to the
   end of the synchronize, ``enqueue_us`` the replay call alone;
@@ -15,13 +16,15 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Any, Mapping
 
+from orchestra.errors import NotReadyError
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
+from orchestra.execute.cuda_graph.cache import GraphCache
+from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
@@ -38,15 +41,16 @@ class GraphRunner(Closable):
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
                  mode="thread-local", trace: bool = False):
         if kind not in KINDS:
-            raise ValueError(f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
+            raise ExecutorArgumentValueError(
+                f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
         if self.kind == "capture":
-            from orchestra.execute.capture import CaptureExecutor
+            from orchestra.execute.cuda_graph.capture import CaptureExecutor
 
             self.executor = CaptureExecutor(device, mode=mode, verify=verify,
                                             kernel_resolver=kernel_resolver, auto_free=auto_free)
         else:
-            from orchestra.execute.graph_build import GraphBuildExecutor
+            from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
             self.executor = GraphBuildExecutor(device, verify=verify,
                                                kernel_resolver=kernel_resolver,
@@ -56,7 +60,7 @@ class GraphRunner(Closable):
         self.trace = bool(trace)
         self.cache_size = max(1, int(cache_size))
         self._plans = PlanCache()
-        self._execs: collections.OrderedDict = collections.OrderedDict()
+        self._execs = GraphCache(max_entries=self.cache_size)  # key -> _Cached
         self._lock = threading.RLock()
         self.last_exec = None
         self._closed = False
@@ -89,28 +93,28 @@ class GraphRunner(Closable):
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
             trace = self.trace or trace or tracer is not None
+            # the entry holds graph and plan, so their ids cannot be reused while it is cached
             key = (id(graph), len(graph), id(plan), trace)
-            hit = self._execs.get(key)
-            prepare_ms = 0.0
-            if hit is not None and hit[0] is graph and hit[1] is plan:
-                exe = hit[2]
-                self._execs.move_to_end(key)
-            else:
+            prepare_ms = []
+
+            def build(_key):
                 t0 = time.perf_counter_ns()
                 exe = self.executor.build(graph, plan, bindings, trace=trace)
-                prepare_ms = (time.perf_counter_ns() - t0) / 1e6
-                self._execs[key] = (graph, plan, exe)
-                while len(self._execs) > self.cache_size:
-                    self._execs.popitem(last=False)[1][2].close()
-            self.last_exec = exe
-            t0 = time.perf_counter_ns()
-            exe.replay(bindings, sync=False)
-            t1 = time.perf_counter_ns()
-            timeline = None
-            wall = None
-            if sync:
-                timeline = exe.synchronize()
-                wall = (time.perf_counter_ns() - t0) / 1e6
+                prepare_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                return _Cached(graph, plan, exe)
+
+            with self._execs.lease(key, build) as cached:
+                exe = cached.exe
+                self.last_exec = exe
+                t0 = time.perf_counter_ns()
+                exe.replay(bindings, sync=False)
+                t1 = time.perf_counter_ns()
+                timeline = None
+                wall = None
+                if sync:
+                    timeline = exe.synchronize()
+                    wall = (time.perf_counter_ns() - t0) / 1e6
+            prepare_ms = prepare_ms[0] if prepare_ms else 0.0
             return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
                              steps=1, events=plan.event_count, waits=plan.wait_count,
                              streams=len(plan.streams), policy=plan.policy,
@@ -126,7 +130,7 @@ class GraphRunner(Closable):
     def dot(self, path, *, verbose: bool = False) -> str:
         """The last exec's graph as DOT (``cuGraphDebugDotPrint``); ValueError before any run."""
         if self.last_exec is None or self.last_exec.closed:
-            raise ValueError("no graph has been built yet: run() first")
+            raise NotReadyError("no graph has been built yet: run() first")
         return self.last_exec.dot(path, verbose=verbose)
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -137,15 +141,26 @@ class GraphRunner(Closable):
             if self._closed:
                 return
             self._closed = True
-            for _, _, exe in self._execs.values():
-                exe.close()
-            self._execs.clear()
+            self._execs.clear()  # closes every exec (a leased one at its lease's end)
             self._plans.clear()
             self.last_exec = None
             self.executor.close()
 
     def __repr__(self) -> str:
         return f"<GraphRunner {self.kind}: {len(self._execs)} cached execs>"
+
+
+class _Cached:
+    """A cached exec with the graph and plan it was built from (kept alive: the cache key
+    holds their ids); closing it closes the exec."""
+
+    __slots__ = ("graph", "plan", "exe")
+
+    def __init__(self, graph, plan, exe):
+        self.graph, self.plan, self.exe = graph, plan, exe
+
+    def close(self) -> None:
+        self.exe.close()
 
 
 __all__ = ["GraphRunner", "KINDS"]

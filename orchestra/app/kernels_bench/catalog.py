@@ -4,7 +4,7 @@ The source files' header comments are the full statement of each kernel's launch
 `KernelSpec` carries the parts code needs (block size, dynamic shared memory, cluster, compute
 capability) so tests, checks and benchmarks launch each kernel the same way.
 
-`load(spec, device)` returns a launchable ``orchestra.compiler.Kernel`` (NVRTC for ``.cu``,
+`load(spec, device)` returns a launchable ``orchestra.kernel.Kernel`` (NVRTC for ``.cu``,
 nvJitLink for ``.ptx``); `compile_spec` and `ptx_text` work without a GPU.
 
 Prebuilt cubins: `build_cubins(directory)` compiles every source once here (no GPU needed) and
@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 
 import attrs
+
+from orchestra.errors import NotFoundError, PrebuiltCubinError, UnsupportedDeviceError
 
 #: Directory of prebuilt cubins (`build_cubins`) that `load` uses instead of compiling.
 PREBUILT_ENV = "ORCHESTRA_KERNEL_CUBINS"
@@ -109,7 +111,7 @@ def spec(key: str) -> KernelSpec:
     try:
         return _BY_KEY[key]
     except KeyError:
-        raise KeyError(f"no kernel {key!r}; known: {', '.join(_BY_KEY)}") from None
+        raise NotFoundError(f"no kernel {key!r}; known: {', '.join(_BY_KEY)}") from None
 
 
 def sources() -> dict[str, list[KernelSpec]]:
@@ -182,19 +184,19 @@ def ptx_text(s: KernelSpec, *, arch: str = "sm_90") -> tuple[str, str]:
 
 
 def load(s: KernelSpec | str, device=None):
-    """A launchable ``orchestra.compiler.Kernel`` for ``s`` (a spec or its key) on ``device``
+    """A launchable ``orchestra.kernel.Kernel`` for ``s`` (a spec or its key) on ``device``
     (compiled/linked for that device's arch, cached; or taken from the prebuilt cubins of
     ``$ORCHESTRA_KERNEL_CUBINS``). Raises ``RuntimeError`` when the device's compute capability
     is below ``s.min_cc`` or a prebuilt cubin is missing, stale or for another arch."""
-    from orchestra.compiler import load_kernel
+    from orchestra.kernel import load_kernel
     from orchestra.driver import Device
 
     s = spec(s) if isinstance(s, str) else s
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     if tuple(dev.compute_capability) < tuple(s.min_cc):
-        raise RuntimeError(f"kernel {s.key} needs compute capability"
-                           f" {s.min_cc[0]}.{s.min_cc[1]}+, {dev.name} has"
-                           f" {dev.compute_capability[0]}.{dev.compute_capability[1]}")
+        raise UnsupportedDeviceError(f"kernel {s.key} needs compute capability"
+                                     f" {s.min_cc[0]}.{s.min_cc[1]}+, {dev.name} has"
+                                     f" {dev.compute_capability[0]}.{dev.compute_capability[1]}")
     prebuilt = os.environ.get(PREBUILT_ENV, "")
     if prebuilt:
         return _load_prebuilt(s, dev, Path(prebuilt))
@@ -240,18 +242,19 @@ _prebuilt_modules: dict = {}
 
 
 def _load_prebuilt(s: KernelSpec, dev, directory: Path):
-    from orchestra.compiler import Module
+    from orchestra.kernel import Module
 
     cubin, meta_path = directory / f"{s.source}.cubin", directory / f"{s.source}.json"
     if not cubin.is_file() or not meta_path.is_file():
-        raise RuntimeError(f"${PREBUILT_ENV}={directory}: no {cubin.name} / {meta_path.name};"
-                           " build them with: python3 tests/kernel_checks.py --build-cubins DIR")
+        raise PrebuiltCubinError(
+            f"${PREBUILT_ENV}={directory}: no {cubin.name} / {meta_path.name}; build them with:"
+            " python3 tests/kernel_checks.py --build-cubins DIR")
     meta = json.loads(meta_path.read_text())
     if meta.get("sha256") != _digest(s.path()):
-        raise RuntimeError(f"{cubin} was built from another version of {s.source}; rebuild"
-                           " with: python3 tests/kernel_checks.py --build-cubins DIR")
+        raise PrebuiltCubinError(f"{cubin} was built from another version of {s.source}; rebuild"
+                                 " with: python3 tests/kernel_checks.py --build-cubins DIR")
     if meta.get("arch") != dev.arch:
-        raise RuntimeError(f"{cubin} is for {meta.get('arch')}, the device is {dev.arch}")
+        raise PrebuiltCubinError(f"{cubin} is for {meta.get('arch')}, the device is {dev.arch}")
     key = (dev.ordinal, str(cubin.resolve()))
     with _prebuilt_lock:
         module = _prebuilt_modules.get(key)

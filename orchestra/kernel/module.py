@@ -25,10 +25,18 @@ from orchestra.compiler.ptx import (
     ptx_isa_version,
 )
 from orchestra.driver.owner import Resource
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    KernelArgumentTypeError,
+    NotFoundError,
+    ParamDeclarationValueError,
+)
 
 
-class KernelNotFoundError(OrchestraError, KeyError):
+class KernelNotFoundError(NotFoundError):
     """No kernel of that name in a module; the message lists the kernels present.
 
     Attributes: ``name`` (asked for), ``available`` (tuple of lowered names present).
@@ -81,6 +89,12 @@ class Module(Resource):
     driver layer's `Owner` finalizer does it for a module that is dropped, and skips the call
     once the device's primary context has been released at interpreter exit. `Kernel` objects
     keep their module alive.
+
+    Lifetime: `lease` keeps the library loaded for a built exec or queued work that launches
+    its kernels. `close()` while a lease is out returns at once and the module reads as closed
+    (``library`` raises `ResourceClosedError`, `kernel` refuses, no new lease), but the kernels
+    it handed out keep working and ``cuLibraryUnload`` runs when the last lease ends
+    (docs/errors.md, "Lifetimes"). Thread-safe.
     """
 
     def __init__(self, library, image: bytes, device, *, lowered_names=None, source=None):
@@ -100,8 +114,14 @@ class Module(Resource):
 
     @property
     def library(self):
-        """The ``CUlibrary``; ``ValueError`` once closed."""
+        """The ``CUlibrary``; `ResourceClosedError` (a ``ValueError``) once closed."""
         return self._own.handle
+
+    def lease(self):
+        """A `Lease` that keeps the library loaded (and its kernels launchable) until it is
+        released, even if the module is closed meanwhile. `ResourceClosedError` if closed
+        already. Release it only after the launches that use its kernels have completed."""
+        return self._own.lease()
 
     @classmethod
     def load(cls, image, device=None, *, source=None, lowered_names=None) -> "Module":
@@ -128,8 +148,9 @@ class Module(Resource):
         elif isinstance(image, (str, os.PathLike)):
             data = Path(image).read_bytes()
         else:
-            raise TypeError("Module.load takes a CompileResult, image bytes, PTX text or a"
-                            f" path, got {type(image).__name__}")
+            raise CompilerArgumentTypeError(
+                "Module.load takes a CompileResult, image bytes, PTX text or a"
+                f" path, got {type(image).__name__}")
         if is_ptx(data):
             check_ptx_loadable(ptx_isa_version(data), driver_version())
             data = data.rstrip(b"\0") + b"\0"  # the driver reads PTX as a C string
@@ -139,7 +160,8 @@ class Module(Resource):
         return cls(library, data, dev, lowered_names=lowered_names, source=source)
 
     def close(self) -> None:
-        """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable."""
+        """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable once
+        it is unloaded: now, or, while a `lease` is out, when the last lease ends."""
         self._own.close()
 
     def kernel_names(self) -> list[str]:
@@ -173,7 +195,10 @@ class Module(Resource):
         Raises `KernelNotFoundError` (a ``KeyError``) listing the kernels present.
         """
         if self.closed:
-            raise ValueError("the module is closed")
+            from orchestra.driver.owner import ResourceClosedError
+
+            raise ResourceClosedError("this Module is closed: load it again to look up "
+                                      f"kernel {name!r}", "Module")
         explicit = None if params is None else normalize_params(params)
         key = (name, explicit)
         k = self._kernels.get(key)
@@ -252,7 +277,8 @@ class Kernel:
         A cubin's own parameter table (`elf.kernel_params`) is read first, with no driver call;
         a PTX-loaded module asks the driver (``cuFuncGetParamCount`` where it exists, then
         ``cuFuncGetParamInfo`` for the declared indices only: probing past the end would raise
-        a driver error that compute-sanitizer reports). A mismatch is ``ValueError``."""
+        a driver error that compute-sanitizer reports). A mismatch is
+        `ParamDeclarationValueError` (a ``ValueError``)."""
         image = self.module._image
         actual = kernel_params(image, self.lowered_name) if is_elf(image) else None
         if actual is None:
@@ -261,12 +287,12 @@ class Kernel:
                 return  # cannot tell: skip the check
         declared = [(o, p.size) for o, p in zip(self.layout.offsets, self.params)]
         if len(actual) != len(declared):
-            raise ValueError(
+            raise ParamDeclarationValueError(
                 f"kernel {self.name} takes {len(actual)} parameters in the image, but"
                 f" {len(declared)} were declared: {self.layout.signature}; fix params=")
         for idx, ((ao, asz), (do, dsz), p) in enumerate(zip(actual, declared, self.params)):
             if ao != do or asz != dsz:
-                raise ValueError(
+                raise ParamDeclarationValueError(
                     f"kernel {self.name}: parameter {idx} ({p}) is {dsz} bytes at offset {do}"
                     f" as declared, but the image has {asz} bytes at offset {ao}; fix params=")
 
@@ -294,8 +320,9 @@ class Kernel:
 
     def _need_layout(self) -> ArgLayout:
         if self.layout is None:
-            raise TypeError(self._params_error or f"kernel {self.name}: parameters unknown;"
-                            " pass params= to Module.kernel/load_kernel")
+            raise KernelArgumentTypeError(
+                self._params_error or f"kernel {self.name}: parameters unknown;"
+                " pass params= to Module.kernel/load_kernel")
         return self.layout
 
     def pack(self, args) -> PackedArgs:
@@ -320,7 +347,7 @@ class Kernel:
         cfg = LaunchConfig.make(1, block, shared_mem)
         self.device.make_current()
         return int(_cu(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
-                       cfg.threads_per_block, cfg.shared_mem))
+                   cfg.threads_per_block, cfg.shared_mem))
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -361,8 +388,9 @@ class Kernel:
             if args.layout is self.layout or (self.layout is not None
                                               and args.layout.params == self.layout.params):
                 return args, args.address
-            raise TypeError(f"these PackedArgs were packed for {args.layout.signature}, not for"
-                            f" {self._need_layout().signature}")
+            raise KernelArgumentTypeError(
+                f"these PackedArgs were packed for {args.layout.signature}, not for"
+                f" {self._need_layout().signature}")
         packed = self.pack(args)
         return packed, packed.address
 
@@ -464,14 +492,16 @@ from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 def _raw_stream(stream):
     """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
     if stream is None:
-        raise ValueError("launch needs a Stream: orchestra never enqueues on the legacy default"
-                         " stream (pass a Stream(device) created non-blocking)")
+        raise DriverArgumentValueError(
+            "launch needs a Stream: orchestra never enqueues on the legacy default"
+            " stream (pass a Stream(device) created non-blocking)")
     if type(stream).__name__ == "CUstream":
         if int(stream) == 0:
-            raise ValueError("CUstream 0 is the legacy default stream: pass a Stream instead")
+            raise DriverArgumentValueError(
+                "CUstream 0 is the legacy default stream: pass a Stream instead")
         return stream
-    raise TypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
-                    f" {type(stream).__name__}")
+    raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
+                                  f" {type(stream).__name__}")
 
 
 class KernelAttributes:

@@ -4,7 +4,7 @@ benchmarks behind ``orchestra bench``.
 
 Modules:
     catalog    one `KernelSpec` per kernel (source, name, name expression, parameters, launch
-               requirements) and `load` to get a launchable `orchestra.compiler.Kernel`.
+               requirements) and `load` to get a launchable `orchestra.kernel.Kernel`.
     reference  numpy reference of every kernel.
     pdl        `kernel_waits_on_grid_dependency` and friends: does a kernel execute
                ``griddepcontrol.wait`` before it may be launched with the PDL attribute?
@@ -14,7 +14,7 @@ Modules:
 Only `catalog.load`, `stages` and `pdlchain` need a GPU; the rest runs anywhere.
 """
 
-from orchestra.kernels_bench.pdl import (
+from orchestra.app.kernels_bench.pdl import (
     entry_points,
     kernel_waits_on_grid_dependency,
     kernels_waiting_on_grid_dependency,

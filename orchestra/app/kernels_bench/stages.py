@@ -18,8 +18,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench.common import check_buffer, fill_pattern, median, pattern
+from orchestra.errors import BenchConfigError, UnsupportedDeviceError
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench.common import check_buffer, fill_pattern, median, pattern
 
 GOAL_PERCENT = 85.0
 A, B = 1.5, -0.5  # y = A * x + B: exact in float32 for the fill pattern
@@ -78,9 +79,9 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
     from orchestra.driver import Device, DeviceBuffer, Event, Stream, cu
 
     if mib < 1 or repeats < 1 or warmup < 0:
-        raise ValueError("need mib >= 1, repeats >= 1, warmup >= 0")
+        raise BenchConfigError("need mib >= 1, repeats >= 1, warmup >= 0")
     if block % 32 or not 32 <= block <= 1024:
-        raise ValueError(f"block must be a multiple of 32 in 32..1024, got {block}")
+        raise BenchConfigError(f"block must be a multiple of 32 in 32..1024, got {block}")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
     stream = Stream(dev)
@@ -101,8 +102,9 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
             smem = cat.pipeline_block_smem(s, block)
             occ = k.occupancy(block, smem)
             if occ < 1:
-                raise RuntimeError(f"pipeline_block<{s}> cannot run {block} threads with {smem}"
-                                   " bytes of shared memory on this device")
+                raise UnsupportedDeviceError(
+                    f"pipeline_block<{s}> cannot run {block} threads with {smem}"
+                    " bytes of shared memory on this device")
             grid = occ * dev.sm_count
             args = k.pack((x, y, n, A, B))
             configs[s] = (occ, grid, smem)

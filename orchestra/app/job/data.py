@@ -12,7 +12,7 @@ every float32 in [0, 1) has become exactly 2.0 and stays there, so the reference
 soon as a chunk stops changing, and a chunk whose reference is one constant is stored as that
 constant (the default iteration counts need no reference memory at all). Because such an output
 no longer depends on the input, the job also runs a *routing check* with a few iterations (see
-`orchestra.job.main_job`), whose output still identifies each input element.
+`orchestra.app.job.main_job`), whose output still identifies each input element.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Callable
 
 import attrs
 import numpy as np
+
+from orchestra.errors import JobConfigError
 
 CHUNK = 1 << 22  # elements per chunk (16 MiB of float32)
 SCALE = 0.5
@@ -153,7 +155,7 @@ class Reference:
 
     def compare(self, out: np.ndarray) -> Check:
         if out.size != self.n:
-            raise ValueError(f"the output has {out.size} elements, the reference {self.n}")
+            raise JobConfigError(f"the output has {out.size} elements, the reference {self.n}")
         ranges = _chunks(self.n)
 
         def one(i):
@@ -171,7 +173,7 @@ def check_against(x: np.ndarray, out: np.ndarray, iters: int, s: float = SCALE,
     """Compare ``out`` with the reference of ``x`` computed on the fly (nothing stored); for
     memory-mapped files larger than memory."""
     if out.size != x.size:
-        raise ValueError(f"the output has {out.size} elements, the input {x.size}")
+        raise JobConfigError(f"the output has {out.size} elements, the input {x.size}")
 
     def one(lo, hi):
         return _compare(out[lo:hi], burn_reference(x[lo:hi], iters, s, t), lo)
