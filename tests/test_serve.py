@@ -751,6 +751,7 @@ def test_graph_backend_over_the_fake_driver(monkeypatch, memory, kind):
     cls = GraphBuildExecutor if kind == "graph-build" else CaptureExecutor
     ex = cls(kernel_resolver=fg.resolver(fake))
     backend = cb.CudaBackend(build, ex, device=fake.device)
+    backend.graph_memory = lambda: sum(int(a.nbytes) for a in fake.vas.values())
     e = Engine(backend=backend, inputs={"x": ((8,), "float32")},
                outputs={"y": ((8,), "float32")}, buckets=[2, 4], instances=2, timing_every=1)
     try:

@@ -30,6 +30,9 @@ from orchestra.serve.errors import (
     InputTypeError,
     Overloaded,
     RequestTooLarge,
+    ServeConfigError,
+    ServeConfigTypeError,
+    ServeConfigValueError,
     ServeError,
 )
 from orchestra.serve.tensors import TensorSpec
@@ -37,7 +40,7 @@ from orchestra.serve.tensors import TensorSpec
 
 def __getattr__(name):
     # the CUDA backend module imports the executors: only when asked for
-    if name in ("ServeGraph", "CudaBackend", "ServeConfigError"):
+    if name in ("ServeGraph", "CudaBackend"):
         from orchestra.serve import cuda_backend
 
         return getattr(cuda_backend, name)
@@ -47,6 +50,7 @@ def __getattr__(name):
 __all__ = [
     "BadRequest", "Backend", "Batching", "Buckets", "CudaBackend", "Engine", "EngineBroken",
     "EngineClosed", "Instance", "InputTypeError", "NumpyBackend", "Overloaded",
-    "RequestTooLarge", "ServeConfigError", "ServeError", "ServeFuture", "ServeGraph",
+    "RequestTooLarge", "ServeConfigError", "ServeConfigTypeError", "ServeConfigValueError",
+    "ServeError", "ServeFuture", "ServeGraph",
     "TensorSpec", "bucket_sizes", "pow2_buckets", "vllm_buckets",
 ]

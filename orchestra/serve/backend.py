@@ -15,6 +15,7 @@ once, reads ``outputs`` and only then gives the instance to the next launch.
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Callable, Mapping
 
@@ -23,7 +24,7 @@ import numpy as np
 from orchestra.serve.tensors import TensorSpec
 
 
-class Instance:
+class Instance(abc.ABC):
     """One leased executable copy of a bucket (see the module doc).
 
     Attributes: ``rows`` (bucket rows), ``inputs`` / ``outputs`` (name -> staging array of
@@ -43,6 +44,7 @@ class Instance:
     instantiate_ms: float = 0.0
     dirty: int = 0
 
+    @abc.abstractmethod
     def launch(self, *, notify: bool, timed: bool, bind: Mapping[str, np.ndarray] | None = None
                ) -> None:
         """Start the work that reads ``inputs`` and writes ``outputs`` (asynchronously).
@@ -52,12 +54,11 @@ class Instance:
         already pinned array of exactly ``(rows, *row_shape)`` to read instead of the staging
         array (zero-copy); backends that cannot bind copy it into staging.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait(self) -> None:
         """Block until the last launch is done, with the lowest latency available (the
         driver's default wait). Raises `CudaError` when the work failed."""
-        raise NotImplementedError
 
     def wait_blocking(self) -> None:
         """Block until the last launch is done without busy polling (default: `wait`)."""
@@ -72,7 +73,7 @@ class Instance:
         """Release everything the instance owns (after its last launch finished)."""
 
 
-class Backend:
+class Backend(abc.ABC):
     """Makes instances for the engine. ``name``: what `Engine.stats` reports as the executor.
 
     Thread-safety: `create` may be called from several threads (the engine serializes nothing
@@ -81,10 +82,10 @@ class Backend:
 
     name = "backend"
 
+    @abc.abstractmethod
     def create(self, rows: int, index: int, inputs: dict[str, TensorSpec],
                outputs: dict[str, TensorSpec]) -> Instance:
         """Instance ``index`` (0 .. instances - 1) of the bucket of ``rows`` rows."""
-        raise NotImplementedError
 
     def check_pinned(self, name: str, array: np.ndarray) -> None:
         """Raise when ``array`` may not be used zero-copy (``pinned=True`` requests)."""

@@ -37,6 +37,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from orchestra.errors import BenchConfigError, MissingExtraError
 from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
 from orchestra.serve.stats import percentiles
@@ -59,9 +60,9 @@ def parse_size(text: str) -> int:
     try:
         n = int(float(t) * mult)
     except ValueError:
-        raise ValueError(f"request size {text!r}: give bytes, e.g. 4K, 64K, 1M") from None
+        raise BenchConfigError(f"request size {text!r}: give bytes, e.g. 4K, 64K, 1M") from None
     if n <= 0:
-        raise ValueError(f"request size {text!r} must be positive")
+        raise BenchConfigError(f"request size {text!r} must be positive")
     return n
 
 
@@ -72,10 +73,10 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
         size, _, w = part.partition(":")
         weight = float(w) if w else 1.0
         if weight <= 0:
-            raise ValueError(f"size mix {text!r}: weights must be > 0")
+            raise BenchConfigError(f"size mix {text!r}: weights must be > 0")
         out.append((parse_size(size), weight))
     if not out:
-        raise ValueError("the size mix is empty")
+        raise BenchConfigError("the size mix is empty")
     return out
 
 
@@ -91,7 +92,7 @@ class Workload:
         self.sizes, self.weights = [], []
         for nbytes, w in parse_mix(mix):
             if nbytes % row_bytes:
-                raise ValueError(f"request size {nbytes} bytes is not a whole number of "
+                raise BenchConfigError(f"request size {nbytes} bytes is not a whole number of "
                                  f"{row_bytes}-byte rows; pick a multiple or change --row-kib")
             self.sizes.append(nbytes // row_bytes)
             self.weights.append(w)
@@ -760,7 +761,8 @@ def plot_cdf(results: list[Result], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: pip install 'orchestra[plot]'") from exc
+        raise MissingExtraError("--plot needs matplotlib: pip install 'orchestra[plot]'") \
+            from exc
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
         if not r.latency_us:

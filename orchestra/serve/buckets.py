@@ -18,6 +18,7 @@ import bisect
 import operator
 from typing import Sequence
 
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 DEFAULT_MAX_ROWS = 256
 
 
@@ -46,19 +47,19 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
             return vllm_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
         if spec == "pow2":
             return pow2_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
-        raise ValueError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts; got "
+        raise ServeConfigValueError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts; got "
                          f"{spec!r}")
     if isinstance(spec, int):
         spec = [spec]
     try:
         sizes = {operator.index(s) for s in spec}
     except TypeError:
-        raise TypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts (ints); "
+        raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts (ints); "
                         f"got {spec!r}") from None
     if max_rows is not None:
         sizes.add(operator.index(max_rows))
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"bucket row counts must be positive ints; got {spec!r}")
+        raise ServeConfigValueError(f"bucket row counts must be positive ints; got {spec!r}")
     return tuple(sorted(sizes))
 
 
@@ -73,7 +74,7 @@ class Buckets:
     def __init__(self, sizes: Sequence[int]):
         self.sizes = tuple(sorted(set(sizes)))
         if not self.sizes:
-            raise ValueError("at least one bucket is needed")
+            raise ServeConfigValueError("at least one bucket is needed")
         self.largest = self.sizes[-1]
 
     def pick(self, rows: int) -> int | None:
@@ -96,9 +97,9 @@ def _positive(n, what: str) -> int:
     try:
         n = operator.index(n)
     except TypeError:
-        raise TypeError(f"{what} must be an int; got {n!r}") from None
+        raise ServeConfigTypeError(f"{what} must be an int; got {n!r}") from None
     if n < 1:
-        raise ValueError(f"{what} must be >= 1; got {n}")
+        raise ServeConfigValueError(f"{what} must be >= 1; got {n}")
     return n
 
 

@@ -65,11 +65,12 @@ def register(bsub) -> None:
 
 
 def options(args):
+    from orchestra.errors import BenchConfigError
     from orchestra.serve.bench import BenchOptions, EngineConfig
 
     for name in ("threads", "window", "tasks", "instances", "iters"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1")
+            raise BenchConfigError(f"--{name} must be >= 1")
     return BenchOptions(
         mode=args.mode, mix=args.mix, row_kib=args.row_kib, iters=args.iters,
         threads=args.threads, window=args.window, duration=args.duration,

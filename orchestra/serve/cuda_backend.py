@@ -16,6 +16,7 @@ context's scheduling policy (spin by default): the latency of a bare program's w
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -27,7 +28,7 @@ from orchestra.driver import Device, Event, PinnedBuffer, cu, is_pinned
 from orchestra.errors import OrchestraError
 from orchestra.graph import TaskGraph
 from orchestra.serve.backend import Backend, Instance
-from orchestra.serve.errors import ServeError
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 
 
 def _name_map(value) -> dict[str, str]:
@@ -61,10 +62,6 @@ class ServeGraph:
     plan: Any = None
 
 
-class ServeConfigError(ServeError, ValueError):
-    """A `ServeGraph` that does not fit the engine's declared inputs and outputs."""
-
-
 def signature_for(rows: int, index: int, inputs) -> Any:
     """The `orchestra.execute.Signature` a build function gets: every input at ``rows`` rows,
     topology ``(("instance", index),)``."""
@@ -79,17 +76,17 @@ def _host_buffers(sg: ServeGraph, rows: int, specs, side: str) -> dict[str, Any]
     hosts = {b.name: b for b in sg.graph.host_buffers}
     names = sg.inputs if side == "input" else sg.outputs
     if set(names) != set(specs):
-        raise ServeConfigError(f"ServeGraph.{side}s names {sorted(names)}, the engine declares "
+        raise ServeConfigValueError(f"ServeGraph.{side}s names {sorted(names)}, the engine declares "
                                f"{sorted(specs)}")
     out = {}
     for name, spec in specs.items():
         hb = hosts.get(names[name])
         if hb is None:
-            raise ServeConfigError(f"ServeGraph {side} {name}: the graph has no host buffer "
+            raise ServeConfigValueError(f"ServeGraph {side} {name}: the graph has no host buffer "
                                    f"{names[name]!r} (host buffers: {sorted(hosts) or 'none'})")
         need = rows * spec.row_nbytes
         if hb.nbytes != need:
-            raise ServeConfigError(f"ServeGraph {side} {name}: host buffer {hb.name} is "
+            raise ServeConfigValueError(f"ServeGraph {side} {name}: host buffer {hb.name} is "
                                    f"{hb.nbytes} bytes; {rows} rows of {spec.describe()} are "
                                    f"{need} bytes")
         out[name] = hb
@@ -111,7 +108,7 @@ class _CudaInstance(Instance):
         try:
             sg = backend.build_fn(signature_for(rows, index, inputs))
             if not isinstance(sg, ServeGraph):
-                raise ServeConfigError(f"the engine's build function must return a ServeGraph; "
+                raise ServeConfigTypeError(f"the engine's build function must return a ServeGraph; "
                                        f"got {type(sg).__name__}")
             self._owned.extend(sg.owned)
             self.fn_ms = (time.perf_counter_ns() - t0) / 1e6
@@ -143,8 +140,9 @@ class _CudaInstance(Instance):
         self._events.append(ev)
         return ev
 
+    @abc.abstractmethod
     def _setup(self, backend, sg, bindings) -> None:
-        raise NotImplementedError
+        """Build the exec or executor of this instance kind (``bindings``: staging included)."""
 
     def _rebind(self, bind) -> dict | None:
         """The host bindings to change for this launch: a zero-copy array, or back to the
@@ -327,14 +325,14 @@ class CudaBackend(Backend):
                 self.name = self.executor.executor_name
                 self.instance_type = GraphInstance
             else:
-                raise ValueError(f"executor must be 'graph', 'capture' or 'eager' (or a graph "
+                raise ServeConfigValueError(f"executor must be 'graph', 'capture' or 'eager' (or a graph "
                                  f"executor object); got {executor!r}")
         elif hasattr(executor, "build") and hasattr(executor, "executor_name"):
             self.executor = executor
             self.name = executor.executor_name
             self.instance_type = GraphInstance
         else:
-            raise TypeError(f"executor must be 'graph', 'capture', 'eager' or a graph executor; "
+            raise ServeConfigTypeError(f"executor must be 'graph', 'capture', 'eager' or a graph executor; "
                             f"got {type(executor).__name__}")
 
     def create(self, rows, index, inputs, outputs):
@@ -378,5 +376,5 @@ def make_backend(build_fn, executor="graph", *, device=None, verify=True, stream
     return CudaBackend(build_fn, executor, device=device, verify=verify, streams=streams)
 
 
-__all__ = ["CudaBackend", "EagerInstance", "GraphInstance", "ServeConfigError", "ServeGraph",
+__all__ = ["CudaBackend", "EagerInstance", "GraphInstance", "ServeGraph",
            "make_backend", "signature_for"]

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from orchestra.serve.errors import ServeConfigValueError
 from orchestra.graph import (
     Alloc,
     Buffer,
@@ -100,7 +101,7 @@ def demo_graph(sig, *, input: str = "x", output: str = "y", iters: int = 1, s: f
         g.add(Alloc("alloc_x", dx, device=ordinal))
         g.add(Alloc("alloc_y", dy, device=ordinal))
     elif memory != "external":
-        raise ValueError(f"memory must be 'external' or 'graph'; got {memory!r}")
+        raise ServeConfigValueError(f"memory must be 'external' or 'graph'; got {memory!r}")
     grid = max(1, min(-(-n // block), 1024))
     g.add(HostToDevice("h2d", hin, dx, device=ordinal))
     g.add(KernelNode("kernel", kernel_ref(), grid, block,

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import attrs
 import numpy as np
 
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.serve.backend import Backend, Instance
 from orchestra.serve.buckets import Buckets, bucket_sizes
 from orchestra.serve.errors import (
@@ -54,6 +54,8 @@ from orchestra.serve.errors import (
     EngineClosed,
     Overloaded,
     RequestTooLarge,
+    ServeConfigTypeError,
+    ServeConfigValueError,
 )
 from orchestra.serve.stats import BucketStats, percentiles
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
@@ -76,9 +78,9 @@ class Batching:
 
     def __attrs_post_init__(self):
         if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 row; got {self.max_batch}")
+            raise ServeConfigValueError(f"max_batch must be >= 1 row; got {self.max_batch}")
         if not self.max_delay_us >= 0:
-            raise ValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
+            raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -285,23 +287,23 @@ class Engine:
         self._outputs = tensor_specs(outputs, "outputs")
         self.buckets = Buckets(bucket_sizes(buckets, max_rows))
         if instances < 1:
-            raise ValueError(f"instances must be >= 1; got {instances}")
+            raise ServeConfigValueError(f"instances must be >= 1; got {instances}")
         if queue_limit < 1:
-            raise ValueError(f"queue_limit must be >= 1; got {queue_limit}")
+            raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
         if on_full not in ("block", "raise"):
-            raise ValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
+            raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
         if dispatch not in ("caller", "thread"):
-            raise ValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
+            raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         if completion_threads < 1:
-            raise ValueError(f"completion_threads must be >= 1; got {completion_threads}")
+            raise ServeConfigValueError(f"completion_threads must be >= 1; got {completion_threads}")
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
-            raise TypeError(f"batching must be None, True or a Batching; got {batching!r}")
+            raise ServeConfigTypeError(f"batching must be None, True or a Batching; got {batching!r}")
         if batching is not None:
             mb = batching.max_batch if batching.max_batch is not None else self.buckets.largest
             if mb > self.buckets.largest:
-                raise ValueError(f"max_batch {mb} rows is above the largest bucket "
+                raise ServeConfigValueError(f"max_batch {mb} rows is above the largest bucket "
                                  f"({self.buckets.largest} rows)")
             self._max_batch = mb
             self._max_delay_ns = int(batching.max_delay_us * 1000)
@@ -316,14 +318,14 @@ class Engine:
         self.zero_padding = bool(zero_padding)
         if backend is None:
             if build is None:
-                raise TypeError("Engine needs build (a function returning a ServeGraph) or "
+                raise ServeConfigTypeError("Engine needs build (a function returning a ServeGraph) or "
                                 "backend=")
             from orchestra.serve.cuda_backend import make_backend
 
             backend = make_backend(build, executor, device=device, verify=verify,
                                    streams=streams)
         elif build is not None:
-            raise TypeError("give build or backend=, not both")
+            raise ServeConfigTypeError("give build or backend=, not both")
         self.backend = backend
         self.executor = backend.name
         self._single_output = next(iter(self._outputs)) if len(self._outputs) == 1 else None
@@ -1038,7 +1040,7 @@ class Engine:
 
     def _known_bucket(self, rows: int) -> int:
         if rows not in self.buckets.sizes:
-            raise ValueError(f"{rows} is not a bucket of this engine ({list(self.buckets)})")
+            raise ServeConfigValueError(f"{rows} is not a bucket of this engine ({list(self.buckets)})")
         return rows
 
     # -- statistics ---------------------------------------------------------------------------
@@ -1091,7 +1093,7 @@ class Engine:
         (GPU work cannot be taken back). A broken engine fails everything and releases what the
         dead context allows."""
         if threading.current_thread() in self._threads:
-            raise RuntimeError("Engine.close() called from an engine thread (a future's "
+            raise CallOrderError("Engine.close() called from an engine thread (a future's "
                                "done-callback); close it from another thread")
         with self._lock:
             if self._state == "closed":

@@ -7,7 +7,7 @@ are raised by ``submit`` itself: the engine refuses the work.
 
 from __future__ import annotations
 
-from orchestra.errors import OrchestraError
+from orchestra.errors import ClosedError, OrchestraError, StateError
 
 
 class ServeError(OrchestraError):
@@ -43,17 +43,32 @@ class RequestTooLarge(BadRequest):
         return (type(self), (self.rows, self.largest))
 
 
+class ServeConfigError(ServeError):
+    """An engine, bucket list, tensor declaration or `ServeGraph` that cannot be served (root of
+    the two below; never raised itself)."""
+
+
+class ServeConfigValueError(ServeConfigError, ValueError):
+    """A configuration value out of range or unknown (``instances=0``, a bucket of 0 rows, a
+    host buffer of the wrong size, ``max_batch`` above the largest bucket)."""
+
+
+class ServeConfigTypeError(ServeConfigError, TypeError):
+    """A configuration of the wrong kind (``inputs`` not a mapping, a build function that does
+    not return a `ServeGraph`)."""
+
+
 class Overloaded(ServeError):
     """The engine's queue is full (``queue_limit`` requests waiting for an instance) and the
     request was not admitted (``on_full="raise"``, or the ``timeout`` of a blocking submit
     expired). Retry later, or raise ``queue_limit`` / ``instances``."""
 
 
-class EngineClosed(ServeError):
-    """The engine is closing or closed and takes no new work."""
+class EngineClosed(ServeError, ClosedError):
+    """The engine is closing or closed and takes no new work (a `ClosedError`)."""
 
 
-class EngineBroken(ServeError):
+class EngineBroken(ServeError, StateError):
     """A sticky CUDA error made the device context unusable: every pending request failed with
     it and the engine refuses new work. ``cause`` is the `CudaError`. Only a new process can use
     the GPU again."""
@@ -68,4 +83,5 @@ class EngineBroken(ServeError):
 
 
 __all__ = ["BadRequest", "EngineBroken", "EngineClosed", "InputTypeError", "Overloaded",
-           "RequestTooLarge", "ServeError"]
+           "RequestTooLarge", "ServeConfigError", "ServeConfigTypeError",
+           "ServeConfigValueError", "ServeError"]

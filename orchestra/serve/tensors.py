@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import attrs
 import numpy as np
 
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 from orchestra.serve.errors import BadRequest, InputTypeError
 
 
@@ -38,9 +39,9 @@ class TensorSpec:
 
     def __attrs_post_init__(self):
         if any(d < 1 for d in self.row_shape):
-            raise ValueError(f"tensor {self.name}: row shape {self.row_shape} has a dimension < 1")
+            raise ServeConfigValueError(f"tensor {self.name}: row shape {self.row_shape} has a dimension < 1")
         if self.dtype.hasobject:
-            raise TypeError(f"tensor {self.name}: dtype object cannot be served")
+            raise ServeConfigTypeError(f"tensor {self.name}: dtype object cannot be served")
 
     @property
     def row_nbytes(self) -> int:
@@ -57,7 +58,7 @@ class TensorSpec:
 def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
     """``{name: TensorSpec}`` from ``{name: (row_shape, dtype)}`` or ``{name: TensorSpec}``."""
     if not isinstance(spec, Mapping) or not spec:
-        raise TypeError(f"{what} must be a non-empty mapping of name -> (row_shape, dtype); got "
+        raise ServeConfigTypeError(f"{what} must be a non-empty mapping of name -> (row_shape, dtype); got "
                         f"{spec!r}")
     out = {}
     for name, v in spec.items():
@@ -67,7 +68,7 @@ def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
         try:
             row, dtype = v
         except (TypeError, ValueError):
-            raise TypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. ((1024,), "
+            raise ServeConfigTypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. ((1024,), "
                             f"'float32'); got {v!r}") from None
         out[name] = TensorSpec(name, row, dtype)
     return out
