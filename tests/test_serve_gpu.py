@@ -269,8 +269,8 @@ from orchestra.serve import demo
 
 ROW = 1024
 
-class Unmapped:  # an "external device buffer" at an address nothing maps
-    ptr = 1 << 44
+class Unmapped:  # an "external device buffer" at an address nothing maps (next to null)
+    ptr = 16
     nbytes = 1 << 30
 
 def build(sig):

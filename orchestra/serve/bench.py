@@ -26,6 +26,7 @@ Exit status 1 when an output is wrong or a bad request was not refused as it sho
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import os
@@ -651,7 +652,8 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
 
         def worker(k):
             pk = w.picker(100 + k)
-            lat, wrong, n = [], 0, 0
+            # bounded: the soak's own bookkeeping must not grow the RSS it reports
+            lat, wrong, n = collections.deque(maxlen=20_000), 0, 0
             while True:
                 with lock:
                     i = counter[0]
@@ -675,7 +677,7 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 n += 1
                 wrong += y.tobytes() != y_ref.tobytes()
             with lock:
-                res.latency_us.extend(lat[-20000:])  # enough for percentiles, memory flat
+                res.latency_us.extend(lat)
                 res.requests += n
                 res.wrong += wrong
 
