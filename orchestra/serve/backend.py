@@ -102,7 +102,8 @@ class Backend(abc.ABC):
 
 
 class NumpyInstance(Instance):
-    """`NumpyBackend`'s instance: ``fn`` runs synchronously inside `launch`."""
+    """`NumpyBackend`'s instance: ``fn`` runs synchronously inside `launch`. Used by one launch
+    at a time (the engine's lease), like every `Instance`."""
 
     def __init__(self, fn, rows, inputs, outputs):
         self.rows = rows

@@ -82,7 +82,8 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 class Workload:
-    """Pre-generated requests (``pool`` per size) and their expected outputs."""
+    """Pre-generated requests (``pool`` per size) and their expected outputs. Read-only once
+    made: threads share it; each thread makes its own `picker`."""
 
     def __init__(self, mix: str = "64K", row_floats: int = 1024, iters: int = 1, pool: int = 16,
                  seed: int = 0):
@@ -137,7 +138,7 @@ class Workload:
 
 @attrs.define
 class Result:
-    """One contender's row of a table."""
+    """One contender's row of a table (filled by one runner; its threads add under a lock)."""
 
     mode: str
     name: str
@@ -195,7 +196,7 @@ def format_results(results: list[Result]) -> str:
 
 @attrs.define
 class EngineConfig:
-    """How the bench builds engines (everything but batching and dispatch)."""
+    """How the bench builds engines (everything but batching and dispatch). Plain data."""
 
     executor: str = "graph"
     instances: int = 2
@@ -335,6 +336,8 @@ def _call(client, x):
 
 @attrs.define
 class BenchOptions:
+    """What `orchestra bench serve` runs (the CLI's options). Plain data."""
+
     mode: str = "all"
     mix: str = "64K"
     row_kib: float = 4.0

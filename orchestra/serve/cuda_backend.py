@@ -178,7 +178,8 @@ class _CudaInstance(Instance):
 
 
 class GraphInstance(_CudaInstance):
-    """An instance whose launch is one ``cuGraphLaunch`` of its own `GraphExec`."""
+    """An instance whose launch is one ``cuGraphLaunch`` of its own `GraphExec`. Used by one
+    launch at a time (the engine's lease); `wait` and `wait_blocking` may run at once."""
 
     def _setup(self, backend, sg, bindings):
         with backend.build_lock:  # graph executors build one graph at a time
@@ -233,7 +234,7 @@ class GraphInstance(_CudaInstance):
 
 class EagerInstance(_CudaInstance):
     """An instance with its own `EagerExecutor` (its own streams); a launch enqueues the plan
-    with ``sync=False``."""
+    with ``sync=False``. Used by one launch at a time (the engine's lease)."""
 
     def _setup(self, backend, sg, bindings):
         from orchestra.execute import EagerExecutor

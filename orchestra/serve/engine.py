@@ -71,7 +71,7 @@ class Batching:
     """Dynamic batching: requests arriving within ``max_delay_us`` microseconds of the first
     one waiting are concatenated along axis 0 into one launch of at most ``max_batch`` rows
     (None: the largest bucket), on the smallest bucket that fits the batch. A request larger
-    than ``max_batch`` rows runs alone."""
+    than ``max_batch`` rows runs alone. Immutable: safe to share between threads and engines."""
 
     max_batch: int | None = None
     max_delay_us: float = 200.0
@@ -424,7 +424,7 @@ class Engine:
             try:
                 reqs = self._requests(inputs, out, pinned, d, _now())
             except OrchestraError:
-                self._bad += 1
+                self._count_bad()
                 raise
             if len(reqs) == 1:
                 r = reqs[0]
@@ -475,7 +475,7 @@ class Engine:
         try:
             reqs = self._requests(inputs, out, pinned, fut, t0)
         except OrchestraError as exc:  # a bad request fails its own future, nothing enqueued
-            self._bad += 1
+            self._count_bad()
             fut.set_exception(exc)
             return fut
         if inline:
@@ -486,6 +486,10 @@ class Engine:
         for b in builds:
             self._build(b)
         return fut
+
+    def _count_bad(self) -> None:
+        with self._lock:
+            self._bad += 1
 
     def _requests(self, inputs, out, pinned, fut, t0) -> list[_Req]:
         arrays, rows = check_inputs(self._inputs, inputs)
