@@ -120,7 +120,8 @@ class _Launch:
     """One leased instance running one request or one batch. ``claim`` makes exactly one
     thread finish it (or fail it)."""
 
-    __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_token", "done")
+    __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_token", "done",
+                 "started")
 
     def __init__(self, inst: Instance, bucket, reqs):
         self.inst = inst
@@ -131,6 +132,7 @@ class _Launch:
         self.inline = False  # launched by the blocking call: no event, no completion thread
         self._token = [True]
         self.done = False
+        self.started = False  # the instance's work was enqueued
 
     def claim(self) -> bool:
         """True for exactly one caller (``list.pop`` is atomic: cheaper than a lock)."""
@@ -344,6 +346,7 @@ class Engine:
         self._broken: CudaError | None = None
         self._stopping = False
         self._building = 0
+        self._dispatching = 0  # batches the dispatcher took and has not launched (or failed)
         self._nlaunch = 0
         self._bad = 0
         self._overloaded = 0
@@ -662,6 +665,7 @@ class Engine:
                 self._nlaunch += 1
                 launch.timed = every == 1 or self._nlaunch % every == 1
             inst.launch(notify=not launch.inline, timed=launch.timed, bind=bind)
+            launch.started = True
         except BaseException as exc:  # noqa: BLE001 - fail this launch's requests, keep serving
             return self._launch_failed(launch, exc)
         # only now may a caller's result() wait on it (an unlaunched instance looks done)
@@ -894,6 +898,7 @@ class Engine:
         for r in reqs:
             self._batch_rows -= r.rows
         self._queued -= n
+        self._dispatching += 1  # until _dispatch has it running: close() waits for it
         self._space.notify(n)
         return reqs
 
@@ -906,7 +911,13 @@ class Engine:
                 if reqs is None:
                     return
                 if reqs:
-                    self._dispatch(reqs)
+                    try:
+                        self._dispatch(reqs)
+                    finally:
+                        with self._lock:
+                            self._dispatching -= 1
+                            if not self._running and not self._queued:
+                                self._idle.notify_all()
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
                 for r in reqs or ():
@@ -1148,10 +1159,11 @@ class Engine:
             with self._lock:
                 if self._broken is not None and not self._building:
                     return
-                if not self._queued and not self._running and not self._building:
+                if not (self._queued or self._running or self._building or self._dispatching):
                     return
                 progressed = self._idle.wait(0.2)
-                stuck = [] if progressed else [l for l in self._running if not l.done]
+                stuck = [] if progressed else [x for x in self._running
+                                               if x.started and not x.done]
             for launch in stuck:
                 try:
                     launch.inst.wait()  # not the event: a blocking call's launch records none
