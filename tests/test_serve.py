@@ -844,3 +844,31 @@ def test_eager_backend_over_the_fake_driver(monkeypatch, memory):
     finally:
         e.close()
     assert all(ev.closed for ev in _FakeEvent.made)
+
+
+def test_asyncio_first_request_builds_off_the_loop():
+    class SlowBuild(GatedBackend):
+        def create(self, *a):
+            time.sleep(0.3)  # a bucket's build (compile, instantiate) takes a while
+            return super().create(*a)
+
+    backend = SlowBuild(auto=True)
+
+    async def main(e):
+        lags = []
+
+        async def probe():
+            for _ in range(40):
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append(time.perf_counter() - t - 0.005)
+
+        p = asyncio.ensure_future(probe())
+        y = await e.run(rows(3))
+        await p
+        return y, max(lags)
+
+    with gated_engine(backend, buckets=[4], instances=2) as e:
+        y, lag = asyncio.run(main(e))
+    assert y.tobytes() == f(rows(3)).tobytes()
+    assert lag < 0.2  # the 0.6 s of building happened on another thread

@@ -457,8 +457,8 @@ class Engine:
         awaiting task cancels the request if it has not started. If the loop is closed before
         the request completes, the result is dropped (nothing is raised on engine threads)."""
         loop = asyncio.get_running_loop()
-        try:
-            fut = self._submit(inputs, out, pinned, None, False, False)
+        try:  # a bucket's first request builds it: on another thread, not on the loop
+            fut = self._submit(inputs, out, pinned, None, False, False, offload_builds=True)
         except Overloaded:
             if self.on_full != "block":
                 raise
@@ -472,7 +472,8 @@ class Engine:
             fut.cancel()
             raise
 
-    def _submit(self, inputs, out, pinned, timeout, block, inline) -> ServeFuture:
+    def _submit(self, inputs, out, pinned, timeout, block, inline,
+                offload_builds: bool = False) -> ServeFuture:
         t0 = _now()
         fut = ServeFuture(self)
         try:
@@ -487,8 +488,20 @@ class Engine:
         for launch in launches:
             self._run(launch)
         for b in builds:
-            self._build(b)
+            if offload_builds:
+                threading.Thread(target=self._build_quietly, args=(b,), daemon=True,
+                                 name=f"orchestra-serve-build-{b.rows}").start()
+            else:
+                self._build(b)
         return fut
+
+    def _build_quietly(self, b) -> None:
+        try:
+            self.backend.thread_init()
+            self._build(b)
+        except BaseException:  # noqa: BLE001 - the waiting requests carry the error
+            log.debug("serve: background build of the %d-row bucket failed", b.rows,
+                      exc_info=True)
 
     def _count_bad(self) -> None:
         with self._lock:
