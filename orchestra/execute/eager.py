@@ -29,6 +29,7 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -49,8 +50,10 @@ from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode
+
+log = logging.getLogger(__name__)
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -263,7 +266,7 @@ class EagerExecutor(Closable):
         # Kernels first: compile errors, argument and launch-limit errors surface before any
         # stream or event is created.
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
         prep.streams = self._pool.take_streams(plan)
@@ -499,6 +502,10 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
+                  "enqueued (one per step), in %.0f us; wall %s ms", prep.nodes,
+                  len(prep.streams), prep.events, prep.waits, len(prep.steps), enqueue_us,
+                  "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
                          steps=len(prep.steps), events=prep.events, waits=prep.waits,
                          streams=len(prep.streams), policy=prep.plan.policy,

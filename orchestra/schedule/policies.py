@@ -64,7 +64,7 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
     nodes = graph.nodes
     if all(n.batch is not None for n in nodes):  # the common case: no fallback to compute
-        return {n.name: n.batch for n in nodes}
+        return {n.name: b for n in nodes if (b := n.batch) is not None}
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
