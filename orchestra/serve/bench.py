@@ -33,7 +33,7 @@ import os
 import random
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -215,7 +215,7 @@ def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
     top = max(w.max_rows, max_batch if batching else 0)
     spec = {"x": ((w.row_floats,), "float32")}
     out = {"y": ((w.row_floats,), "float32")}
-    kw = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=top,
+    kw: dict[str, Any] = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=top,
               instances=instances or cfg.instances, dispatch=dispatch, queue_limit=4096,
               batching=Batching(max_batch=max_batch, max_delay_us=cfg.max_delay_us)
               if batching else None)

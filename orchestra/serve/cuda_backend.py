@@ -311,7 +311,8 @@ class CudaBackend(Backend):
         self.streams = int(streams)
         self.build_lock = threading.Lock()
         self._own_executor = False
-        self.executor = None
+        self.instance_type: type[_CudaInstance]
+        self.executor: Any = None
         self.kernels = None
         if isinstance(executor, str):
             kinds = {"graph": GraphBuildExecutor, "graph-build": GraphBuildExecutor,

@@ -15,6 +15,7 @@ so `demo_reference` (numpy float32) is bit-exact with the GPU.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -107,7 +108,8 @@ def demo_graph(sig, *, input: str = "x", output: str = "y", iters: int = 1, s: f
     g.add(KernelNode("kernel", kernel_ref(), grid, block,
                      (In(dx), Out(dy), n, int(iters), float(s), float(t)), device=ordinal))
     g.add(DeviceToHost("d2h", dy, hout, device=ordinal))
-    bindings, owned = {}, ()
+    bindings: dict[str, Any] = {}
+    owned: tuple = ()
     if memory == "graph":
         g.add(Free("free_x", dx, device=ordinal))
         g.add(Free("free_y", dy, device=ordinal))

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from concurrent.futures import InvalidStateError
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -343,7 +343,7 @@ class Engine:
         self._batchq: collections.deque = collections.deque()
         self._batch_rows = 0  # rows waiting in _batchq
         self._state = "open"  # open | closing | closed
-        self._broken: CudaError | None = None
+        self._broken: BaseException | None = None
         self._stopping = False
         self._building = 0
         self._dispatching = 0  # batches the dispatcher took and has not launched (or failed)
@@ -381,7 +381,7 @@ class Engine:
         return dict(self._outputs)
 
     @property
-    def broken(self) -> CudaError | None:
+    def broken(self) -> BaseException | None:
         """The sticky `CudaError` that broke the engine, or None."""
         return self._broken
 
@@ -392,7 +392,7 @@ class Engine:
     # -- submitting -------------------------------------------------------------------------
 
     def submit(self, inputs, *, out=None, pinned: bool = False,
-               timeout: float | None = ...) -> ServeFuture:
+               timeout: Any = ...) -> ServeFuture:
         """Submit one request; returns its `ServeFuture` (the outputs: one array for a
         one-output engine, else ``{name: array}``).
 
@@ -847,7 +847,7 @@ class Engine:
                 self._idle.notify_all()
         return nxt
 
-    def _break(self, exc: CudaError) -> None:
+    def _break(self, exc: BaseException) -> None:
         """A sticky CUDA error: fail every pending request with it, refuse new work."""
         with self._lock:
             if self._broken is None:
@@ -939,7 +939,7 @@ class Engine:
 
     def _dispatch(self, reqs: list[_Req]) -> None:
         rows = sum(r.rows for r in reqs)
-        b_rows = self.buckets.pick(rows)
+        b_rows = self.buckets.pick(rows) or self.buckets.largest  # a batch fits max_batch
         with self._lock:
             b = self._bucket(b_rows)
             need_build = not b.ready and not b.building

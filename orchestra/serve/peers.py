@@ -41,7 +41,7 @@ class BareClient:
         self.hout = PinnedBuffer(nbytes, device)
         self.stream.synchronize()
         self.iters, self.s, self.t, self.block = iters, s, t, block
-        self._args = {}  # elements -> (packed args, grid)
+        self._args: dict[int, tuple] = {}  # elements -> (packed args, grid)
         self._in = self.hin.view(np.float32)
         self._out = self.hout.view(np.float32)
 
@@ -73,11 +73,12 @@ class BareClient:
         return self._out[:n].reshape(x.shape).copy()
 
     def close(self) -> None:
-        for obj in (self.din, self.dout):
-            obj.close()
+        for buf in (self.din, self.dout):
+            buf.close()
         self.stream.synchronize()
-        for obj in (self.stream, self.hin, self.hout):
-            obj.close()
+        self.stream.close()
+        for pin in (self.hin, self.hout):
+            pin.close()
 
 
 class TorchClient:

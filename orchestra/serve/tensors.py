@@ -99,10 +99,10 @@ def check_inputs(specs: dict[str, TensorSpec], inputs) -> tuple[dict[str, np.nda
         raise BadRequest(f"inputs: {'; '.join(parts)} (this engine takes "
                          f"{', '.join(f'{n} {s.describe()}' for n, s in specs.items())})")
     arrays = {}
-    rows = None
+    rows = -1
     for name, spec in specs.items():
         a = _check_array(spec, inputs[name], "input")
-        if rows is None:
+        if rows < 0:
             rows = a.shape[0]
         elif a.shape[0] != rows:
             raise BadRequest(f"inputs have different row counts ({rows} and {a.shape[0]} for "
