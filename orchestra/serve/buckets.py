@@ -47,15 +47,15 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
             return vllm_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
         if spec == "pow2":
             return pow2_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
-        raise ServeConfigValueError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts; got "
-                         f"{spec!r}")
+        raise ServeConfigValueError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts; "
+                                    f"got {spec!r}")
     if isinstance(spec, int):
         spec = [spec]
     try:
         sizes = {operator.index(s) for s in spec}
     except TypeError:
-        raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts (ints); "
-                        f"got {spec!r}") from None
+        raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts "
+                                   f"(ints); got {spec!r}") from None
     if max_rows is not None:
         sizes.add(operator.index(max_rows))
     if not sizes or min(sizes) < 1:

@@ -76,19 +76,20 @@ def _host_buffers(sg: ServeGraph, rows: int, specs, side: str) -> dict[str, Any]
     hosts = {b.name: b for b in sg.graph.host_buffers}
     names = sg.inputs if side == "input" else sg.outputs
     if set(names) != set(specs):
-        raise ServeConfigValueError(f"ServeGraph.{side}s names {sorted(names)}, the engine declares "
-                               f"{sorted(specs)}")
+        raise ServeConfigValueError(f"ServeGraph.{side}s names {sorted(names)}, the engine "
+                                    f"declares {sorted(specs)}")
     out = {}
     for name, spec in specs.items():
         hb = hosts.get(names[name])
         if hb is None:
+            known = sorted(hosts) or "none"
             raise ServeConfigValueError(f"ServeGraph {side} {name}: the graph has no host buffer "
-                                   f"{names[name]!r} (host buffers: {sorted(hosts) or 'none'})")
+                                        f"{names[name]!r} (host buffers: {known})")
         need = rows * spec.row_nbytes
         if hb.nbytes != need:
             raise ServeConfigValueError(f"ServeGraph {side} {name}: host buffer {hb.name} is "
-                                   f"{hb.nbytes} bytes; {rows} rows of {spec.describe()} are "
-                                   f"{need} bytes")
+                                        f"{hb.nbytes} bytes; {rows} rows of {spec.describe()} are "
+                                        f"{need} bytes")
         out[name] = hb
     return out
 
@@ -108,8 +109,8 @@ class _CudaInstance(Instance):
         try:
             sg = backend.build_fn(signature_for(rows, index, inputs))
             if not isinstance(sg, ServeGraph):
-                raise ServeConfigTypeError(f"the engine's build function must return a ServeGraph; "
-                                       f"got {type(sg).__name__}")
+                raise ServeConfigTypeError(f"the engine's build function must return a "
+                                           f"ServeGraph; got {type(sg).__name__}")
             self._owned.extend(sg.owned)
             self.fn_ms = (time.perf_counter_ns() - t0) / 1e6
             bindings = dict(sg.bindings)
@@ -327,15 +328,15 @@ class CudaBackend(Backend):
                 self.name = self.executor.executor_name
                 self.instance_type = GraphInstance
             else:
-                raise ServeConfigValueError(f"executor must be 'graph', 'capture' or 'eager' (or a graph "
-                                 f"executor object); got {executor!r}")
+                raise ServeConfigValueError(f"executor must be 'graph', 'capture' or 'eager' (or a "
+                                            f"graph executor object); got {executor!r}")
         elif hasattr(executor, "build") and hasattr(executor, "executor_name"):
             self.executor = executor
             self.name = executor.executor_name
             self.instance_type = GraphInstance
         else:
-            raise ServeConfigTypeError(f"executor must be 'graph', 'capture', 'eager' or a graph executor; "
-                            f"got {type(executor).__name__}")
+            raise ServeConfigTypeError(f"executor must be 'graph', 'capture', 'eager' or a graph "
+                                       f"executor; got {type(executor).__name__}")
 
     def create(self, rows, index, inputs, outputs):
         return self.instance_type(self, rows, index, inputs, outputs)

@@ -297,16 +297,18 @@ class Engine:
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         if completion_threads < 1:
-            raise ServeConfigValueError(f"completion_threads must be >= 1; got {completion_threads}")
+            raise ServeConfigValueError(f"completion_threads must be >= 1; got "
+                                        f"{completion_threads}")
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
-            raise ServeConfigTypeError(f"batching must be None, True or a Batching; got {batching!r}")
+            raise ServeConfigTypeError(f"batching must be None, True or a Batching; got "
+                                       f"{batching!r}")
         if batching is not None:
             mb = batching.max_batch if batching.max_batch is not None else self.buckets.largest
             if mb > self.buckets.largest:
                 raise ServeConfigValueError(f"max_batch {mb} rows is above the largest bucket "
-                                 f"({self.buckets.largest} rows)")
+                                            f"({self.buckets.largest} rows)")
             self._max_batch = mb
             self._max_delay_ns = int(batching.max_delay_us * 1000)
         self.batching = batching
@@ -320,8 +322,8 @@ class Engine:
         self.zero_padding = bool(zero_padding)
         if backend is None:
             if build is None:
-                raise ServeConfigTypeError("Engine needs build (a function returning a ServeGraph) or "
-                                "backend=")
+                raise ServeConfigTypeError("Engine needs build (a function returning a "
+                                           "ServeGraph) or backend=")
             from orchestra.serve.cuda_backend import make_backend
 
             backend = make_backend(build, executor, device=device, verify=verify,
@@ -1068,7 +1070,8 @@ class Engine:
 
     def _known_bucket(self, rows: int) -> int:
         if rows not in self.buckets.sizes:
-            raise ServeConfigValueError(f"{rows} is not a bucket of this engine ({list(self.buckets)})")
+            raise ServeConfigValueError(f"{rows} is not a bucket of this engine "
+                                        f"({list(self.buckets)})")
         return rows
 
     # -- statistics ---------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class TensorSpec:
 
     def __attrs_post_init__(self):
         if any(d < 1 for d in self.row_shape):
-            raise ServeConfigValueError(f"tensor {self.name}: row shape {self.row_shape} has a dimension < 1")
+            raise ServeConfigValueError(f"tensor {self.name}: row shape {self.row_shape} has a "
+                                        f"dimension < 1")
         if self.dtype.hasobject:
             raise ServeConfigTypeError(f"tensor {self.name}: dtype object cannot be served")
 
@@ -58,8 +59,8 @@ class TensorSpec:
 def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
     """``{name: TensorSpec}`` from ``{name: (row_shape, dtype)}`` or ``{name: TensorSpec}``."""
     if not isinstance(spec, Mapping) or not spec:
-        raise ServeConfigTypeError(f"{what} must be a non-empty mapping of name -> (row_shape, dtype); got "
-                        f"{spec!r}")
+        raise ServeConfigTypeError(f"{what} must be a non-empty mapping of name -> (row_shape, "
+                                   f"dtype); got {spec!r}")
     out = {}
     for name, v in spec.items():
         if isinstance(v, TensorSpec):
@@ -68,8 +69,8 @@ def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
         try:
             row, dtype = v
         except (TypeError, ValueError):
-            raise ServeConfigTypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. ((1024,), "
-                            f"'float32'); got {v!r}") from None
+            raise ServeConfigTypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. "
+                                       f"((1024,), 'float32'); got {v!r}") from None
         out[name] = TensorSpec(name, row, dtype)
     return out
 
