@@ -108,4 +108,6 @@ def test_cli_refusals(capsys):
     code = cli(["bench", "serve", "--mix", "6K", "--no-peers", "--mode", "latency"])
     err = capsys.readouterr().err
     # a size that is no whole number of rows (usage, 2); without a GPU, no device (3) first
-    assert (code, "4096-byte rows" in err) == (2, True) or (code, "no CUDA device" in err) == (3, True)
+    usage = (code, "4096-byte rows" in err) == (2, True)
+    no_gpu = (code, "no CUDA device" in err) == (3, True)
+    assert usage or no_gpu, (code, err)
