@@ -167,7 +167,8 @@ def test_every_command_takes_json_v_and_q():
             stack.extend(dict.fromkeys(a.choices.values()))
     assert {p.prog for p in leaves} == {
         "orchestra devices", "orchestra compile", "orchestra cache info", "orchestra cache clear",
-        "orchestra plan", "orchestra run", "orchestra bench stages", "orchestra bench pdl"}
+        "orchestra plan", "orchestra run", "orchestra bench stages", "orchestra bench pdl",
+        "orchestra bench serve"}
     for p in leaves:
         for opt in ("--json", "-v", "--verbose", "-q", "--quiet"):
             assert opt in p._option_string_actions, (p.prog, opt)

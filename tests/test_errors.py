@@ -64,6 +64,7 @@ ALLOWED = {
     ("compiler/__init__.py", "__getattr__", "AttributeError"),
     # the same protocol on the driver API object (a name cuda-bindings does not have)
     ("driver/api.py", "DriverAPI.__getattr__", "AttributeError"),
+    ("serve/__init__.py", "__getattr__", "AttributeError"),
     # cache keys are built from orchestra's own values (str, bytes, ints, tuples of those)
     ("compiler/cache.py", "make_key.feed", "TypeError"),
     # recorded, never raised: a driver callback with a token orchestra never issued
