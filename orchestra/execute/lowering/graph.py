@@ -10,6 +10,8 @@ external device buffers come from the binding table.
 from __future__ import annotations
 
 from orchestra.driver.check import cu
+from orchestra.execute.bindings import BindingUser
+from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.lowering.table import lowering_for
 
 
@@ -66,16 +68,12 @@ class GraphContext:
     def use(self, binding: str, record, params, field: str, offset: int) -> None:
         """``params.<field>`` of ``record`` holds binding ``binding``'s address + ``offset``
         (what a replay rewrites); names that are not bindings are ignored."""
-        from orchestra.execute.bindings import BindingUser
-
         self.bindings.use(binding, BindingUser(record, params, field, offset))
 
     @property
     def callbacks(self):
         """The build's `HostCallbacks` table (made on first use)."""
         if self.built.callbacks is None:
-            from orchestra.execute.hostfunc import HostCallbacks
-
             self.built.callbacks = HostCallbacks()
         return self.built.callbacks
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from orchestra.driver.check import error_from_result
+from orchestra.execute.bindings import BindingUser, SlotUser
+from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.lowering.table import lowering_for
 from orchestra.schedule import RecordEvent, RunNode
 
@@ -37,8 +39,6 @@ class Addresses:
     def __init__(self, table, *, slot_users: bool):
         """Slots for every binding of ``table`` (a `BindingTable`); with ``slot_users`` the
         slots are registered as the bindings' users, so ``table.bind`` writes them."""
-        from orchestra.execute.bindings import SlotUser
-
         self.ptrs: list[int] = []
         self.objs: list = []
         self.alloc_stream: list = []
@@ -125,8 +125,6 @@ class StreamContext:
         """The `HostCallbacks` table host-function steps register with (capture: the built
         graph's own, made on first use)."""
         if self._callbacks is None:
-            from orchestra.execute.hostfunc import HostCallbacks
-
             self._callbacks = HostCallbacks()
             if self.built is not None:
                 self.built.callbacks = self._callbacks
@@ -143,8 +141,6 @@ class StreamContext:
         """Capture: ``params.<field>`` of ``record`` holds binding ``binding``'s address +
         ``offset`` (what a replay rewrites); eager: nothing (the slots are the users)."""
         if self.built is not None and self.bindings is not None:
-            from orchestra.execute.bindings import BindingUser
-
             self.bindings.use(binding, BindingUser(record, params, field, offset))
 
 
