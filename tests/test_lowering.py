@@ -592,3 +592,20 @@ def test_identity_lru_holds_its_keys_strongly_or_weakly():
     assert r2() is None  # a weak one does not keep the caller's object alive
     k3 = Key()  # may reuse k2's id: still a miss
     assert weak.get((k3,)) is None
+
+
+def test_an_unbound_binding_has_no_fast_path(fakes):
+    """None is what a fresh (or released) binding holds: binding None is checked and refused,
+    never taken for "the object bound already"."""
+    g = TaskGraph()
+    g.add(Memset("m", Buffer("x", 64), 0))
+    g.add(DeviceToHost("d", Buffer("x", 64), HostBuffer("h", 64)))
+    table = BindingTable(g)
+    with pytest.raises(orchestra.execute.BindingError, match="needs a DeviceBuffer"):
+        table.bind({"x": None, "h": np.zeros(16, np.float32)})
+    with pytest.raises(orchestra.execute.BindingError, match="expected a pinned numpy array"):
+        table.bind({"x": _FakeBuf(fakes[1], 64), "h": None})
+    table.bind({"x": _FakeBuf(fakes[1], 64), "h": np.zeros(16, np.float32)})
+    table.release()
+    with pytest.raises(orchestra.execute.BindingError, match="needs a DeviceBuffer"):
+        table.bind({"x": None, "h": np.zeros(16, np.float32)})

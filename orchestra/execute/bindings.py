@@ -385,7 +385,7 @@ class BindingTable:
         or an array checked before, while the pinned ranges are unchanged (writability is
         checked every time). Raises `BindingError` / `PageableMemoryError`."""
         if b.kind == "device":
-            if value is b.value:
+            if value is b.value and b.version >= 0:  # bound before (and not released since)
                 return None, b.address
             return None, check_device_buffer(b.name, value, b.buffer)
         if value is b.value and version == b.version:
@@ -487,7 +487,7 @@ class BindingTable:
                 checked.append((b, value) + self.check(b, value, version))
             for name, b in external.items():
                 value = bindings[name]
-                if value is not b.value:
+                if value is not b.value or b.version < 0:
                     checked.append((b, value) + self.check(b, value, version))
         except KeyError:
             self.unknown(bindings)

@@ -133,7 +133,7 @@ class Replay(ExecParts):
     def _rebind(self, name: str, b, value, version: int) -> None:
         if b is None:
             e = self._table.external.get(name)
-            if e is not None and value is e.value:
+            if e is not None and value is e.value and e.version >= 0:
                 return  # the external device buffer bound already: nothing changes
             raise BindingError(self._unknown_binding(name))
         table = self._table
