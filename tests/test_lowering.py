@@ -262,7 +262,6 @@ class FillLowering(Lowering):
         fn, sh, ptrs = ctx.api.cuMemsetD8Async, stream.handle, ctx.addresses.ptrs
         slot, off = ctx.addresses.device_slot(node.dst.buffer.name), node.dst.offset
         value, count = node.value, node.dst.nbytes
-        ctx.record(node, None)
 
         def step():
             (err,) = fn(ptrs[slot] + off, value, count, sh)

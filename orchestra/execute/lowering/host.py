@@ -39,7 +39,6 @@ class HostFuncLowering(Lowering):
         callbacks = ctx.callbacks
         token = callbacks.add(node.fn, node.name)
         ctx.tokens.append(token)
-        ctx.record(node, None)
         launch, fn_address, sh = ctx.api.launch_host_func, callbacks.address, stream.handle
 
         def step():

@@ -48,7 +48,6 @@ class AllocLowering(Lowering):
                 objs[slot] = dptr
                 ptrs[slot] = int(dptr)
             return step
-        ctx.record(node, None)
         allocations, name, buffer = ctx.allocations, node.name, node.buffer.name
 
         def step():
@@ -80,7 +79,6 @@ class FreeLowering(Lowering):
         a = ctx.addresses
         slot = a.free(node)
         free, sh, ptrs, objs = ctx.api.cuMemFreeAsync, stream.handle, a.ptrs, a.objs
-        ctx.record(node, None)
 
         def step():
             (err,) = free(objs[slot], sh)

@@ -131,11 +131,14 @@ class StreamContext:
         return self._callbacks
 
     def record(self, node, params):
-        """Capture: the `NodeRecord` of ``node`` (its graph node is filled in once captured),
-        added to the build; eager: None."""
+        """Capture: the `NodeRecord` of ``node`` (`lower_plan` made it; its graph node is
+        filled in once captured) with ``params``, the parameter struct the captured call used
+        (None when replays rewrite nothing of it); eager: None."""
         if self.built is None:
             return None
-        return self.built.record(node.name, lowering_for(node).graph_node, None, params)
+        rec = self.built.records[node.name]
+        rec.params = params
+        return rec
 
     def use(self, binding: str, record, params, field: str, offset: int) -> None:
         """Capture: ``params.<field>`` of ``record`` holds binding ``binding``'s address +
@@ -177,7 +180,10 @@ def lower_plan(issue, graph, ctx: StreamContext, streams: dict, events: list,
         stream = streams[sname]
         if isinstance(step, RunNode):
             node = graph.node(step.node)
-            fn = lowering_for(node).stream(node, ctx, stream)
+            entry = lowering_for(node)
+            if ctx.built is not None:  # capture: every node gets its record, in issue order
+                ctx.built.record(node.name, entry.graph_node, None, None)
+            fn = entry.stream(node, ctx, stream)
             program.nodes.append((sname, node))
             program.sites.append((sname, None))
             program.labels.append(f"node {node.name} ({node.kind}) on stream {sname}")
