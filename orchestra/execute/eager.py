@@ -47,6 +47,7 @@ from orchestra.execute.errors import HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
 from orchestra.graph import TaskGraph
@@ -215,8 +216,10 @@ class EagerExecutor(Closable):
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs, self.cache_size)
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object
+        (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
+        return self._plans.get(graph, policy, streams, costs, self.cache_size,
+                               capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:
