@@ -129,186 +129,31 @@ class Orchestra:
         self.ex.close()
 
 
-class ByHand:
-    """cuda-python, written out: no orchestra executor on the hot path."""
-
-    def __init__(self, w: Workload, style: str):
-        from cuda.bindings import driver as d
-
-        from orchestra.driver import MemoryPool
-
-        self.d, self.w, self.style = d, w, style
-        self.name = ("cuda-python by hand, by-engine + events" if style == "by-engine"
-                     else "cuda-python by hand, classic loop (b % 3)")
-        w.dev.make_current()
-        self.pool = MemoryPool.default(w.dev).handle
-        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.streams = [self._ok(d.cuStreamCreateWithPriority(flags, 0)) for _ in range(3)]
-        ev_flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        n_ev = 2 * w.batches if style == "by-engine" else 0
-        self.events = [self._ok(d.cuEventCreate(ev_flags)) for _ in range(n_ev)]
-        self.func = w.kernel.function
-        self.xaddr, self.yaddr = w.x.ctypes.data, w.y.ctypes.data
-
-    def _ok(self, res):
-        if int(res[0]):
-            raise RuntimeError(f"driver call failed: {res[0]!r}")
-        return res[1] if len(res) == 2 else None
-
-    def _launch(self, din, dout, n, stream):
-        d, w = self.d, self.w
-        vals = (np.array([int(din)], np.uint64), np.array([int(dout)], np.uint64),
-                np.array([n], np.uint64), np.array([w.iters], np.int32),
-                np.array([0.5], np.float32), np.array([1.0], np.float32))
-        params = np.array([v.ctypes.data for v in vals], dtype=np.uint64)
-        self._ok(d.cuLaunchKernel(self.func, w.grid, 1, 1, w.block, 1, 1, 0, stream,
-                                  params.ctypes.data, 0))
-
-    def __call__(self):
-        d, w, ok = self.d, self.w, self._ok
-        nb, n = w.batch_bytes, w.n
-        if self.style == "by-engine":
-            up, comp, down = self.streams
-            for b in range(w.batches):
-                off = b * nb
-                din = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, up))
-                dout = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, up))
-                ok(d.cuMemcpyHtoDAsync(din, self.xaddr + off, nb, up))
-                ev_up, ev_k = self.events[2 * b], self.events[2 * b + 1]
-                ok(d.cuEventRecord(ev_up, up))
-                ok(d.cuStreamWaitEvent(comp, ev_up, 0))
-                self._launch(din, dout, n, comp)
-                ok(d.cuEventRecord(ev_k, comp))
-                ok(d.cuMemFreeAsync(din, comp))
-                ok(d.cuStreamWaitEvent(down, ev_k, 0))
-                ok(d.cuMemcpyDtoHAsync(self.yaddr + off, dout, nb, down))
-                ok(d.cuMemFreeAsync(dout, down))
-        else:
-            for b in range(w.batches):
-                s = self.streams[b % 3]
-                off = b * nb
-                din = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, s))
-                dout = ok(d.cuMemAllocFromPoolAsync(nb, self.pool, s))
-                ok(d.cuMemcpyHtoDAsync(din, self.xaddr + off, nb, s))
-                self._launch(din, dout, n, s)
-                ok(d.cuMemcpyDtoHAsync(self.yaddr + off, dout, nb, s))
-                ok(d.cuMemFreeAsync(din, s))
-                ok(d.cuMemFreeAsync(dout, s))
-        for s in self.streams:
-            ok(d.cuStreamSynchronize(s))
-
-    def note(self) -> str:
-        return ""
-
-    def close(self):
-        d = self.d
-        for s in self.streams:
-            d.cuStreamSynchronize(s)
-        for e in self.events:
-            d.cuEventDestroy(e)
-        for s in self.streams:
-            d.cuStreamDestroy(s)
-
-
-class _FrameworkLoop:
-    """A framework's classic loop on its own 3 streams (``self.streams``): synchronize them,
-    no note, and on close synchronize, then free the framework's cached memory."""
-
-    def _synchronize(self):
-        for s in self.streams:
-            s.synchronize()
-
-    def note(self) -> str:
-        return ""
-
-    def close(self):
-        self._synchronize()
-        self._free_cache()
-
-
-class CuPyLoop(_FrameworkLoop):
-    name = "CuPy, classic loop on 3 streams (RawKernel)"
-
-    def __init__(self, w: Workload):
-        import cupy as cp
-
-        from orchestra.compiler import kernel_source_dir
-
-        self.cp, self.w = cp, w
-        self.kernel = cp.RawKernel((kernel_source_dir() / "burn.cu").read_text(), "burn")
-        self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(3)]
-        self.xaddr, self.yaddr = w.x.ctypes.data, w.y.ctypes.data
-
-    def __call__(self):
-        cp, w = self.cp, self.w
-        rt = cp.cuda.runtime
-        nb, n = w.batch_bytes, w.n
-        args_tail = (np.uint64(n), np.int32(w.iters), np.float32(0.5), np.float32(1.0))
-        for b in range(w.batches):
-            s = self.streams[b % 3]
-            off = b * nb
-            with s:
-                din = cp.empty(n, cp.float32)
-                dout = cp.empty(n, cp.float32)
-                rt.memcpyAsync(din.data.ptr, self.xaddr + off, nb, rt.memcpyHostToDevice, s.ptr)
-                self.kernel((w.grid,), (w.block,), (din, dout) + args_tail)
-                rt.memcpyAsync(self.yaddr + off, dout.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
-                del din, dout  # back to CuPy's pool, stream-ordered on s
-        self._synchronize()
-
-    def _free_cache(self):
-        self.cp.get_default_memory_pool().free_all_blocks()
-
-
-class TorchLoop(_FrameworkLoop):
-    name = "PyTorch, classic loop on 3 streams (burn cubin on torch's stream)"
-
-    def __init__(self, w: Workload):
-        import torch
-        from cuda.bindings import driver as d
-
-        self.torch, self.d, self.w = torch, d, w
-        self.dev = torch.device("cuda", w.dev.ordinal)
-        self.streams = [torch.cuda.Stream(device=self.dev) for _ in range(3)]
-        self.x = torch.from_numpy(w.x)
-        self.y = torch.from_numpy(w.y)
-        w.dev.make_current()
-
-    def __call__(self):
-        torch, d, w = self.torch, self.d, self.w
-        n = w.n
-        w.dev.make_current()
-        for b in range(w.batches):
-            s = self.streams[b % 3]
-            lo = b * n
-            with torch.cuda.stream(s):
-                din = torch.empty(n, dtype=torch.float32, device=self.dev)
-                dout = torch.empty(n, dtype=torch.float32, device=self.dev)
-                din.copy_(self.x[lo:lo + n], non_blocking=True)
-                w.kernel.launch(d.CUstream(s.cuda_stream), w.grid, w.block,
-                                [din.data_ptr(), dout.data_ptr(), n, w.iters, 0.5, 1.0])
-                self.y[lo:lo + n].copy_(dout, non_blocking=True)
-                del din, dout  # the caching allocator reuses them on s
-        self._synchronize()
-
-    def _free_cache(self):
-        self.torch.cuda.empty_cache()
+# The hand-written cuda-python loops and the CuPy / PyTorch loops live in orchestra.app.peers
+# (`orchestra bench peers` runs them too); this script runs them on the job's own kernel
+# scalars (burn s = 0.5, t = 1, the workload's default).
 
 
 # -- driver ---------------------------------------------------------------------------------
 
 
 def contenders(w: Workload, skip: set[str]):
+    from orchestra.app.peers import frameworks as fw
+    from orchestra.app.peers import optional
+    from orchestra.app.peers.cuda_python import ByHand
+
     out = [Orchestra(w, "by-engine"), Orchestra(w, "round-robin"), ByHand(w, "by-engine"),
            ByHand(w, "classic")]
     skipped = []
-    for key, cls in (("cupy", CuPyLoop), ("torch", TorchLoop)):
+    for key, cls in (("cupy", fw.CuPyLoop), ("torch", fw.TorchLoop)):
         if key in skip:
             continue
+        mod = optional.probe(key)
+        if isinstance(mod, optional.Skip):
+            skipped.append(f"{key}: {mod.note}")
+            continue
         try:
-            out.append(cls(w))
-        except ImportError as exc:
-            skipped.append(f"{key}: not importable ({exc.name or exc})")
+            out.append(cls(w, mod))
         except Exception as exc:  # noqa: BLE001 - a broken optional contender is reported
             skipped.append(f"{key}: {type(exc).__name__}: {exc}")
     return out, skipped

@@ -13,7 +13,8 @@ import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks of the kernel library (stages, pdl)")
+    p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl) and "
+                                     "orchestra against its peers (peers)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")
@@ -37,6 +38,10 @@ def register(sub) -> None:
                    help="time stream chains only (default: CUDA graph replays too)")
     _common(d)
     d.set_defaults(func=run_pdl_cmd)
+
+    from orchestra.cli import peers_cmd
+
+    peers_cmd.register(bsub)
 
 
 def _common(p) -> None:

@@ -4,7 +4,8 @@ Generates float32 batches (or streams ``--input FILE.npy``), measures single-bat
 and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-poisoned outputs,
 verifies every element against numpy and prints: batches, bytes moved, wall ms (median), the
 fill-aware pipeline bound from sustained per-item times (docs/execution.md, "The bound"),
-efficiency = bound / wall, host µs per node and PASS/FAIL (``--json``: one JSON object). Exit 0 on PASS, 1 on a mismatch, 2 without a
+efficiency = bound / wall, host µs per node and PASS/FAIL (``--json``: one JSON object); an
+efficiency above 1.01 prints a BOUND BUG banner. Exit 0 on PASS, 1 on a mismatch, 2 without a
 GPU (the message points to `orchestra plan`). ``--trace FILE.json`` / ``--plot FILE.png``: one
 extra traced run after the timed ones, written as a Chrome trace / Gantt chart and summarized
 (`orchestra.cli.trace_out`).
