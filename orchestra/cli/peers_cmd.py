@@ -4,17 +4,21 @@ same GPU, in one process, with the same kernel source (`orchestra.app.peers`).
 Registered under `orchestra bench` by `orchestra.cli.bench`. Prints the table (or ``--json``),
 optionally draws the ratios (``--plot FILE.png``, needs matplotlib); exit 0 when every output
 matched, 1 when one did not or when an efficiency exceeded 1.01 (a bug in the bound, printed
-loudly), 2 without a GPU or for bad options.
+loudly), 2 for bad options, 3 without a GPU (`orchestra.cli.exit_codes`). A progress bar on a
+terminal (`orchestra.cli.progress`); ``-v`` logs each step.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
 import sys
 
 from orchestra.app.peers.workloads import BUILTIN, DEFAULT
+from orchestra.cli import progress
+from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
 
 
 def _epilog() -> str:
@@ -40,9 +44,7 @@ def _what(w) -> str:
     return f"{w.kernels} dependent tiny kernels, with and without PDL"
 
 
-def register(bsub) -> None:
-    import argparse
-
+def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser(
         "peers", help="orchestra vs cuda-python, CuPy and PyTorch on the same GPU and kernels",
         description="Every contender on every workload, interleaved round by round, every "
@@ -62,9 +64,7 @@ def register(bsub) -> None:
     p.add_argument("--workload-timeout", type=float, default=240.0, metavar="S",
                    help="seconds before a workload counts as hung: every stack dumped, exit "
                         "1 (default 240; 0 = none)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run, no_device_hint=" (orchestra bench peers runs kernels: it needs an "
                                             "NVIDIA GPU)")
 
@@ -89,33 +89,33 @@ def parse_skip(text: str) -> set[str]:
     out = {t.strip().lower() for t in text.split(",") if t.strip()}
     unknown = out - set(PEERS)
     if unknown:
-        raise ValueError(f"--skip {','.join(sorted(unknown))}: unknown peer; choose from "
+        raise UsageError(f"--skip {','.join(sorted(unknown))}: unknown peer; choose from "
                          f"{', '.join(PEERS)}")
     return out
 
 
-def run(args) -> int:
-    from orchestra.app.peers.workloads import WorkloadError, parse_workloads
+def run(args: argparse.Namespace) -> int:
+    from orchestra.app.peers.workloads import parse_workloads
+    from orchestra.errors import BenchConfigError
 
-    problem = None
     try:
         workloads = parse_workloads(args.workloads)
-        skip = parse_skip(args.skip)
-    except (WorkloadError, ValueError) as exc:
-        problem = str(exc)
-    if problem is None and args.repeat < 1:
-        problem = f"--repeat {args.repeat}: need at least 1 timed run"
-    problem = problem or check_plot_path(args.plot)
+    except BenchConfigError as exc:
+        raise UsageError(str(exc)) from None
+    skip = parse_skip(args.skip)
+    if args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat}: need at least 1 timed run")
+    problem = check_plot_path(args.plot)
     if problem:
-        print(f"orchestra bench peers: {problem}", file=sys.stderr)
-        return 2
-    from orchestra.app.peers.harness import run_peers, stderr_log
+        raise UsageError(problem)
+    from orchestra.app.peers.harness import run_peers
     from orchestra.driver import Device
 
-    dev = Device.get(args.device)  # NoDeviceError here: exit 2 before any work
-    report = run_peers(workloads, repeat=args.repeat, device=dev, skip=skip,
-                       log=(lambda m: None) if args.quiet else stderr_log,
-                       workload_timeout_s=args.workload_timeout or None)
+    dev = Device.get(args.device)  # NoDeviceError here: exit 3 before any work
+    with progress.task("bench peers") as update:
+        report = run_peers(workloads, repeat=args.repeat, device=dev, skip=skip,
+                           progress=progress.reporter(update, "bench peers"),
+                           workload_timeout_s=args.workload_timeout or None)
     if args.plot:
         from orchestra.app.peers.report import plot_ratios
 
@@ -128,4 +128,4 @@ def run(args) -> int:
             print(f"ratio chart: {args.plot}")
     for bug in report.bound_bugs:
         print(f"orchestra bench peers: {bug}", file=sys.stderr)
-    return 0 if report.verified and not report.bound_bugs else 1
+    return OK if report.verified and not report.bound_bugs else CHECK_FAILED

@@ -35,7 +35,7 @@ from orchestra.compiler.includes import (
 from orchestra.compiler.headers import header_digest, search_path
 from orchestra.compiler.sources import Source, read_source
 from orchestra.compiler.target import default_arch, normalize_arch, virtual_arch
-from orchestra.errors import CompileError
+from orchestra.errors import CompileError, CompilerArgumentTypeError, CompilerArgumentValueError
 
 _ERROR_LINE_RE = re.compile(r"^(.*?)\((\d+)\): (?:catastrophic )?error\b.*$", re.MULTILINE)
 _NAME_MAP_PRAGMA_RE = re.compile(r"^\s*#pragma nv_mangled_name (.+?)\s*$", re.MULTILINE)
@@ -43,7 +43,7 @@ _ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
 
 
 class NameExpressionError(CompileError):
-    """One or more name expressions did not resolve to a symbol of the image (case C11).
+    """One or more name expressions did not resolve to a symbol of the image.
 
     Attributes (besides `CompileError`'s): ``missing``: the expressions that failed, in the
     order given; ``resolved``: dict expression -> lowered name for the ones that did resolve.
@@ -124,7 +124,7 @@ def compile_to_file(source_or_path, out=None, *, arch=None, ptx=False, options=(
     if out is None:
         src = read_source(source_or_path)
         if src.path is None:
-            raise ValueError("inline source text has no file name: pass out=")
+            raise CompilerArgumentValueError("inline source text has no file name: pass out=")
         out = default_output_path(src.path, ptx)
     return res, res.write(out)
 
@@ -155,7 +155,7 @@ def _as_str_tuple(items, what: str) -> tuple[str, ...]:
         if isinstance(x, bytes):
             x = x.decode("utf-8")
         if not isinstance(x, str):
-            raise TypeError(f"{what} must be strings, got {type(x).__name__}")
+            raise CompilerArgumentTypeError(f"{what} must be strings, got {type(x).__name__}")
         out.append(x)
     return tuple(out)
 
@@ -169,7 +169,7 @@ def build_options(arch: str, ptx: bool, user_options=(), include_dirs=()) -> tup
     user = _as_str_tuple(user_options, "options")
     for o in user:
         if o.startswith(_ARCH_OPTIONS):
-            raise ValueError(
+            raise CompilerArgumentValueError(
                 f"option {o!r} sets the target architecture: pass arch=\"sm_XY\" (and ptx=True"
                 " for PTX) instead")
     opts = []
@@ -234,7 +234,7 @@ def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(
     names = tuple(dict.fromkeys(_as_str_tuple(name_expressions, "name_expressions")))
     for n in names:
         if not n.strip():
-            raise ValueError("an empty name expression was given")
+            raise CompilerArgumentValueError("an empty name expression was given")
     headers = header_digest(src.text, src.name, opts, system_include_dirs())
     key = cache.make_key("nvrtc", src.text, src.name, headers, opts, arch, bool(ptx), names,
                          nvrtc_version())

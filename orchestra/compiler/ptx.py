@@ -1,6 +1,6 @@
 """PTX: its ISA version, whether a driver can JIT it, and linking it to a cubin with nvJitLink.
 
-Case C08: PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
+PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
 older driver (say CUDA 13.0): the driver answers ``CUDA_ERROR_UNSUPPORTED_PTX_VERSION``, which
 names neither version. `check_ptx_loadable` compares the two first and raises `PtxVersionError`
 naming both; `Module.load` calls it before handing PTX to the driver. `link_ptx` avoids the
@@ -17,7 +17,7 @@ from orchestra.compiler import cache
 from orchestra.compiler.elf import is_elf
 from orchestra.compiler.sources import read_source
 from orchestra.compiler.target import normalize_arch
-from orchestra.errors import CompileError, OrchestraError
+from orchestra.errors import CompileError, CompilerArgumentValueError, OrchestraError
 
 _VERSION_RE = re.compile(rb"^[ \t]*\.version[ \t]+(\d+)\.(\d+)", re.MULTILINE)
 
@@ -69,7 +69,7 @@ def ptx_isa_version(ptx) -> tuple[int, int]:
         ptx = ptx.encode("utf-8", errors="replace")
     m = _VERSION_RE.search(bytes(ptx))
     if m is None:
-        raise ValueError("not PTX: no .version directive found")
+        raise CompilerArgumentValueError("not PTX: no .version directive found")
     return (int(m.group(1)), int(m.group(2)))
 
 
@@ -124,7 +124,8 @@ def nvjitlink_version() -> tuple[int, int]:
     """nvJitLink's (major, minor) (``nvJitLinkVersion``); cached for the process."""
     from cuda.bindings import nvjitlink
 
-    return tuple(int(x) for x in nvjitlink.version())
+    major, minor = (int(x) for x in nvjitlink.version())
+    return major, minor
 
 
 def _run_nvjitlink(ptx: bytes, name: str, options: tuple[str, ...]) -> tuple[bytes, str]:
@@ -201,7 +202,7 @@ def link_ptx_cached(ptx_source_or_path, *, arch, options=()) -> tuple[bytes, boo
         src = read_source(ptx_source_or_path, inline_name="inline.ptx")
         text, name = src.text.encode("utf-8"), src.name
     if not is_ptx(text):
-        raise ValueError(f"{name} is not PTX text (no .version directive)")
+        raise CompilerArgumentValueError(f"{name} is not PTX text (no .version directive)")
     arch = normalize_arch(arch)
     if isinstance(options, str):
         options = (options,)

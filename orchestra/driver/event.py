@@ -10,7 +10,7 @@ from orchestra.driver.check import cu
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.owner import Owner, Resource
 from orchestra.driver.stream import check_stream
-from orchestra.errors import CudaError
+from orchestra.errors import CudaError, DriverArgumentTypeError, DriverArgumentValueError
 
 
 class Event(Resource):
@@ -72,9 +72,10 @@ class Event(Resource):
         """
         for name, ev in (("start", start), ("end", end)):
             if not isinstance(ev, Event):
-                raise TypeError(f"Event.elapsed_ms: {name} must be an Event, got {type(ev).__name__}")
+                raise DriverArgumentTypeError(
+                    f"Event.elapsed_ms: {name} must be an Event, got {type(ev).__name__}")
             if not ev.timing:
-                raise ValueError(
+                raise DriverArgumentValueError(
                     f"Event.elapsed_ms: the {name} event is sync-only; create it with "
                     "Event(device, timing=True) to time it")
         return float(cu(driver.cuEventElapsedTime, start.handle, end.handle))

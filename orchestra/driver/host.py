@@ -25,7 +25,12 @@ from cuda.bindings import driver
 from orchestra.driver.check import cu, device_available
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.owner import Lease, Owner, Resource, ResourceClosedError
-from orchestra.errors import CudaError
+from orchestra.errors import (
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    PageableMemoryError,
+)
 
 
 class PinnedRanges:
@@ -176,7 +181,8 @@ class PinnedBuffer(Resource):
     def __init__(self, nbytes: int, device: Device | int | None = None):
         nbytes = operator.index(nbytes)
         if nbytes < 1:
-            raise ValueError(f"PinnedBuffer needs a positive size in bytes, got {nbytes}")
+            raise DriverArgumentValueError(
+                f"PinnedBuffer needs a positive size in bytes, got {nbytes}")
         self.device = as_device(device)
         self.nbytes = nbytes
         self._shape: tuple[int, ...] = (nbytes,)
@@ -191,7 +197,7 @@ class PinnedBuffer(Resource):
         ``.array`` then has that shape and dtype."""
         dtype = np.dtype(dtype)
         if dtype.hasobject:
-            raise TypeError("PinnedBuffer cannot hold Python objects (dtype=object)")
+            raise DriverArgumentTypeError("PinnedBuffer cannot hold Python objects (dtype=object)")
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(map(operator.index, shape))
         buf = cls(math.prod(shape) * dtype.itemsize, device)
         buf._shape, buf._dtype = shape, dtype
@@ -228,7 +234,7 @@ class PinnedBuffer(Resource):
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(shape)
         need = math.prod(shape) * dtype.itemsize
         if need > self.nbytes:
-            raise ValueError(
+            raise DriverArgumentValueError(
                 f"a {shape} {dtype} view needs {need} bytes; the PinnedBuffer has {self.nbytes}")
         return np.asarray(self)[:need].view(dtype).reshape(shape)
 
@@ -255,13 +261,15 @@ class HostRegistration(Resource):
 
     def __init__(self, array: np.ndarray, device: Device | int | None = None):
         if not isinstance(array, np.ndarray):
-            raise TypeError(f"register_host expects a numpy array, got {type(array).__name__}")
+            raise DriverArgumentTypeError(
+                f"register_host expects a numpy array, got {type(array).__name__}")
         _check_layout(array, "register_host")
         if not array.flags.writeable:
-            raise ValueError("register_host refuses a read-only array: registration is for "
-                             "buffers the GPU writes too; pass a writable copy (array.copy())")
+            raise DriverArgumentValueError(
+                "register_host refuses a read-only array: registration is for "
+                "buffers the GPU writes too; pass a writable copy (array.copy())")
         if array.nbytes == 0:
-            raise ValueError("register_host: the array is empty (0 bytes)")
+            raise DriverArgumentValueError("register_host: the array is empty (0 bytes)")
         self.device = as_device(device)
         self.array = array
         self.nbytes = array.nbytes
@@ -309,7 +317,8 @@ def is_pinned(array) -> bool:
     if isinstance(array, (PinnedBuffer, HostRegistration)):
         return not array.closed
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"is_pinned expects a numpy array, got {type(array).__name__}")
+        raise DriverArgumentTypeError(
+            f"is_pinned expects a numpy array, got {type(array).__name__}")
     if array.nbytes == 0:
         return False
     bounds = _byte_bounds(array)
@@ -352,9 +361,10 @@ def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
 
 def _check_layout(array: np.ndarray, what: str) -> None:
     if array.dtype.hasobject:
-        raise TypeError(f"{what}: arrays of Python objects (dtype=object) cannot be copied")
+        raise DriverArgumentTypeError(
+            f"{what}: arrays of Python objects (dtype=object) cannot be copied")
     if not (array.flags.c_contiguous or array.flags.f_contiguous):
-        raise ValueError(
+        raise DriverArgumentValueError(
             f"{what}: the array is not contiguous (strides {array.strides}); call "
             "np.ascontiguousarray(array) first, or copy it into a PinnedBuffer's .array")
 
@@ -377,11 +387,12 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
     elif isinstance(obj, np.ndarray):
         array, known_pinned = obj, False
     else:
-        raise TypeError(f"{what} expects a PinnedBuffer, HostRegistration or numpy array, "
-                        f"got {type(obj).__name__}")
+        raise DriverArgumentTypeError(
+            f"{what} expects a PinnedBuffer, HostRegistration or numpy array, "
+            f"got {type(obj).__name__}")
     _check_layout(array, what)
     if writable and not array.flags.writeable:
-        raise ValueError(f"{what}: the destination array is read-only")
+        raise DriverArgumentValueError(f"{what}: the destination array is read-only")
     _checked_size(array.nbytes, nbytes, what)
     closed = None if known_pinned else _pinned.closed_owner(*_byte_bounds(array))
     if closed is not None:
@@ -389,7 +400,7 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
             f"{what}: the numpy array is memory of a {closed} that is closed (kept only for "
             "work that used it before); use an open PinnedBuffer or HostRegistration", closed)
     if not known_pinned and not _pinned.covers(*_byte_bounds(array)) and not _pinned_here(array):
-        raise TypeError(
+        raise PageableMemoryError(
             f"{what}: the numpy array is in pageable memory, which cannot be copied "
             "asynchronously; allocate it with PinnedBuffer.empty(shape, dtype).array or "
             "page-lock it with register_host(array)")
@@ -398,4 +409,5 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
 
 def _checked_size(size: int, nbytes: int, what: str) -> None:
     if size != nbytes:
-        raise ValueError(f"{what}: the host side has {size} bytes, the device buffer {nbytes}")
+        raise DriverArgumentValueError(
+            f"{what}: the host side has {size} bytes, the device buffer {nbytes}")

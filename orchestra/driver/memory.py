@@ -19,6 +19,7 @@ from orchestra.driver.device import Device, as_device
 from orchestra.driver.host import host_span
 from orchestra.driver.owner import Lease, Owner, Resource
 from orchestra.driver.stream import Stream, check_stream
+from orchestra.errors import DriverArgumentValueError
 
 UINT64_MAX = (1 << 64) - 1
 _P = driver.CUmemPool_attribute
@@ -77,7 +78,7 @@ class MemoryPool:
     def _set64(self, attr, value: int) -> None:
         value = operator.index(value)
         if not 0 <= value <= UINT64_MAX:
-            raise ValueError(f"{attr.name} must be in 0 .. 2**64 - 1, got {value}")
+            raise DriverArgumentValueError(f"{attr.name} must be in 0 .. 2**64 - 1, got {value}")
         cu(driver.cuMemPoolSetAttribute, self.handle, attr, driver.cuuint64_t(value))
 
     @property
@@ -180,7 +181,8 @@ class DeviceBuffer(Resource):
     def __init__(self, nbytes: int, stream: Stream, pool: MemoryPool | None = None):
         nbytes = operator.index(nbytes)
         if nbytes < 1:
-            raise ValueError(f"DeviceBuffer needs a positive size in bytes, got {nbytes}")
+            raise DriverArgumentValueError(
+                f"DeviceBuffer needs a positive size in bytes, got {nbytes}")
         stream = check_stream(stream, "DeviceBuffer.allocate")
         pool = MemoryPool.default(stream.device) if pool is None else pool
         self.nbytes = nbytes
@@ -275,7 +277,8 @@ class DeviceBuffer(Resource):
         """Enqueue setting every byte to ``value`` (an int 0..255) (``cuMemsetD8Async``)."""
         value = operator.index(value)
         if not 0 <= value <= 255:
-            raise ValueError(f"memset writes single bytes: value must be 0..255, got {value}")
+            raise DriverArgumentValueError(
+                f"memset writes single bytes: value must be 0..255, got {value}")
         stream = check_stream(stream, "DeviceBuffer.memset")
         cu(driver.cuMemsetD8Async, self.handle, value, self.nbytes, stream.handle)
 

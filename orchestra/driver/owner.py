@@ -37,13 +37,13 @@ import weakref
 
 from orchestra.driver import live
 from orchestra.driver.device import context_alive
-from orchestra.errors import OrchestraError
+from orchestra.errors import ClosedError
 
 
-class ResourceClosedError(OrchestraError, ValueError):
+class ResourceClosedError(ClosedError):
     """A closed resource was used: its handle read, or a lease asked for (binding it to new
-    work). A ``ValueError`` (``except ValueError`` still catches it). ``.what`` names the kind
-    of resource (``"DeviceBuffer"``...)."""
+    work). A `ClosedError` and a ``ValueError`` (``except ValueError`` still catches it).
+    ``.what`` names the kind of resource (``"DeviceBuffer"``...)."""
 
     def __init__(self, message: str, what: str = ""):
         super().__init__(message)

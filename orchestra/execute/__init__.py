@@ -22,6 +22,10 @@ from orchestra.execute.bindings import (
 from orchestra.execute.eager import EagerExecutor, RunResult
 from orchestra.execute.errors import (
     BindingError,
+    BucketOverflowError,
+    ExecutorArgumentError,
+    ExecutorArgumentTypeError,
+    ExecutorArgumentValueError,
     ExecutorUnavailable,
     HostFunctionError,
     PageableMemoryError,
@@ -69,7 +73,9 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True):
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "DeviceBinding", "EXECUTORS",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BucketOverflowError",
+    "ExecutorArgumentError", "ExecutorArgumentTypeError", "ExecutorArgumentValueError",
+    "DeviceBinding", "EXECUTORS",
     "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
     "HostFunctionError", "KernelArgs", "KernelResolver", "PageableMemoryError", "PinnedCheck",
     "PlanMismatchError", "PointerArg", "ResolvedBindings", "RunResult", "StagingPool",

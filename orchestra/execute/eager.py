@@ -29,6 +29,7 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -40,18 +41,20 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Event, MemoryPool, Stream
 from orchestra.driver.check import error_from_result
 from orchestra.driver.device import as_device, context_alive
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
 from orchestra.execute.closable import Closable
-from orchestra.execute.errors import HostFunctionError
+from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode
+
+log = logging.getLogger(__name__)
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -250,9 +253,11 @@ class EagerExecutor(Closable):
 
     def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"run() takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"run() takes a TaskGraph, got {type(graph).__name__}")
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"plan must be a schedule.Plan, got {type(plan).__name__}")
         issue = check_run(plan, graph, verify=self.verify)
         ordinal = self.device.ordinal
         for node in graph.nodes:
@@ -264,7 +269,7 @@ class EagerExecutor(Closable):
         # Kernels first: compile errors, argument and launch-limit errors surface before any
         # stream or event is created.
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
         prep.streams = self._pool.take_streams(plan)
@@ -376,7 +381,7 @@ class EagerExecutor(Closable):
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
-                    raise RuntimeError(
+                    raise CallOrderError(
                         "a run traced with trace=True is still pending (sync=False); call "
                         "synchronize() before the next traced run, or pass tracer=EagerTracer()")
             for name, slot in prep.host_slots.items():
@@ -500,6 +505,10 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
+                  "enqueued (one per step), in %.0f us; wall %s ms", prep.nodes,
+                  len(prep.streams), prep.events, prep.waits, len(prep.steps), enqueue_us,
+                  "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
                          steps=len(prep.steps), events=prep.events, waits=prep.waits,
                          streams=len(prep.streams), policy=prep.plan.policy,

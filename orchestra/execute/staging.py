@@ -19,6 +19,7 @@ import numpy as np
 
 from orchestra.driver import PinnedBuffer
 from orchestra.driver.owner import Lease, ResourceClosedError
+from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.graph import HostBuffer
 
 
@@ -38,8 +39,9 @@ class StagingPool:
 
     def __init__(self, slots: int, slot_bytes: int, device=None, *, prefix: str = "stage"):
         if slots < 1 or slot_bytes < 1:
-            raise ValueError(f"StagingPool needs slots >= 1 and slot_bytes >= 1; got {slots}, "
-                             f"{slot_bytes}")
+            raise ExecutorArgumentValueError(
+                f"StagingPool needs slots >= 1 and slot_bytes >= 1; got {slots}, "
+                f"{slot_bytes}")
         self.slot_bytes = int(slot_bytes)
         self.names = tuple(f"{prefix}{k}" for k in range(slots))
         self.buffers: list[PinnedBuffer] = []

@@ -26,7 +26,7 @@ from orchestra.graph.nodes import (
 from orchestra.graph.ranges import RangeTracker
 from orchestra.graph.taskgraph import TaskGraph
 
-Kernel = KernelNode  # the design map's name for the node kind
+Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
     "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "HostBuffer",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import Any
 from pathlib import Path
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
@@ -25,10 +26,18 @@ from orchestra.compiler.ptx import (
     ptx_isa_version,
 )
 from orchestra.driver.owner import Resource
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    KernelArgumentTypeError,
+    NotFoundError,
+    ParamDeclarationValueError,
+)
 
 
-class KernelNotFoundError(OrchestraError, KeyError):
+class KernelNotFoundError(NotFoundError):
     """No kernel of that name in a module; the message lists the kernels present.
 
     Attributes: ``name`` (asked for), ``available`` (tuple of lowered names present).
@@ -122,7 +131,7 @@ class Module(Resource):
         ``image``: a `CompileResult`, cubin/fatbin bytes, PTX text (bytes or str), or a path
         to a ``.cubin``/``.fatbin``/``.ptx`` file. PTX is JIT-compiled by the driver; before
         that its ``.version`` is compared with ``cuDriverGetVersion`` and `PtxVersionError`
-        names both when the driver is too old (case C08). ``source`` (CUDA C++ text) lets
+        names both when the driver is too old. ``source`` (CUDA C++ text) lets
         `kernel` read parameter declarations; ``lowered_names`` maps name expressions to
         lowered names (taken from a `CompileResult`).
 
@@ -140,8 +149,9 @@ class Module(Resource):
         elif isinstance(image, (str, os.PathLike)):
             data = Path(image).read_bytes()
         else:
-            raise TypeError("Module.load takes a CompileResult, image bytes, PTX text or a"
-                            f" path, got {type(image).__name__}")
+            raise CompilerArgumentTypeError(
+                "Module.load takes a CompileResult, image bytes, PTX text or a"
+                f" path, got {type(image).__name__}")
         if is_ptx(data):
             check_ptx_loadable(ptx_isa_version(data), driver_version())
             data = data.rstrip(b"\0") + b"\0"  # the driver reads PTX as a C string
@@ -252,8 +262,9 @@ class Kernel:
         self.layout = ArgLayout(params, lowered if lowered.isidentifier() else "kernel") \
             if params is not None else None
         self._params_error = params_error
-        self._attributes = None
-        self._dyn_smem = None  # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._attributes: KernelAttributes | None = None
+        # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._dyn_smem: int | None = None
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
         self._lock = threading.Lock()
@@ -268,21 +279,23 @@ class Kernel:
         A cubin's own parameter table (`elf.kernel_params`) is read first, with no driver call;
         a PTX-loaded module asks the driver (``cuFuncGetParamCount`` where it exists, then
         ``cuFuncGetParamInfo`` for the declared indices only: probing past the end would raise
-        a driver error that compute-sanitizer reports). A mismatch is ``ValueError``."""
+        a driver error that compute-sanitizer reports). A mismatch is
+        `ParamDeclarationValueError` (a ``ValueError``)."""
         image = self.module._image
         actual = kernel_params(image, self.lowered_name) if is_elf(image) else None
         if actual is None:
             actual = self._params_from_driver()
             if actual is None:
                 return  # cannot tell: skip the check
-        declared = [(o, p.size) for o, p in zip(self.layout.offsets, self.params)]
+        layout = self._need_layout()  # set: the parameters were declared
+        declared = [(o, p.size) for o, p in zip(layout.offsets, self.params)]
         if len(actual) != len(declared):
-            raise ValueError(
+            raise ParamDeclarationValueError(
                 f"kernel {self.name} takes {len(actual)} parameters in the image, but"
-                f" {len(declared)} were declared: {self.layout.signature}; fix params=")
+                f" {len(declared)} were declared: {layout.signature}; fix params=")
         for idx, ((ao, asz), (do, dsz), p) in enumerate(zip(actual, declared, self.params)):
             if ao != do or asz != dsz:
-                raise ValueError(
+                raise ParamDeclarationValueError(
                     f"kernel {self.name}: parameter {idx} ({p}) is {dsz} bytes at offset {do}"
                     f" as declared, but the image has {asz} bytes at offset {ao}; fix params=")
 
@@ -310,8 +323,9 @@ class Kernel:
 
     def _need_layout(self) -> ArgLayout:
         if self.layout is None:
-            raise TypeError(self._params_error or f"kernel {self.name}: parameters unknown;"
-                            " pass params= to Module.kernel/load_kernel")
+            raise KernelArgumentTypeError(
+                self._params_error or f"kernel {self.name}: parameters unknown;"
+                " pass params= to Module.kernel/load_kernel")
         return self.layout
 
     def pack(self, args) -> PackedArgs:
@@ -325,10 +339,11 @@ class Kernel:
     def attributes(self) -> "KernelAttributes":
         """Register count, static shared memory, max threads per block and more
         (``cuFuncGetAttribute``), queried once."""
-        if self._attributes is None:
-            self._attributes = KernelAttributes.query(self.function)
-            self._dyn_smem = self._attributes.max_dynamic_shared_bytes
-        return self._attributes
+        attributes = self._attributes
+        if attributes is None:
+            attributes = self._attributes = KernelAttributes.query(self.function)
+            self._dyn_smem = attributes.max_dynamic_shared_bytes
+        return attributes
 
     def occupancy(self, block, shared_mem: int = 0) -> int:
         """Max resident blocks per SM for ``block`` threads and ``shared_mem`` bytes of dynamic
@@ -336,7 +351,7 @@ class Kernel:
         cfg = LaunchConfig.make(1, block, shared_mem)
         self.device.make_current()
         return int(_cu(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
-                       cfg.threads_per_block, cfg.shared_mem))
+                   cfg.threads_per_block, cfg.shared_mem))
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -377,8 +392,9 @@ class Kernel:
             if args.layout is self.layout or (self.layout is not None
                                               and args.layout.params == self.layout.params):
                 return args, args.address
-            raise TypeError(f"these PackedArgs were packed for {args.layout.signature}, not for"
-                            f" {self._need_layout().signature}")
+            raise KernelArgumentTypeError(
+                f"these PackedArgs were packed for {args.layout.signature}, not for"
+                f" {self._need_layout().signature}")
         packed = self.pack(args)
         return packed, packed.address
 
@@ -480,14 +496,16 @@ from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 def _raw_stream(stream):
     """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
     if stream is None:
-        raise ValueError("launch needs a Stream: orchestra never enqueues on the legacy default"
-                         " stream (pass a Stream(device) created non-blocking)")
+        raise DriverArgumentValueError(
+            "launch needs a Stream: orchestra never enqueues on the legacy default"
+            " stream (pass a Stream(device) created non-blocking)")
     if type(stream).__name__ == "CUstream":
         if int(stream) == 0:
-            raise ValueError("CUstream 0 is the legacy default stream: pass a Stream instead")
+            raise DriverArgumentValueError(
+                "CUstream 0 is the legacy default stream: pass a Stream instead")
         return stream
-    raise TypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
-                    f" {type(stream).__name__}")
+    raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
+                                  f" {type(stream).__name__}")
 
 
 class KernelAttributes:
@@ -502,6 +520,15 @@ class KernelAttributes:
     __slots__ = ("num_regs", "static_shared_bytes", "max_threads_per_block", "local_bytes",
                  "const_bytes", "max_dynamic_shared_bytes", "ptx_version", "binary_version",
                  "non_portable_cluster_size_allowed")
+    num_regs: int
+    static_shared_bytes: int
+    max_threads_per_block: int
+    local_bytes: int
+    const_bytes: int
+    max_dynamic_shared_bytes: int
+    ptx_version: int
+    binary_version: int
+    non_portable_cluster_size_allowed: bool
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -576,7 +603,7 @@ def load_kernel(path_or_source, name: str, *, name_expression=None, options=(), 
         cubin = link_ptx(path_or_source, arch=dev.arch)
         import hashlib
 
-        memo_key = (dev.ordinal, "ptx", hashlib.sha256(cubin).hexdigest())
+        memo_key: tuple[Any, ...] = (dev.ordinal, "ptx", hashlib.sha256(cubin).hexdigest())
         with _memo_lock:
             module = _modules.get(memo_key)
             if module is None or module.closed:

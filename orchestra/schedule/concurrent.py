@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping
 
+from orchestra.errors import ScheduleError
 from orchestra.schedule.costs import Costs, estimate_costs
 from orchestra.schedule.plan import StreamSpec
 
@@ -56,7 +57,8 @@ def capacity_of(node, resident_blocks: ResidentBlocks) -> int | None:
         return None
     value = int(value)
     if value < 0:
-        raise ValueError(f"resident_blocks of kernel node {node.name} must be >= 0; got {value}")
+        raise ScheduleError(f"resident_blocks of kernel node {node.name} must be >= 0; got "
+                            f"{value}")
     return value
 
 

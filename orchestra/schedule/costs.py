@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 
 import attrs
 
+from orchestra.errors import ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
@@ -66,7 +67,7 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
             value = model.cost(node)
         value = float(value)
         if not value >= 0:
-            raise ValueError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
+            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
         out[node.name] = value
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
@@ -50,7 +50,7 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     A graph with no nodes keeps the policy's first stream.
     """
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise ValueError(f"streams must be an int >= 1; got {streams!r}")
+        raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
     graph.validate()
     if policy == "round-robin":
         specs, assign, order, meta = _round_robin(graph, streams)
@@ -61,7 +61,7 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     elif policy == "concurrent":
         specs, assign, order, meta = concurrent(graph, streams, costs, resident_blocks)
     else:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise ScheduleError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     return insert_events(graph, assign, _used(specs, assign), order, policy, meta)
 
 
@@ -75,7 +75,7 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
     nodes = graph.nodes
     if all(n.batch is not None for n in nodes):  # the common case: no fallback to compute
-        return {n.name: n.batch for n in nodes}
+        return {n.name: b for n in nodes if (b := n.batch) is not None}
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
@@ -247,7 +247,8 @@ def _critical_path(graph, S, costs):
             role = "general"  # no engine dominates
         specs.append(StreamSpec(f"s{i}", role=role))
     assign = {n: specs[where[n]].name for n in names}
-    return tuple(specs), assign, tuple(seq), {"makespan_us": round(max(finish.values(), default=0.0), 3)}
+    return tuple(
+        specs), assign, tuple(seq), {"makespan_us": round(max(finish.values(), default=0.0), 3)}
 
 
 def _place(v, s, start, cost, finish, where, seq, seq_pos, stream_free):

@@ -38,6 +38,8 @@ from typing import Sequence
 
 import attrs
 
+from orchestra.errors import JobConfigError
+
 #: An efficiency above this is a bug in the bound (measurement noise stays well below it).
 EFFICIENCY_LIMIT = 1.01
 
@@ -65,9 +67,9 @@ class Sustained:
         for name in ("h2d_ms", "kernel_ms", "d2h_ms", "pair_ms"):
             v = getattr(self, name)
             if not (v >= 0):
-                raise ValueError(f"Sustained.{name} must be a time >= 0 ms; got {v!r}")
+                raise JobConfigError(f"Sustained.{name} must be a time >= 0 ms; got {v!r}")
         if self.nbytes < 1 or self.items < 1:
-            raise ValueError("Sustained needs nbytes >= 1 and items >= 1")
+            raise JobConfigError("Sustained needs nbytes >= 1 and items >= 1")
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -137,16 +139,16 @@ def pipeline_bound(s: Sustained, sizes: Sequence[int] | float) -> PipelineBound:
     """The bound (see the module doc) of a pipeline of batches of ``sizes`` bytes each (or a
     number of full batches of ``s.nbytes``). Times of shorter batches scale by their byte
     fraction, which can only lower a term (an item's time has a fixed part). Raises
-    ``ValueError`` for no batches."""
+    `JobConfigError` (a ``ValueError``) for no batches."""
     if isinstance(sizes, (int, float)):
         if not sizes > 0:
-            raise ValueError(f"need at least one batch; got {sizes!r}")
+            raise JobConfigError(f"need at least one batch; got {sizes!r}")
         n = float(sizes)
         f = min(1.0, n)
     else:
         sizes = [int(x) for x in sizes]
         if not sizes or min(sizes) < 1:
-            raise ValueError("need at least one batch of at least one byte")
+            raise JobConfigError("need at least one batch of at least one byte")
         n = sum(sizes) / s.nbytes
         f = min(sizes) / s.nbytes
     h, k, d, p = s.h2d_ms, s.kernel_ms, s.d2h_ms, s.pair_ms

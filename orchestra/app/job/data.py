@@ -24,6 +24,8 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from orchestra.errors import JobConfigError
+
 CHUNK = 1 << 22  # elements per chunk (16 MiB of float32)
 SCALE = 0.5
 SHIFT = 1.0
@@ -100,6 +102,8 @@ class Check:
     def describe(self) -> str:
         if self.ok:
             return "all elements match"
+        if self.first is None:
+            return f"{self.mismatches} element(s) differ"
         i, got, want = self.first
         return (f"{self.mismatches} element(s) differ; first at index {i}: got {got!r}, "
                 f"want {want!r}")
@@ -153,7 +157,7 @@ class Reference:
 
     def compare(self, out: np.ndarray) -> Check:
         if out.size != self.n:
-            raise ValueError(f"the output has {out.size} elements, the reference {self.n}")
+            raise JobConfigError(f"the output has {out.size} elements, the reference {self.n}")
         ranges = _chunks(self.n)
 
         def one(i):
@@ -171,7 +175,7 @@ def check_against(x: np.ndarray, out: np.ndarray, iters: int, s: float = SCALE,
     """Compare ``out`` with the reference of ``x`` computed on the fly (nothing stored); for
     memory-mapped files larger than memory."""
     if out.size != x.size:
-        raise ValueError(f"the output has {out.size} elements, the input {x.size}")
+        raise JobConfigError(f"the output has {out.size} elements, the input {x.size}")
 
     def one(lo, hi):
         return _compare(out[lo:hi], burn_reference(x[lo:hi], iters, s, t), lo)

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import attrs
 
+from orchestra.errors import JobConfigError
 from orchestra.graph import HostBuffer, HostFunc, KernelRef, TaskGraph, add_batch
 from orchestra.graph import build_pipeline
 from orchestra.app.job.data import SCALE, SHIFT
@@ -40,7 +41,7 @@ def burn_kernel_ref() -> KernelRef:
 def batch_bytes_from_mib(batch_mib: float) -> int:
     """MiB (may be fractional) -> bytes, a whole number of float32 elements, at least one."""
     if not batch_mib > 0:
-        raise ValueError(f"batch size must be > 0 MiB; got {batch_mib!r}")
+        raise JobConfigError(f"batch size must be > 0 MiB; got {batch_mib!r}")
     return max(ELEMENT, int(batch_mib * MIB) // ELEMENT * ELEMENT)
 
 
@@ -48,7 +49,7 @@ def batch_sizes(total_elements: int, batch_elements: int) -> list[int]:
     """Bytes per batch for ``total_elements`` floats in batches of ``batch_elements`` (the last
     one shorter when they do not divide)."""
     if total_elements < 1 or batch_elements < 1:
-        raise ValueError("need at least one element and a batch of at least one element")
+        raise JobConfigError("need at least one element and a batch of at least one element")
     full, rest = divmod(total_elements, batch_elements)
     return [batch_elements * ELEMENT] * full + ([rest * ELEMENT] if rest else [])
 
@@ -115,7 +116,7 @@ def build_staged_graph(sizes: Sequence[int], *, slots: int, iters: int,
     """
     sizes = tuple(int(s) for s in sizes)
     if slots < 1:
-        raise ValueError(f"need at least one staging slot; got {slots}")
+        raise JobConfigError(f"need at least one staging slot; got {slots}")
     slot_bytes = slot_bytes or max(sizes)
     ins = [HostBuffer(f"stage_in{k}", slot_bytes) for k in range(slots)]
     outs = [HostBuffer(f"stage_out{k}", slot_bytes) for k in range(slots)]

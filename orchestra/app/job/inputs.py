@@ -13,6 +13,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from orchestra.errors import JobInputError
+
 
 @attrs.frozen
 class InputArray:
@@ -48,18 +50,18 @@ def open_input(path: str | os.PathLike) -> InputArray:
     try:
         src = np.load(path, mmap_mode="r")
     except ValueError as exc:  # not a .npy file (pickle data, garbage, object arrays)
-        raise ValueError(f"{path}: not a .npy array numpy can load ({exc})") from None
+        raise JobInputError(f"{path}: not a .npy array numpy can load ({exc})") from None
     if not isinstance(src, np.ndarray):  # np.load opens an .npz archive as a dict of arrays
         close = getattr(src, "close", None)
         if close is not None:
             close()
-        raise ValueError(f"{path}: not a .npy array ({type(src).__name__}); --input takes one "
-                         "array saved with np.save")
+        raise JobInputError(f"{path}: not a .npy array ({type(src).__name__}); --input takes one "
+                            "array saved with np.save")
     if src.dtype != np.dtype("<f4"):
-        raise ValueError(f"{path}: the array is {src.dtype}; orchestra run --input "
-                         "streams float32 (little-endian) arrays: convert it with "
-                         "np.save(path, a.astype(np.float32))")
+        raise JobInputError(f"{path}: the array is {src.dtype}; orchestra run --input "
+                            "streams float32 (little-endian) arrays: convert it with "
+                            "np.save(path, a.astype(np.float32))")
     if src.size == 0:
-        raise ValueError(f"{path}: the array is empty")
+        raise JobInputError(f"{path}: the array is empty")
     fortran = bool(src.flags.f_contiguous and not src.flags.c_contiguous)
     return InputArray(path, src, fortran)

@@ -34,15 +34,18 @@ verified chunk by chunk.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
+from orchestra.errors import JobConfigError
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
     ELEMENT,
@@ -58,6 +61,8 @@ from orchestra.app.job.inputs import open_input
 from orchestra.app.job.bound import bound_warning
 from orchestra.app.job.sustained import items_for
 from orchestra.app.job.timing import BatchTimer, SingleBatch
+
+log = logging.getLogger(__name__)
 
 TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
                "stream synchronize, median over the timed runs; single-batch times: timing "
@@ -129,7 +134,7 @@ def parse_iters(value) -> int | None:
         return None
     iters = int(value)
     if iters < 0:
-        raise ValueError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
+        raise JobConfigError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
     return iters
 
 
@@ -141,6 +146,7 @@ class MainJob:
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
     float32 ``.npy`` file through ``staging_slots`` pinned slots instead of generated data.
     ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
+    ``progress``: called as ``progress(stage, done, total)`` as the runs go (the CLI's bar).
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
@@ -149,9 +155,10 @@ class MainJob:
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
-                 graph_dot: str | os.PathLike | None = None, trace: bool = False):
+                 graph_dot: str | os.PathLike | None = None, trace: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
-            raise ValueError("batches, streams and repeat must be >= 1 and warmup >= 0")
+            raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
         self.batches = int(batches)
         self.streams = int(streams)
@@ -170,6 +177,7 @@ class MainJob:
         self.check_iters = int(check_iters)
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
         self.trace = bool(trace)
+        self.progress = progress
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -187,6 +195,7 @@ class MainJob:
         return executor.prepare(graph, policy=self.policy, streams=self.streams, costs=costs), costs
 
     def _timings(self, kernel, stream, host_in, host_out, grid, batches: int) -> SingleBatch:
+        self._step("single-batch timings", 0, self.warmup + self.repeat + int(self.trace))
         timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
                            repeats=self.timing_repeats)
         try:
@@ -231,8 +240,12 @@ class MainJob:
         ``check()``; the DOT dump; with ``trace``, one more traced and verified run. Returns
         (the timed runs, every check, the most mismatches, the traced run's timeline)."""
         runs, checks, mismatches = [], [], 0
+        total = self.warmup + self.repeat + int(self.trace)
         for r in range(self.warmup + self.repeat):
+            self._step("warm-up run" if r < self.warmup else "timed run", r, total)
             res = run_once(False)
+            log.debug("main job: run %d of %d: %d nodes, %d steps, wall %.3f ms", r + 1,
+                      self.warmup + self.repeat, res.nodes, res.steps, res.wall_ms)
             chk = check()
             mismatches = max(mismatches, chk.mismatches)
             checks.append(chk)
@@ -241,11 +254,17 @@ class MainJob:
         self._dump_dot(executor)  # the timed runs' graph, not the traced one
         timeline = None
         if self.trace:  # after the timed runs: tracing never skews the wall times
+            self._step("traced run", total - 1, total)
             timeline = run_once(True).timeline
             chk = check()
             mismatches = max(mismatches, chk.mismatches)
             checks.append(chk)
         return runs, checks, mismatches, timeline
+
+    def _step(self, stage: str, done: int, total: int) -> None:
+        log.debug("main job: %s (%d of %d)", stage, done + 1, total)
+        if self.progress is not None:
+            self.progress(stage, done, total)
 
     @staticmethod
     def _close(executor, stream, buffers) -> None:
@@ -265,7 +284,7 @@ class MainJob:
 
         dev = as_device(self.device)
         if self.input is not None:
-            return self._run_file(dev)
+            return self._run_file(dev, self.input)
         return self._run_generated(dev)
 
     def _run_generated(self, dev) -> JobReport:
@@ -309,16 +328,16 @@ class MainJob:
 
             runs, checks, mismatches, timeline = self._timed_runs(
                 executor, run_once, lambda: reference.compare(y))
-            x = y = bindings = None  # drop the views (run_once's too) before the buffers close
+            del x, y, bindings  # drop the views (run_once's too) before the buffers close
             return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
             self._close(executor, stream, (pin_in, pin_out))
 
-    def _run_file(self, dev) -> JobReport:
+    def _run_file(self, dev, path: Path) -> JobReport:
         from orchestra.driver import Stream
         from orchestra.execute import StagingPool, make_executor
 
-        inp = open_input(self.input)  # the checks `orchestra plan --input` makes too
+        inp = open_input(path)  # the checks `orchestra plan --input` makes too
         src, fortran, flat_in = inp.array, inp.fortran, inp.flat
         tmp = None
         out_path = self.output

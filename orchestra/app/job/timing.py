@@ -20,6 +20,7 @@ from typing import Callable
 import attrs
 
 from orchestra.app.job.bound import PipelineBound, Sustained, pipeline_bound
+from orchestra.errors import JobConfigError
 
 PROBES = (64, 512)
 MAX_ITERS = 1 << 20
@@ -58,7 +59,7 @@ def calibrate_iters(kernel_ms: Callable[[int], float], target_ms: float, *,
     predicts, measures there and corrects once more with the slope through that point.
     """
     if not target_ms > 0:
-        raise ValueError(f"target time must be > 0 ms; got {target_ms!r}")
+        raise JobConfigError(f"target time must be > 0 ms; got {target_ms!r}")
     i1, i2 = probes
     t1, t2 = kernel_ms(i1), kernel_ms(i2)
     slope = (t2 - t1) / (i2 - i1)

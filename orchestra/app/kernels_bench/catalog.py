@@ -26,6 +26,8 @@ from pathlib import Path
 
 import attrs
 
+from orchestra.errors import NotFoundError, PrebuiltCubinError, UnsupportedDeviceError
+
 #: Directory of prebuilt cubins (`build_cubins`) that `load` uses instead of compiling.
 PREBUILT_ENV = "ORCHESTRA_KERNEL_CUBINS"
 
@@ -109,7 +111,7 @@ def spec(key: str) -> KernelSpec:
     try:
         return _BY_KEY[key]
     except KeyError:
-        raise KeyError(f"no kernel {key!r}; known: {', '.join(_BY_KEY)}") from None
+        raise NotFoundError(f"no kernel {key!r}; known: {', '.join(_BY_KEY)}") from None
 
 
 def sources() -> dict[str, list[KernelSpec]]:
@@ -192,9 +194,9 @@ def load(s: KernelSpec | str, device=None):
     s = spec(s) if isinstance(s, str) else s
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     if tuple(dev.compute_capability) < tuple(s.min_cc):
-        raise RuntimeError(f"kernel {s.key} needs compute capability"
-                           f" {s.min_cc[0]}.{s.min_cc[1]}+, {dev.name} has"
-                           f" {dev.compute_capability[0]}.{dev.compute_capability[1]}")
+        raise UnsupportedDeviceError(f"kernel {s.key} needs compute capability"
+                                     f" {s.min_cc[0]}.{s.min_cc[1]}+, {dev.name} has"
+                                     f" {dev.compute_capability[0]}.{dev.compute_capability[1]}")
     prebuilt = os.environ.get(PREBUILT_ENV, "")
     if prebuilt:
         return _load_prebuilt(s, dev, Path(prebuilt))
@@ -244,14 +246,15 @@ def _load_prebuilt(s: KernelSpec, dev, directory: Path):
 
     cubin, meta_path = directory / f"{s.source}.cubin", directory / f"{s.source}.json"
     if not cubin.is_file() or not meta_path.is_file():
-        raise RuntimeError(f"${PREBUILT_ENV}={directory}: no {cubin.name} / {meta_path.name};"
-                           " build them with: python3 tests/kernel_checks.py --build-cubins DIR")
+        raise PrebuiltCubinError(
+            f"${PREBUILT_ENV}={directory}: no {cubin.name} / {meta_path.name}; build them with:"
+            " python3 tests/kernel_checks.py --build-cubins DIR")
     meta = json.loads(meta_path.read_text())
     if meta.get("sha256") != _digest(s.path()):
-        raise RuntimeError(f"{cubin} was built from another version of {s.source}; rebuild"
-                           " with: python3 tests/kernel_checks.py --build-cubins DIR")
+        raise PrebuiltCubinError(f"{cubin} was built from another version of {s.source}; rebuild"
+                                 " with: python3 tests/kernel_checks.py --build-cubins DIR")
     if meta.get("arch") != dev.arch:
-        raise RuntimeError(f"{cubin} is for {meta.get('arch')}, the device is {dev.arch}")
+        raise PrebuiltCubinError(f"{cubin} is for {meta.get('arch')}, the device is {dev.arch}")
     key = (dev.ordinal, str(cubin.resolve()))
     with _prebuilt_lock:
         module = _prebuilt_modules.get(key)

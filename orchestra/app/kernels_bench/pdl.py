@@ -1,4 +1,4 @@
-"""Does a kernel wait on its grid dependency? (case C12: PDL on a consumer that never waits)
+"""Does a kernel wait on its grid dependency? (PDL on a consumer that never waits)
 
 A kernel launched with the programmatic-stream-serialization attribute (PDL) may start before the
 kernel ahead of it in the stream has finished, so it must execute ``griddepcontrol.wait``
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from orchestra.errors import OrchestraError
+from orchestra.errors import CompilerArgumentTypeError, CompilerArgumentValueError, OrchestraError
 
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 # ".entry name(" / ".func (.param ...) name(" ; the name is the identifier right before "(".
@@ -103,11 +103,13 @@ def kernel_waits_on_grid_dependency(ptx, kernel: str | None = None) -> bool:
     found = kernels_waiting_on_grid_dependency(ptx)
     if kernel is None:
         if len(found) != 1:
-            raise ValueError(f"the PTX holds {len(found)} kernels ({', '.join(sorted(found))});"
-                             " name the one to check")
+            raise CompilerArgumentValueError(
+                f"the PTX holds {len(found)} kernels ({', '.join(sorted(found))});"
+                " name the one to check")
         return next(iter(found.values()))
     if kernel not in found:
-        raise ValueError(f"no kernel {kernel!r} in the PTX; it has: {', '.join(sorted(found))}")
+        raise CompilerArgumentValueError(
+            f"no kernel {kernel!r} in the PTX; it has: {', '.join(sorted(found))}")
     return found[kernel]
 
 
@@ -122,5 +124,5 @@ def _text(ptx) -> str:
     if isinstance(ptx, (bytes, bytearray, memoryview)):
         return bytes(ptx).rstrip(b"\0").decode("utf-8", errors="replace")
     if not isinstance(ptx, str):
-        raise TypeError(f"PTX must be str or bytes, got {type(ptx).__name__}")
+        raise CompilerArgumentTypeError(f"PTX must be str or bytes, got {type(ptx).__name__}")
     return ptx

@@ -10,14 +10,19 @@ the same memory state. The launch grid is persistent: SM count x occupancy block
 its tiles grid-stride. The output is checked bit for bit after the runs of each stage count.
 
 The CUDA Programming Guide asks for stage counts to be compared, not assumed: the table is that
-comparison. Goal (issue 5): the best stage count reaches >= 85% of the copy.
+comparison. Goal: the best stage count reaches >= 85% of the copy.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import numpy as np
 
+from orchestra.errors import BenchConfigError, UnsupportedDeviceError
 from orchestra.app.kernels_bench import catalog as cat
 from orchestra.app.kernels_bench.common import check_buffer, fill_pattern, median, pattern
 
@@ -71,16 +76,18 @@ class StagesReport:
 
 
 def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: int = 3,
-               device=None, stage_counts=cat.STAGE_COUNTS) -> StagesReport:
-    """Measure (see the module doc). ``mib``: MiB read (and as many written) per launch."""
+               device=None, stage_counts=cat.STAGE_COUNTS,
+               progress: Callable[[str, int, int], None] | None = None) -> StagesReport:
+    """Measure (see the module doc). ``mib``: MiB read (and as many written) per launch.
+    ``progress(stage, done, total)`` is called before each round (a progress bar)."""
     from cuda.bindings import driver
 
     from orchestra.driver import Device, DeviceBuffer, Event, Stream, cu
 
     if mib < 1 or repeats < 1 or warmup < 0:
-        raise ValueError("need mib >= 1, repeats >= 1, warmup >= 0")
+        raise BenchConfigError("need mib >= 1, repeats >= 1, warmup >= 0")
     if block % 32 or not 32 <= block <= 1024:
-        raise ValueError(f"block must be a multiple of 32 in 32..1024, got {block}")
+        raise BenchConfigError(f"block must be a multiple of 32 in 32..1024, got {block}")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
     stream = Stream(dev)
@@ -91,7 +98,7 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
     try:
         fill_pattern(x, n, stream, dev)
 
-        contenders = []  # (label, enqueue function, extra)
+        contenders: list[tuple[Any, Callable[[], Any]]] = []  # (label, enqueue function)
         copy = ("copy", lambda: cu(driver.cuMemcpyDtoDAsync, y.handle, x.handle, nbytes,
                                    stream.handle))
         contenders.append(copy)
@@ -101,17 +108,20 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
             smem = cat.pipeline_block_smem(s, block)
             occ = k.occupancy(block, smem)
             if occ < 1:
-                raise RuntimeError(f"pipeline_block<{s}> cannot run {block} threads with {smem}"
-                                   " bytes of shared memory on this device")
+                raise UnsupportedDeviceError(
+                    f"pipeline_block<{s}> cannot run {block} threads with {smem}"
+                    " bytes of shared memory on this device")
             grid = occ * dev.sm_count
             args = k.pack((x, y, n, A, B))
             configs[s] = (occ, grid, smem)
-            contenders.append((s, lambda k=k, grid=grid, smem=smem, args=args:
-                               k.launch(stream, grid, block, args, smem)))
+            contenders.append((s, functools.partial(k.launch, stream, grid, block, args, smem)))
 
         events = [(Event(dev, timing=True), Event(dev, timing=True)) for _ in contenders]
         times: dict = {label: [] for label, _ in contenders}
         for rnd in range(warmup + repeats):
+            if progress is not None:
+                progress("warm-up round" if rnd < warmup else "timed round", rnd,
+                         warmup + repeats)
             for (label, enqueue), (start, end) in zip(contenders, events):
                 start.record(stream)
                 enqueue()

@@ -14,9 +14,8 @@ from orchestra.app.peers.workloads import (
     BUILTIN,
     DEFAULT,
     Workload,
-    WorkloadError,
     parse_workloads,
 )
 
-__all__ = ["BUILTIN", "DEFAULT", "PeersReport", "Row", "Workload", "WorkloadError",
+__all__ = ["BUILTIN", "DEFAULT", "PeersReport", "Row", "Workload",
            "add_ratios", "format_table", "parse_workloads"]

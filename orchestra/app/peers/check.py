@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestra.app.job import data as jd
+from orchestra.errors import BenchConfigError
 
 SCALE = -1.0
 SHIFT = 0.0
@@ -48,7 +49,7 @@ def _first_bad(got: np.ndarray, want: np.ndarray, lo: int):
 def check_negated(x: np.ndarray, got: np.ndarray) -> tuple[bool, str]:
     """Is 1-D float32 ``got`` exactly ``negate(x)``? (ok, detail), chunked on threads."""
     if got.shape != x.shape:
-        raise ValueError(f"output has shape {got.shape}, input {x.shape}")
+        raise BenchConfigError(f"output has shape {got.shape}, input {x.shape}")
 
     def one(lo, hi):
         return _first_bad(got[lo:hi], negate(x[lo:hi]), lo)
@@ -60,7 +61,7 @@ def check_equal(got: np.ndarray, want: np.ndarray) -> tuple[bool, str]:
     """Bit-for-bit equality of two float32 arrays of one shape: (ok, detail)."""
     got, want = np.ravel(got), np.ravel(want)
     if got.shape != want.shape:
-        raise ValueError(f"output has {got.size} elements, the reference {want.size}")
+        raise BenchConfigError(f"output has {got.size} elements, the reference {want.size}")
     return _describe([_first_bad(got, want, 0)], got.size)
 
 
@@ -80,7 +81,7 @@ def sample_indices(n: int, batch_elements: int, stride: int = STRIDE) -> np.ndar
     """Indices of a sampled check: every batch's first and last element, every ``stride``-th
     element and the very last one (sorted, unique)."""
     if n < 1 or batch_elements < 1:
-        raise ValueError("need n >= 1 and batch_elements >= 1")
+        raise BenchConfigError("need n >= 1 and batch_elements >= 1")
     starts = np.arange(0, n, batch_elements, dtype=np.int64)
     ends = np.minimum(starts + batch_elements, n) - 1
     idx = np.concatenate([starts, ends, np.arange(0, n, stride, dtype=np.int64), [n - 1]])

@@ -31,10 +31,17 @@ import time
 import numpy as np
 
 
-def _ok(res):
-    """A cuda-python result tuple -> its value(s); RuntimeError naming the error otherwise."""
+def _fail(call: str, err):
+    """The `CudaError` for a failed ``CUresult`` of ``call``."""
+    from orchestra.driver.check import error_from_result
+
+    return error_from_result(call, err, context="hand-written cuda-python contender")
+
+
+def _ok(res, call: str = "a driver call"):
+    """A cuda-python result tuple -> its value(s); a `CudaError` naming the result otherwise."""
     if int(res[0]):
-        raise RuntimeError(f"driver call failed: {res[0]!r}")
+        raise _fail(call, res[0])
     if len(res) == 1:
         return None
     return res[1] if len(res) == 2 else res[1:]
@@ -199,7 +206,7 @@ class BareGraph(_Timed):
             err, graph = d.cuStreamEndCapture(self.origin)  # always leave capture mode
         if int(err):
             self.close()
-            raise RuntimeError(f"cuStreamEndCapture failed: {err!r}")
+            raise _fail("cuStreamEndCapture", err)
         self.graph = graph
         self.exec = ok(d.cuGraphInstantiate(self.graph, 0))
         ok(d.cuGraphUpload(self.exec, self.origin))
@@ -243,13 +250,13 @@ class BareGraph(_Timed):
         for node, pair in self.copies:
             (err,) = d.cuGraphExecMemcpyNodeSetParams(ex, node, pair[which], ctx)
             if err:
-                raise RuntimeError(f"cuGraphExecMemcpyNodeSetParams: {err!r}")
+                raise _fail("cuGraphExecMemcpyNodeSetParams", err)
         self.launch()
 
     def launch(self):
         (err,) = self.d.cuGraphLaunch(self.exec, self.origin)
         if err:
-            raise RuntimeError(f"cuGraphLaunch: {err!r}")
+            raise _fail("cuGraphLaunch", err)
 
     def sync(self):
         _ok(self.d.cuStreamSynchronize(self.origin))
@@ -293,7 +300,7 @@ def _capture(d, stream, enqueue):
     finally:
         err, graph = d.cuStreamEndCapture(stream)  # always leave capture mode
     if int(err):
-        raise RuntimeError(f"cuStreamEndCapture failed: {err!r}")
+        raise _fail("cuStreamEndCapture", err)
     try:
         gexec = _ok(d.cuGraphInstantiate(graph, 0))
         _ok(d.cuGraphUpload(gexec, stream))
@@ -344,12 +351,12 @@ class BareRequest(_Timed):
         if self.graph_mode:
             (err,) = d.cuGraphLaunch(self.exec, self.stream)
             if err:
-                raise RuntimeError(f"cuGraphLaunch: {err!r}")
+                raise _fail("cuGraphLaunch", err)
         else:
             self._enqueue()
         (err,) = d.cuStreamSynchronize(self.stream)
         if err:
-            raise RuntimeError(f"cuStreamSynchronize: {err!r}")
+            raise _fail("cuStreamSynchronize", err)
 
     def close(self):
         d = self.d
@@ -413,12 +420,12 @@ class BareChain(_Timed):
             for i in range(1, c.kernels):
                 (err,) = d.cuLaunchKernelEx(cfg, func, addr[i % 2], 0)
                 if err:
-                    raise RuntimeError(f"cuLaunchKernelEx: {err!r}")
+                    raise _fail("cuLaunchKernelEx", err)
         else:
             for i in range(1, c.kernels):
                 (err,) = d.cuLaunchKernel(func, g, 1, 1, b, 1, 1, 0, s, addr[i % 2], 0)
                 if err:
-                    raise RuntimeError(f"cuLaunchKernel: {err!r}")
+                    raise _fail("cuLaunchKernel", err)
 
     def __call__(self):
         d = self.d

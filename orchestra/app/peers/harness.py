@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import platform
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -32,15 +32,14 @@ from orchestra.app.peers import check as ck
 from orchestra.app.peers import optional
 from orchestra.app.peers.report import PeersReport, Row, add_ratios
 from orchestra.app.peers.workloads import Workload
+from orchestra.errors import BenchConfigError
 
 BLOCK = 256
 REQUEST_CHUNK = 100
 REQUEST_WARMUP = 50
 BURN_ST = (ck.SCALE, ck.SHIFT)
 
-
-def _noop(msg: str) -> None:
-    return None
+_log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -478,19 +477,20 @@ def versions(peers: dict) -> dict:
 
 
 def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
-              log: Callable[[str], None] = _noop, workload_timeout_s: float | None = 240.0,
-              prober=optional.probe) -> PeersReport:
+              progress: Callable[[str, int, int], None] | None = None,
+              workload_timeout_s: float | None = 240.0, prober=optional.probe) -> PeersReport:
     """Run ``workloads`` (see `workloads.parse_workloads`) and return the `PeersReport`.
 
     ``repeat``: timed runs per contender (>= 1; the request workload always times its
-    ``requests``). ``skip``: peers to leave out ("cupy", "torch"). ``log``: progress lines.
-    ``workload_timeout_s``: a workload running longer dumps every stack and exits (status 1).
-    Raises `NoDeviceError` without a GPU (before any work)."""
+    ``requests``). ``skip``: peers to leave out ("cupy", "torch"). ``progress(stage, done,
+    total)``: called as each workload starts (the CLI's bar); every step is also logged at
+    DEBUG level. ``workload_timeout_s``: a workload running longer dumps every stack and
+    exits (status 1). Raises `NoDeviceError` without a GPU (before any work)."""
     from orchestra.driver import Device
     from orchestra.execute import KernelResolver
 
     if repeat < 1:
-        raise ValueError(f"repeat must be >= 1; got {repeat!r}")
+        raise BenchConfigError(f"repeat must be >= 1; got {repeat!r}")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
     skipped: list[str] = []
@@ -509,11 +509,13 @@ def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
     t_start = time.perf_counter()
 
     def stamp(msg):
-        log(f"[{time.perf_counter() - t_start:6.1f} s] {msg}")
+        _log.debug("[%6.1f s] %s", time.perf_counter() - t_start, msg)
 
     rows: list[Row] = []
     infos: list[dict] = []
-    for spec in workloads:
+    for i, spec in enumerate(workloads):
+        if progress is not None:
+            progress(spec.label, i, len(workloads))
         stamp(f"{spec.label}: setting up")
         with _watchdog(workload_timeout_s):
             if spec.kind == "pipeline":
@@ -539,14 +541,12 @@ def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
                 finally:
                     data.close()
         stamp(f"{spec.label}: done")
+    if progress is not None:
+        progress("done", len(workloads), len(workloads))
     add_ratios(rows)
     return PeersReport(dev.name, versions(peers), infos, rows, skipped, repeat)
 
 
-def stderr_log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 __all__ = ["ChainData", "PipelineData", "RequestData", "chain_contenders", "pipeline_contenders",
            "request_contenders", "run_chain", "run_peers", "run_pipeline", "run_requests",
-           "stderr_log", "versions"]
+           "versions"]

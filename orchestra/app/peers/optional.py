@@ -12,6 +12,8 @@ from typing import Callable
 
 import attrs
 
+from orchestra.errors import BenchConfigError
+
 PEERS = ("cupy", "torch")
 INSTALL = {"cupy": "pip install cupy-cuda12x (or the wheel for your CUDA)",
            "torch": "pip install torch (a CUDA build)"}
@@ -43,7 +45,7 @@ def _cuda_ok(name: str, mod) -> str | None:
 def probe(name: str, importer: Callable[[str], object] = importlib.import_module):
     """The imported peer module, or a `Skip`. ``importer`` is for tests."""
     if name not in PEERS:
-        raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+        raise BenchConfigError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     label = LABEL[name]
     try:
         mod = importer(name)

@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 
 import attrs
 
+from orchestra.errors import BenchConfigError, MissingExtraError
+
 FAMILIES = ("orchestra", "cuda-python", "cupy", "torch")
 MISSING_MATPLOTLIB = ("--plot needs matplotlib, which is not installed: pip install "
                       "orchestra[plot] (or pip install matplotlib)")
@@ -41,7 +43,8 @@ class Row:
 
     def __attrs_post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"Row.family must be one of {FAMILIES}; got {self.family!r}")
+            raise BenchConfigError(f"Row.family must be one of {FAMILIES}; got "
+                                   f"{self.family!r}")
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -157,11 +160,12 @@ class PeersReport:
 def plot_ratios(rows: Sequence[Row], path, *, title: str | None = None) -> str:
     """A horizontal bar chart of every row's ratio to orchestra's best, grouped by workload,
     written to ``path`` (format from the suffix); returns the path. Rows without a ratio are
-    left out. Raises ImportError with the install hint when matplotlib is missing."""
+    left out. Raises `MissingExtraError` (an ``ImportError``) with the install hint when
+    matplotlib is missing."""
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError(MISSING_MATPLOTLIB) from exc
+        raise MissingExtraError(MISSING_MATPLOTLIB) from exc
     shown = [r for r in rows if r.ratio is not None]
     colors = {"orchestra": "#1f77b4", "cuda-python": "#7f7f7f", "cupy": "#2ca02c",
               "torch": "#d62728"}

@@ -22,14 +22,10 @@ import re
 
 import attrs
 
-from orchestra.errors import OrchestraError
+from orchestra.errors import BenchConfigError
 
 KIB = 1 << 10
 MIB = 1 << 20
-
-
-class WorkloadError(OrchestraError, ValueError):
-    """A ``--workloads`` item that names no workload; the message lists the valid forms."""
 
 
 @attrs.frozen
@@ -106,12 +102,12 @@ def expected_seconds(w: Workload) -> float:
 def parse_workloads(text: str) -> list[Workload]:
     """``"a,c,request"`` -> the workloads, in the given order, each once. Items: a built-in's
     key or name (case-insensitive), ``all``, or a custom ``BATCHESxSIZE[@ITERS]``. Raises
-    `WorkloadError` naming the item."""
+    `BenchConfigError` (a ``ValueError``) naming the item."""
     out: list[Workload] = []
     seen = set()
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items:
-        raise WorkloadError("--workloads is empty; give keys like a,b,c,d,e (or all)")
+        raise BenchConfigError("--workloads is empty; give keys like a,b,c,d,e (or all)")
     for item in items:
         for w in _parse_item(item):
             if w.name not in seen:
@@ -130,21 +126,21 @@ def _parse_item(item: str) -> list[Workload]:
     m = _CUSTOM.match(low)
     if m is None:
         valid = ", ".join(f"{w.key}/{w.name}" for w in BUILTIN)
-        raise WorkloadError(f"unknown workload {item!r}; use one of {valid}, all, or "
+        raise BenchConfigError(f"unknown workload {item!r}; use one of {valid}, all, or "
                             "BATCHESxSIZE[@ITERS] with SIZE in KiB or MiB (e.g. 64x1MiB, "
                             "512x256KiB@1)")
     batches, size, unit, iters = m.groups()
     nbytes = int(float(size) * (MIB if unit.startswith("m") else KIB))
     nbytes = nbytes // 16 * 16
     if int(batches) < 1 or nbytes < 16:
-        raise WorkloadError(f"workload {item!r}: need at least 1 batch of at least 16 bytes")
+        raise BenchConfigError(f"workload {item!r}: need at least 1 batch of at least 16 bytes")
     it = None if iters in (None, "auto") else int(iters)
     if it is not None and it < 1:
-        raise WorkloadError(f"workload {item!r}: ITERS must be >= 1 or auto")
+        raise BenchConfigError(f"workload {item!r}: ITERS must be >= 1 or auto")
     name = f"{int(batches)}x{format_size(nbytes).replace(' ', '')}" + (
         f"@{it}" if it is not None else "")
     return [Workload(name, name, "pipeline", nbytes, int(batches), it)]
 
 
-__all__ = ["BUILTIN", "DEFAULT", "Workload", "WorkloadError", "expected_seconds",
+__all__ = ["BUILTIN", "DEFAULT", "Workload", "expected_seconds",
            "format_size", "parse_workloads"]

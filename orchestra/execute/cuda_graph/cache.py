@@ -34,11 +34,21 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 import operator
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import attrs
+
+from orchestra.errors import NotFoundError
+from orchestra.execute.errors import (
+    BucketOverflowError,
+    ExecutorArgumentTypeError,
+    ExecutorArgumentValueError,
+)
+
+log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype) -> str:
@@ -62,22 +72,25 @@ class BucketPolicy:
             try:
                 sizes = sorted({operator.index(s) for s in spec})
             except TypeError:
-                raise TypeError(f"buckets must be 'pow2', a sequence of sizes or None; got "
-                                f"{spec!r}") from None
+                raise ExecutorArgumentTypeError(
+                    f"buckets must be 'pow2', a sequence of sizes or None; got "
+                    f"{spec!r}") from None
             if not sizes or sizes[0] < 1:
-                raise ValueError(f"bucket sizes must be positive ints; got {spec!r}")
+                raise ExecutorArgumentValueError(
+                    f"bucket sizes must be positive ints; got {spec!r}")
             self.kind, self.sizes = "list", tuple(sizes)
 
     def __call__(self, n: int) -> int:
         n = operator.index(n)
         if n < 1:
-            raise ValueError(f"a bucketed size must be >= 1; got {n}")
+            raise ExecutorArgumentValueError(f"a bucketed size must be >= 1; got {n}")
         if self.kind == "pow2":
             return 1 << (n - 1).bit_length()
         i = bisect.bisect_left(self.sizes, n)
         if i == len(self.sizes):
-            raise ValueError(f"size {n} is larger than the largest bucket ({self.sizes[-1]}); "
-                             f"buckets: {list(self.sizes)}")
+            raise BucketOverflowError(
+                f"size {n} is larger than the largest bucket ({self.sizes[-1]}); "
+                f"buckets: {list(self.sizes)}")
         return self.sizes[i]
 
     def __repr__(self) -> str:
@@ -101,7 +114,7 @@ class Signature:
         for n, shape, _ in self.shapes:
             if n == name:
                 return shape
-        raise KeyError(f"no input named {name!r} in the signature")
+        raise NotFoundError(f"no input named {name!r} in the signature")
 
     def get(self, key: str, default=None):
         for k, v in self.topology:
@@ -132,8 +145,9 @@ def _shape_entry(name: str, spec) -> tuple[tuple[int, ...], str]:
         *dims, dtype = spec
         if not isinstance(dtype, int):
             return tuple(operator.index(d) for d in dims), _dtype_name(dtype)
-    raise TypeError(f"input {name}: give an array, (shape, dtype) or (d0, ..., dtype); got "
-                    f"{spec!r}")
+    raise ExecutorArgumentTypeError(
+        f"input {name}: give an array, (shape, dtype) or (d0, ..., dtype); got "
+        f"{spec!r}")
 
 
 class _Entry:
@@ -212,7 +226,8 @@ class GraphCache:
         if max_entries is not None:
             max_entries = operator.index(max_entries)
             if max_entries < 1:
-                raise ValueError(f"max_entries must be >= 1 or None; got {max_entries}")
+                raise ExecutorArgumentValueError(
+                    f"max_entries must be >= 1 or None; got {max_entries}")
         self.max_entries = max_entries
         self.buckets = None if buckets is None else BucketPolicy(buckets)
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
@@ -271,10 +286,10 @@ class GraphCache:
         """
         return self._lookup(signature, build_fn, lease=False)
 
-    def lease(self, signature: Signature,
-              build_fn: Callable[[Signature], Any] | None = None) -> CacheLease:
-        """A `CacheLease` on the value for ``signature`` (built with ``build_fn`` on a miss,
-        as `get_or_build` does): the value stays open until the lease is released, even if it
+    def lease(self, signature: Hashable,
+              build_fn: Callable[[Any], Any] | None = None) -> CacheLease:
+        """A `CacheLease` on the value for ``signature`` (a `Signature`, or any hashable key, as
+        `GraphRunner` uses; built with ``build_fn`` on a miss, as `get_or_build` does): the value stays open until the lease is released, even if it
         is evicted meanwhile (then it is closed at the last lease's end).
 
         ``with cache.lease(sig, build_fn) as exe: exe.replay(...)``. Without ``build_fn`` a
@@ -291,6 +306,7 @@ class GraphCache:
                 if entry is not None:
                     self._entries.move_to_end(signature)
                     self.hits += 1
+                    log.debug("graph cache hit: %s", signature)
                     if not lease:
                         return entry.value
                     entry.leases += 1
@@ -298,10 +314,11 @@ class GraphCache:
                 pending = self._building.get(signature)
                 if pending is None:
                     if build_fn is None:
-                        raise KeyError(f"no cached value for {signature!r} and no build_fn "
-                                       "to build one")
+                        raise NotFoundError(f"no cached value for {signature!r} and no build_fn "
+                                            "to build one")
                     pending = self._building[signature] = threading.Event()
                     self.misses += 1
+                    log.debug("graph cache miss: %s (building)", signature)
                     break
             pending.wait()
         try:

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 import numpy as np
@@ -50,7 +50,14 @@ from orchestra.driver.check import error_from_result
 from orchestra.driver.device import context_alive
 from orchestra.driver.entry_points import exec_update
 from orchestra.driver.stream import check_stream
-from orchestra.errors import CudaError, OrchestraError
+from orchestra.errors import (
+    ClosedError,
+    CudaError,
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    OrchestraError,
+    prefixed,
+)
 from orchestra.execute.bindings import (
     PinnedCheck,
     as_host_array,
@@ -61,6 +68,10 @@ from orchestra.execute.bindings import (
 from orchestra.execute.closable import Closable
 from orchestra.execute.errors import BindingError, HostFunctionError
 from orchestra.schedule import verify
+
+if TYPE_CHECKING:  # imported lazily at run time: tracing and host nodes are optional
+    from orchestra.execute.hostfunc import HostCallbacks
+    from orchestra.trace import GraphTracer, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +145,8 @@ class BuiltGraph:
         self.external: dict[str, Any] = {}
         self.allocs: dict[str, int] = {}
         self.unfreed: list[int] = []
-        self.callbacks = None
-        self.tracer = None
+        self.callbacks: HostCallbacks | None = None
+        self.tracer: GraphTracer | None = None
         self.build_ms = 0.0
         self.meta: dict = {}
 
@@ -239,9 +250,10 @@ class _KernelEntry:
             layout = self.layout
             i = layout.resolve(key)
             if i in self.pointers or layout.params[i].is_pointer:
-                raise TypeError(f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
-                                "pointer the graph binds to its buffers; only scalar "
-                                "parameters can be replayed with new values")
+                raise KernelArgumentTypeError(
+                    f"scalars[{node!r}]: parameter {layout.params[i].name} is a "
+                    "pointer the graph binds to its buffers; only scalar "
+                    "parameters can be replayed with new values")
             slot = self.slots[key] = (layout.field_names[i], layout.converters[i])
         return slot
 
@@ -281,7 +293,7 @@ def _release(state: _State) -> None:
             if state.exec is not None:
                 _d.cuGraphExecDestroy(state.exec)
             if state.unfreed and state.launched:
-                # auto_free graphs: the last launch's allocations are live (C05 opt-in); a
+                # auto_free graphs: the last launch's allocations are live (the opt-in); a
                 # graph allocation may be freed with cuMemFree once its work is done.
                 for dptr in state.unfreed:
                     _d.cuMemFree(dptr)
@@ -342,7 +354,7 @@ class GraphExec(Closable):
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
         self.last_update: UpdateResult | None = None
-        self.timeline = None
+        self.timeline: Timeline | None = None
         device.make_current()
         self._ctx = device.context
         self._state.own_stream = stream if stream is not None else Stream(device)
@@ -510,9 +522,10 @@ class GraphExec(Closable):
             self._pending_timeline = False
             node, exc = errors[0]
             raise HostFunctionError(node, exc, errors[1:]) from exc
-        if self._pending_timeline:
+        tracer = self._tracer
+        if self._pending_timeline and tracer is not None:  # pending: only traced execs
             self._pending_timeline = False
-            self.timeline = self._tracer.finish()
+            self.timeline = tracer.finish()
             return self.timeline
         return None
 
@@ -540,7 +553,7 @@ class GraphExec(Closable):
         """
         with self._lock:
             if self._closed:
-                raise ValueError("this GraphExec is closed")
+                raise ClosedError("this GraphExec is closed")
             if bindings:
                 bound = self._bound
                 try:
@@ -555,8 +568,9 @@ class GraphExec(Closable):
                 try:
                     items = scalars.items()
                 except AttributeError:
-                    raise TypeError("scalars must map kernel node name -> {parameter: value}; "
-                                    f"got {type(scalars).__name__}") from None
+                    raise KernelArgumentTypeError(
+                        "scalars must map kernel node name -> {parameter: value}; "
+                        f"got {type(scalars).__name__}") from None
                 for node, values in items:
                     self._set_scalars(node, values)
             if stream is None and self._tracer is None:  # the common path, inlined
@@ -644,20 +658,23 @@ class GraphExec(Closable):
         entry = self._kernels.get(node)
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
-            raise ValueError(f"scalars: {node!r} is not a kernel node of this graph (kernel "
-                             f"nodes: {known})")
+            raise KernelArgumentValueError(
+                f"scalars: {node!r} is not a kernel node of this graph (kernel "
+                f"nodes: {known})")
         struct = entry.struct
         try:
             items = values.items()
         except AttributeError:
-            raise TypeError(f"scalars[{node!r}] must map parameter name or index -> value; got "
-                            f"{type(values).__name__}") from None
+            raise KernelArgumentTypeError(
+                f"scalars[{node!r}] must map parameter name or index -> value; got "
+                f"{type(values).__name__}") from None
         for key, value in items:
             field, conv = entry.slot(node, key)
             try:
                 setattr(struct, field, conv(value))
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"kernel node {node}: {exc}") from exc
+                raise prefixed(exc, f"kernel node {node}: ", KernelArgumentTypeError,
+                               KernelArgumentValueError) from exc
         (err,) = _set_kernel(self._exec, entry.gnode, entry.params)
         if err:
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")

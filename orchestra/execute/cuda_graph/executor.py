@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from cuda.bindings import driver as _d
 
@@ -34,9 +34,10 @@ from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingSpec, PinnedCheck
 from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.exec import BuiltGraph, GraphExec, AUTO_FREE_ON_LAUNCH
+from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, schedule
 
 _MT = _d.CUmemorytype
@@ -129,11 +130,13 @@ def kernel_node_attributes(cfg) -> list:
 
 class GraphExecutorBase(Closable):
     """Shared setup of the graph executors: device, default memory pool configured now (at
-    setup, never during a capture: case C03), kernel resolver, pinned-memory checks.
+    setup, never during a capture), kernel resolver, pinned-memory checks.
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
     costs, auto_free, **kw) -> BuiltGraph``.
     """
+
+    _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)
 
     executor_name = "graph"
 
@@ -165,7 +168,7 @@ class GraphExecutorBase(Closable):
         execs, so one exec's scalar replays cannot change another's)."""
         out = {}
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 out[node.name] = resolve_kernel_node(node, kernel)
         return out
@@ -189,7 +192,8 @@ class GraphExecutorBase(Closable):
     def _plan(self, graph, plan, policy, streams, costs, need: bool) -> Plan | None:
         if plan is not None:
             if not isinstance(plan, Plan):
-                raise TypeError(f"plan must be a schedule.Plan, got {type(plan).__name__}")
+                raise ExecutorArgumentTypeError(
+                    f"plan must be a schedule.Plan, got {type(plan).__name__}")
             return plan
         if not need:
             return None
@@ -215,7 +219,8 @@ class GraphExecutorBase(Closable):
         launch stream (default: a new non-blocking one it owns).
         """
         if not isinstance(graph, TaskGraph):
-            raise TypeError(f"build() takes a TaskGraph, got {type(graph).__name__}")
+            raise ExecutorArgumentTypeError(
+                f"build() takes a TaskGraph, got {type(graph).__name__}")
         self._check_open()
         auto_free = self.auto_free if auto_free is None else bool(auto_free)
         options = dict(trace=bool(trace), policy=policy, streams=streams, costs=costs,
