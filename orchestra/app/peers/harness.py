@@ -305,9 +305,15 @@ def _close_all(items) -> None:
 # -- runs -----------------------------------------------------------------------------------------
 
 
-def run_pipeline(w: PipelineData, peers: dict, repeat: int, skipped: list, log) -> list[Row]:
+def run_pipeline(w: PipelineData, peers: dict, repeat: int, skipped: list, log,
+                 factories=None) -> list[Row]:
+    """Every pipeline contender (``factories``: (label, factory) pairs, default
+    `pipeline_contenders`) over ``repeat`` timed rounds after a warm-up, interleaved; one
+    `Row` each (a contender that fails to build or run goes to ``skipped``)."""
     label = w.spec.label
-    impls = _build_all(pipeline_contenders(w, peers), label, skipped, log)
+    if factories is None:
+        factories = pipeline_contenders(w, peers)
+    impls = _build_all(factories, label, skipped, log)
     walls = {id(c): [] for c in impls}
     host = {id(c): [] for c in impls}
     ok = {id(c): (True, "") for c in impls}
@@ -350,9 +356,14 @@ def run_pipeline(w: PipelineData, peers: dict, repeat: int, skipped: list, log) 
     return rows
 
 
-def run_requests(r: RequestData, peers: dict, skipped: list, log) -> list[Row]:
+def run_requests(r: RequestData, peers: dict, skipped: list, log,
+                 factories=None) -> list[Row]:
+    """``r.spec.requests`` single requests per contender (after `REQUEST_WARMUP`), in chunks
+    of `REQUEST_CHUNK` interleaved; each poisoned, timed and checked; p50 / p99 rows."""
     label = r.spec.label
-    impls = _build_all(request_contenders(r, peers), label, skipped, log)
+    if factories is None:
+        factories = request_contenders(r, peers)
+    impls = _build_all(factories, label, skipped, log)
     times = {id(c): [] for c in impls}
     bad = {id(c): 0 for c in impls}
     first = {id(c): "" for c in impls}
@@ -409,9 +420,15 @@ def run_requests(r: RequestData, peers: dict, skipped: list, log) -> list[Row]:
     return rows
 
 
-def run_chain(c: ChainData, peers: dict, repeat: int, skipped: list, log) -> list[Row]:
+def run_chain(c: ChainData, peers: dict, repeat: int, skipped: list, log,
+              factories=None) -> list[Row]:
+    """Every chain contender, ``repeat`` timed runs after a warm-up, interleaved; each run
+    resets the input and checks the final buffer (the contender's own ``reset`` / ``result``
+    where it has them, else the shared buffers')."""
     label = c.spec.label
-    impls = _build_all(chain_contenders(c, peers), label, skipped, log)
+    if factories is None:
+        factories = chain_contenders(c, peers)
+    impls = _build_all(factories, label, skipped, log)
     walls = {id(x): [] for x in impls}
     host = {id(x): [] for x in impls}
     ok = {id(x): (True, "") for x in impls}
@@ -476,6 +493,22 @@ def versions(peers: dict) -> dict:
     return out
 
 
+def probe_peers(skip=(), prober=optional.probe) -> tuple[dict, list[str]]:
+    """(peer name -> module for those that run, notes for those that do not)."""
+    notes: list[str] = []
+    peers: dict = {}
+    for name in optional.PEERS:
+        if name in skip:
+            notes.append(f"{optional.LABEL[name]}: left out (--skip)")
+            continue
+        got = prober(name)
+        if isinstance(got, optional.Skip):
+            notes.append(got.note)
+        else:
+            peers[name] = got
+    return peers, notes
+
+
 def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
               progress: Callable[[str, int, int], None] | None = None,
               workload_timeout_s: float | None = 240.0, prober=optional.probe) -> PeersReport:
@@ -493,17 +526,7 @@ def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
         raise BenchConfigError(f"repeat must be >= 1; got {repeat!r}")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
-    skipped: list[str] = []
-    peers: dict = {}
-    for name in optional.PEERS:
-        if name in skip:
-            skipped.append(f"{optional.LABEL[name]}: left out (--skip)")
-            continue
-        got = prober(name)
-        if isinstance(got, optional.Skip):
-            skipped.append(got.note)
-        else:
-            peers[name] = got
+    peers, skipped = probe_peers(skip, prober)
     dev.make_current()  # a peer's import may have changed the current context
     resolver = KernelResolver(dev)
     t_start = time.perf_counter()
@@ -547,6 +570,6 @@ def run_peers(workloads: list[Workload], *, repeat: int = 5, device=0, skip=(),
     return PeersReport(dev.name, versions(peers), infos, rows, skipped, repeat)
 
 
-__all__ = ["ChainData", "PipelineData", "RequestData", "chain_contenders", "pipeline_contenders",
-           "request_contenders", "run_chain", "run_peers", "run_pipeline", "run_requests",
-           "versions"]
+__all__ = ["ChainData", "PipelineData", "RequestData", "chain_contenders",
+           "pipeline_contenders", "probe_peers", "request_contenders", "run_chain", "run_peers",
+           "run_pipeline", "run_requests", "versions"]

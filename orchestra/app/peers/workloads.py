@@ -46,12 +46,13 @@ class Workload:
 
     @property
     def label(self) -> str:
-        """What the table's workload column shows."""
+        """What the table's workload column shows (a built-in's key first)."""
+        key = f"({self.key}) " if self.key != self.name else ""
         if self.kind == "pipeline":
-            return f"({self.key}) {self.batches} x {format_size(self.batch_bytes)}"
+            return f"{key}{self.batches} x {format_size(self.batch_bytes)}"
         if self.kind == "request":
-            return f"({self.key}) 1 x {format_size(self.batch_bytes)} request"
-        return f"({self.key}) chain of {self.kernels} kernels"
+            return f"{key}1 x {format_size(self.batch_bytes)} request"
+        return f"{key}chain of {self.kernels} kernels"
 
     @property
     def nodes(self) -> int:
