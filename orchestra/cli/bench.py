@@ -17,8 +17,8 @@ from orchestra.cli.exit_codes import CHECK_FAILED, OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl) and "
-                                     "orchestra against its peers (peers)")
+    p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl), serving "
+                                     "(serve), orchestra against its peers (peers)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")
@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time stream chains only (default: CUDA graph replays too)")
     _common(d, "a stream chain with PDL takes more than 0.7 us per kernel")
     d.set_defaults(func=run_pdl_cmd)
+
+    from orchestra.serve.cli import register as register_serve  # options live with the engine
+
+    register_serve(bsub)
 
     from orchestra.cli import peers_cmd
 

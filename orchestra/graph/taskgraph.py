@@ -12,7 +12,7 @@ import heapq
 from collections import defaultdict
 from typing import TypeVar
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.buffers import Buffer, HostBuffer
 from orchestra.graph.nodes import Node
 
@@ -42,7 +42,7 @@ class TaskGraph:
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
         if name in self._nodes:
-            raise GraphError(f"a node named {name!r} is already in the graph "
+            raise NameCollisionError(f"a node named {name!r} is already in the graph "
                              f"({type(self._nodes[name]).__name__}); node names must be unique")
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
@@ -78,7 +78,7 @@ class TaskGraph:
         if known is None:
             self._buffers[buf.name] = buf
         elif known != buf:
-            raise GraphError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
+            raise NameCollisionError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
                              f"not {buf!r}; give different buffers different names")
 
     def _edge(self, pred, succ, reason, explicit=False):
