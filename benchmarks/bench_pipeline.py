@@ -79,7 +79,7 @@ class Workload:
                                block=block)
             try:
                 self.single = timer.measure(None, items=items_for(batches, self.batch_bytes),
-                                            kernel_streams=3)
+                                            streams=3)
             finally:
                 timer.close()
         self.iters = self.single.iters

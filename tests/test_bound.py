@@ -151,3 +151,93 @@ def test_bound_warning_is_loud_above_the_limit():
     assert bound_warning(1.0) is None and bound_warning(EFFICIENCY_LIMIT) is None
     msg = bound_warning(1.036, "round-robin")
     assert msg.startswith("BOUND BUG") and "1.036" in msg and "round-robin" in msg
+
+
+# -- the gated timer's logic on fakes (no GPU) ---------------------------------------------------
+
+class _Clock:
+    def __init__(self):
+        self.host = 0.0  # s
+        self.gpu = 0.0   # ms
+
+    def perf_counter(self):
+        return self.host
+
+
+def _gated(monkeypatch, gate_ms=None):
+    import orchestra.driver as od
+    import orchestra.kernel as ok
+    from orchestra.app.job import sustained
+
+    clock = _Clock()
+    gates = []
+
+    class Event:
+        def __init__(self, device=None, timing=False):
+            self.t = None
+
+        def record(self, stream):
+            self.t = clock.gpu
+
+        def synchronize(self):
+            pass
+
+        def close(self):
+            pass
+
+        @staticmethod
+        def elapsed_ms(a, b):
+            return b.t - a.t
+
+    class Gate:
+        def launch(self, stream, grid, block, args):
+            gates.append(args[0] / 1e6)
+
+    class Stream:
+        device = None
+        waited = 0
+
+        def wait(self, event):
+            Stream.waited += 1
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(od, "Event", Event)
+    monkeypatch.setattr(ok, "load_kernel", lambda *a, **k: Gate())
+    monkeypatch.setattr(sustained, "time", clock)
+    return sustained.GatedTimer(Stream(), repeats=3, warmup=1, gate_ms=gate_ms), clock, gates, \
+        Stream
+
+
+def test_gated_timer_sizes_the_gate_from_the_enqueue_time(monkeypatch):
+    timer, clock, gates, stream_cls = _gated(monkeypatch)
+    gpu_ms = iter([9.0, 1.0, 2.0, 3.0, 4.0])  # sizing run, warm-up, then three timed
+
+    def enqueue():
+        clock.host += 0.002  # 2 ms of host time
+        clock.gpu += next(gpu_ms)
+
+    assert timer.median_ms(enqueue) == 3.0
+    assert gates[0] == 20.0 and set(gates[1:]) == {6.0}  # 3 x the 2 ms enqueue
+    assert not timer.host_bound
+    other = stream_cls()
+    timer.median_ms(lambda: None, [other, other])
+    assert stream_cls.waited == 2 * 5 + 2 * 5  # each other stream forked in and joined back
+
+
+def test_gated_timer_doubles_a_gate_the_host_outlasts(monkeypatch):
+    timer, clock, gates, _ = _gated(monkeypatch, gate_ms=1.0)
+
+    def enqueue():
+        clock.host += 0.002
+        clock.gpu += 1.0
+
+    ms, gate = timer.elapsed_ms(enqueue, (), 1.0)
+    assert gates == [1.0, 2.0, 4.0] and gate == 4.0 and ms == 1.0 and not timer.host_bound
+    gates.clear()
+
+    def slow():
+        clock.host += 1.0  # always longer than the gate
+    timer.elapsed_ms(slow, (), 1.0)
+    assert gates == [1.0, 2.0, 4.0, 8.0] and timer.host_bound

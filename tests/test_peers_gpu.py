@@ -41,11 +41,11 @@ def test_sustained_times_are_physical(dev):
         timer = BatchTimer(kernel, s, pin_in.array, pin_out.array,
                            grid=burn_grid(n, 256, dev.sm_count), block=256)
         try:
-            single = timer.measure(64, items=8, kernel_streams=3)
+            single = timer.measure(64, items=8, streams=3)
         finally:
             timer.close()
     su = single.sustained
-    assert su.items == 8 and su.nbytes == 4 * n and su.kernel_streams in (1, 3)
+    assert su.items == 8 and su.nbytes == 4 * n and su.streams in (1, 3)
     for t in (su.h2d_ms, su.d2h_ms, su.kernel_ms, su.pair_ms):
         assert 0.0 < t < 50.0
     # back to back, the launch latency of a copy alone is hidden: never much slower per item

@@ -51,8 +51,8 @@ class Sustained:
     """Sustained per-item times (ms) of items of ``nbytes`` bytes, from ``items`` back-to-back
     items each: H2D, kernel, D2H alone, and ``pair_ms`` per H2D + D2H pair run at once.
 
-    ``kernel_streams``: the streams the kernels were spread over for ``kernel_ms`` (the faster
-    of one stream and several: kernels too small to fill the GPU overlap across streams).
+    ``streams``: how many streams the items were also spread over (each time is the faster of
+    one stream and that many: small items overlap across streams).
     """
 
     nbytes: int
@@ -61,7 +61,7 @@ class Sustained:
     kernel_ms: float
     d2h_ms: float
     pair_ms: float
-    kernel_streams: int = 1
+    streams: int = 1
 
     def __attrs_post_init__(self):
         for name in ("h2d_ms", "kernel_ms", "d2h_ms", "pair_ms"):

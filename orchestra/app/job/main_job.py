@@ -200,7 +200,7 @@ class MainJob:
                            repeats=self.timing_repeats)
         try:
             return timer.measure(self.iters, items=items_for(batches, host_in.nbytes),
-                                 kernel_streams=self.streams)
+                                 streams=self.streams)
         finally:
             timer.close()
 

@@ -143,70 +143,77 @@ class BatchTimer:
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
 
-    def sustained(self, items: int, iters: int, *, kernel_streams: int = 1) -> Sustained:
+    def sustained(self, items: int, iters: int, *, streams: int = 1) -> Sustained:
         """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
-        H2Ds, D2Hs, kernels at ``iters`` (on one stream and, when ``kernel_streams`` > 1,
-        round-robin over that many: the faster counts) and H2D / D2H pairs at once (two
-        streams). The kernels on several streams all write the same output buffer: harmless
-        for timing (same values), and the buffer's contents are not used."""
+        H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once. Each kind is timed on
+        one stream and, when ``streams`` > 1, spread round-robin over that many (pairs: the
+        H2Ds over ``streams`` streams, the D2Hs over as many others); the faster counts, since
+        small items overlap across streams (several copy engines, kernels smaller than the GPU)
+        as round-robin and concurrent plans let them. Items on several streams write the same
+        device or host buffer: harmless for timing, and the contents are not used."""
         from orchestra.app.job.graphs import burn_scalars
         from orchestra.app.job.sustained import GatedTimer
         from orchestra.driver import Stream
 
         K = max(1, int(items))
-        S = max(1, min(int(kernel_streams), K))
+        S = max(1, min(int(streams), K))
         s = self.stream
         h_in, h_out, d_in, d_out = self.host_in, self.host_out, self.d_in, self.d_out
         packed = self.kernel.pack([d_in.ptr, d_out.ptr, self.n, *burn_scalars(iters)])
         kern, grid, block = self.kernel, self.grid, self.block
         gated = GatedTimer(s, repeats=max(3, self.repeats - 2), warmup=1)
-        extra = [Stream(s.device) for _ in range(max(1, S - 1))]
-        try:
-            def h2ds():
-                for _ in range(K):
-                    d_in.copy_from_host(h_in, s)
+        extra = [Stream(s.device) for _ in range(2 * S - 1)]
+        lanes = [s, *extra[:S - 1]]  # S streams, the timer's first
+        down = extra[S - 1:]         # S more, for the D2H side of pairs
 
-            def d2hs(stream=s):
-                for _ in range(K):
-                    d_out.copy_to_host(h_out, stream)
-
-            def kernels_one():
-                for _ in range(K):
-                    kern.launch(s, grid, block, packed)
-
-            spread = [s, *extra[:S - 1]]
-
-            def kernels_spread():
+        def h2ds(width):
+            def run():
                 for i in range(K):
-                    kern.launch(spread[i % S], grid, block, packed)
+                    d_in.copy_from_host(h_in, lanes[i % width])
+            return run
 
-            def pairs():
-                other = extra[0]
-                for _ in range(K):
-                    d_in.copy_from_host(h_in, s)
-                    d_out.copy_to_host(h_out, other)
+        def d2hs(width):
+            def run():
+                for i in range(K):
+                    d_out.copy_to_host(h_out, lanes[i % width])
+            return run
 
-            t_h = gated.median_ms(h2ds) / K
-            t_d = gated.median_ms(d2hs) / K
-            t_k = gated.median_ms(kernels_one) / K
-            used = 1
+        def kernels(width):
+            def run():
+                for i in range(K):
+                    kern.launch(lanes[i % width], grid, block, packed)
+            return run
+
+        def pairs(width):
+            def run():
+                for i in range(K):
+                    d_in.copy_from_host(h_in, lanes[i % width])
+                    d_out.copy_to_host(h_out, down[i % width])
+            return run
+
+        def best(make, others_of):
+            t = gated.median_ms(make(1), others_of(1)) / K
             if S > 1:
-                t_spread = gated.median_ms(kernels_spread, spread[1:]) / K
-                if t_spread < t_k:
-                    t_k, used = t_spread, S
-            t_p = gated.median_ms(pairs, extra[:1]) / K
+                t = min(t, gated.median_ms(make(S), others_of(S)) / K)
+            return t
+
+        try:
+            t_h = best(h2ds, lambda w: lanes[1:w])
+            t_d = best(d2hs, lambda w: lanes[1:w])
+            t_k = best(kernels, lambda w: lanes[1:w])
+            t_p = best(pairs, lambda w: lanes[1:w] + down[:w])
         finally:
             gated.close()
             for e in extra:
                 e.synchronize()
                 e.close()
-        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, used)
+        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S)
 
     def measure(self, iters: int | None, *, items: int | None = None,
-                kernel_streams: int = 1) -> SingleBatch:
+                streams: int = 1) -> SingleBatch:
         """Time H2D and D2H alone, then the kernel at ``iters`` (None: calibrate to the slower
-        copy alone); with ``items``, the sustained times of that many back-to-back items too
-        (`sustained`)."""
+        copy alone); with ``items``, the sustained times of that many back-to-back items too,
+        on one stream and on ``streams`` (`sustained`)."""
         self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
         t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
         if iters is None:
@@ -214,7 +221,7 @@ class BatchTimer:
         t_k = self.kernel_ms(iters)
         sus = None
         if items:
-            sus = self.sustained(items, iters, kernel_streams=kernel_streams)
+            sus = self.sustained(items, iters, streams=streams)
         return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, sus)
 
     def close(self) -> None:

@@ -96,7 +96,7 @@ class PipelineData:
                 self.iters = ck.odd_iters(iters)
                 self.single = timer.measure(self.iters,
                                             items=items_for(self.batches, self.batch_bytes),
-                                            kernel_streams=3)
+                                            streams=3)
             finally:
                 timer.close()
         self.bound = self.single.bound(self.sizes)
