@@ -267,7 +267,8 @@ def test_schedule_refuses_a_bad_stream_count(streams):
 
 def test_schedule_refuses_an_unknown_policy():
     _raises(ScheduleError, ValueError,
-            "unknown policy 'fastest'; choose one of round-robin, by-engine, critical-path",
+            "unknown policy 'fastest'; choose one of round-robin, by-engine, critical-path, "
+            "concurrent",
             schedule, _tiny_graph(), policy="fastest")
 
 

@@ -18,7 +18,7 @@ from orchestra.cli.exit_codes import CHECK_FAILED, OK
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl), serving "
-                                     "(serve)")
+                                     "(serve), orchestra against its peers (peers)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")
@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from orchestra.serve.cli import register as register_serve  # options live with the engine
 
     register_serve(bsub)
+
+    from orchestra.cli import peers_cmd
+
+    peers_cmd.register(bsub)
 
 
 def _common(p: argparse.ArgumentParser, goal: str) -> None:

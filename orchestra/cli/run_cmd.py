@@ -3,10 +3,12 @@
 Generates float32 batches (or streams ``--input FILE.npy``), measures single-batch H2D, kernel
 and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-poisoned outputs,
 verifies every element against numpy and prints: batches, bytes moved, wall ms (median), the
-bound ``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``, efficiency = bound / wall, host µs per
-node and PASS/FAIL (``--json``: one JSON object). Exit 0 on PASS, 1 on a mismatch, 3 without a
+fill-aware pipeline bound from sustained per-item times (docs/execution.md, "The bound"),
+efficiency = bound / wall, host µs per node and PASS/FAIL (``--json``: one JSON object); an
+efficiency above 1.01 prints a BOUND BUG banner. Exit 0 on PASS, 1 on a mismatch, 3 without a
 GPU (the message points to `orchestra plan`); options are checked as `orchestra plan` checks
-them (`orchestra.cli.job_options`), and against the device, before any work. ``--trace FILE.json`` / ``--plot FILE.png``: one
+them (`orchestra.cli.job_options`), and against the device, before any work.
+``--trace FILE.json`` / ``--plot FILE.png``: one
 extra traced run after the timed ones, written as a Chrome trace / Gantt chart and summarized
 (`orchestra.cli.trace_out`).
 """
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         if trace_info is not None:
             d["trace"] = trace_info
         print(json.dumps(d, indent=1, sort_keys=True))
+        if report.bound_warning:
+            log.error("%s", report.bound_warning)  # stderr, even with -q
     else:
         print_report(report)
         if trace_info is not None:
@@ -145,11 +149,20 @@ def print_report(r) -> None:
     runs = ", ".join(f"{w:.2f}" for w in r.wall_ms_runs)
     print(f"wall ms: median of {r.repeat} run(s) ({runs}); host clock from the first enqueue to "
           "the end of the synchronize")
-    print("bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h (single-batch times from "
-          "timing events); efficiency = bound / wall")
-    if r.duplex_efficiency is not None:
-        print(f"H2D while a D2H runs: {r.t_duplex_ms:.3f} ms per batch (PCIe moves both "
-              "directions at once more slowly than one); the bound with that step is "
-              f"{r.duplex_bound_ms:.3f} ms, wall reaches {r.duplex_efficiency:.3f} of it")
+    if r.sustained:
+        su = r.sustained
+        spread = (f", the faster of 1 and {su['streams']} streams" if su.get("streams", 1) > 1
+                  else "")
+        print(f"sustained per batch ({su['items']} back-to-back{spread}, GPU time behind a "
+              f"gate): H2D {su['h2d_ms']:.3f} ms, kernel {su['kernel_ms']:.3f} ms, D2H "
+              f"{su['d2h_ms']:.3f} ms, H2D + D2H at once {su['pair_ms']:.3f} ms per pair")
+    if r.bound_terms:
+        terms = ", ".join(f"{k} {v:.3f}" for k, v in r.bound_terms.items())
+        print(f"bound = the largest of ({terms}) ms: {r.bound_limiter}-bound; efficiency = "
+              "bound / wall (docs/execution.md, \"The bound\")")
+    if r.bound_warning:
+        banner = "!" * 78
+        print(f"{banner}\n{r.bound_warning}\n{banner}")
+        log.error("%s", r.bound_warning)  # stderr too, even with -q
     if not r.verified:
         print(f"verification: {r.check}")

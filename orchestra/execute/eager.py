@@ -48,6 +48,7 @@ from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.lru import IdentityLRU
+from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import PlanCache
 from orchestra.execute.result import RunResult
@@ -137,8 +138,10 @@ class EagerExecutor(ExecutorBase):
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs)
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object
+        (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
+        return self._plans.get(graph, policy, streams, costs,
+                               capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:

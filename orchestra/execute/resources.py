@@ -83,10 +83,16 @@ class PlanCache:
     def __init__(self, size: int = 16):
         self._plans = IdentityLRU(max(1, int(size)))
 
-    def get(self, graph, policy: str, streams: int, costs):
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        plan, _ = self._plans.get_or_make((graph, costs), (len(graph), policy, streams),
-                                          lambda: schedule(graph, policy, streams, costs))
+    def get(self, graph, policy: str, streams: int, costs, capacity=None):
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object.
+        ``capacity``: ``graph -> resident_blocks`` for the policies that need it
+        (`occupancy.capacity_for`), called on a miss only."""
+
+        def make():
+            blocks = capacity(graph) if capacity is not None else None
+            return schedule(graph, policy, streams, costs, resident_blocks=blocks)
+
+        plan, _ = self._plans.get_or_make((graph, costs), (len(graph), policy, streams), make)
         return plan
 
     def clear(self) -> None:

@@ -44,7 +44,13 @@ class GraphExecutorBase(ExecutorBase):
                 raise ExecutorArgumentTypeError(
                     f"plan must be a schedule.Plan, got {type(plan).__name__}")
             return plan
-        return schedule(graph, policy, streams, costs) if need else None
+        if not need:
+            return None
+        from orchestra.execute.occupancy import capacity_for
+
+        capacity = capacity_for(policy, self.kernels, self.device)
+        return schedule(graph, policy, streams, costs,
+                        resident_blocks=capacity(graph) if capacity is not None else None)
 
     # -- public -------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.cache import GraphCache
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.errors import ExecutorArgumentValueError
+from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.resources import PlanCache
 from orchestra.execute.result import RunResult
 from orchestra.graph import TaskGraph
@@ -76,8 +77,10 @@ class GraphRunner(Closable):
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs)
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object
+        (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
+        return self._plans.get(graph, policy, streams, costs,
+                               capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:
