@@ -58,7 +58,7 @@ HEADER_SIZE = _HEADER.size
 #: The size cap without ``$ORCHESTRA_CACHE_MAX_BYTES`` (see the module doc for the choice).
 DEFAULT_MAX_BYTES = 1 << 30
 MAX_BYTES_ENV = "ORCHESTRA_CACHE_MAX_BYTES"
-_NAMESPACES = ("nvrtc", "nvjitlink")
+_NAMESPACES = ("nvrtc", "nvjitlink", "crossover")  # crossover: copy lowering tables
 _ENTRY_RE = re.compile(r"^(?:%s)-[0-9a-f]{64}\.bin$" % "|".join(_NAMESPACES))
 _TMP_RE = re.compile(r"^\.(?:%s)-.*\.tmp$" % "|".join(_NAMESPACES))
 #: A temporary file older than this is debris of a writer that died; eviction removes it.

@@ -94,6 +94,18 @@ def binding_failure(call: str, exc: BaseException) -> NoDeviceError | None:
     return None
 
 
+def driver_version() -> int:
+    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0; needs no ``cuInit``), 0 when the
+    driver cannot be asked."""
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        return int(version) if int(err) == 0 else 0
+    except Exception:  # noqa: BLE001 - no driver library
+        return 0
+
+
 def _found_version_text() -> str:
     try:
         from cuda.bindings import driver

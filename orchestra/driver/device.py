@@ -115,7 +115,8 @@ class Device:
     Attributes (read-only): ``ordinal`` (int), ``handle`` (``CUdevice``), ``name`` (str),
     ``compute_capability`` (``(major, minor)``), ``arch`` (``"sm_90"``), ``sm_count``,
     ``async_engine_count`` (copy engines), ``total_memory`` (bytes, ``cuDeviceTotalMem``),
-    ``warp_size``, ``limits`` (`DeviceLimits`), ``context`` (``CUcontext``, retained on first use).
+    ``warp_size``, ``limits`` (`DeviceLimits`), ``context`` (``CUcontext``, retained on first use),
+    ``kernel_host_access`` (kernels can address pinned host memory: copy kernels).
     """
 
     def __init__(self, ordinal: int, handle):
@@ -165,6 +166,20 @@ class Device:
     def attribute(self, attr) -> int:
         """One ``CUdevice_attribute`` value (``cuDeviceGetAttribute``); needs no context."""
         return int(cu(driver.cuDeviceGetAttribute, attr, self.handle))
+
+    @property
+    def kernel_host_access(self) -> bool:
+        """Whether kernels on this device can read and write pinned host memory through its
+        host pointer: unified addressing (``CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING``: memory
+        from ``cuMemHostAlloc`` is mapped at the same address, driver API "Unified
+        Addressing") and ``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM``
+        (registered memory too, ``cuMemHostRegister``). What copy kernels need."""
+        v = self.__dict__.get("_kernel_host_access")
+        if v is None:
+            v = bool(self.attribute(_A.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)) and bool(
+                self.attribute(_A.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM))
+            self.__dict__["_kernel_host_access"] = v
+        return v
 
     @property
     def context(self):

@@ -6,7 +6,13 @@ bounce buffer and the copy no longer overlaps with other work. Two ways to get i
 - `PinnedBuffer` allocates it (``cuMemHostAlloc`` with ``CU_MEMHOSTALLOC_PORTABLE``, freed with
   ``cuMemFreeHost``), and exposes numpy views of it;
 - `register_host` page-locks an existing numpy array in place (``cuMemHostRegister`` with
-  ``CU_MEMHOSTREGISTER_PORTABLE``, undone with ``cuMemHostUnregister``).
+  ``CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP``, undone with
+  ``cuMemHostUnregister``).
+
+Both are mapped into the device's address space: with unified addressing a kernel reads and
+writes them at their host address (``cuMemHostAlloc`` memory always; registered memory where
+``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` is set), which is what
+orchestra's copy kernels use (`Device.kernel_host_access`).
 
 Portable memory counts as pinned in every context, so one buffer serves every device.
 """
@@ -275,7 +281,10 @@ class HostRegistration(Resource):
         self.nbytes = array.nbytes
         self.device.make_current()
         ptr = array.ctypes.data
-        cu(driver.cuMemHostRegister, ptr, self.nbytes, driver.CU_MEMHOSTREGISTER_PORTABLE)
+        # DEVICEMAP: mapped into the device address space, so copy kernels can address it
+        # (with unified addressing at the host pointer itself, docs/graphs.md)
+        cu(driver.cuMemHostRegister, ptr, self.nbytes,
+           driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP)
         self._own = _owned_pinned(self, ptr, self.nbytes, _Unpin(array), self.device,
                                   "HostRegistration")
 

@@ -5,7 +5,9 @@
   giving a `GraphExec` (launch, replay with new inputs and scalars, update); `GraphCache`;
   `GraphRunner` (the eager interface over a graph executor).
 - The lowering table (`lowering`): per node kind, how it is enqueued on a stream (eager and
-  capture share it), added to a CUDA graph, and which parameter record a replay rewrites.
+  capture share it), added to a CUDA graph, and which parameter record a replay rewrites;
+  host copies on a copy engine or as a copy kernel (`lowering.copy_policy`, the crossover
+  table per device in `copy_table`).
 - What every executor shares (`base.ExecutorBase`): the driver API it calls through, device
   checks, the pre-run checks (`prepare`), kernel resolution (`kernels`, `kernel_args`), the
   binding table and pinned checks (`bindings`), host-function trampolines (`hostfunc`),
@@ -27,6 +29,7 @@ from orchestra.execute.eager import EagerExecutor
 from orchestra.execute.errors import (
     BindingError,
     BucketOverflowError,
+    CopyLoweringError,
     ExecutorArgumentError,
     ExecutorArgumentTypeError,
     ExecutorArgumentValueError,
@@ -38,7 +41,13 @@ from orchestra.execute.errors import (
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import KernelArgs, PointerArg, resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.copy_table import load_crossover, save_crossover
 from orchestra.execute.lowering import Lowering, NoLoweringError, lowering_for
+from orchestra.execute.lowering.copy_policy import (
+    DEFAULT_CROSSOVER,
+    CopyCrossover,
+    CopyPolicy,
+)
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.result import RunResult
 from orchestra.execute.staging import StagingPool
@@ -60,15 +69,18 @@ EXECUTORS = ("eager", "capture", "graph")
 AVAILABLE_EXECUTORS = ("eager", "capture", "graph")
 
 
-def make_executor(name: str = "eager", device=None, *, verify: bool = True, driver=None):
+def make_executor(name: str = "eager", device=None, *, verify: bool = True, driver=None,
+                  copy_lowering="auto"):
     """The executor called ``name`` on ``device``: "eager" (`EagerExecutor`), "capture" or
     "graph" (a `GraphRunner` over `CaptureExecutor` / `GraphBuildExecutor`: the same
     prepare / run / kernels / close interface). ``driver``: the `DriverAPI` (default: the
-    process's). Unknown names raise `ExecutorUnavailable`."""
+    process's); ``copy_lowering``: how host copies run (`ExecutorBase`). Unknown names raise
+    `ExecutorUnavailable`."""
     if name == "eager":
-        return EagerExecutor(device, verify=verify, driver=driver)
+        return EagerExecutor(device, verify=verify, driver=driver, copy_lowering=copy_lowering)
     if name in ("capture", "graph"):
-        return GraphRunner(name, device, verify=verify, driver=driver)
+        return GraphRunner(name, device, verify=verify, driver=driver,
+                           copy_lowering=copy_lowering)
     if name in EXECUTORS:
         raise ExecutorUnavailable(f"the {name!r} executor is not available yet; use "
                                   f"{', '.join(AVAILABLE_EXECUTORS)}")
@@ -79,10 +91,11 @@ __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
     "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
-    "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "CopyCrossover", "CopyLoweringError", "CopyPolicy", "DEFAULT_CROSSOVER", "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
     "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
     "HostBinding", "HostCallbacks", "HostFunctionError", "KernelArgs", "KernelResolver",
     "Lowering", "NoLoweringError", "PageableMemoryError", "PinnedCheck", "PlanMismatchError",
     "PointerArg", "ResolvedBindings", "RunResult", "StagingPool", "assign_event_slots",
-    "check_run", "lowering_for", "make_executor", "resolve_kernel_node",
+    "check_run", "load_crossover", "lowering_for", "make_executor", "resolve_kernel_node",
+    "save_crossover",
 ]

@@ -1,7 +1,7 @@
 """`ExecutorBase`: what the eager, the capture and the graph-build executor share.
 
 - setup: the `DriverAPI` every driver call goes through (``driver=``, default: the process's),
-  the `Device`, the default memory pool configured now (at setup, never during a capture), a
+  the `Device`, the copy lowering (``copy_lowering=``, `copy_policy`), the default memory pool configured now (at setup, never during a capture), a
   `KernelResolver`, a `PinnedCheck`, the stream / event pool, one lock;
 - the pre-run checks, composed one way for every executor (`_checked`): the graph's type,
   then the executor's own plan and graph checks (`_plan_checks`: plan structure, issue order
@@ -23,6 +23,8 @@ from orchestra.driver.api import default_api
 from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
 from orchestra.execute.closable import Closable
+from orchestra.execute.copy_table import copy_policy
+from orchestra.execute.lowering.copy_policy import CopyPolicy, check_lowering
 from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
@@ -57,16 +59,26 @@ class ExecutorBase(Closable):
         verify: run the hazard verifier before a plan's first run / a graph's build.
         kernel_resolver: a shared `KernelResolver` (default: a new one for ``device``).
         driver: the `DriverAPI` (default: `orchestra.driver.api.default_api()`).
+        copy_lowering: how host copies are lowered unless a build / run or the node says
+            otherwise: ``"auto"`` (copy kernels below the device's crossover, see
+            `lowering.copy_policy`), ``"kernel"``, ``"copy-engine"``, or a `CopyPolicy`.
+            `CopyLoweringError` for anything else.
     """
 
     executor_name: ClassVar[str] = "executor"
+    copy_mode: ClassVar[str] = "graph"  # which crossover applies (CopyCrossover modes)
     _device_verb: ClassVar[str] = "runs on"  # for the wrong-device error
     _takes: ClassVar[str] = "run()"  # for the wrong-type error
 
-    def __init__(self, device=None, *, verify: bool = True, kernel_resolver=None, driver=None):
+    def __init__(self, device=None, *, verify: bool = True, kernel_resolver=None, driver=None,
+                 copy_lowering="auto"):
         self.api = api = driver if driver is not None else default_api()
         self.device = api.as_device(device)
         self.verify = bool(verify)
+        if not isinstance(copy_lowering, CopyPolicy):
+            check_lowering(copy_lowering)
+        self.copy_lowering = copy_lowering
+        self._copy_policies: dict = {}
         self.kernels = (kernel_resolver if kernel_resolver is not None
                         else KernelResolver(self.device))  # an empty resolver is falsy
         self.device.make_current()
@@ -93,19 +105,38 @@ class ExecutorBase(Closable):
         """Sync-only events the executor has created (pooled)."""
         return len(self._stream_pool.events)
 
+    # -- copy lowering -------------------------------------------------------------------------
+
+    def copy_policy(self, copy_lowering=None) -> CopyPolicy:
+        """The `CopyPolicy` a build or run lowers its host copies with: ``copy_lowering``
+        (``"auto"`` / ``"kernel"`` / ``"copy-engine"``, a `CopyPolicy`; None: the executor's
+        ``copy_lowering``) on this device, with its crossover table (`copy_table`). Cached per
+        name. `CopyLoweringError` for an unknown name."""
+        if copy_lowering is None:
+            copy_lowering = self.copy_lowering
+        if isinstance(copy_lowering, CopyPolicy):
+            return copy_lowering
+        p = self._copy_policies.get(copy_lowering)
+        if p is None:
+            p = self._copy_policies[copy_lowering] = copy_policy(
+                self.device, self.copy_mode, check_lowering(copy_lowering))
+        return p
+
     # -- the checks, one order for every executor ---------------------------------------------
 
     def _checked(self, graph, plan, **opts) -> tuple:
         """Every check before the first CUDA call: ``(what _plan_checks returned, resolved)``
-        with ``resolved`` node name -> the node lowering's `resolve` result. Raises what the
-        checks raise (`GraphError`, `PlanMismatchError`, `HazardError`, `GraphMemoryError`,
-        `UnjoinedStreamError`, kernel and argument errors, `NoLoweringError`)."""
+        with ``resolved`` node name -> the node lowering's `resolve` result. ``opts`` go to
+        `_plan_checks`; ``opts["copies"]`` (a `CopyPolicy`) also to every entry's
+        ``resolve_with``. Raises what the checks raise (`GraphError`, `PlanMismatchError`,
+        `HazardError`, `GraphMemoryError`, `UnjoinedStreamError`, kernel and argument errors,
+        `NoLoweringError`, `CopyLoweringError`)."""
         if not isinstance(graph, TaskGraph):
             raise ExecutorArgumentTypeError(
                 f"{self._takes} takes a TaskGraph, got {type(graph).__name__}")
         shape = self._plan_checks(graph, plan, **opts)
         self._check_devices(graph)
-        return shape, self._resolve(graph)
+        return shape, self._resolve(graph, opts.get("copies"))
 
     # each executor's own checks of ``graph`` (and ``plan``), hazards included unless
     # ``verify=False``; returns what its build needs (issue order, translation, ...)
@@ -120,12 +151,15 @@ class ExecutorBase(Closable):
                     f"{type(self).__name__} {self._device_verb} device {ordinal}; use one "
                     "executor per device")
 
-    def _resolve(self, graph: TaskGraph) -> dict:
-        """Node name -> its lowering's `resolve` result, for the nodes that have one (kernels:
-        fresh packed arguments, never shared between prepared plans or execs)."""
+    def _resolve(self, graph: TaskGraph, copies=None) -> dict:
+        """Node name -> its lowering's `resolve` result, for the nodes that have one (kernels
+        and copy kernels: fresh packed arguments, never shared between prepared plans or
+        execs). ``copies``: the `CopyPolicy` (None: the executor's)."""
+        if copies is None:
+            copies = self.copy_policy()
         out = {}
         for node in graph.nodes:
-            r = lowering_for(node).resolve(node, self)
+            r = lowering_for(node).resolve_with(node, self, copies)
             if r is not None:
                 out[node.name] = r
         return out

@@ -46,6 +46,7 @@ from orchestra.execute.bindings import BindingTable, release_keep
 from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.lowering.copy import copy_kernel_nodes
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.lru import IdentityLRU
 from orchestra.execute.occupancy import capacity_for
@@ -63,7 +64,7 @@ class _Prepared:
     table, the streams it enqueues on, the host-function tokens it registered."""
 
     __slots__ = ("graph", "plan", "bindings", "addresses", "program", "streams", "tokens",
-                 "resolved", "unfreed", "prepare_ms")
+                 "resolved", "unfreed", "prepare_ms", "lowered")
 
     def __init__(self, graph, plan, bindings: BindingTable, addresses: Addresses, program,
                  streams: dict, tokens: list, resolved: dict):
@@ -77,6 +78,7 @@ class _Prepared:
         self.tokens = tokens
         self.unfreed = bool(addresses.live_at_end)  # verify=False: an Alloc without a Free
         self.prepare_ms = 0.0
+        self.lowered = copy_kernel_nodes(resolved)  # copies run as copy kernels (traces)
 
     @property
     def steps(self) -> list:
@@ -102,17 +104,22 @@ class EagerExecutor(ExecutorBase):
         kernel_resolver: a shared `KernelResolver` (default: a new one for ``device``).
         cache_size: how many prepared (graph, plan) pairs to keep.
         driver: the `DriverAPI` every driver call goes through (default: the process's).
+        copy_lowering: ``"auto"`` (default), ``"kernel"``, ``"copy-engine"`` or a
+            `CopyPolicy`: how host copies run unless a run or the node says otherwise (see
+            `ExecutorBase`; eager runs use the ``eager`` crossover, copy engines by default).
 
     One run at a time per executor (``run`` holds a lock); create one executor per host thread
     for concurrent submission.
     """
 
     executor_name = "eager"
+    copy_mode = "eager"
 
     def __init__(self, device: Device | int | None = None, *, verify: bool = True,
                  kernel_resolver: KernelResolver | None = None, cache_size: int = 16,
-                 driver=None):
-        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver)
+                 driver=None, copy_lowering="auto"):
+        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver,
+                         copy_lowering=copy_lowering)
         self.cache_size = max(1, int(cache_size))
         self._callbacks = HostCallbacks()
         self._keep.append(self._callbacks)  # the trampoline goes only after the final sync
@@ -144,23 +151,24 @@ class EagerExecutor(ExecutorBase):
                                capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
-                streams: int = 3, costs=None) -> Plan:
+                streams: int = 3, costs=None, copy_lowering=None) -> Plan:
         """Check and prepare (graph, plan) now, so the first `run` enqueues at full speed.
-        Returns the plan (scheduled here when None). Raises what `run` raises before enqueueing."""
+        Returns the plan (scheduled here when None). Raises what `run` raises before
+        enqueueing. ``copy_lowering``: as for `run` (prepare with the one the runs use)."""
         with self._lock:
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
-            self._get_prepared(graph, plan)
+            self._get_prepared(graph, plan, self.copy_policy(copy_lowering))
             return plan
 
-    def _get_prepared(self, graph, plan) -> tuple[_Prepared, float]:
-        prep = self._prepared.get((graph, plan), (len(graph),))
+    def _get_prepared(self, graph, plan, copies) -> tuple[_Prepared, float]:
+        prep = self._prepared.get((graph, plan), (len(graph), copies))
         if prep is not None:
             return prep, 0.0
         t0 = time.perf_counter_ns()
-        prep = self._build(graph, plan)
+        prep = self._build(graph, plan, copies)
         prep.prepare_ms = (time.perf_counter_ns() - t0) / 1e6
-        self._prepared.put((graph, plan), (len(graph),), prep)
+        self._prepared.put((graph, plan), (len(graph), copies), prep)
         return prep, prep.prepare_ms
 
     def _evicted(self, prep: _Prepared) -> None:
@@ -176,24 +184,24 @@ class EagerExecutor(ExecutorBase):
         else:
             release_keep(keep)
 
-    def _plan_checks(self, graph, plan):
+    def _plan_checks(self, graph, plan, copies=None):
         """Checks 1-4 of `prepare.check_run`: the issue order."""
         if not isinstance(plan, Plan):
             raise ExecutorArgumentTypeError(
                 f"plan must be a schedule.Plan, got {type(plan).__name__}")
         return check_run(plan, graph, verify=self.verify)
 
-    def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
+    def _build(self, graph: TaskGraph, plan: Plan, copies) -> _Prepared:
         # Every check and kernel resolution first: compile errors, argument and launch-limit
         # errors surface before any stream or event is created.
-        issue, resolved = self._checked(graph, plan)
+        issue, resolved = self._checked(graph, plan, copies=copies)
         table = BindingTable(graph, self._pinned)
         addresses = Addresses(table, slot_users=True)
         streams = self._stream_pool.take_streams(plan)
         slots, nslots = assign_event_slots(issue)
         events = [self._stream_pool.event(i).handle for i in range(nslots)]
         ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            self.device, callbacks=self._callbacks)
+                            self.device, callbacks=self._callbacks, copies=copies)
         try:
             program = lower_plan(issue, graph, ctx, streams, events, slots)
         except BaseException:
@@ -207,7 +215,7 @@ class EagerExecutor(ExecutorBase):
     def run(self, graph: TaskGraph, plan: Plan | None = None,
             bindings: Mapping[str, Any] | None = None, *, policy: str = "by-engine",
             streams: int = 3, sync: bool = True, tracer=None, costs=None,
-            trace: bool = False) -> RunResult:
+            trace: bool = False, copy_lowering=None) -> RunResult:
         """Run ``graph`` with ``plan`` (default: ``schedule(graph, policy, streams, costs)``).
 
         ``bindings``: host buffer name -> pinned numpy array (see `bindings`), external device
@@ -217,6 +225,9 @@ class EagerExecutor(ExecutorBase):
         ``abort``), called around every node. ``trace=True`` (without ``tracer``) uses the
         executor's own `tracer` (an `EagerTracer`); either way `RunResult.timeline` is the
         run's `Timeline` (with ``sync=False``: the result `synchronize()` returns).
+        ``copy_lowering``: ``"auto"`` / ``"kernel"`` / ``"copy-engine"`` / a `CopyPolicy` for
+        this run's host copies (default: the executor's; a node's own ``lowering=`` wins);
+        each choice is its own prepared program.
 
         Raises before enqueueing anything: `GraphError`, `PlanMismatchError`, `HazardError`
         (unless ``verify=False``), kernel errors (`CompileError`, ``TypeError``/``ValueError``
@@ -227,7 +238,7 @@ class EagerExecutor(ExecutorBase):
         with self._lock:
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
-            prep, prepare_ms = self._get_prepared(graph, plan)
+            prep, prepare_ms = self._get_prepared(graph, plan, self.copy_policy(copy_lowering))
             retired = prep.bindings.bind(bindings)
             if retired:
                 self._retire(retired)
@@ -239,8 +250,10 @@ class EagerExecutor(ExecutorBase):
                         "synchronize() before the next traced run, or pass tracer=EagerTracer()")
             self.device.make_current()
             if tracer is not None:
-                tracer.begin(prep.streams, policy=plan.policy,
-                             meta={"executor": "eager", "device": self.device.ordinal})
+                meta = {"executor": "eager", "device": self.device.ordinal}
+                if prep.lowered:
+                    meta["lowered"] = prep.lowered
+                tracer.begin(prep.streams, policy=plan.policy, meta=meta)
             t0 = time.perf_counter_ns()
             self._enqueue(prep, tracer)
             t1 = time.perf_counter_ns()

@@ -9,7 +9,8 @@ from __future__ import annotations
 from orchestra.errors import OrchestraError, PageableMemoryError
 
 __all__ = [
-    "BindingError", "BucketOverflowError", "ExecutorArgumentError", "ExecutorArgumentTypeError",
+    "BindingError", "BucketOverflowError", "CopyLoweringError", "ExecutorArgumentError",
+    "ExecutorArgumentTypeError",
     "ExecutorArgumentValueError", "ExecutorUnavailable", "HostFunctionError",
     "PageableMemoryError", "PlanMismatchError",
 ]
@@ -69,3 +70,11 @@ class ExecutorArgumentValueError(ExecutorArgumentError, ValueError):
 class BucketOverflowError(ExecutorArgumentValueError):
     """A size is larger than the largest shape bucket of a `GraphCache`: pad or split the
     request, or add a larger bucket."""
+
+
+class CopyLoweringError(ExecutorArgumentValueError):
+    """A host copy cannot be lowered the way asked: an unknown lowering name, or a copy kernel
+    (``lowering="kernel"``) on a device whose kernels cannot address pinned host memory through
+    its host pointer (no unified addressing, or
+    ``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` is 0). Raised before any
+    CUDA call; nothing was enqueued."""

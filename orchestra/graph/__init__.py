@@ -18,6 +18,7 @@ from orchestra.graph.builder import GraphBuilder, Lifetime
 from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
+    COPY_LOWERINGS,
     Alloc,
     DeviceToHost,
     Free,
@@ -36,7 +37,7 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
-    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "GraphBuilder",
+    "COPY_LOWERINGS", "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "GraphBuilder",
     "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel", "KernelNode", "KernelRef",
     "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch",
     "build_pipeline", "elementwise_args",

@@ -142,18 +142,41 @@ def _copy_check(node, want_src_host: bool):
                                   f" {dst} has {dst.nbytes}; sizes must match")
 
 
+COPY_LOWERINGS = ("auto", "kernel", "copy-engine")
+"""How a host copy may be lowered: ``"auto"`` (the executor chooses by size, see
+docs/graphs.md), ``"kernel"`` (a copy kernel: the SMs load or store the pinned host memory
+through its unified address; a kernel node in a CUDA graph) or ``"copy-engine"``
+(``cuMemcpy*Async``, a memcpy node in a CUDA graph)."""
+
+
+def check_copy_lowering(record: str, field: str, value) -> None:
+    """`NodeFieldTypeError` / `NodeFieldValueError` unless ``value`` is one of
+    `COPY_LOWERINGS`."""
+    if not isinstance(value, str):
+        raise NodeFieldTypeError(f"{record}: {field} must be one of "
+                                 f"{', '.join(map(repr, COPY_LOWERINGS))}; got {got(value)}")
+    if value not in COPY_LOWERINGS:
+        raise NodeFieldValueError(f"{record}: {field} must be one of "
+                                  f"{', '.join(map(repr, COPY_LOWERINGS))}; got {value!r}")
+
+
 @attrs.frozen
 class _HostCopy(Node):
     """A copy between pinned host memory and a device buffer: reads ``src``, writes ``dst``.
-    Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``."""
+    Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``.
+
+    ``lowering`` (keyword, default ``"auto"``): how the executors run the copy, one of
+    `COPY_LOWERINGS`; a node's own choice wins over the executor's and the build's."""
 
     src_is_host: ClassVar[bool]
+    lowering: str = attrs.field(default="auto", kw_only=True)
     if TYPE_CHECKING:  # fields of each subclass (with its own converter), not of this class
         src: BufferRange
         dst: BufferRange
 
     def _check(self):
         _copy_check(self, self.src_is_host)
+        check_copy_lowering(self._record, "lowering", self.lowering)
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +188,8 @@ class _HostCopy(Node):
 
 @attrs.frozen
 class HostToDevice(_HostCopy):
-    """Copy ``src`` (host, pinned) to ``dst`` (device); ``cuMemcpyHtoDAsync``."""
+    """Copy ``src`` (host, pinned) to ``dst`` (device): ``cuMemcpyHtoDAsync``, or a copy kernel
+    (``lowering=``, see `_HostCopy`)."""
 
     src: BufferRange = attrs.field(converter=to_range)
     dst: BufferRange = attrs.field(converter=to_range)
@@ -176,7 +200,8 @@ class HostToDevice(_HostCopy):
 
 @attrs.frozen
 class DeviceToHost(_HostCopy):
-    """Copy ``src`` (device) to ``dst`` (host, pinned); ``cuMemcpyDtoHAsync``."""
+    """Copy ``src`` (device) to ``dst`` (host, pinned): ``cuMemcpyDtoHAsync``, or a copy kernel
+    (``lowering=``, see `_HostCopy`)."""
 
     src: BufferRange = attrs.field(converter=to_range)
     dst: BufferRange = attrs.field(converter=to_range)

@@ -15,7 +15,8 @@ driver call, made by the node's entry in the lowering table (`Lowering.graph`):
 
     mem_alloc  cuGraphAddMemAllocNode   (the driver returns the address in params.dptr)
     memcpy     cuGraphAddMemcpyNode     (CUDA_MEMCPY3D, 1-D, host side pinned)
-    kernel     cuGraphAddKernelNode     (+ cuGraphKernelNodeSetAttribute per launch attribute)
+    kernel     cuGraphAddKernelNode     (+ cuGraphKernelNodeSetAttribute per launch attribute;
+                                         also a host copy lowered to the copy kernel)
     memset     cuGraphAddMemsetNode
     host       cuGraphAddHostNode       (the executor's C trampoline, one token per function)
     mem_free   cuGraphAddMemFreeNode
@@ -40,21 +41,23 @@ from orchestra.execute.cuda_graph.spec import (
     translate,
 )
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.copy import copy_kernel_nodes
 from orchestra.execute.lowering.graph import GraphContext
 from orchestra.graph import TaskGraph
 from orchestra.schedule import verify_graph_edges
 
 
 def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True,
-                  plan=None, edges: str = "dag") -> tuple[GraphSpec, list]:
+                  plan=None, edges: str = "dag", copies=None) -> tuple[GraphSpec, list]:
     """The pre-CUDA checks of a graph build, in order: ``graph.validate()`` (`GraphError`),
     the graph-memory policy (`GraphMemoryError` unless ``auto_free``), the translation
     (`spec.translate` with ``edges`` and ``plan``), the hazard verifier on the edges the
     CUDA graph gets (`HazardError`; allocations left unfreed on purpose are not findings with
-    ``auto_free``). Returns ``(spec, unfreed allocations)``."""
+    ``auto_free``). ``copies``: the `CopyPolicy` (which host copies become kernel nodes).
+    Returns ``(spec, unfreed allocations)``."""
     graph.validate()
     unfreed = check_graph_memory(graph, auto_free=auto_free)
-    spec = translate(graph, plan=plan, edges=edges)
+    spec = translate(graph, plan=plan, edges=edges, copies=copies)
     if verify:
         check_findings(verify_graph_edges(graph, spec.edges), auto_free=auto_free)
     return spec, unfreed
@@ -67,13 +70,14 @@ class GraphBuildExecutor(GraphExecutorBase):
 
     executor_name = "graph-build"
 
-    def _plan_checks(self, graph, plan, *, auto_free: bool, edges: str):
+    def _plan_checks(self, graph, plan, *, auto_free: bool, edges: str, copies=None):
         """`prepare_build`: ``(spec, unfreed)``."""
         return prepare_build(graph, auto_free=auto_free, verify=self.verify, plan=plan,
-                             edges=edges)
+                             edges=edges, copies=copies)
 
     def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
-                     streams: int, costs, auto_free: bool, edges: str = "plan") -> BuiltGraph:
+                     streams: int, costs, auto_free: bool, edges: str = "plan",
+                     copies=None) -> BuiltGraph:
         """``edges``: ``"plan"`` (the default: the task graph's dependencies plus each plan
         stream's order, the shape a capture of ``plan``, or of the ``policy`` / ``streams``
         schedule, records) or ``"dag"`` (the task graph's dependencies alone: the widest
@@ -83,7 +87,9 @@ class GraphBuildExecutor(GraphExecutorBase):
         t0 = time.perf_counter_ns()
         check_edge_source(edges)  # before scheduling: the error names the argument
         plan = self._plan(graph, plan, policy, streams, costs, need=trace or edges == "plan")
-        (spec, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free, edges=edges)
+        copies = copies if copies is not None else self.copy_policy()
+        (spec, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free, edges=edges,
+                                                  copies=copies)
         table = self._bindings(graph, bindings)
         dev = self.device
         dev.make_current()
@@ -96,10 +102,13 @@ class GraphBuildExecutor(GraphExecutorBase):
                 from orchestra.trace import GraphTracer
 
                 tracer = GraphTracer(dev, executor="graph-build")
-                tracer.begin(plan.stream_names, policy=plan.policy,
-                             meta={"nodes": len(graph)})
+                meta: dict = {"nodes": len(graph)}
+                lowered = copy_kernel_nodes(resolved)
+                if lowered:
+                    meta["lowered"] = lowered
+                tracer.begin(plan.stream_names, policy=plan.policy, meta=meta)
                 built.tracer = tracer
-            ctx = GraphContext(api, g, dev, resolved, built, table)
+            ctx = GraphContext(api, g, dev, resolved, built, table, copies)
             tail: dict[str, object] = {}  # node -> the CUgraphNode its successors depend on
             for sn in spec.nodes:
                 node = graph.node(sn.name)

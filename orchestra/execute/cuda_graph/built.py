@@ -46,6 +46,8 @@ class BuiltGraph:
             buffer (kept alive), and every parameter field each one's address is written to.
         kernels: kernel node name -> `KernelArgs` (its ``packed`` struct is what
             ``params.kernelParams`` points into).
+        copies: host copy node name -> `CopyKernelArgs` of each copy lowered to the copy
+            kernel (its node's ``kernelParams`` points into the packed struct kept here).
         allocs: buffer name -> device address of each graph allocation.
         unfreed: device addresses of allocations no free node releases (auto_free graphs).
         callbacks: the `HostCallbacks` table behind host nodes (None without host nodes).
@@ -63,6 +65,7 @@ class BuiltGraph:
         self.records: dict[str, NodeRecord] = {}
         self.bindings = bindings
         self.kernels: dict = {}
+        self.copies: dict = {}
         self.allocs: dict[str, int] = {}
         self.unfreed: list[int] = []
         self.callbacks: HostCallbacks | None = None

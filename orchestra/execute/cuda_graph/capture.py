@@ -61,12 +61,22 @@ from orchestra.execute.cuda_graph.capture_plan import capture_steps, check_captu
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.cuda_graph.spec import check_findings, check_graph_memory
 from orchestra.execute.errors import ExecutorArgumentTypeError
+from orchestra.execute.lowering.copy import copy_kernel_nodes
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.graph import Node, TaskGraph
 from orchestra.schedule import verify
 
 _ACTIVE = _d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def _trace_meta(graph, resolved) -> dict:
+    """A graph tracer's meta: the node count, and the copies lowered to copy kernels."""
+    meta: dict = {"nodes": len(graph)}
+    lowered = copy_kernel_nodes(resolved)
+    if lowered:
+        meta["lowered"] = lowered
+    return meta
 
 
 class CaptureError(CudaError):
@@ -104,6 +114,8 @@ class CaptureExecutor(GraphExecutorBase):
         auto_free: the opt-in to allocations the graph does not free (see
             `GraphExecutorBase.build`).
         driver: the `DriverAPI` every driver call goes through (default: the process's).
+        copy_lowering: how host copies are captured (see `GraphExecutorBase.build`): a copy
+            kernel is captured as a kernel node.
 
     ``build(graph, plan=None, bindings, *, policy, streams, trace, hook=None, ...)``:
     ``hook(stream, node)``, when given, is called right after each node is captured (a test
@@ -115,9 +127,10 @@ class CaptureExecutor(GraphExecutorBase):
     executor_name = "capture"
 
     def __init__(self, device=None, *, mode="thread-local", verify: bool = True,
-                 kernel_resolver=None, auto_free: bool = False, driver=None):
+                 kernel_resolver=None, auto_free: bool = False, driver=None,
+                 copy_lowering="auto"):
         super().__init__(device, verify=verify, kernel_resolver=kernel_resolver,
-                         auto_free=auto_free, driver=driver)
+                         auto_free=auto_free, driver=driver, copy_lowering=copy_lowering)
         self.mode = capture_mode(mode)
         self._origin = self.api.stream(self.device)
         self._stream_pool.streams.append(self._origin)
@@ -130,7 +143,7 @@ class CaptureExecutor(GraphExecutorBase):
 
     # -- checks -------------------------------------------------------------------------------
 
-    def _plan_checks(self, graph, plan, *, auto_free: bool):
+    def _plan_checks(self, graph, plan, *, auto_free: bool, copies=None):
         """Structure, issue order and allocation order (`check_run` without hazards), the
         graph-memory policy, the hazard verifier (unless ``verify=False``; NEVER_FREED
         findings left out under ``auto_free``), every stream forked and joined. Returns
@@ -145,21 +158,23 @@ class CaptureExecutor(GraphExecutorBase):
     # -- capturing ----------------------------------------------------------------------------
 
     def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
-                     streams: int, costs, auto_free: bool, hook: Callable | None = None,
-                     mode=None) -> BuiltGraph:
+                     streams: int, costs, auto_free: bool, copies=None,
+                     hook: Callable | None = None, mode=None) -> BuiltGraph:
         with self._lock:
             self._check_open()
             return self._capture(graph, plan, bindings, trace, policy, streams, costs,
-                                 auto_free, hook, capture_mode(mode) if mode else self.mode)
+                                 auto_free, hook, capture_mode(mode) if mode else self.mode,
+                                 copies if copies is not None else self.copy_policy())
 
     def _capture(self, graph, plan, bindings, trace, policy, streams, costs, auto_free, hook,
-                 mode) -> BuiltGraph:
+                 mode, copies) -> BuiltGraph:
         t0 = time.perf_counter_ns()
         if not isinstance(graph, TaskGraph):
             raise ExecutorArgumentTypeError(
                 f"capture takes a TaskGraph, got {type(graph).__name__}")
         plan = self._plan(graph, plan, policy, streams, costs, need=True)
-        (issue, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free)
+        (issue, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free,
+                                                   copies=copies)
         table = self._bindings(graph, bindings)
         built = BuiltGraph(None, graph, plan, self.executor_name, table)
         dev = self.device
@@ -172,7 +187,7 @@ class CaptureExecutor(GraphExecutorBase):
         addresses = Addresses(table, slot_users=False)
         addresses.fill(table)
         ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            dev, built=built, bindings=table)
+                            dev, built=built, bindings=table, copies=copies)
         program = lower_plan(issue, graph, ctx, sm, events, slots)
         tracer = None
         if trace:
@@ -181,7 +196,7 @@ class CaptureExecutor(GraphExecutorBase):
             tracer = GraphTracer(dev, executor="capture")
             for _ in range(2 * len(graph)):  # create the events now, not during the capture
                 tracer.pool.take()
-            tracer.begin(sm, policy=plan.policy, meta={"nodes": len(graph)})
+            tracer.begin(sm, policy=plan.policy, meta=_trace_meta(graph, resolved))
             built.tracer = tracer
         ordered = [(name, sm[name]) for name in plan.stream_names]
         names = [n for n, _ in ordered]

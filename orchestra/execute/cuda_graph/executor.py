@@ -24,7 +24,7 @@ class GraphExecutorBase(ExecutorBase):
     (the opt-in to allocations the graph does not free).
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
-    costs, auto_free, **kw) -> BuiltGraph``.
+    costs, auto_free, copies, **kw) -> BuiltGraph`` (``copies``: the build's `CopyPolicy`).
     """
 
     _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)
@@ -34,8 +34,9 @@ class GraphExecutorBase(ExecutorBase):
     _takes = "build()"
 
     def __init__(self, device=None, *, verify: bool = True, kernel_resolver=None,
-                 auto_free: bool = False, driver=None):
-        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver)
+                 auto_free: bool = False, driver=None, copy_lowering="auto"):
+        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver,
+                         copy_lowering=copy_lowering)
         self.auto_free = bool(auto_free)
 
     def _plan(self, graph, plan, policy, streams, costs, need: bool) -> Plan | None:
@@ -57,7 +58,8 @@ class GraphExecutorBase(ExecutorBase):
     def build(self, graph: TaskGraph, plan: Plan | None = None,
               bindings: Mapping[str, Any] | None = None, *, policy: str = "by-engine",
               streams: int = 3, costs=None, trace: bool = False, upload: bool = True,
-              auto_free: bool | None = None, stream: Stream | None = None, **kw) -> GraphExec:
+              auto_free: bool | None = None, stream: Stream | None = None,
+              copy_lowering=None, **kw) -> GraphExec:
         """Build ``graph``'s CUDA graph and instantiate it: a `GraphExec`, not launched.
 
         ``bindings`` (host buffer name -> pinned array, external device buffer name ->
@@ -65,7 +67,11 @@ class GraphExecutorBase(ExecutorBase):
         rebind host arrays). ``trace``: every launch returns a `Timeline`. ``auto_free``
         (default: the executor's): allow Allocs without Frees and instantiate with
         ``CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH``. ``stream``: the exec's default
-        launch stream (default: a new non-blocking one it owns).
+        launch stream (default: a new non-blocking one it owns). ``copy_lowering``:
+        ``"auto"`` / ``"kernel"`` / ``"copy-engine"`` / a `CopyPolicy` for this build's host
+        copies (default: the executor's; a node's own ``lowering=`` wins; `update` rebuilds
+        with the same): copy kernels become kernel nodes, which cost no host time at
+        ``cuGraphLaunch`` where each memcpy node costs 1.3-1.9 µs (docs/graphs.md).
         """
         if not isinstance(graph, TaskGraph):
             raise ExecutorArgumentTypeError(
@@ -73,7 +79,7 @@ class GraphExecutorBase(ExecutorBase):
         self._check_open()
         auto_free = self.auto_free if auto_free is None else bool(auto_free)
         options = dict(trace=bool(trace), policy=policy, streams=streams, costs=costs,
-                       auto_free=auto_free, **kw)
+                       auto_free=auto_free, copies=self.copy_policy(copy_lowering), **kw)
         built = self._build_graph(graph, plan, bindings, **options)
         rebuild = functools.partial(self._rebuild, options)
         flags = AUTO_FREE_ON_LAUNCH if auto_free else 0

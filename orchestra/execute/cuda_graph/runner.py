@@ -40,12 +40,13 @@ KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-bui
 
 class GraphRunner(Closable):
     """``kind``: ``"capture"`` or ``"graph"`` (explicit build). Other arguments as for the
-    executors (`CaptureExecutor`, `GraphBuildExecutor`); ``trace=True`` builds traced execs
-    (each run's `RunResult.timeline` is set)."""
+    executors (`CaptureExecutor`, `GraphBuildExecutor`; ``copy_lowering``: how host copies
+    are built, see `GraphExecutorBase.build`); ``trace=True`` builds traced execs (each run's
+    `RunResult.timeline` is set)."""
 
     def __init__(self, kind: str = "capture", device=None, *, verify: bool = True,
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
-                 mode="thread-local", trace: bool = False, driver=None):
+                 mode="thread-local", trace: bool = False, driver=None, copy_lowering="auto"):
         if kind not in KINDS:
             raise ExecutorArgumentValueError(
                 f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
@@ -56,13 +57,14 @@ class GraphRunner(Closable):
 
             self.executor = CaptureExecutor(device, mode=mode, verify=verify,
                                             kernel_resolver=kernel_resolver, auto_free=auto_free,
-                                            driver=driver)
+                                            driver=driver, copy_lowering=copy_lowering)
         else:
             from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
             self.executor = GraphBuildExecutor(device, verify=verify,
                                                kernel_resolver=kernel_resolver,
-                                               auto_free=auto_free, driver=driver)
+                                               auto_free=auto_free, driver=driver,
+                                               copy_lowering=copy_lowering)
         self.device = self.executor.device
         self.kernels = self.executor.kernels
         self.trace = bool(trace)

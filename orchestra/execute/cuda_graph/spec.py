@@ -9,6 +9,7 @@ same order as the full edge set (a CUDA graph orders through paths), with the fe
     orchestra kind   CUDA graph node                     driver call
     alloc            mem_alloc                           cuGraphAddMemAllocNode
     h2d / d2h        memcpy (CUDA_MEMCPY3D, 1-D)         cuGraphAddMemcpyNode
+                     or kernel (the copy kernel)         cuGraphAddKernelNode
     kernel           kernel                              cuGraphAddKernelNode
     memset           memset                              cuGraphAddMemsetNode
     host             host                                cuGraphAddHostNode
@@ -70,7 +71,8 @@ class GraphMemoryError(GraphError):
 class SpecNode:
     """One CUDA graph node to create: ``name`` (the orchestra node), ``kind`` (CUDA node kind,
     see `cuda_kind`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
-    depends on, in creation order), ``direction`` ("h2d" / "d2h" for memcpy nodes, else None)."""
+    depends on, in creation order), ``direction`` ("h2d" / "d2h" for host copies, memcpy
+    nodes and copy kernels alike, else None)."""
 
     name: str
     kind: str
@@ -116,11 +118,12 @@ class GraphSpec:
         return tuple((n.kind, tuple(sorted(index[d] for d in n.deps))) for n in self.nodes)
 
 
-def cuda_kind(node) -> str:
-    """The CUDA graph node kind an orchestra node becomes (its lowering's ``graph_node``);
-    `GraphError` for a kind no CUDA graph node exists for."""
+def cuda_kind(node, copies=None) -> str:
+    """The CUDA graph node kind an orchestra node becomes (its lowering's ``graph_node_of``
+    under ``copies``, the `CopyPolicy`: a host copy lowered to the copy kernel is a
+    ``kernel``); `GraphError` for a kind no CUDA graph node exists for."""
     try:
-        kind = lowering_for(node).graph_node
+        kind = lowering_for(node).graph_node_of(node, copies)
     except GraphError:
         raise GraphError(f"node {node.name}: node kind {node.kind!r} ({type(node).__name__}) "
                          "has no CUDA graph node translation (no entry in the lowering "
@@ -166,7 +169,7 @@ def _plan_order(names, edges) -> list[str]:
 
 
 def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
-              edges: str = "dag") -> GraphSpec:
+              edges: str = "dag", copies=None) -> GraphSpec:
     """The CUDA graph shape of ``graph``: nodes in topological order (ties: program order),
     dependencies from ``graph.reduced_edges()`` (or every edge with ``reduce=False``).
 
@@ -175,6 +178,10 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     stream capture of that plan records, so the CUDA graph has the capture's few long chains
     instead of the task graph's widest DAG (the driver runs wide DAGs on more internal streams
     and launches them at more host cost). The union is transitively reduced.
+
+    ``copies`` (a `CopyPolicy`; None: every copy a memcpy node) decides which host copies
+    become ``kernel`` nodes (the copy kernel); their `SpecNode` keeps ``source_kind`` and
+    ``direction`` ("h2d" / "d2h").
 
     Raises `GraphError` for a cycle, an unknown ``after=`` name, a node kind without a CUDA
     graph node, or a plan whose stream order contradicts the edges; ``ValueError`` for an
@@ -208,8 +215,8 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     out = []
     for name in order:
         node = graph.node(name)
-        kind = cuda_kind(node)
-        direction = node.kind if kind == "memcpy" else None
+        kind = cuda_kind(node, copies)
+        direction = node.kind if node.kind in ("h2d", "d2h") else None
         out.append(SpecNode(name, kind, node.kind, tuple(sorted(preds[name], key=pos.__getitem__)),
                             direction))
     return GraphSpec(tuple(out))

@@ -1,5 +1,7 @@
 """Lowering of `HostToDevice` and `DeviceToHost`: copies between pinned host memory and a
-device buffer.
+device buffer, on a copy engine or as a copy kernel (`copy_policy.CopyPolicy.choose`).
+
+On a copy engine:
 
     stream      eager: cuMemcpyHtoDAsync / cuMemcpyDtoHAsync; captured: cuMemcpy3DAsync with
                 the node's own CUDA_MEMCPY3D (the very struct replays rewrite)
@@ -10,6 +12,21 @@ device buffer.
 The record is a 1-D copy: Height = Depth = 1, WidthInBytes = bytes, pitches and heights 0
 (unspecified: legal for any size); the host side CU_MEMORYTYPE_HOST, the device side
 CU_MEMORYTYPE_DEVICE; buffer offsets folded into the addresses.
+
+As a copy kernel (``cuda_src/copy.cu``'s ``orchestra_copy(dst, src, n, system_fence)``,
+compiled once per device through the compiler's cache and the executor's `KernelResolver`):
+
+    resolve     the kernel resolved, its arguments packed (n; system_fence = 1 for D2H), the
+                launch checked: block `COPY_BLOCK`, grid `copy_grid(n, SMs)`
+    stream      cuLaunchKernel; the host address (the bound array's: with unified addressing
+                a kernel addresses pinned memory at its host pointer, `Device.kernel_host_access`)
+                and the device address are written into the packed struct right before
+    graph       cuGraphAddKernelNode (CUDA_KERNEL_NODE_PARAMS)
+    replay      the packed struct's host-pointer field (a `BindingUser` with the field) plus
+                cuGraphExecKernelNodeSetParams
+
+The node's record kind is then ``"kernel"``: `GraphSpec` kinds, ``cuGraphNodeGetType``, the
+plan printout and the trace all say so.
 """
 
 from __future__ import annotations
@@ -18,10 +35,25 @@ from cuda.bindings import driver as _d
 
 from orchestra.driver.check import error_from_result
 from orchestra.errors import OrchestraError
+from orchestra.execute.kernel_args import KernelArgs, PointerArg
+from orchestra.execute.lowering.copy_policy import COPY_BLOCK, CopyPolicy, copy_grid
+from orchestra.execute.lowering.kernel import kernel_params
 from orchestra.execute.lowering.table import Lowering, register
-from orchestra.graph import DeviceToHost, HostToDevice
+from orchestra.graph import DeviceToHost, HostToDevice, KernelRef
 
 _MT = _d.CUmemorytype
+
+COPY_KERNEL_NAME = "orchestra_copy"
+COPY_PARAMS = ("unsigned char* dst", "const unsigned char* src", "unsigned long long n",
+               "unsigned int system_fence")
+_DEFAULT_POLICY = CopyPolicy(kernel_host_access=False)  # no policy given: copy engines
+
+
+def copy_kernel_ref() -> KernelRef:
+    """The `KernelRef` of the copy kernel (``cuda_src/copy.cu``, ``orchestra_copy``)."""
+    from orchestra.compiler.sources import kernel_source_dir
+
+    return KernelRef(str(kernel_source_dir() / "copy.cu"), COPY_KERNEL_NAME, params=COPY_PARAMS)
 
 
 def memcpy_params(node, host_addr: int, dev_addr: int):
@@ -52,10 +84,48 @@ def memcpy_params(node, host_addr: int, dev_addr: int):
     return p, field, off
 
 
+class CopyKernelArgs(KernelArgs):
+    """A host copy lowered to the copy kernel: `KernelArgs` (its ``pointers`` hold the device
+    side) plus ``host`` (the `PointerArg` of the pinned host side: parameter, field, host
+    buffer, offset)."""
+
+    __slots__ = ("host",)
+
+    def __init__(self, node, kernel, config, packed, device: PointerArg, host: PointerArg):
+        super().__init__(node, kernel, config, packed, (device,), {})
+        self.host = host
+
+    @property
+    def device(self) -> PointerArg:
+        return self.pointers[0]
+
+
+def resolve_copy_kernel(node, kernel, sm_count: int) -> CopyKernelArgs:
+    """Pack the copy kernel's arguments for host copy ``node`` (addresses 0 until a step or a
+    graph build writes them) and check its launch: `CopyKernelArgs`."""
+    layout = kernel.layout
+    names = layout.field_names
+    to_device = node.kind == "h2d"
+    host, dev = (node.src, node.dst) if to_device else (node.dst, node.src)
+    # parameter 0 is dst, 1 is src
+    h_index, d_index = (1, 0) if to_device else (0, 1)
+    packed = kernel.pack([0, 0, node.nbytes, 0 if to_device else 1])
+    config = kernel.launch_config(copy_grid(node.nbytes, sm_count), COPY_BLOCK)
+    return CopyKernelArgs(node, kernel, config, packed,
+                          PointerArg(d_index, names[d_index], dev.buffer.name, dev.offset),
+                          PointerArg(h_index, names[h_index], host.buffer.name, host.offset))
+
+
+def copy_kernel_nodes(resolved) -> dict[str, str]:
+    """Node name -> ``"copy-kernel"`` for every host copy of ``resolved`` (what the executors'
+    ``_resolve`` returned) lowered to the copy kernel: what traces and printouts mark."""
+    return {name: "copy-kernel" for name, r in resolved.items() if isinstance(r, CopyKernelArgs)}
+
+
 class _HostCopyLowering(Lowering):
     graph_node = "memcpy"
     driver_node_type = "CU_GRAPH_NODE_TYPE_MEMCPY"
-    replay_params = "CUDA_MEMCPY3D"
+    replay_params = "CUDA_MEMCPY3D"  # CUDA_KERNEL_NODE_PARAMS when lowered to a copy kernel
     to_device: bool
     call: str  # the eager driver call
 
@@ -65,7 +135,29 @@ class _HostCopyLowering(Lowering):
             return node.src, node.dst, "srcHost", "dstDevice"
         return node.dst, node.src, "dstHost", "srcDevice"
 
+    # -- the choice -----------------------------------------------------------------------
+
+    def resolve_with(self, node, executor, copies=None):
+        """None (a copy engine), or the `CopyKernelArgs` when ``copies`` (the build's
+        `CopyPolicy`) lowers ``node`` to the copy kernel: compiled (cached), loaded and packed
+        now, before any CUDA call. Raises `CopyLoweringError` for a copy kernel the device
+        cannot run, `CompileError` when the kernel does not build."""
+        policy = copies if copies is not None else _DEFAULT_POLICY
+        if policy.choose(node) != "kernel":
+            return None
+        kernel = executor.kernels.resolve(copy_kernel_ref(), node.name)
+        return resolve_copy_kernel(node, kernel, executor.device.sm_count)
+
+    def graph_node_of(self, node, copies=None):
+        policy = copies if copies is not None else _DEFAULT_POLICY
+        return "kernel" if policy.choose(node) == "kernel" else "memcpy"
+
+    # -- streams --------------------------------------------------------------------------
+
     def stream(self, node, ctx, stream):
+        ka = ctx.resolved.get(node.name)
+        if ka is not None:
+            return self._kernel_step(node, ka, ctx, stream)
         host, dev, hfield, dfield = self._sides(node)
         a = ctx.addresses
         hslot, dslot = a.host_slot(host.buffer.name), a.device_slot(dev.buffer.name)
@@ -99,7 +191,51 @@ class _HostCopyLowering(Lowering):
                     raise error_from_result(call, err)
         return step
 
+    def _kernel_step(self, node, ka: CopyKernelArgs, ctx, stream):
+        """One ``cuLaunchKernel`` of the copy kernel; the two addresses are written into the
+        packed struct from the address slots right before (the driver copies the arguments
+        when the call returns)."""
+        a = ctx.addresses
+        h, d = ka.host, ka.device
+        hslot, dslot = a.host_slot(h.buffer), a.device_slot(d.buffer)
+        hfield, dfield, hoff, doff = h.field, d.field, h.offset, d.offset
+        ptrs, hptrs, sh = a.ptrs, a.hptrs, stream.handle
+        struct, address, func = ka.packed.struct, ka.packed.address, ka.kernel.function
+        if ctx.capture:
+            params = kernel_params(ka)
+            rec = ctx.record(node, params)
+            ctx.built.copies[node.name] = ka  # kernelParams points into its packed struct
+            ctx.use(h.buffer, rec, struct, hfield, hoff)
+            ctx.use(d.buffer, rec, struct, dfield, doff)
+        launch = ctx.api.cuLaunchKernel
+        cfg = ka.config
+        (gx, gy, gz), (bx, by, bz) = cfg.grid, cfg.block
+        name = node.name
+
+        def step():
+            setattr(struct, hfield, hptrs[hslot] + hoff)
+            setattr(struct, dfield, ptrs[dslot] + doff)
+            (err,) = launch(func, gx, gy, gz, bx, by, bz, 0, sh, address, 0)
+            if err:
+                raise error_from_result("cuLaunchKernel", err, context=f"copy kernel {name}")
+        return step
+
+    # -- explicit graphs ------------------------------------------------------------------
+
     def graph(self, node, ctx, deps):
+        ka = ctx.resolved.get(node.name)
+        if ka is not None:
+            h, d = ka.host, ka.device
+            struct = ka.packed.struct
+            setattr(struct, h.field, ctx.host_address(h.buffer) + h.offset)
+            setattr(struct, d.field, ctx.device_address(d.buffer) + d.offset)
+            params = kernel_params(ka)
+            gnode = ctx.add("cuGraphAddKernelNode", deps, params)
+            ctx.built.copies[node.name] = ka
+            rec = ctx.record(node, gnode, params, kind="kernel")
+            ctx.use(h.buffer, rec, struct, h.field, h.offset)
+            ctx.use(d.buffer, rec, struct, d.field, d.offset)
+            return rec
         host, dev, hfield, dfield = self._sides(node)
         params, _, _ = memcpy_params(node, ctx.host_address(host.buffer.name),
                                      ctx.device_address(dev.buffer.name))
@@ -124,4 +260,5 @@ class DeviceToHostLowering(_HostCopyLowering):
     call = "cuMemcpyDtoHAsync"
 
 
-__all__ = ["DeviceToHostLowering", "HostToDeviceLowering", "memcpy_params"]
+__all__ = ["COPY_KERNEL_NAME", "COPY_PARAMS", "CopyKernelArgs", "DeviceToHostLowering",
+           "HostToDeviceLowering", "copy_kernel_nodes", "copy_kernel_ref", "memcpy_params", "resolve_copy_kernel"]

@@ -20,12 +20,13 @@ class GraphContext:
     ``CUcontext`` memcpy and memset nodes name), ``device`` (the `Device`), ``resolved`` (node
     name -> what the entry's `resolve` returned), ``built`` (the `BuiltGraph`: records in
     creation order, kernels, allocations), ``bindings`` (its `BindingTable`),
-    ``executor_name``."""
+    ``executor_name``, ``copies`` (the build's `CopyPolicy`)."""
 
     executor_name = "graph-build"
 
-    def __init__(self, api, graph, device, resolved: dict, built, bindings):
+    def __init__(self, api, graph, device, resolved: dict, built, bindings, copies=None):
         self.api = api
+        self.copies = copies
         self.graph = graph
         self.device = device
         self.context = device.context
@@ -41,9 +42,12 @@ class GraphContext:
         the call): the new ``CUgraphNode``."""
         return cu(getattr(self.api, call), self.graph, deps or None, len(deps), *args)
 
-    def record(self, node, gnode, params):
-        """The `NodeRecord` of ``node`` (its entry's ``graph_node`` kind), added to the build."""
-        return self.built.record(node.name, lowering_for(node).graph_node, gnode, params)
+    def record(self, node, gnode, params, kind: str | None = None):
+        """The `NodeRecord` of ``node``, added to the build: of CUDA node kind ``kind``
+        (default: its entry's ``graph_node_of(node, copies)``)."""
+        if kind is None:
+            kind = lowering_for(node).graph_node_of(node, self.copies)
+        return self.built.record(node.name, kind, gnode, params)
 
     def device_address(self, buffer: str) -> int:
         """The base address of device buffer ``buffer``: its latest graph allocation, or the

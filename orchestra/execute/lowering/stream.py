@@ -102,12 +102,14 @@ class StreamContext:
     returned), ``pool`` (the ``CUmemoryPool`` handle allocations come from), ``device`` (the
     `Device`), ``tokens`` (host-function tokens added for this program), ``allocations``
     (capture: Alloc node name -> address, filled when the step runs), ``built`` (capture: the
-    `BuiltGraph` being captured; else None).
+    `BuiltGraph` being captured; else None), ``copies`` (the `CopyPolicy` the nodes were
+    resolved with: which host copies are copy kernels).
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
-                 device, *, callbacks=None, built=None, bindings=None):
+                 device, *, callbacks=None, built=None, bindings=None, copies=None):
         self.api = api
+        self.copies = copies
         self.executor_name = executor_name
         self.addresses = addresses
         self.resolved = resolved
@@ -182,7 +184,7 @@ def lower_plan(issue, graph, ctx: StreamContext, streams: dict, events: list,
             node = graph.node(step.node)
             entry = lowering_for(node)
             if ctx.built is not None:  # capture: every node gets its record, in issue order
-                ctx.built.record(node.name, entry.graph_node, None, None)
+                ctx.built.record(node.name, entry.graph_node_of(node, ctx.copies), None, None)
             fn = entry.stream(node, ctx, stream)
             program.nodes.append((sname, node))
             program.sites.append((sname, None))

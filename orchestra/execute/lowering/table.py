@@ -10,9 +10,14 @@ through it (`lowering_for`); no executor names a node kind. An entry says:
 - ``graph(node, ctx, deps)``: add the node to a CUDA graph (graph-build), returning its
   `NodeRecord`;
 - ``resolve(node, executor)``: per-node work before any CUDA call (a kernel is compiled,
-  loaded, its arguments checked and packed); its result is ``ctx.resolved[node.name]``;
+  loaded, its arguments checked and packed); its result is ``ctx.resolved[node.name]``.
+  The executors call ``resolve_with(node, executor, copies)``, which is ``resolve`` unless an
+  entry needs the build's `CopyPolicy` (``copies``: the host copies, which may become copy
+  kernels);
 - ``graph_node`` / ``driver_node_type``: the CUDA graph node kind it becomes (what
-  `cuda_graph.spec.translate` gives and ``cuGraphNodeGetType`` reports);
+  `cuda_graph.spec.translate` gives and ``cuGraphNodeGetType`` reports); an entry whose node
+  can become one of several kinds says which with ``graph_node_of(node, copies)`` (a host
+  copy: ``"memcpy"``, or ``"kernel"`` when lowered to a copy kernel);
 - ``replay_params``: the parameter struct a replay rewrites (``CUDA_MEMCPY3D`` for copies,
   ``CUDA_KERNEL_NODE_PARAMS`` for kernels), with the entry registering every field a binding
   writes (``ctx.use``);
@@ -66,6 +71,16 @@ class Lowering:
         """Work for ``node`` before any CUDA call, on ``executor`` (an `ExecutorBase`); the
         result is kept as ``ctx.resolved[node.name]``. Default: nothing (None)."""
         return None
+
+    def resolve_with(self, node, executor, copies=None) -> Any:
+        """`resolve` with the build's `CopyPolicy` (``copies``; None: the default policy).
+        Entries whose lowering depends on it override this; others inherit `resolve`."""
+        return self.resolve(node, executor)
+
+    def graph_node_of(self, node, copies=None) -> str | None:
+        """The CUDA graph node kind ``node`` becomes under ``copies`` (a `CopyPolicy` or
+        None). Default: ``graph_node``."""
+        return self.graph_node
 
     def stream(self, node, ctx, stream) -> Callable[[], None]:
         """The step that enqueues ``node`` on ``stream`` (an orchestra `Stream`). ``ctx``: the
