@@ -25,6 +25,7 @@ from orchestra.compiler.params import normalize_params
 from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.driver import api as api_mod
 from orchestra.driver.device import DeviceLimits
+from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, COPY_PARAMS
 
 OK = driver.CUresult.CUDA_SUCCESS
 LIMITS = DeviceLimits(
@@ -42,6 +43,9 @@ class FakeDevice:
     sm_count = 4
     arch = "sm_90"
     limits = LIMITS
+    # copy kernels need kernels that address pinned host memory; off unless a test turns it on
+    # (then "auto" lowers small copies to the copy kernel, which the fakes run by name)
+    kernel_host_access = False
     total_memory = 80 << 30  # bytes, as cuDeviceTotalMem reports (orchestra run checks it)
 
     def make_current(self, force=False):
@@ -90,8 +94,9 @@ class FakePool:
 
 
 class FakeKernel:
-    """A compiler `Kernel` look-alike for burn: real `ArgLayout` packing, limits checked
-    against `LIMITS`; launching runs the math in numpy on the fake device memory."""
+    """A compiler `Kernel` look-alike for burn (or, named ``orchestra_copy`` with
+    `COPY_PARAMS`, the copy kernel): real `ArgLayout` packing, limits checked against `LIMITS`;
+    launching runs the math in numpy on the fake device memory (or moves the bytes)."""
 
     def __init__(self, params=BURN_PARAMS, name="burn"):
         self.name = name
@@ -162,6 +167,7 @@ class FakeCuda(FakeAPI):
         self.counts: Counter = Counter()
         self.fail: dict[str, int] = {}  # call name -> fail on this (1-based) call
         self.launch_configs: list = []  # every CUlaunchConfig cuLaunchKernelEx was given
+        self.copy_kernels: list = []  # (dst, src, n, system_fence) of every copy kernel run
         if monkeypatch is not None:
             self.install(monkeypatch)
 
@@ -247,7 +253,26 @@ class FakeCuda(FakeAPI):
     def cuMemsetD32Async(self, dst, value, count, stream):
         return self._memset("cuMemsetD32Async", np.uint32, dst, value, count, stream)
 
+    def _copy(self, func, params):
+        """The copy kernel: ``n`` bytes from ``src`` to ``dst``, one side device memory (a live
+        allocation), the other pinned host memory addressed directly."""
+        func.launches += 1
+        base = ctypes.c_void_p.from_address(params).value
+        s = func.layout.struct_type.from_address(base)
+        dst, src, n, fence = (getattr(s, f) for f in func.layout.field_names)
+        self.copy_kernels.append((int(dst), int(src), int(n), int(fence)))
+        on_device = [p for p in (dst, src) if self._inside(p, n)]
+        assert len(on_device) == 1, "a copy kernel moves bytes between host and device memory"
+        ctypes.memmove(dst, src, n)
+        return (OK,)
+
+    def _inside(self, ptr, nbytes):
+        return any(base <= ptr and ptr + nbytes <= base + arr.nbytes
+                   for base, arr in self.mem.items())
+
     def _burn(self, func, params):
+        if func.name == COPY_KERNEL_NAME:
+            return self._copy(func, params)
         func.launches += 1
         base = ctypes.c_void_p.from_address(params).value  # kernelParams[0] = &field 0
         s = func.layout.struct_type.from_address(base)
@@ -284,6 +309,14 @@ class FakeCuda(FakeAPI):
             return int(err)
         _HOSTFN(int(fn_address))(token)  # through the real C trampoline
         return 0
+
+
+def fake_kernel(ref, device=None) -> FakeKernel:
+    """A `KernelResolver` loader for the eager fake: the copy kernel for its `KernelRef`,
+    burn for every other."""
+    if ref.name == COPY_KERNEL_NAME:
+        return FakeKernel(COPY_PARAMS, COPY_KERNEL_NAME)
+    return FakeKernel()
 
 
 class FakeTimingEvent:

@@ -38,6 +38,7 @@ import numpy as np
 from cuda.bindings import driver
 
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, COPY_PARAMS
 from tests import fake_cuda
 from tests.fake_cuda import FakeAPI, FakeHandle, FakeKernel
 
@@ -151,6 +152,7 @@ class FakeGraphDriver(FakeAPI):
         self.fail: dict[str, int] = {}
         self.attributes: list = []
         self.dot_files: list = []
+        self.copy_kernels: list = []  # (dst, src, n, system_fence) of every copy kernel run
 
     def stream(self, device=None, priority=0):
         return FakeStream(device, priority, fake=self)
@@ -193,6 +195,10 @@ class FakeGraphDriver(FakeAPI):
                     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
         raise AssertionError(f"{what}: [{ptr:#x}, +{nbytes}) is not inside device memory")
 
+    def _is_device(self, ptr, nbytes) -> bool:
+        return any(base <= ptr and ptr + nbytes <= base + arr.nbytes
+                   for table in (self.mem, self.vas) for base, arr in table.items())
+
     def _new_memory(self, nbytes, table):
         arr = np.empty(nbytes + 256, np.uint8)
         ptr = (arr.ctypes.data + 255) // 256 * 256
@@ -224,6 +230,15 @@ class FakeGraphDriver(FakeAPI):
             if not p["dst_host"]:
                 self._bytes(p["dst"], p["n"], "copy destination")
             ctypes.memmove(p["dst"], p["src"], p["n"])
+        elif kind == "kernel" and p["kernel"].name == COPY_KERNEL_NAME:
+            k = p["kernel"]
+            k.launches += 1
+            s = k.layout.struct_type.from_buffer_copy(p["args"])
+            dst, src, n, fence = (getattr(s, f) for f in k.layout.field_names)
+            self.copy_kernels.append((int(dst), int(src), int(n), int(fence)))
+            sides = [self._is_device(x, n) for x in (dst, src)]
+            assert sides.count(True) == 1, "a copy kernel moves bytes between host and device"
+            ctypes.memmove(dst, src, n)
         elif kind == "kernel":
             k = p["kernel"]
             k.launches += 1
@@ -659,5 +674,13 @@ def install(monkeypatch) -> FakeGraphDriver:
     return fake.install(monkeypatch)
 
 
+def fake_graph_kernel(ref, device=None) -> FakeGraphKernel:
+    """A `KernelResolver` loader for the graph fake: the copy kernel for its `KernelRef` (run
+    by name: it moves bytes), burn for every other."""
+    if ref.name == COPY_KERNEL_NAME:
+        return FakeGraphKernel(COPY_PARAMS, COPY_KERNEL_NAME)
+    return FakeGraphKernel()
+
+
 def resolver(fake) -> KernelResolver:
-    return KernelResolver(fake.device, lambda ref, d: FakeGraphKernel())
+    return KernelResolver(fake.device, fake_graph_kernel)

@@ -460,7 +460,7 @@ class BindingTable:
 
     # -- whole runs ---------------------------------------------------------------------------
 
-    def bind(self, bindings: Mapping[str, Any] | None) -> list:
+    def bind(self, bindings: Mapping[str, Any] | None) -> list | tuple:
         """Check ``bindings`` (name -> array / DeviceBuffer: every buffer of the graph, nothing
         else), all before changing anything, then commit them and write the addresses of the
         changed ones to their users. Returns what kept the replaced values alive.
@@ -468,10 +468,11 @@ class BindingTable:
         Raises `BindingError` (a ``ValueError``) or `PageableMemoryError` (a ``TypeError``);
         both say what to change.
         """
-        bindings = {} if bindings is None else bindings
-        if not isinstance(bindings, Mapping):
-            raise BindingError(f"bindings must be a mapping of buffer name -> array; got "
-                               f"{type(bindings).__name__}")
+        if type(bindings) is not dict:  # the common case skips the ABC check
+            bindings = {} if bindings is None else bindings
+            if not isinstance(bindings, Mapping):
+                raise BindingError(f"bindings must be a mapping of buffer name -> array; got "
+                                   f"{type(bindings).__name__}")
         host, external = self.host, self.external
         if len(bindings) != len(host) + len(external):
             self.unknown(bindings)
@@ -495,6 +496,8 @@ class BindingTable:
         except Exception:
             self.unknown(bindings)  # a missing or unknown name is reported before a bad value
             raise
+        if not checked:  # every value bound already: nothing to write
+            return _NOTHING
         released = []
         for b, value, array, address in checked:
             released.append(self.commit(b, value, array, address, version))
@@ -516,6 +519,7 @@ class BindingTable:
 
 
 BindingSpec = BindingTable  # its earlier name
+_NOTHING: tuple = ()  # what bind returns when nothing changed
 
 
 def release_keep(keep) -> None:

@@ -33,6 +33,7 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Mapping
@@ -57,6 +58,7 @@ from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
 
 log = logging.getLogger(__name__)
+_debug = functools.partial(log.isEnabledFor, logging.DEBUG)  # cached by logging per level
 
 
 class _Prepared:
@@ -64,12 +66,16 @@ class _Prepared:
     table, the streams it enqueues on, the host-function tokens it registered."""
 
     __slots__ = ("graph", "plan", "bindings", "addresses", "program", "streams", "tokens",
-                 "resolved", "unfreed", "prepare_ms", "lowered")
+                 "resolved", "unfreed", "prepare_ms", "lowered", "copies", "size",
+                 "stream_list")
 
     def __init__(self, graph, plan, bindings: BindingTable, addresses: Addresses, program,
-                 streams: dict, tokens: list, resolved: dict):
+                 streams: dict, tokens: list, resolved: dict, copies=None):
         self.graph = graph
         self.plan = plan
+        self.copies = copies  # the CopyPolicy it was lowered with
+        self.size = len(graph)  # a graph grown since is prepared again
+        self.stream_list = tuple(streams.values())
         self.bindings = bindings
         self.resolved = resolved  # packed kernel arguments: the steps launch with their memory
         self.addresses = addresses
@@ -126,6 +132,7 @@ class EagerExecutor(ExecutorBase):
         self._prepared = IdentityLRU(self.cache_size, on_evict=self._evicted)
         self._plans = PlanCache(self.cache_size)
         self._pending: list[_Pending] = []
+        self._last: _Prepared | None = None  # the last run's (graph, plan): no lookup
         self._retired: list = []  # what kept memory alive that pending runs may still use
 
     # -- pools ------------------------------------------------------------------------------
@@ -172,6 +179,8 @@ class EagerExecutor(ExecutorBase):
         return prep, prep.prepare_ms
 
     def _evicted(self, prep: _Prepared) -> None:
+        if self._last is prep:
+            self._last = None
         if not self._pending:  # queued work may still call the trampoline with its tokens
             for t in prep.tokens:
                 self._callbacks.remove(t)
@@ -201,14 +210,16 @@ class EagerExecutor(ExecutorBase):
         slots, nslots = assign_event_slots(issue)
         events = [self._stream_pool.event(i).handle for i in range(nslots)]
         ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            self.device, callbacks=self._callbacks, copies=copies)
+                            self.device, callbacks=self._callbacks, copies=copies,
+                            bindings=table)
         try:
             program = lower_plan(issue, graph, ctx, streams, events, slots)
         except BaseException:
             for t in ctx.tokens:
                 self._callbacks.remove(t)
             raise
-        return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved)
+        return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved,
+                         copies)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -236,12 +247,23 @@ class EagerExecutor(ExecutorBase):
         allocations freed). After the run: `HostFunctionError` if a host function raised.
         """
         with self._lock:
-            self._check_open()
-            plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
-            prep, prepare_ms = self._get_prepared(graph, plan, self.copy_policy(copy_lowering))
+            if self._closed:
+                self._check_open()
+            if plan is None:
+                plan = self.plan_for(graph, policy, streams, costs)
+            copies = self.copy_policy(copy_lowering)
+            prep = self._last  # the (graph, plan) run last: no cache lookup
+            if (prep is not None and prep.graph is graph and prep.plan is plan
+                    and prep.copies is copies and prep.size == len(graph)):
+                prepare_ms = 0.0
+            else:
+                prep, prepare_ms = self._get_prepared(graph, plan, copies)
+                self._last = prep
             retired = prep.bindings.bind(bindings)
             if retired:
                 self._retire(retired)
+            if sync and tracer is None and not trace and not self._pending:
+                return self._run_now(prep, prepare_ms)
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
@@ -262,7 +284,51 @@ class EagerExecutor(ExecutorBase):
                 return self._result(prep, None, (t1 - t0) / 1e3, prepare_ms, None)
             return self._sync_pending()
 
+    def _run_now(self, prep: _Prepared, prepare_ms: float) -> RunResult:
+        """The common run: untraced, waited for, nothing else pending. The same steps as the
+        general path with its per-run objects left out (no pending record, no stream set: the
+        prepared plan's own streams are synchronized)."""
+        self.device.make_current()
+        steps = prep.program.steps
+        perf = time.perf_counter_ns
+        t0 = perf()
+        i = -1
+        try:
+            for i, step in enumerate(steps):  # noqa: B007 - i names the failing step
+                step()
+        except BaseException as exc:
+            self._step_failed(prep, None, i, exc)
+            raise
+        t1 = perf()
+        try:
+            for s in prep.stream_list:
+                s.synchronize()
+        except CudaError:
+            self._free_live(prep)
+            self._callbacks.take_errors()
+            raise
+        finally:
+            if self._retired:
+                retired, self._retired = self._retired, []
+                release_keep(retired)
+        t2 = perf()
+        if prep.unfreed:
+            self._free_live(prep)  # only with verify=False: an Alloc without a Free
+        if self._callbacks.errors:
+            errors = self._callbacks.take_errors()
+            node, exc = errors[0]
+            raise HostFunctionError(node, exc, errors[1:]) from exc
+        program = prep.program
+        if _debug():
+            self._log_run(prep, (t1 - t0) / 1e3, (t2 - t0) / 1e6)
+        return RunResult((t2 - t0) / 1e6, (t1 - t0) / 1e3, program.node_count,
+                         len(steps), program.event_count, program.wait_count,
+                         len(prep.stream_list), prep.plan.policy, prepare_ms, None,
+                         len(prep.lowered))
+
     def _enqueue(self, prep: _Prepared, tracer) -> None:
+        """Call the steps (around each node, the tracer's ``before`` / ``after``). A failing
+        step: `_step_failed`."""
         program = prep.program
         steps = program.steps
         i = -1
@@ -281,13 +347,19 @@ class EagerExecutor(ExecutorBase):
                         step()
                         tracer.after(tn[0], tn[1])
         except BaseException as exc:
-            self._abort(prep, tracer)
-            labels = program.labels
-            if isinstance(exc, CudaError) and 0 <= i < len(labels):
-                raise exc.with_context(labels[i]) from exc
-            if 0 <= i < len(labels) and isinstance(exc, Exception):
-                exc.add_note(f"while enqueueing {labels[i]}")
+            self._step_failed(prep, tracer, i, exc)
             raise
+
+    def _step_failed(self, prep: _Prepared, tracer, i: int, exc: BaseException) -> None:
+        """Step ``i`` raised ``exc``: synchronize what was enqueued, free the run's
+        allocations, then raise a `CudaError` naming the step (the caller re-raises anything
+        else, with a note naming the step)."""
+        self._abort(prep, tracer)
+        labels = prep.program.labels
+        if isinstance(exc, CudaError) and 0 <= i < len(labels):
+            raise exc.with_context(labels[i]) from exc
+        if 0 <= i < len(labels) and isinstance(exc, Exception):
+            exc.add_note(f"while enqueueing {labels[i]}")
 
     def _abort(self, prep: _Prepared, tracer) -> None:
         """A step failed: wait for what was enqueued, free the run's live allocations."""
@@ -372,16 +444,22 @@ class EagerExecutor(ExecutorBase):
         return self._result(last.prepared, (t2 - last.t0) / 1e6, last.enqueue_us,
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
-    def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+    @staticmethod
+    def _log_run(prep, enqueue_us, wall_ms) -> None:
         program = prep.program
         log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
-                  "enqueued (one per step), in %.0f us; wall %s ms", program.node_count,
-                  len(prep.streams), program.event_count, program.wait_count,
-                  len(program.steps), enqueue_us, "-" if wall_ms is None else f"{wall_ms:.3f}")
-        return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=program.node_count,
-                         steps=len(program.steps), events=program.event_count,
-                         waits=program.wait_count, streams=len(prep.streams),
-                         policy=prep.plan.policy, prepare_ms=prepare_ms, timeline=timeline)
+                  "enqueued (one per step), %d copy kernels, in %.0f us; wall %s ms",
+                  program.node_count, len(prep.streams), program.event_count,
+                  program.wait_count, len(program.steps), len(prep.lowered), enqueue_us,
+                  "-" if wall_ms is None else f"{wall_ms:.3f}")
+
+    def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        program = prep.program
+        if _debug():
+            self._log_run(prep, enqueue_us, wall_ms)
+        return RunResult(wall_ms, enqueue_us, program.node_count, len(program.steps),
+                         program.event_count, program.wait_count, len(prep.streams),
+                         prep.plan.policy, prepare_ms, timeline, len(prep.lowered))
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -391,6 +469,7 @@ class EagerExecutor(ExecutorBase):
         self._keep.extend(p.bindings for p in self._prepared.values())
         self._retired.clear()
         self._pending.clear()
+        self._last = None
         self._prepared.clear()
         self._plans.clear()
 

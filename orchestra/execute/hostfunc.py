@@ -68,6 +68,12 @@ class HostCallbacks:
         """Call the trampoline from Python (what the driver does; used by tests)."""
         self._trampoline(token)
 
+    @property
+    def errors(self) -> int:
+        """How many errors wait for `take_errors` (no lock: a list's length is read
+        atomically; the runs' fast path asks this once per run)."""
+        return len(self._errors)
+
     def take_errors(self) -> list[tuple[str, BaseException]]:
         """The ``(node, exception)`` pairs recorded since the last call, oldest first."""
         with self._lock:

@@ -16,7 +16,7 @@ enqueue with `issue_order()`, which follows it while never issuing a wait before
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -207,6 +207,14 @@ class Plan:
     # -- text and JSON ----------------------------------------------------------------------
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, notes: Mapping[str, str] | None = None) -> str:
+        """The listing ``str(plan)`` gives: per stream its steps, each wait with the record it
+        waits for. ``notes``: node name -> a note printed after the node's step (what an
+        executor makes of it, e.g. ``"copy kernel"`` for a host copy lowered to the copy
+        kernel)."""
+        notes = notes or {}
         after = {}  # event -> "node on stream" it follows
         for n in self.stream_names:
             last = None
@@ -227,6 +235,8 @@ class Plan:
                 text = f"    {tag:<6} {_field(st)}"
                 if isinstance(st, WaitEvent):
                     text += f"   ({after.get(st.event, 'never recorded')})"
+                elif isinstance(st, RunNode) and st.node in notes:
+                    text += f"   [{notes[st.node]}]"
                 lines.append(text)
         return "\n".join(lines)
 

@@ -41,11 +41,15 @@ def to_chrome_trace(timeline: Timeline) -> dict:
     for s in timeline.spans:
         args: dict[str, Any] = {"kind": s.kind, "engine": s.engine, "stream": s.stream,
                                 "batch": s.batch}
+        if s.lowering is not None:
+            args["lowering"] = s.lowering
         if s.nbytes is not None:
             args["bytes"] = s.nbytes
             if s.duration_ms > 0 and s.engine in ("upload", "download"):
                 args["GB/s"] = round(s.nbytes / (s.duration_ms * 1e6), 3)
-        events.append({"name": s.name, "cat": s.engine, "ph": "X", "pid": s.device,
+        # a copy run as a copy kernel: both categories (Chrome's cat is a comma-separated list)
+        cat = s.engine if s.lowering is None else f"{s.engine},{s.lowering}"
+        events.append({"name": s.name, "cat": cat, "ph": "X", "pid": s.device,
                        "tid": tids[s.stream], "ts": s.start_ms * 1e3,
                        "dur": s.duration_ms * 1e3, "args": args})
     other = {"producer": "orchestra.trace", "executor": timeline.executor,

@@ -70,8 +70,10 @@ def spans_from_event_pairs(origin, pairs: Iterable, meta: Mapping | None = None,
         origin: the origin event, or a sequence of them (one per stream): the first is the
             reference every event is measured from, and time 0 is the earliest of them.
         pairs: `EventPair` or ``(stream_name, node, start_event, end_event)`` tuples.
-        meta: ``streams``, ``policy``, ``executor``, ``device`` become `Timeline` fields; other
-            keys go to ``Timeline.meta``.
+        meta: ``streams``, ``policy``, ``executor``, ``device`` become `Timeline` fields;
+            ``lowered`` (node name -> ``"copy-kernel"``: host copies run as copy kernels) sets
+            those spans' ``lowering`` (and becomes a count in ``Timeline.meta``); other keys go
+            to ``Timeline.meta``.
         elapsed: ``f(a, b) -> ms`` (default ``cuEventElapsedTime``); every event must have
             completed (synchronize first).
     """
@@ -81,13 +83,17 @@ def spans_from_event_pairs(origin, pairs: Iterable, meta: Mapping | None = None,
         raise TraceValueError("spans_from_event_pairs: no origin event")
     ref = origins[0]
     zero = min([0.0] + [float(el(ref, o)) for o in origins[1:]])
+    extra = dict(meta or {})
+    lowered = extra.pop("lowered", None) or {}
+    if lowered:
+        extra["copy_kernels"] = len(lowered)
     spans = []
     for p in pairs:
         stream, node, a, b = (p.stream, p.node, p.start, p.end) if isinstance(p, EventPair) else p
         start = float(el(ref, a)) - zero
         end = max(float(el(ref, b)) - zero, start)  # the timer's ~0.5 µs resolution
-        spans.append(NodeSpan.from_node(node, stream, start, end))
-    extra = dict(meta or {})
+        spans.append(NodeSpan.from_node(node, stream, start, end,
+                                        lowered.get(getattr(node, "name", None))))
     fields = {k: extra.pop(k) for k in _TIMELINE_FIELDS if k in extra}
     return Timeline(spans, **fields, meta=extra)
 

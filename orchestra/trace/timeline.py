@@ -51,7 +51,10 @@ class NodeSpan:
     """One node's execution: ``start_ms`` .. ``end_ms`` on ``stream`` (ms from the run's start).
 
     ``kind`` is the node kind ("h2d", "kernel", ...), ``engine`` the engine it occupies,
-    ``nbytes`` the bytes it moves or allocates (None for kernels and host functions).
+    ``nbytes`` the bytes it moves or allocates (None for kernels and host functions),
+    ``lowering`` how a host copy ran: ``"copy-kernel"`` (the SMs ran the copy kernel; the
+    node's ``engine`` stays its own, "upload" / "download"), else None (a copy engine, or
+    not a copy).
     """
 
     name: str
@@ -63,6 +66,7 @@ class NodeSpan:
     end_ms: float = attrs.field(converter=float, validator=_finite)
     nbytes: int | None = attrs.field(default=None, kw_only=True)
     device: int = attrs.field(default=0, kw_only=True)
+    lowering: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self):
         if self.end_ms < self.start_ms:
@@ -74,12 +78,14 @@ class NodeSpan:
         return self.end_ms - self.start_ms
 
     @classmethod
-    def from_node(cls, node, stream: str, start_ms: float, end_ms: float) -> "NodeSpan":
+    def from_node(cls, node, stream: str, start_ms: float, end_ms: float,
+                  lowering: str | None = None) -> "NodeSpan":
         """A span for graph node ``node`` (duck-typed: ``name``, ``kind``, ``batch``, ``engine``,
         ``device``, and the bytes from ``nbytes`` / ``buffer`` / ``dst``)."""
         return cls(node.name, getattr(node, "kind", "node"), getattr(node, "batch", None), stream,
                    getattr(node, "engine", "compute"), start_ms, end_ms,
-                   nbytes=node_bytes(node), device=getattr(node, "device", None) or 0)
+                   nbytes=node_bytes(node), device=getattr(node, "device", None) or 0,
+                   lowering=lowering)
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)

@@ -12,7 +12,8 @@ The bindings go through the exec's `BindingTable`, the same one a build filled: 
 bound to the very object it is bound to costs an identity test (while orchestra's pinned ranges
 are unchanged; its writability is not checked again); a new array is checked (C-contiguous, same byte size, writable if the graph
 writes it, page-locked: orchestra's own pinned ranges first, the driver only for memory pinned
-elsewhere); an array checked before (a pool of staging arrays bound in turn) is remembered by
+elsewhere); a host copy lowered to the copy kernel holds the address in its packed argument
+struct (the user's ``params``), applied with ``cuGraphExecKernelNodeSetParams``; an array checked before (a pool of staging arrays bound in turn) is remembered by
 weak reference and skips those checks, except writability, until the pinned ranges lose a
 range (a `PinnedBuffer` closed, a registration undone) or an `update` changes the build. Each
 binding lists the fields its address is written to (`BindingUser`), so a rebinding rewrites
@@ -147,11 +148,17 @@ class Replay(ExecParts):
                     cell.value = addr + u.offset
                 else:
                     setattr(u.params, u.field, addr + u.offset)
-                (err,) = set_memcpy(exec_, u.gnode, u.params, ctx)
+                rec = u.record
+                if rec.kind == "kernel":  # a copy kernel: the field is in its packed struct
+                    (err,) = self._set_kernel(exec_, u.gnode, rec.params)
+                    call = "cuGraphExecKernelNodeSetParams"
+                else:
+                    (err,) = set_memcpy(exec_, u.gnode, u.params, ctx)
+                    call = "cuGraphExecMemcpyNodeSetParams"
                 if err:
                     self._rollback(b, u)
-                    raise error_from_result("cuGraphExecMemcpyNodeSetParams", err,
-                                            context=f"node {u.record.name}, rebinding {name}")
+                    raise error_from_result(call, err,
+                                            context=f"node {rec.name}, rebinding {name}")
         old = table.commit(b, value, a, addr, version)
         if old is not None and old is not b.keep:
             if self._own_pending or self._state.streams:
@@ -166,7 +173,10 @@ class Replay(ExecParts):
             return
         for u in b.users:
             u.set(b.address)
-            self._set_memcpy(self._exec, u.gnode, u.params, self._ctx)
+            if u.record.kind == "kernel":
+                self._set_kernel(self._exec, u.gnode, u.record.params)
+            else:
+                self._set_memcpy(self._exec, u.gnode, u.params, self._ctx)
             if u is failed:
                 break
 

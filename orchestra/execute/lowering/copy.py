@@ -211,13 +211,27 @@ class _HostCopyLowering(Lowering):
         cfg = ka.config
         (gx, gy, gz), (bx, by, bz) = cfg.grid, cfg.block
         name = node.name
-
-        def step():
-            setattr(struct, hfield, hptrs[hslot] + hoff)
-            setattr(struct, dfield, ptrs[dslot] + doff)
-            (err,) = launch(func, gx, gy, gz, bx, by, bz, 0, sh, address, 0)
-            if err:
-                raise error_from_result("cuLaunchKernel", err, context=f"copy kernel {name}")
+        # eager: a bound side is written by the binding table when it changes (bound_field)
+        host_bound = ctx.bound_field(h.buffer, struct, hfield, hoff)
+        dev_bound = ctx.bound_field(d.buffer, struct, dfield, doff)
+        if host_bound and dev_bound:
+            def step():
+                (err,) = launch(func, gx, gy, gz, bx, by, bz, 0, sh, address, 0)
+                if err:
+                    raise error_from_result("cuLaunchKernel", err, context=f"copy kernel {name}")
+        elif host_bound:
+            def step():
+                setattr(struct, dfield, ptrs[dslot] + doff)
+                (err,) = launch(func, gx, gy, gz, bx, by, bz, 0, sh, address, 0)
+                if err:
+                    raise error_from_result("cuLaunchKernel", err, context=f"copy kernel {name}")
+        else:
+            def step():
+                setattr(struct, hfield, hptrs[hslot] + hoff)
+                setattr(struct, dfield, ptrs[dslot] + doff)
+                (err,) = launch(func, gx, gy, gz, bx, by, bz, 0, sh, address, 0)
+                if err:
+                    raise error_from_result("cuLaunchKernel", err, context=f"copy kernel {name}")
         return step
 
     # -- explicit graphs ------------------------------------------------------------------

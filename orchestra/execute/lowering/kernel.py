@@ -72,9 +72,12 @@ class KernelLowering(Lowering):
         # prepared plan; capture: the built graph's kernels)
         ka = ctx.resolved[node.name]
         a = ctx.addresses
-        patches = tuple((p.field, a.device_slot(p.buffer), p.offset) for p in ka.pointers)
-        ptrs, sh = a.ptrs, stream.handle
         struct, address, func = ka.packed.struct, ka.packed.address, ka.kernel.function
+        # a pointer into a bound (external) buffer is written by the binding table when the
+        # binding changes; only pointers into the run's own allocations are written per run
+        patches = tuple((p.field, a.device_slot(p.buffer), p.offset) for p in ka.pointers
+                        if not ctx.bound_field(p.buffer, struct, p.field, p.offset))
+        ptrs, sh = a.ptrs, stream.handle
         name = node.name
         if ctx.capture:
             params = kernel_params(ka)
@@ -96,6 +99,12 @@ class KernelLowering(Lowering):
         launch = ctx.api.cuLaunchKernel
         cfg = ka.config
         (gx, gy, gz), (bx, by, bz), smem = cfg.grid, cfg.block, cfg.shared_mem
+        if not patches:  # every pointer bound (or none): the launch alone
+            def step():
+                (err,) = launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
+                if err:
+                    raise error_from_result("cuLaunchKernel", err, context=f"kernel {name}")
+            return step
 
         def step():
             for field, slot, off in patches:

@@ -142,6 +142,20 @@ class StreamContext:
         rec.params = params
         return rec
 
+    def bound_field(self, buffer: str, struct, field: str, offset: int) -> bool:
+        """Eager: when ``buffer`` is a binding (a host array or an external device buffer),
+        make ``struct.<field>`` (a packed kernel argument) one of its users, so the binding
+        table writes the address when the binding changes and the step need not write it on
+        every run; True when it did. Capture (the steps run once) and graph allocations:
+        False (the step writes the field from the address slots)."""
+        if self.built is not None or self.bindings is None:
+            return False
+        b = self.bindings.get(buffer)
+        if b is None:
+            return False
+        self.bindings.use(buffer, BindingUser(None, struct, field, offset))
+        return True
+
     def use(self, binding: str, record, params, field: str, offset: int) -> None:
         """Capture: ``params.<field>`` of ``record`` holds binding ``binding``'s address +
         ``offset`` (what a replay rewrites); eager: nothing (the slots are the users)."""
