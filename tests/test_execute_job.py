@@ -156,10 +156,10 @@ def fake_job(monkeypatch):
     fake = FakeCuda(monkeypatch)
     made = []
 
-    def make_executor(name="eager", device=None, *, verify=True):
+    def make_executor(name="eager", device=None, *, verify=True, copy_lowering="auto"):
         ex = EagerExecutor(kernel_resolver=KernelResolver(fake.device,
                                                           lambda r, d: FakeKernel()),
-                           verify=verify)
+                           verify=verify, copy_lowering=copy_lowering)
         made.append(ex)
         return ex
 

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from orchestra.cli.exit_codes import UsageError
+from orchestra.graph import COPY_LOWERINGS
 from orchestra.schedule import POLICIES
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staging-slots", type=positive_int, default=None,
                    help=f"pinned staging slots per direction with --input (default "
                         f"{DEFAULT_STAGING_SLOTS})")
+    p.add_argument("--copy-lowering", choices=COPY_LOWERINGS, default="auto",
+                   help="how host copies run: auto (default: copy kernels below the device's "
+                        "crossover, see `orchestra tune copies`), kernel (every copy a copy "
+                        "kernel on the SMs) or copy-engine (cuMemcpy*Async / memcpy nodes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -37,7 +37,7 @@ from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError
 log = logging.getLogger(__name__)
 
 # Subcommand modules, in the order `orchestra --help` lists them.
-_COMMANDS = ("devices", "compile_cmd", "cache_cmd", "plan_cmd", "run_cmd", "bench")
+_COMMANDS = ("devices", "compile_cmd", "cache_cmd", "plan_cmd", "run_cmd", "bench", "tune_cmd")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -1,7 +1,9 @@
 """`orchestra plan`: the plan `orchestra run` would execute, without a GPU.
 
 Builds the same task graph from the same options, schedules it and prints the per-stream listing
-and the counts of nodes, edges, events and waits (``--json``: one JSON object). The critical-path
+(each host copy that ``--executor`` with ``--copy-lowering`` would run as a copy kernel marked
+``[copy kernel]``, by the default crossover) and the counts of nodes, edges,
+events, waits and copy lowerings (``--json``: one JSON object). The critical-path
 policy needs cost estimates: here it uses the default cost model (copies at 50 GB/s, a kernel as
 long as its input's copy), while `orchestra run` measures the copies and the kernel first.
 """
@@ -27,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the main job's plan (streams, nodes, events); "
                                     "no GPU needed")
     add_graph_options(p)
+    p.add_argument("--executor", choices=("eager", "capture", "graph"), default="eager",
+                   help="the executor `orchestra run --executor` would use: it decides which "
+                        "crossover the copy lowering uses (eager, or the CUDA graph "
+                        "executors); default eager")
     p.add_argument("--summary", action="store_true",
                    help="print the counts only, not the per-stream listing")
     p.set_defaults(func=run)
@@ -96,14 +102,38 @@ def run(args: argparse.Namespace) -> int:
             "cost_model": COST_NOTE,
             "estimated_makespan_ms": round(makespan_ms, 3),
         }
+        copies = copy_lowering(args, graph)
+        info["copy_lowering"] = copies["info"]
         update(3, description="plan: formatting")
         text = (json.dumps({**info, "plan": plan.to_dict()}, indent=1, sort_keys=True)
-                if args.json else format_text(args, info, plan, source))
+                if args.json else format_text(args, info, plan, source, copies["notes"]))
     print(text)  # after the bar is gone
     return 0
 
 
-def format_text(args: argparse.Namespace, info: dict, plan, source: str | None) -> str:
+def copy_lowering(args: argparse.Namespace, graph) -> dict:
+    """How the executor would lower the job's host copies, without a GPU: the default crossover
+    (`orchestra run` uses the table measured for its device, when there is one) on a device
+    whose kernels can address pinned host memory. ``{"info": JSON-able summary, "notes": node
+    name -> "copy kernel" for each copy lowered to the copy kernel}`` (the listing marks those;
+    the others run on copy engines, as every copy did before)."""
+    from orchestra.execute.lowering.copy_policy import DEFAULT_CROSSOVER, CopyPolicy
+
+    mode = "eager" if args.executor == "eager" else "graph"
+    policy = CopyPolicy(args.copy_lowering, mode, DEFAULT_CROSSOVER, True, "the GPU")
+    copies = [n for n in graph.nodes if n.kind in ("h2d", "d2h")]
+    notes = {n.name: "copy kernel" for n in copies if policy.choose(n) == "kernel"}
+    info = {"lowering": args.copy_lowering, "executor": args.executor, "mode": mode,
+            "copies": len(copies), "copy_kernels": len(notes),
+            "copy_engine": len(copies) - len(notes),
+            "crossover": {k: v for k, v in DEFAULT_CROSSOVER.as_dict().items()
+                          if k != "measured"},
+            "summary": policy.summary()}
+    return {"info": info, "notes": notes}
+
+
+def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
+                notes: dict | None = None) -> str:
     """The human-readable listing `orchestra plan` prints."""
     what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
                       f"({fmt_bytes(info['data_bytes'])})")
@@ -113,10 +143,18 @@ def format_text(args: argparse.Namespace, info: dict, plan, source: str | None) 
     lines = [f"orchestra plan: {what}, policy {args.policy}, {streams}, "
              f"compute iters {args.compute_iters}"]
     if not args.summary:
-        lines.append(str(plan))
+        lines.append(plan.text(notes))
+    c = info.get("copy_lowering")
     lines += [
         f"counts: {info['nodes']} nodes, {info['edges']} edges, {info['events']} events, "
         f"{info['waits']} waits, {info['streams']} streams",
+    ]
+    if c is not None:
+        lines.append(f"copies ({c['executor']} executor): {c['copies']}, {c['copy_kernels']} as "
+                     f"copy kernels, {c['copy_engine']} on copy engines; {c['summary']} "
+                     "(no GPU asked: `orchestra run` uses the table measured for its device, "
+                     "`orchestra tune copies`)")
+    lines += [
         f"memory: {fmt_bytes(info['pinned_bytes'])} pinned host, "
         f"{fmt_bytes(info['device_batch_bytes'])} device per batch, up to "
         f"{fmt_bytes(info['device_peak_bytes'])} with the batches in flight",

@@ -24,7 +24,9 @@ What `MainJob.run` does, in order:
 ``efficiency = bound / wall`` with the fill-aware pipeline bound from the sustained times, the
 duplex rate where both directions overlap (`bound.pipeline_bound`; N counts a shorter last
 batch by its fraction of a full one). An efficiency above 1.01 is a bug in the bound:
-``JobReport.bound_warning`` says so.
+``JobReport.bound_warning`` says so, unless copies ran as copy kernels (``copy_lowering``,
+``JobReport.copy_kernels``): the bound is made of copy-engine times, which copy kernels may
+beat.
 
 With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
 flattened) and goes through a pool of pinned staging slots (`graphs.build_staged_graph`); the
@@ -107,6 +109,8 @@ class JobReport:
     bound_terms: dict = attrs.field(factory=dict)  # term -> ms (bound.PipelineBound.terms)
     sustained: dict | None = None  # bound.Sustained.as_dict(): the times the bound is made of
     bound_warning: str | None = None  # set when efficiency > 1.01: the bound is wrong
+    copy_lowering: str = "auto"  # the run's --copy-lowering
+    copy_kernels: int = 0  # host copies of one run that ran as the copy kernel
     timing: str = TIMING_NOTE
     timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
@@ -147,6 +151,8 @@ class MainJob:
     float32 ``.npy`` file through ``staging_slots`` pinned slots instead of generated data.
     ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
     ``progress``: called as ``progress(stage, done, total)`` as the runs go (the CLI's bar).
+    ``copy_lowering``: ``"auto"`` (default), ``"kernel"`` or ``"copy-engine"``, the executor's
+    (`orchestra.execute.ExecutorBase`).
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
@@ -156,7 +162,8 @@ class MainJob:
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
-                 progress: Callable[[str, int, int], None] | None = None):
+                 progress: Callable[[str, int, int], None] | None = None,
+                 copy_lowering: str = "auto"):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
             raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
@@ -178,6 +185,7 @@ class MainJob:
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
         self.trace = bool(trace)
         self.progress = progress
+        self.copy_lowering = copy_lowering
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -228,8 +236,11 @@ class MainJob:
             output=None if self.output is None else str(self.output), timeline=timeline,
             bound_limiter=bound.limiter, bound_terms=bound.terms,
             sustained=None if single.sustained is None else single.sustained.as_dict(),
-            bound_warning=bound_warning(efficiency,
-                                        f"{self.executor_name} {self.policy}"))
+            # the bound is made of copy-engine times: copies run as copy kernels may beat it,
+            # which says nothing about the bound
+            bound_warning=None if last.copy_kernels else bound_warning(
+                efficiency, f"{self.executor_name} {self.policy}"),
+            copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels)
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):
@@ -293,7 +304,8 @@ class MainJob:
 
         sizes = self.sizes()
         total = sum(sizes) // ELEMENT
-        executor = make_executor(self.executor_name, dev, verify=self.verify_plan)
+        executor = make_executor(self.executor_name, dev, verify=self.verify_plan,
+                                 copy_lowering=self.copy_lowering)
         pin_in = pin_out = stream = None
         try:
             pin_in = PinnedBuffer.empty(total, np.float32, dev)
@@ -352,7 +364,8 @@ class MainJob:
         sizes = self.sizes(n)
         per = self.batch_bytes // ELEMENT
         slots = max(1, min(self.staging_slots, len(sizes)))
-        executor = make_executor(self.executor_name, dev, verify=self.verify_plan)
+        executor = make_executor(self.executor_name, dev, verify=self.verify_plan,
+                                 copy_lowering=self.copy_lowering)
         stage_in = stage_out = stream = None
         try:
             stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")

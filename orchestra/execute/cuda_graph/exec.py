@@ -167,6 +167,11 @@ class GraphExec(Replay, Update, Closable):
         return len(self._records)
 
     @property
+    def copy_kernels(self) -> int:
+        """Host copies of the graph built as the copy kernel (kernel nodes)."""
+        return len(self._built.copies)
+
+    @property
     def bindings(self) -> dict:
         """host buffer name -> the bound object (what the next launch reads and writes)."""
         return {name: b.value for name, b in self._host.items()}

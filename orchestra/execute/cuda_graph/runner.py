@@ -129,10 +129,9 @@ class GraphRunner(Closable):
                     timeline = exe.synchronize()
                     wall = (time.perf_counter_ns() - t0) / 1e6
             prepare_ms = built_ms[0] if built_ms else 0.0
-            return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
-                             steps=1, events=plan.event_count, waits=plan.wait_count,
-                             streams=len(plan.streams), policy=plan.policy,
-                             prepare_ms=prepare_ms, timeline=timeline)
+            return RunResult(wall, (t1 - t0) / 1e3, exe.node_count, 1, plan.event_count,
+                             plan.wait_count, len(plan.streams), plan.policy, prepare_ms,
+                             timeline, exe.copy_kernels)
 
     def synchronize(self):
         """Wait for the last exec's launches (``sync=False`` runs)."""

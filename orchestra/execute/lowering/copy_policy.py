@@ -159,9 +159,11 @@ class CopyPolicy:
             return f"copy lowering auto: every copy on the copy engines ({self.device} cannot " \
                    "run copy kernels)"
         c = self.crossover
-        return (f"copy lowering auto ({c.source} crossover, {self.mode} mode): copy kernels "
-                f"below {fmt_bytes(c.threshold(self.mode, 'h2d'))} (h2d) / "
-                f"{fmt_bytes(c.threshold(self.mode, 'd2h'))} (d2h)")
+        h2d, d2h = c.threshold(self.mode, "h2d"), c.threshold(self.mode, "d2h")
+        head = f"copy lowering auto ({c.source} crossover, {self.mode} mode): "
+        if h2d == 0 and d2h == 0:
+            return head + "every copy on the copy engines"
+        return head + (f"copy kernels below {fmt_bytes(h2d)} (h2d) / {fmt_bytes(d2h)} (d2h)")
 
 
 def fmt_bytes(n: int) -> str:
