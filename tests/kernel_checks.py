@@ -409,6 +409,193 @@ def _cp_async_scale(ctx: Ctx) -> None:
             dy.free()
 
 
+# -- the copy kernel (host <-> device copies lowered to the SMs) --------------------------------
+
+_COPY_OFFSETS = ((0, 0), (1, 1), (3, 7), (4, 0), (8, 8), (8, 0), (0, 12), (5, 13), (15, 1))
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """A fresh numpy byte array starting on a 4 KiB page (for register_host)."""
+    raw = np.zeros(nbytes + 8192, np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start:start + nbytes]
+
+
+@check("copy_kernel")
+def _copy_kernel(ctx: Ctx) -> None:
+    """cuda_src/copy.cu launched directly: H2D and D2H between pinned host memory (a
+    PinnedBuffer and a registered array, both addressed at their host pointer) and device
+    memory, ragged sizes, every relative alignment (16-, 8-, 4-byte and byte paths), heads and
+    tails, one block and the lowering's grid; the bytes around each copy must stay untouched."""
+    from cuda.bindings import driver as d
+
+    from orchestra.driver import DeviceBuffer, PinnedBuffer, register_host
+    from orchestra.execute.lowering.copy import copy_kernel_ref
+    from orchestra.execute.lowering.copy_policy import COPY_BLOCK, copy_grid
+    from orchestra.kernel import load_kernel
+
+    dev = ctx.device
+    if not dev.kernel_host_access:
+        raise Skip("the device's kernels cannot address pinned host memory")
+    ref = copy_kernel_ref()
+    k = load_kernel(ref.source, ref.name, params=ref.params, device=dev)
+    big = (64 << 10) if ctx.small else (1 << 20)
+    sizes = (1, 2, 3, 15, 16, 17, 31, 255, 4096, 4099, 65541, big + 3)
+    cap = max(sizes) + 64
+    pin = PinnedBuffer(cap, dev)
+    reg_array = _page_aligned(cap)
+    reg = register_host(reg_array, dev)
+    dbuf = DeviceBuffer.allocate(cap, ctx.stream)
+    scratch = PinnedBuffer(cap, dev)
+    try:
+        for name, host, hptr in (("PinnedBuffer", pin.view(np.uint8), pin.ptr),
+                                 ("register_host", reg_array, reg.ptr)):
+            err, mapped = d.cuMemHostGetDevicePointer(hptr, 0)
+            if int(err) or int(mapped) != hptr:
+                raise CheckFailed(f"{name}: cuMemHostGetDevicePointer gave {err}, "
+                                  f"{int(mapped) if not int(err) else 0:#x} for host {hptr:#x}: "
+                                  "kernels cannot use the host pointer")
+            print(f"    ok  {name}: device pointer == host pointer ({hptr:#x})")
+            for n in sizes:
+                for ho, do in _COPY_OFFSETS:
+                    for grid in sorted({1, copy_grid(n, dev.sm_count)}):
+                        # H2D: host[ho, ho+n) -> device[do, do+n)
+                        host[:] = ctx.rng.integers(0, 256, cap, dtype=np.uint8)
+                        dbuf.memset(0xAB, ctx.stream)
+                        k.launch(ctx.stream, grid, COPY_BLOCK, (dbuf.ptr + do, hptr + ho, n, 0))
+                        dbuf.copy_to_host(scratch, ctx.stream, sync=True)
+                        got = scratch.view(np.uint8)
+                        if not (np.array_equal(got[do:do + n], host[ho:ho + n])
+                                and (got[:do] == 0xAB).all() and (got[do + n:] == 0xAB).all()):
+                            raise CheckFailed(f"{name} H2D n={n} host+{ho} dev+{do} grid={grid}")
+                        # D2H: device[do, do+n) -> host[ho, ho+n)
+                        src = ctx.rng.integers(0, 256, cap, dtype=np.uint8)
+                        scratch.view(np.uint8)[:] = src
+                        dbuf.copy_from_host(scratch, ctx.stream, sync=True)
+                        host[:] = 0xCD
+                        k.launch(ctx.stream, grid, COPY_BLOCK, (hptr + ho, dbuf.ptr + do, n, 1))
+                        ctx.stream.synchronize()
+                        if not (np.array_equal(host[ho:ho + n], src[do:do + n])
+                                and (host[:ho] == 0xCD).all() and (host[ho + n:] == 0xCD).all()):
+                            raise CheckFailed(f"{name} D2H n={n} host+{ho} dev+{do} grid={grid}")
+            print(f"    ok  {name}: {len(sizes)} sizes x {len(_COPY_OFFSETS)} offset pairs, "
+                  "both directions, bytes around each copy untouched")
+    finally:
+        ctx.stream.synchronize()
+        dbuf.free(ctx.stream)
+        ctx.stream.synchronize()
+        reg.close()
+        pin.close()
+        scratch.close()
+
+
+def _burn(x, iters=2):
+    v = x.copy()
+    for _ in range(iters):
+        v = v * np.float32(0.5) + np.float32(1)
+    return v
+
+
+@check("copy_lowering")
+def _copy_lowering(ctx: Ctx) -> None:
+    """The copy lowering through every executor (eager, capture, graph-build): a pipeline of
+    ragged batches and a byte graph of odd sizes at odd offsets, with every copy a copy kernel
+    and with every copy on the copy engines: outputs bit-identical to each other and to numpy;
+    then replays of the copy-kernel graphs with rebound host arrays, each verified."""
+    from orchestra.app.job.graphs import burn_kernel_ref
+    from orchestra.driver import PinnedBuffer
+    from orchestra.execute import EagerExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.graph import Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostToDevice
+    from orchestra.graph import TaskGraph, build_pipeline
+
+    dev = ctx.device
+    if not dev.kernel_host_access:
+        raise Skip("the device's kernels cannot address pinned host memory")
+    sizes = [4096, 4100, 12, 65540, 16] if ctx.small else [4096, 4100, 12, 65540, 1 << 20, 16]
+    total = sum(sizes)
+    pipe, _ = build_pipeline(len(sizes), sizes, burn_kernel_ref(), scalars=(2, 0.5, 1.0),
+                             host_in=HostBuffer("x", total), host_out=HostBuffer("y", total))
+    odd = (1, 15, 17, 1000, 4099)
+    nbytes = sum(odd) + 3
+    bytes_graph = TaskGraph()
+    hin, hout, dbuf = HostBuffer("in", nbytes), HostBuffer("out", nbytes), Buffer("d", nbytes)
+    bytes_graph.add(Alloc("alloc", dbuf))
+    off = 3
+    for i, n in enumerate(odd):
+        bytes_graph.add(HostToDevice(f"up{i}", hin.range(off, n), dbuf.range(off, n)))
+        off += n
+    off = 3
+    for i, n in enumerate(odd):
+        bytes_graph.add(DeviceToHost(f"down{i}", dbuf.range(off, n), hout.range(off, n)))
+        off += n
+    bytes_graph.add(Free("free", dbuf))
+    keep = []
+
+    def pinned(shape, dtype):
+        p = PinnedBuffer.empty(shape, dtype, dev)
+        keep.append(p)
+        return p.array
+
+    xs = [pinned(total // 4, np.float32) for _ in range(3)]
+    ys = [pinned(total // 4, np.float32) for _ in range(3)]
+    for x in xs:
+        x[:] = ctx.randn(total // 4)
+    bx, by = pinned(nbytes, np.uint8), pinned(nbytes, np.uint8)
+    bx[:] = ctx.rng.integers(0, 256, nbytes, dtype=np.uint8)
+    want_bytes = bx.copy()
+    want_bytes[:3] = 0
+    try:
+        for kind in ("eager", "capture", "graph-build"):
+            cls = {"eager": EagerExecutor, "capture": CaptureExecutor,
+                   "graph-build": GraphBuildExecutor}[kind]
+            with cls(dev) as ex:
+                outs = {}
+                for lowering in ("copy-engine", "kernel"):
+                    ys[0][:] = np.nan
+                    by[:] = 0
+                    if kind == "eager":
+                        res = ex.run(pipe, bindings={"x": xs[0], "y": ys[0]},
+                                     copy_lowering=lowering)
+                        copies = res.copy_kernels
+                        ex.run(bytes_graph, bindings={"in": bx, "out": by},
+                               copy_lowering=lowering)
+                    else:
+                        exe = ex.run(pipe, None, {"x": xs[0], "y": ys[0]},
+                                     copy_lowering=lowering)
+                        copies = exe.copy_kernels
+                        exe.close()
+                        ex.run(bytes_graph, None, {"in": bx, "out": by},
+                               copy_lowering=lowering).close()
+                    want = 2 * len(sizes) if lowering == "kernel" else 0
+                    if copies != want:
+                        raise CheckFailed(f"{kind} {lowering}: {copies} copy kernels, want {want}")
+                    outs[lowering] = ys[0].copy()
+                    if not np.array_equal(by, want_bytes):
+                        raise CheckFailed(f"{kind} {lowering}: odd sizes / offsets wrong")
+                if outs["kernel"].tobytes() != outs["copy-engine"].tobytes():
+                    raise CheckFailed(f"{kind}: copy kernels and copy engines differ")
+                ctx.expect(f"{kind}: copy kernels == copy engines == numpy", outs["kernel"],
+                           _burn(xs[0]), rtol=0, atol=0)
+                if kind == "eager":
+                    continue
+                exe = ex.build(pipe, bindings={"x": xs[0], "y": ys[0]}, copy_lowering="kernel")
+                try:
+                    for r in range(6):
+                        i = r % 3
+                        ys[i][:] = np.nan
+                        exe.replay({"x": xs[i], "y": ys[i]})
+                        if not np.array_equal(ys[i], _burn(xs[i])):
+                            raise CheckFailed(f"{kind}: replay {r} with rebound arrays {i}")
+                finally:
+                    exe.close()
+                print(f"    ok  {kind}: 6 replays rebinding 3 host array sets")
+    finally:
+        for p in keep:
+            p.close()
+
+
 # -- runner -------------------------------------------------------------------------------------
 
 def run(names: list[str], small: bool = False) -> int:

@@ -3,11 +3,14 @@
 # (tool, check), so a check that a tool kills (a sticky CUDA error) hides nothing else.
 #
 #   tests/run_sanitizers.sh [tool ...]          # default tools: memcheck racecheck synccheck
+#   CHECKS='copy_*' tests/run_sanitizers.sh memcheck racecheck   # the copy kernel, directly and
+#                                                # through every executor's copy lowering
 #
 # Environment (all optional):
 #   SANITIZER  the compute-sanitizer to run (default: compute-sanitizer on PATH)
 #   PYTHON     the interpreter (default: python3)
-#   CHECKS     check names, space-separated (default: all of tests/kernel_checks.py --list)
+#   CHECKS     check names or shell patterns (copy_*), space-separated (default: all of
+#              tests/kernel_checks.py --list)
 #   CUBINS     directory of prebuilt cubins (tests/kernel_checks.py --build-cubins DIR)
 #   LOGDIR     where the per-run logs go (default: a new temporary directory)
 #   TIMEOUT    seconds per run (default: 900)
@@ -19,7 +22,21 @@ cd "$(dirname "$0")/.."
 SAN=${SANITIZER:-compute-sanitizer}
 PY=${PYTHON:-python3}
 TOOLS=${*:-memcheck racecheck synccheck}
-CHECKS=${CHECKS:-$("$PY" tests/kernel_checks.py --list)}
+ALL_CHECKS=$("$PY" tests/kernel_checks.py --list)
+if [ -n "${CHECKS:-}" ]; then  # names or patterns, matched against the known checks
+    wanted=$CHECKS
+    CHECKS=""
+    for pat in $wanted; do
+        hit=0
+        for c in $ALL_CHECKS; do
+            # shellcheck disable=SC2053  # a pattern on purpose
+            if [[ $c == $pat ]]; then CHECKS="$CHECKS $c"; hit=1; fi
+        done
+        [ $hit -eq 1 ] || { echo "no check matches '$pat' (tests/kernel_checks.py --list)" >&2; exit 2; }
+    done
+else
+    CHECKS=$ALL_CHECKS
+fi
 LOGDIR=${LOGDIR:-$(mktemp -d)}
 mkdir -p "$LOGDIR"
 extra=(--small)

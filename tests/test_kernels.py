@@ -401,3 +401,35 @@ echo "PASS $name (0.0 s)"
     assert any(re.match(r"synccheck\s+a_check\s+ERRORS\s", ln) for ln in lines), out.stdout
     assert any(re.match(r"b_check\s+ok\s+ok", ln) for ln in lines), out.stdout
     assert (tmp_path / "logs" / "synccheck.a_check.log").is_file()
+
+
+def test_sanitizer_loop_takes_check_patterns(tmp_path):
+    """``CHECKS='copy_*'`` selects the checks matching the pattern (the copy kernel's); a
+    pattern matching nothing is a usage error."""
+    san, py = tmp_path / "san", tmp_path / "py"
+    san.write_text("""#!/bin/bash
+[ "$1" = --version ] && { echo "fake version 1"; exit 0; }
+shift 4
+"$@"; rc=$?
+echo "==== ERROR SUMMARY: 0 errors"
+exit $rc
+""")
+    py.write_text("""#!/bin/bash
+[ "$2" = --list ] && { printf 'burn\\ncopy_kernel\\ncopy_lowering\\n'; exit 0; }
+echo "PASS ${@: -1} (0.0 s)"
+""")
+    san.chmod(0o755)
+    py.chmod(0o755)
+    script = Path(__file__).with_name("run_sanitizers.sh")
+    env = {"PATH": "/usr/bin:/bin", "SANITIZER": str(san), "PYTHON": str(py),
+           "LOGDIR": str(tmp_path / "logs"), "CHECKS": "copy_*"}
+    out = subprocess.run(["bash", str(script), "memcheck", "racecheck"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert ran == ["memcheck.copy_kernel.log", "memcheck.copy_lowering.log",
+                   "racecheck.copy_kernel.log", "racecheck.copy_lowering.log"]
+    env["CHECKS"] = "nothing_*"
+    out = subprocess.run(["bash", str(script), "memcheck"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and "no check matches 'nothing_*'" in out.stderr
