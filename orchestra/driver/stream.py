@@ -46,8 +46,11 @@ class Stream(Resource):
         self.device.make_current()
         handle = cu(driver.cuStreamCreateWithPriority,
                     driver.CUstream_flags.CU_STREAM_NON_BLOCKING, self.priority)
+        # [True] while open, emptied when the owner closes: a launch path that remembers this
+        # stream tests it (a list's truth) instead of the handle property chain
+        self._live = [True]
         self._own = Owner(self, handle, functools.partial(cu, driver.cuStreamDestroy),
-                          self.device, "Stream")
+                          self.device, "Stream", on_close=self._live.clear)
 
     @property
     def handle(self) -> driver.CUstream:

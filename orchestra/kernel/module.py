@@ -266,6 +266,8 @@ class Kernel:
         # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self._dyn_smem: int | None = None
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
+        self._last_dims: tuple = (None, None, None, None)  # (grid, block, smem, dims) of the last
+        self._last_stream: tuple = (None, None, None)  # (Stream, its open marker, handle)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
         self._lock = threading.Lock()
         if params is not None:
@@ -377,6 +379,28 @@ class Kernel:
                     d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need)
                 self._dyn_smem = need
 
+    def _dims(self, grid, block, shared_mem):
+        """The checked launch dimensions of a configuration (cached per configuration), now
+        remembered as the last one."""
+        try:
+            dims = self._plain[(grid, block, shared_mem)]
+        except (KeyError, TypeError):
+            dims = self._prepare_plain(grid, block, shared_mem)
+        self._last_dims = (grid, block, shared_mem, dims)
+        return dims
+
+    def _stream_handle(self, stream):
+        """``stream``'s ``CUstream`` (a `Stream`'s handle, `ResourceClosedError` once closed;
+        a raw non-null ``CUstream``), remembered with the stream's owner for the next launch."""
+        try:
+            handle = stream.handle
+        except AttributeError:
+            return _raw_stream(stream)
+        live = getattr(stream, "_live", None)
+        if type(live) is list:  # an orchestra Stream: remembered while it is open
+            self._last_stream = (stream, live, handle)
+        return handle
+
     def _prepare_plain(self, grid, block, shared_mem):
         cfg = LaunchConfig.make(grid, block, shared_mem)
         self.check(cfg)
@@ -421,20 +445,27 @@ class Kernel:
         if cooperative or cluster is not None or pdl or priority is not None:
             return self._launch_ex(stream, grid, block, args, shared_mem, cooperative,
                                    cluster, pdl, priority)
-        try:
-            dims = self._plain[(grid, block, shared_mem)]
-        except (KeyError, TypeError):
-            dims = self._prepare_plain(grid, block, shared_mem)
+        # The last configuration and stream are remembered as one tuple each (read
+        # atomically): the same objects as last time cost identity tests, not a key tuple,
+        # its hash and three property calls. A configuration is checked once
+        # (`_prepare_plain`); a remembered stream's handle is used only while the stream is
+        # open (`Stream._live`), so a closed Stream still raises `ResourceClosedError`.
+        last = self._last_dims
+        if last[0] is grid and last[1] is block and last[2] == shared_mem:
+            dims = last[3]
+        else:
+            dims = self._dims(grid, block, shared_mem)
         if type(args) is PackedArgs and args.layout is self.layout:
             address = args.address
         else:
             args, address = self._args_address(args)
-        try:
-            handle = stream.handle
-        except AttributeError:
-            handle = _raw_stream(stream)
-        (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
-                         dims[6], handle, address, 0)
+        ls = self._last_stream
+        if ls[0] is stream and ls[1]:  # ls[1]: the Stream's open marker, emptied at close
+            handle = ls[2]
+        else:
+            handle = self._stream_handle(stream)
+        gx, gy, gz, bx, by, bz, smem = dims
+        (err,) = _launch(self.function, gx, gy, gz, bx, by, bz, smem, handle, address, 0)
         if err:
             from orchestra.driver.check import error_from_result
 

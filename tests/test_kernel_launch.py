@@ -1,0 +1,123 @@
+"""`Kernel.launch` on the CPU (the driver's ``cuLaunchKernel`` swapped for a recorder): the
+remembered configuration and stream save work without skipping a check: a new configuration is
+checked before its launch, a closed stream is refused, raw streams keep their checks, unpacked
+arguments are packed and checked."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+from cuda.bindings import driver
+
+import orchestra.kernel.module as km
+from orchestra.compiler.args import ArgLayout
+from orchestra.compiler.params import normalize_params
+from orchestra.driver import owner as owner_mod
+from orchestra.driver.owner import Owner
+from orchestra.driver.owner import ResourceClosedError
+
+PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s", "float t")
+
+
+_DEV = types.SimpleNamespace(ordinal=0, pushed=contextlib.nullcontext)
+
+
+class _Stream:
+    """A `Stream` look-alike: an `Owner` with the open marker real Streams keep."""
+
+    def __init__(self, handle):
+        self._live = [True]
+        self._own = Owner(self, handle, lambda h: None, _DEV, "Stream",
+                          on_close=self._live.clear)
+
+    @property
+    def handle(self):
+        return self._own.handle
+
+    def close(self):
+        self._own.close()
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(owner_mod, "context_alive", lambda ordinal: True)
+    calls = []
+    monkeypatch.setattr(km, "_launch", lambda *a: (calls.append(a), (0,))[1])
+    k = km.Kernel.__new__(km.Kernel)
+    k.name, k.function = "burn", "fn"
+    k.layout = ArgLayout(normalize_params(PARAMS), "burn")
+    k._plain, k._ex, k._dyn_smem, k._attributes = {}, {}, None, None
+    k._last_dims, k._last_stream = (None,) * 4, (None,) * 3
+    checked = []
+
+    def check(cfg):
+        checked.append((cfg.grid, cfg.block, cfg.shared_mem))
+        if cfg.block[0] > 1024:
+            raise ValueError("block too large")
+
+    k.check = check
+    return k, calls, checked
+
+
+def test_the_same_configuration_is_checked_once_and_launched_as_given(kernel):
+    k, calls, checked = kernel
+    s = _Stream("h1")
+    packed = k.pack([1 << 20, 2 << 20, 100, 1, 0.5, 1.0])
+    for _ in range(3):
+        k.launch(s, 64, 256, packed)
+    assert checked == [((64, 1, 1), (256, 1, 1), 0)]
+    assert calls == [("fn", 64, 1, 1, 256, 1, 1, 0, "h1", packed.address, 0)] * 3
+    k.launch(s, (64, 2), 256, packed)  # another configuration: checked before its launch
+    assert checked[-1] == ((64, 2, 1), (256, 1, 1), 0) and calls[-1][1:4] == (64, 2, 1)
+    k.launch(s, 64, 256, packed)  # back to the first: cached, not checked again
+    assert len(checked) == 2 and calls[-1][1:4] == (64, 1, 1)
+    with pytest.raises(ValueError, match="block too large"):
+        k.launch(s, 64, 2048, packed)
+    assert len(calls) == 5  # nothing launched
+    k.launch(s, (64, 1, 1), [256], packed)  # equal values in new objects: the cache by value
+    assert calls[-1][1:7] == (64, 1, 1, 256, 1, 1)
+
+
+def test_a_remembered_stream_is_refused_once_closed(kernel):
+    k, calls, _ = kernel
+    a, b = _Stream("ha"), _Stream("hb")
+    packed = k.pack([1, 2, 3, 1, 0.5, 1.0])
+    k.launch(a, 1, 32, packed)
+    k.launch(b, 1, 32, packed)
+    k.launch(a, 1, 32, packed)
+    assert [c[8] for c in calls] == ["ha", "hb", "ha"]
+    a.close()
+    with pytest.raises(ResourceClosedError, match="Stream is closed"):
+        k.launch(a, 1, 32, packed)
+    assert len(calls) == 3
+    k.launch(b, 1, 32, packed)
+    b.close()
+    with pytest.raises(ResourceClosedError):
+        k.launch(b, 1, 32, packed)  # the stream launched on last, closed: refused too
+
+
+def test_raw_streams_keep_their_checks(kernel):
+    k, calls, _ = kernel
+    packed = k.pack([1, 2, 3, 1, 0.5, 1.0])
+    raw = driver.CUstream(0x1234)
+    k.launch(raw, 1, 32, packed)
+    assert calls[-1][8] is raw
+    with pytest.raises(ValueError, match="legacy default stream"):
+        k.launch(driver.CUstream(0), 1, 32, packed)
+    with pytest.raises(ValueError, match="legacy default"):
+        k.launch(None, 1, 32, packed)
+    with pytest.raises(TypeError, match="needs a Stream"):
+        k.launch(types.SimpleNamespace(), 1, 32, packed)
+    assert len(calls) == 1
+
+
+def test_unpacked_arguments_are_packed_and_checked(kernel):
+    k, calls, _ = kernel
+    s = _Stream("h")
+    k.launch(s, 1, 32, [1 << 20, 2 << 20, 7, 2, 0.5, 1.0])
+    assert len(calls) == 1 and calls[0][9] != 0
+    with pytest.raises(TypeError):
+        k.launch(s, 1, 32, [1 << 20, 2 << 20, 7, 2.5, 0.5, 1.0])  # a float for int iters
+    assert len(calls) == 1
