@@ -6,7 +6,7 @@ its bytes out of both (later accesses reach the older nodes through it, so their
 redundant) and becomes the writer there. Disjoint views of one buffer therefore never depend on
 each other.
 
-Both maps are segment maps (`_SegmentMap`): sorted breakpoints, each segment between two of them
+Both maps are segment maps (`SegmentMap`): sorted breakpoints, each segment between two of them
 holding the entries that cover it, so an access visits only the segments it overlaps (bisect),
 not every range the buffer has seen. A pipeline slicing one host buffer into N batch ranges thus
 costs O(N log N), not O(N^2). (The cost of an access is the number of segments it spans: a read
@@ -25,8 +25,9 @@ from orchestra.graph.buffers import Access, Mode
 _READ = Mode.READ
 
 
-class _SegmentMap:
+class SegmentMap:
     """Byte ranges -> entries ``(seq, node)``; ranges may overlap (several entries per byte).
+    The dependency tracker here and the hazard verifier (`orchestra.schedule.races`) use it.
 
     ``pts`` are sorted breakpoints; ``segs[i]`` lists the entries covering ``[pts[i], pts[i+1])``
     (``len(segs) == len(pts) - 1`` once there is a breakpoint). Bytes outside every segment, or
@@ -90,6 +91,10 @@ class _SegmentMap:
 
     def add(self, start: int, end: int, entry: tuple[int, str]) -> None:
         """Add ``entry`` to every byte of ``[start, end)``."""
+        if not self.pts:  # the first entry (most buffers of a long pipeline have few)
+            self.pts = [start, end]
+            self.segs = [[entry]]
+            return
         i = self._split(start)
         j = self._split(end, i + 1)
         segs = self.segs
@@ -101,8 +106,8 @@ class RangeTracker:
     """Infers RAW, WAR and WAW dependencies from accesses given in program order."""
 
     def __init__(self):
-        self._writers: dict[tuple, _SegmentMap] = {}  # buffer key -> last writer(s) of each byte
-        self._readers: dict[tuple, _SegmentMap] = {}  # buffer key -> readers since that write
+        self._writers: dict[tuple, SegmentMap] = {}  # buffer key -> last writer(s) of each byte
+        self._readers: dict[tuple, SegmentMap] = {}  # buffer key -> readers since that write
         self._seq = 0
 
     def access(self, node: str, accesses: tuple[Access, ...]) -> dict[str, str]:
@@ -153,6 +158,6 @@ class RangeTracker:
             maps = writers_of if writes else readers_of
             m = maps.get(key)
             if m is None:
-                m = maps[key] = _SegmentMap()
+                m = maps[key] = SegmentMap()
             m.add(s, e, (self._seq, node))
         return deps

@@ -15,6 +15,7 @@ from orchestra.errors import GraphError
 from orchestra.graph.buffers import Buffer, HostBuffer
 from orchestra.graph.nodes import Node
 from orchestra.graph.ranges import RangeTracker
+from orchestra.graph.reach import ChainClocks
 
 
 class TaskGraph:
@@ -23,6 +24,7 @@ class TaskGraph:
     def __init__(self):
         self._nodes: dict[str, Node] = {}
         self._index: dict[str, int] = {}
+        self._accesses: dict[str, tuple] = {}  # node -> its accesses (computed once)
         self._buffers: dict[str, Buffer | HostBuffer] = {}
         self._preds: dict[str, dict[str, str]] = {}  # node -> {pred: reason}
         self._succs: dict[str, dict[str, str]] = {}
@@ -30,6 +32,7 @@ class TaskGraph:
         self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
+        self._backward = False  # an edge to an earlier node (an after= naming a later one)
 
     # -- building ---------------------------------------------------------------------------
 
@@ -43,7 +46,10 @@ class TaskGraph:
                              f"({type(self._nodes[name]).__name__}); node names must be unique")
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
-        accesses = node.accesses()
+        try:
+            accesses = node._accesses
+        except AttributeError:  # a subclass that skipped Node's __attrs_post_init__
+            accesses = node.accesses()
         buffers = self._buffers
         for acc in accesses:
             buf = acc.range.buffer
@@ -54,6 +60,7 @@ class TaskGraph:
                 self._register(buf, name)  # equal, or a clash to report
         self._nodes[name] = node
         self._index[name] = len(self._index)
+        self._accesses[name] = accesses
         preds = self._preds[name] = {}
         self._succs[name] = {}
         succs = self._succs
@@ -67,6 +74,7 @@ class TaskGraph:
                 self._waiting[pred].append(name)
         for succ in self._waiting.pop(name, ()):
             self._edge(name, succ, "after", explicit=True)
+            self._backward = True
         self._topo = None
         return node
 
@@ -106,10 +114,20 @@ class TaskGraph:
         except KeyError:
             raise GraphError(f"no node named {name!r} in the graph") from None
 
+    def accesses(self, name: str) -> tuple:
+        """Node ``name``'s ``accesses()``, computed once when it was added (nodes are
+        immutable): what the scheduler and the verifier read instead of building them again."""
+        try:
+            return self._accesses[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
+
     def index(self, name: str) -> int:
         """Insertion (program-order) position of node ``name``."""
-        self.node(name)
-        return self._index[name]
+        try:
+            return self._index[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
@@ -142,12 +160,21 @@ class TaskGraph:
         return self._preds[succ][pred]
 
     def predecessors(self, name: str) -> tuple[str, ...]:
-        self.node(name)
-        return tuple(sorted(self._preds[name], key=self._index.__getitem__))
+        """The nodes ``name`` depends on, in program order."""
+        return self._ordered(self._preds, name)
 
     def successors(self, name: str) -> tuple[str, ...]:
-        self.node(name)
-        return tuple(sorted(self._succs[name], key=self._index.__getitem__))
+        """The nodes that depend on ``name``, in program order."""
+        return self._ordered(self._succs, name)
+
+    def _ordered(self, adjacency, name):
+        try:
+            ns = adjacency[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
+        if len(ns) < 2:
+            return tuple(ns)
+        return tuple(sorted(ns, key=self._index.__getitem__))
 
     # -- structure --------------------------------------------------------------------------
 
@@ -161,6 +188,9 @@ class TaskGraph:
 
     def _kahn(self) -> tuple[str, ...]:
         if self._topo is not None:
+            return self._topo
+        if not self._backward:  # every edge goes forward: program order is Kahn's order
+            self._topo = tuple(self._nodes)
             return self._topo
         names = list(self._nodes)
         order = kahn_order(names, ((n, s) for n in names for s in self._succs[n]))
@@ -232,24 +262,22 @@ class TaskGraph:
 
 def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
     """The edges of ``edges`` (pairs of names) that no longer path implies; ``order`` is a
-    topological order of every name in them. Bitsets of reachable nodes by topological
-    position, so dense graphs of thousands of nodes stay fast."""
-    pos = {n: i for i, n in enumerate(order)}
+    topological order of every name in them. An edge ``(u, v)`` is implied when ``u`` reaches
+    another predecessor of ``v``; reachability comes from chain clocks (`reach.ChainClocks`), so
+    long pipelines stay about linear in time and memory (the reachability bitsets this replaced
+    grew with the square of the node count)."""
+    preds: dict[str, dict[str, None]] = {n: {} for n in order}
     succs: dict[str, list[str]] = {n: [] for n in order}
     for p, s in edges:
-        succs[p].append(s)
-    reach: dict[str, int] = {}  # bitset of the nodes reachable from n
-    for n in reversed(order):
-        r = 0
-        for s in succs[n]:
-            r |= reach[s] | (1 << pos[s])
-        reach[n] = r
-    out = set()
-    for n in order:
-        via = 0
-        for s in succs[n]:
-            via |= reach[s]
-        out.update((n, s) for s in succs[n] if not (via >> pos[s]) & 1)
+        if p not in preds[s]:
+            preds[s][p] = None
+            succs[p].append(s)
+    plists = {n: list(ps) for n, ps in preds.items()}
+    implied = ChainClocks(order, plists, succs, reduce=True).implied
+    out = []
+    for v in order:
+        drop = implied.get(v)
+        out.extend((p, v) for p in plists[v] if not drop or p not in drop)
     return frozenset(out)
 
 
