@@ -55,7 +55,7 @@ class _RangeMixin:
     @property
     def whole(self) -> "BufferRange":
         """Every byte of this buffer."""
-        return BufferRange(self, 0, self.nbytes)
+        return BufferRange._valid(self, 0, self.nbytes)
 
 
 @attrs.frozen
@@ -113,6 +113,16 @@ class BufferRange:
             raise GraphError(
                 f"range [{self.offset}, {self.offset + self.nbytes}) is out of bounds of "
                 f"{self.buffer.name} ({self.buffer.nbytes} bytes)")
+
+    @classmethod
+    def _valid(cls, buffer, offset: int, nbytes: int) -> "BufferRange":
+        """A range known to be valid (e.g. a whole buffer), built without the checks: graphs
+        of many batches build a few per node."""
+        r = object.__new__(cls)
+        object.__setattr__(r, "buffer", buffer)
+        object.__setattr__(r, "offset", offset)
+        object.__setattr__(r, "nbytes", nbytes)
+        return r
 
     @property
     def end(self) -> int:

@@ -37,6 +37,8 @@ class Node:
     batch: int | None = attrs.field(default=None, kw_only=True)
     device: int | None = attrs.field(default=None, kw_only=True)
     after: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_after)
+    # accesses() as computed once at construction (fields are frozen): TaskGraph.add reuses it
+    _accesses: tuple = attrs.field(init=False, eq=False, repr=False)
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"
@@ -46,7 +48,9 @@ class Node:
             raise GraphError(f"a node's name must be a non-empty str; got {self.name!r}")
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)):
             raise GraphError(f"node {self.name}: batch must be an int or None; got {self.batch!r}")
-        devices = {a.buffer.device for a in self.accesses() if not a.buffer.is_host}
+        accesses = self.accesses()
+        object.__setattr__(self, "_accesses", accesses)
+        devices = {a.buffer.device for a in accesses if not a.buffer.is_host}
         if self.device is None:
             object.__setattr__(self, "device", min(devices) if devices else 0)
         if self.checks_device and devices - {self.device}:

@@ -102,14 +102,17 @@ class Plan:
         node_stream, recorded, waited = {}, [], []
         for n in names:
             for st in steps[n]:
-                if not isinstance(st, (RunNode, RecordEvent, WaitEvent)):
-                    raise ValueError(f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
-                if isinstance(st, RunNode):
-                    node_stream.setdefault(st.node, n)
-                elif isinstance(st, RecordEvent):
+                t = type(st)  # exact types first: the common case, and fast on long plans
+                if t is RunNode or (t is not RecordEvent and t is not WaitEvent
+                                    and isinstance(st, RunNode)):
+                    if st.node not in node_stream:
+                        node_stream[st.node] = n
+                elif t is RecordEvent or isinstance(st, RecordEvent):
                     recorded.append(st.event)
-                else:
+                elif t is WaitEvent or isinstance(st, WaitEvent):
                     waited.append(st.event)
+                else:
+                    raise ValueError(f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
         object.__setattr__(self, "node_stream", node_stream)
         object.__setattr__(self, "events", tuple(dict.fromkeys(recorded + waited)))
 
