@@ -189,3 +189,19 @@ def test_graph_happens_before_matches_reachability(dag, flat_max, max_depth, sca
     assert [(a, b) for a in names for b in names if new.before(a, b)] == \
         [(a, b) for a in names for b in names if old.before(a, b)]
     assert reduced == oracle.transitive_reduction(names, edges)
+
+
+def _issue(fn, plan):
+    try:
+        return fn(plan)
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+
+
+@SETTINGS
+@given(g=programs(), policy=st.sampled_from(POLICIES), streams=st.integers(1, 5), data=st.data())
+def test_issue_order_matches_the_head_scan(g, policy, streams, data):
+    """`Plan.issue_order` (the executors' enqueue order) as the scan it replaced gives it, or
+    the same error for waits in a cycle."""
+    plan = _edit(schedule(g, policy, streams), data)
+    assert _issue(Plan.issue_order, plan) == _issue(oracle.issue_order, plan)

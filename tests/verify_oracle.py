@@ -12,6 +12,7 @@ from orchestra.errors import HazardError
 from orchestra.graph import Mode, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
+from orchestra.schedule.plan import _chunks as _plan_chunks
 
 
 class PlanOrder:
@@ -385,3 +386,46 @@ def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
             via |= reach[s]
         out.update((n, s) for s in succs[n] if not (via >> pos[s]) & 1)
     return frozenset(out)
+
+
+# Plan.issue_order as it was (a scan of every stream's head chunk per issued chunk)
+def issue_order(self) -> list:
+    """Every step as (stream, step) in an order an executor can enqueue them.
+
+    Follows ``order`` (else stream by stream), never putting a wait before the record of its
+    event. Raises ValueError when the waits form a cycle (the plan can never be issued).
+    """
+    rank = {n: i for i, n in enumerate(self.order)}
+    chunks = {n: _plan_chunks(self.steps[n]) for n in self.stream_names}
+    recorded_somewhere = {st.event for ss in self.steps.values() for st in ss
+                          if isinstance(st, RecordEvent)}
+    head = {n: 0 for n in self.stream_names}
+    issued_events: set[str] = set()
+    out: list[tuple[str, Step]] = []
+    total = sum(len(c) for c in chunks.values())
+    big = len(rank) + sum(len(ss) for ss in self.steps.values())
+    for _ in range(total):
+        best = None
+        for si, n in enumerate(self.stream_names):
+            if head[n] == len(chunks[n]):
+                continue
+            chunk, node = chunks[n][head[n]]
+            if any(isinstance(st, WaitEvent) and st.event in recorded_somewhere
+                   and st.event not in issued_events for st in chunk):
+                continue
+            key = (rank.get(node, big), si)
+            if best is None or key < best[0]:
+                best = (key, n)
+        if best is None:
+            blocked = [f"{n} waits for {st.event}" for n in self.stream_names
+                       if head[n] < len(chunks[n]) for st in chunks[n][head[n]][0]
+                       if isinstance(st, WaitEvent) and st.event not in issued_events]
+            raise ValueError("plan cannot be issued: waits form a cycle (" + "; ".join(blocked) + ")")
+        n = best[1]
+        chunk, _node = chunks[n][head[n]]
+        head[n] += 1
+        for st in chunk:
+            if isinstance(st, RecordEvent):
+                issued_events.add(st.event)
+            out.append((n, st))
+    return out

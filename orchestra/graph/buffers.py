@@ -54,8 +54,12 @@ class _RangeMixin:
 
     @property
     def whole(self) -> "BufferRange":
-        """Every byte of this buffer."""
-        return BufferRange._valid(self, 0, self.nbytes)
+        """Every byte of this buffer (one range object per buffer, made on first use)."""
+        w = self._whole
+        if w is None:
+            w = BufferRange._valid(self, 0, self.nbytes)
+            object.__setattr__(self, "_whole", w)
+        return w
 
 
 @attrs.frozen
@@ -65,6 +69,7 @@ class Buffer(_RangeMixin):
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
     device: int = attrs.field(default=0)
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @device.validator
     def _device(self, attribute, value):
@@ -84,6 +89,7 @@ class HostBuffer(_RangeMixin):
 
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     is_host = True
     device = None
@@ -119,9 +125,10 @@ class BufferRange:
         """A range known to be valid (e.g. a whole buffer), built without the checks: graphs
         of many batches build a few per node."""
         r = object.__new__(cls)
-        object.__setattr__(r, "buffer", buffer)
-        object.__setattr__(r, "offset", offset)
-        object.__setattr__(r, "nbytes", nbytes)
+        put = object.__setattr__.__get__(r)
+        put("buffer", buffer)
+        put("offset", offset)
+        put("nbytes", nbytes)
         return r
 
     @property

@@ -38,7 +38,7 @@ class Node:
     device: int | None = attrs.field(default=None, kw_only=True)
     after: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_after)
     # accesses() as computed once at construction (fields are frozen): TaskGraph.add reuses it
-    _accesses: tuple = attrs.field(init=False, eq=False, repr=False)
+    _accesses: tuple | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"

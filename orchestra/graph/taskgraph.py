@@ -41,14 +41,15 @@ class TaskGraph:
         if not isinstance(node, Node):
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
-        if name in self._nodes:
+        nodes = self._nodes
+        if name in nodes:
             raise GraphError(f"a node named {name!r} is already in the graph "
-                             f"({type(self._nodes[name]).__name__}); node names must be unique")
-        if name in node.after:
+                             f"({type(nodes[name]).__name__}); node names must be unique")
+        after = node.after
+        if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
-        try:
-            accesses = node._accesses
-        except AttributeError:  # a subclass that skipped Node's __attrs_post_init__
+        accesses = node._accesses
+        if accesses is None:  # a subclass that skipped Node's __attrs_post_init__
             accesses = node.accesses()
         buffers = self._buffers
         for acc in accesses:
@@ -58,23 +59,24 @@ class TaskGraph:
                 buffers[buf.name] = buf
             elif known is not buf:
                 self._register(buf, name)  # equal, or a clash to report
-        self._nodes[name] = node
+        nodes[name] = node
         self._index[name] = len(self._index)
         self._accesses[name] = accesses
-        preds = self._preds[name] = {}
-        self._succs[name] = {}
+        # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
+        preds = self._preds[name] = self._tracker.access(name, accesses)
         succs = self._succs
-        for pred, reason in self._tracker.access(name, accesses).items():
-            preds[pred] = reason  # inferred edges come first: none is there yet
+        succs[name] = {}
+        for pred, reason in preds.items():
             succs[pred][name] = reason
-        for pred in node.after:
-            if pred in self._nodes:
+        for pred in after:
+            if pred in nodes:
                 self._edge(pred, name, "after", explicit=True)
             else:
                 self._waiting[pred].append(name)
-        for succ in self._waiting.pop(name, ()):
-            self._edge(name, succ, "after", explicit=True)
-            self._backward = True
+        if self._waiting:
+            for succ in self._waiting.pop(name, ()):
+                self._edge(name, succ, "after", explicit=True)
+                self._backward = True
         self._topo = None
         return node
 
@@ -158,6 +160,11 @@ class TaskGraph:
     def edge_reason(self, pred: str, succ: str) -> str:
         """Why the edge exists, e.g. ``"RAW b0.in"`` or ``"after"``."""
         return self._preds[succ][pred]
+
+    def predecessor_map(self) -> dict[str, dict[str, str]]:
+        """Every node -> ``{predecessor: edge reason}``, in no particular order: the graph's own
+        table, for algorithms that visit every edge (do not modify it)."""
+        return self._preds
 
     def predecessors(self, name: str) -> tuple[str, ...]:
         """The nodes ``name`` depends on, in program order."""

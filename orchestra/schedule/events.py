@@ -31,11 +31,12 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     if len(order) != len(names) or set(order) != set(names):  # names are unique
         raise GraphError("order must list every node of the graph exactly once")
     gpos = {n: i for i, n in enumerate(order)}
-    preds = {v: graph.predecessors(v) for v in order}
+    preds = graph.predecessor_map()  # node -> {pred: reason}, unordered (cross is sorted below)
     for v in order:
         gv = gpos[v]
         for p in preds[v]:
             if gpos[p] > gv:
+                p = next(q for q in graph.predecessors(v) if gpos[q] > gv)  # the first one
                 raise GraphError(f"order puts {v} before {p}, but {v} depends on {p}")
     on = {}  # node -> stream index
     for n in order:

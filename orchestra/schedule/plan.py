@@ -19,6 +19,8 @@ import json
 
 import attrs
 
+from orchestra.schedule import json_text
+
 ROLES = ("upload", "compute", "download", "general")
 FORMAT = "orchestra.plan/1"
 
@@ -153,34 +155,38 @@ class Plan:
         event. Raises ValueError when the waits form a cycle (the plan can never be issued).
         """
         rank = {n: i for i, n in enumerate(self.order)}
-        chunks = {n: _chunks(self.steps[n]) for n in self.stream_names}
+        names = self.stream_names
+        chunks = [_chunks(self.steps[n]) for n in names]
         recorded_somewhere = {st.event for ss in self.steps.values() for st in ss
                               if isinstance(st, RecordEvent)}
-        head = {n: 0 for n in self.stream_names}
+        # per chunk: the events its waits need issued first (most chunks need none)
+        needs = [[tuple(st.event for st in chunk if isinstance(st, WaitEvent)
+                        and st.event in recorded_somewhere) for chunk, _ in ch] for ch in chunks]
+        head = [0] * len(names)
         issued_events: set[str] = set()
         out: list[tuple[str, Step]] = []
-        total = sum(len(c) for c in chunks.values())
+        total = sum(len(c) for c in chunks)
         big = len(rank) + sum(len(ss) for ss in self.steps.values())
         for _ in range(total):
-            best = None
-            for si, n in enumerate(self.stream_names):
-                if head[n] == len(chunks[n]):
+            best, best_rank = None, 0
+            for si, ch in enumerate(chunks):  # the lowest rank first; ties: the first stream
+                h = head[si]
+                if h == len(ch):
                     continue
-                chunk, node = chunks[n][head[n]]
-                if any(isinstance(st, WaitEvent) and st.event in recorded_somewhere
-                       and st.event not in issued_events for st in chunk):
+                need = needs[si][h]
+                if need and any(ev not in issued_events for ev in need):
                     continue
-                key = (rank.get(node, big), si)
-                if best is None or key < best[0]:
-                    best = (key, n)
+                r = rank.get(ch[h][1], big)
+                if best is None or r < best_rank:
+                    best, best_rank = si, r
             if best is None:
-                blocked = [f"{n} waits for {st.event}" for n in self.stream_names
-                           if head[n] < len(chunks[n]) for st in chunks[n][head[n]][0]
+                blocked = [f"{n} waits for {st.event}" for si, n in enumerate(names)
+                           if head[si] < len(chunks[si]) for st in chunks[si][head[si]][0]
                            if isinstance(st, WaitEvent) and st.event not in issued_events]
                 raise ValueError("plan cannot be issued: waits form a cycle (" + "; ".join(blocked) + ")")
-            n = best[1]
-            chunk, _node = chunks[n][head[n]]
-            head[n] += 1
+            n = names[best]
+            chunk, _node = chunks[best][head[best]]
+            head[best] += 1
             for st in chunk:
                 if isinstance(st, RecordEvent):
                     issued_events.add(st.event)
@@ -191,26 +197,32 @@ class Plan:
 
     def __str__(self) -> str:
         after = {}  # event -> "node on stream" it follows
+        nodes = 0
         for n in self.stream_names:
             last = None
             for st in self.steps[n]:
                 if isinstance(st, RunNode):
                     last = st.node
+                    nodes += 1
                 elif isinstance(st, RecordEvent):
                     after[st.event] = f"after {last or '(start)'} on {n}"
-        nodes = sum(isinstance(st, RunNode) for ss in self.steps.values() for st in ss)
         lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
                  f"{self.event_count} event(s), {self.wait_count} wait(s)"]
         for k, v in sorted(self.meta.items()):
             lines.append(f"  {k}: {v}")
+        add = lines.append
         for s in self.streams:
-            lines.append(f"stream {s.name} (role {s.role}, priority {s.priority}):")
+            add(f"stream {s.name} (role {s.role}, priority {s.priority}):")
             for st in self.steps[s.name]:
-                tag = _TAGS[type(st)]
-                text = f"    {tag:<6} {_field(st)}"
-                if isinstance(st, WaitEvent):
-                    text += f"   ({after.get(st.event, 'never recorded')})"
-                lines.append(text)
+                t = type(st)  # the tag column is padded to 6: "run   ", "record", "wait  "
+                if t is RunNode:
+                    add("    run    " + st.node)
+                elif t is RecordEvent:
+                    add("    record " + st.event)
+                elif t is WaitEvent:
+                    add(f"    wait   {st.event}   ({after.get(st.event, 'never recorded')})")
+                else:
+                    raise KeyError(t)  # not a step type (the plan refuses those)
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -225,7 +237,9 @@ class Plan:
         }
 
     def to_json(self, indent: int | None = 1) -> str:
-        """The plan as JSON (stable: same plan, same text)."""
+        """The plan as JSON (stable: same plan, same text; ``json.dumps`` with ``sort_keys``)."""
+        if isinstance(indent, int) and not isinstance(indent, bool) and indent >= 0:
+            return json_text.dumps(self.to_dict(), indent)
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
