@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from cuda.bindings import driver
 
     from orchestra.compiler import load_kernel
-    from orchestra.compiler.module import clear_memo
+    from orchestra.kernel.module import clear_memo
     from orchestra.driver import Device, DeviceBuffer, Stream
     from orchestra.errors import NoDeviceError
 

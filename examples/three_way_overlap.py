@@ -12,8 +12,8 @@ import numpy as np
 from orchestra.driver import Device, PinnedBuffer
 from orchestra.execute import EagerExecutor
 from orchestra.graph import HostBuffer, build_pipeline
-from orchestra.job import burn_grid, burn_kernel_ref
-from orchestra.job.data import burn_reference
+from orchestra.app.job import burn_grid, burn_kernel_ref
+from orchestra.app.job.data import burn_reference
 from orchestra.errors import NoDeviceError
 from orchestra.schedule import schedule
 

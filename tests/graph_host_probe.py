@@ -17,7 +17,7 @@ Variants (N = number of graph launches; "raise": the host function raises every 
     env                 versions: Python, cuda-bindings, driver, GPU, where the driver's
                         cuLaunchHostFunc entry point is found
     eager-1, eager-5, eager-raise
-                        orchestra EagerExecutor: cuLaunchHostFunc per run (cuda-bindings' call)
+                        orchestra EagerExecutor: cuLaunchHostFunc per run (the driver's entry point)
     capture-1, capture-5, capture-raise
                         orchestra CaptureExecutor: host function captured into a graph
     build-1, build-5, build-raise
@@ -97,12 +97,12 @@ def _versions() -> str:
         name = raw.split(b"\0", 1)[0].decode()
     except Exception:  # noqa: BLE001
         pass
-    from orchestra.execute import hostfunc
+    from orchestra.driver import entry_points
 
-    fn = hostfunc.driver_launch_host_func(d)
+    fn = entry_points.driver_launch_host_func(d)
     return (f"python {sys.version.split()[0]}, cuda-bindings {cb}, driver API {drv}, "
             f"GPU {name}, driver cuLaunchHostFunc entry: "
-            f"{hostfunc.driver_launch_host_func_source() if fn else 'NOT FOUND'}")
+            f"{entry_points.driver_launch_host_func_source() if fn else 'NOT FOUND'}")
 
 
 @variant("env", "versions of Python, cuda-bindings, the driver; the GPU")
@@ -176,11 +176,11 @@ class _Raw:
 
 
 def _raw_ctypes(launches: int, raises: bool = False) -> str:
-    from orchestra.execute import hostfunc
+    from orchestra.driver import entry_points
 
     r = _Raw(raises)
     try:
-        entry = hostfunc.driver_launch_host_func(r.d)
+        entry = entry_points.driver_launch_host_func(r.d)
         if entry is None:
             raise Fail("the driver's cuLaunchHostFunc entry point was not found")
 
@@ -190,7 +190,7 @@ def _raw_ctypes(launches: int, raises: bool = False) -> str:
                 raise Fail(f"cuLaunchHostFunc (driver entry point) returned {err}")
 
         out = r.run(r.capture(enqueue), launches)
-        return out + f" (entry point from {hostfunc.driver_launch_host_func_source()})"
+        return out + f" (entry point from {entry_points.driver_launch_host_func_source()})"
     finally:
         r.close()
 
@@ -217,7 +217,8 @@ for _n in (1, 5):
 @variant("hostfunc-5", "raw capture through orchestra's HostCallbacks + launch_host_func, 5 "
                       "launches (the capture executor's host path, no executor)")
 def v_hostfunc():
-    from orchestra.execute.hostfunc import HostCallbacks, launch_host_func
+    from orchestra.driver.entry_points import launch_host_func
+    from orchestra.execute.hostfunc import HostCallbacks
 
     r = _Raw()
     try:
@@ -329,8 +330,8 @@ def _raise_graph():
 
 def _graph_executor(kind):
     from orchestra.driver import Device
-    from orchestra.execute.capture import CaptureExecutor
-    from orchestra.execute.graph_build import GraphBuildExecutor
+    from orchestra.execute.cuda_graph.capture import CaptureExecutor
+    from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
     dev = Device.get(0)
     cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor

@@ -40,8 +40,8 @@ if str(_ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from orchestra.kernels_bench import catalog as cat  # noqa: E402
-from orchestra.kernels_bench import reference as ref  # noqa: E402
+from orchestra.app.kernels_bench import catalog as cat  # noqa: E402
+from orchestra.app.kernels_bench import reference as ref  # noqa: E402
 
 
 class CheckFailed(AssertionError):
@@ -276,7 +276,7 @@ def _early_exit_warps(ctx: Ctx) -> None:
 # -- programmatic dependent launch ----------------------------------------------------------------
 
 def _pdl_allowed(key: str) -> bool:
-    from orchestra.kernels_bench.pdl import kernel_waits_on_grid_dependency
+    from orchestra.app.kernels_bench.pdl import kernel_waits_on_grid_dependency
 
     ptx, entry = cat.ptx_text(cat.spec(key))
     return kernel_waits_on_grid_dependency(ptx, entry)
@@ -308,7 +308,7 @@ def _pdl_pair(ctx: Ctx) -> None:
 def _pdl_c12(ctx: Ctx) -> None:
     """Case C12: PDL is refused for a consumer that never waits; launched without PDL it is
     correct."""
-    from orchestra.kernels_bench.pdl import PdlWithoutWaitError, require_grid_dependency_wait
+    from orchestra.app.kernels_bench.pdl import PdlWithoutWaitError, require_grid_dependency_wait
 
     ptx, entry = cat.ptx_text(cat.spec("pdl_secondary_nowait"))
     try:

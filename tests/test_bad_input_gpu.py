@@ -31,11 +31,12 @@ from orchestra.driver import (
 )
 from orchestra.errors import CompileError, CudaError, GraphError, HazardError
 from orchestra.execute import BindingError, EagerExecutor, PageableMemoryError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Alloc, Buffer, Free, HostBuffer, HostToDevice, In, KernelNode, KernelRef, Memset,
+    Alloc, Buffer, Free, HostBuffer, HostToDevice, In, KernelNode, KernelRef, Memset,
     Out, TaskGraph, build_pipeline,
 )
-from orchestra.job import MainJob, burn_kernel_ref
+from orchestra.app.job import MainJob, burn_kernel_ref
 from orchestra.schedule import PlanBuilder
 
 pytestmark = pytest.mark.gpu

@@ -874,7 +874,7 @@ SAXPY_PARAM_INFO = [(0, 4), (8, 8), (16, 8), (24, 8), (32, 8)]
 def fake_driver(monkeypatch):
     from cuda.bindings import driver
 
-    from orchestra.compiler import module as mod
+    from orchestra.kernel import module as mod
 
     ok = driver.CUresult.CUDA_SUCCESS
     A = driver.CUfunction_attribute
@@ -1031,7 +1031,7 @@ def test_ptx_module_load_refuses_newer_ptx_than_driver(fake_driver):
 
 
 def test_load_kernel_memoizes_per_device_and_key(fake_driver, request):
-    from orchestra.compiler import module as mod
+    from orchestra.kernel import module as mod
 
     mod.clear_memo()
     request.addfinalizer(mod.clear_memo)

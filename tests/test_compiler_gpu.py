@@ -259,7 +259,7 @@ def test_launch_with_attributes(dev, stream):
 
 
 def test_ptx_module_load_checks_driver_version(dev, stream):
-    from orchestra.compiler.module import driver_version
+    from orchestra.kernel.module import driver_version
 
     res = oc.compile("vector_add.cu", arch=dev.arch, ptx=True)
     need = oc.required_cuda_for_ptx(oc.ptx_isa_version(res.cubin))

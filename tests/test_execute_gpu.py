@@ -19,8 +19,8 @@ from cuda.bindings import driver
 from orchestra.driver import PinnedBuffer, register_host
 from orchestra.errors import CudaError
 from orchestra.execute import EagerExecutor, HostFunctionError, PageableMemoryError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS,
     Alloc,
     Buffer,
     DeviceToHost,
@@ -33,7 +33,7 @@ from orchestra.graph import (
     TaskGraph,
     build_pipeline,
 )
-from orchestra.job import MainJob, burn_kernel_ref
+from orchestra.app.job import MainJob, burn_kernel_ref
 from orchestra.schedule import POLICIES, schedule
 
 pytestmark = pytest.mark.gpu

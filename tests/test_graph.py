@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestra.errors import GraphError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Access, Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice,
+    Access, Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice,
     In, InOut, KernelNode, KernelRef, Memset, Mode, Out, TaskGraph, add_batch, build_pipeline,
 )
 
@@ -283,7 +284,8 @@ def test_graph_and_schedule_import_no_cuda():
 @pytest.mark.parametrize("policy,streams", [("by-engine", 3), ("round-robin", 3),
                                             ("critical-path", 3), ("by-engine", 1)])
 def test_in_flight_orders_each_allocation_after_the_frees_of_batch_b_minus_w(policy, streams):
-    from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+    from orchestra.app.job.graphs import BURN_PARAMS
+    from orchestra.graph import KernelRef, build_pipeline
     from orchestra.schedule import schedule, verify
     from orchestra.schedule.happens_before import PlanOrder
 
@@ -302,7 +304,8 @@ def test_in_flight_orders_each_allocation_after_the_frees_of_batch_b_minus_w(pol
 
 
 def test_in_flight_must_be_positive():
-    from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+    from orchestra.app.job.graphs import BURN_PARAMS
+    from orchestra.graph import KernelRef, build_pipeline
 
     with pytest.raises(GraphError, match="in_flight"):
         build_pipeline(3, 4096, KernelRef("x.cu", "burn", params=BURN_PARAMS), in_flight=0)

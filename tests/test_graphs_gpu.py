@@ -25,17 +25,12 @@ import numpy as np
 import pytest
 
 from orchestra.driver import DeviceBuffer, MemoryPool, PinnedBuffer, Stream, register_host
+from orchestra.driver.capture import CaptureSession, UnjoinedStreamError, is_capturing
+from orchestra.driver.graph_memory import graph_memory
 from orchestra.execute import EagerExecutor, PageableMemoryError
-from orchestra.execute.capture import (
-    CaptureError,
-    CaptureExecutor,
-    CaptureSession,
-    is_capturing,
-)
-from orchestra.execute.capture_plan import UnjoinedStreamError
-from orchestra.execute.graph_build import GraphBuildExecutor
-from orchestra.execute.graph_exec import graph_memory
-from orchestra.execute.graph_spec import GraphMemoryError
+from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+from orchestra.execute.cuda_graph.capture import CaptureError, CaptureExecutor
+from orchestra.execute.cuda_graph.spec import GraphMemoryError
 from orchestra.graph import (
     Alloc,
     Buffer,
@@ -50,7 +45,7 @@ from orchestra.graph import (
     TaskGraph,
     build_pipeline,
 )
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 from orchestra.schedule import POLICIES
 
 pytestmark = pytest.mark.gpu
@@ -329,7 +324,7 @@ import numpy as np
 from orchestra.driver import Device, PinnedBuffer
 from orchestra.execute import CaptureExecutor, GraphBuildExecutor
 from orchestra.graph import HostBuffer, build_pipeline
-from orchestra.job import burn_kernel_ref
+from orchestra.app.job import burn_kernel_ref
 
 def pipeline(iters, seed):
     n = 4096
@@ -592,10 +587,13 @@ def test_dot_dump(dev, gx, tmp_path):
         p.close()
 
 
-@pytest.mark.parametrize("variant", ["capture-5", "capture-raise", "build-5", "build-raise"])
+@pytest.mark.parametrize("variant", ["capture-5", "capture-raise", "build-5", "build-raise",
+                                     "eager-5", "eager-raise"])
 def test_host_nodes_run_every_launch_and_errors_surface(variant):
     """Host nodes run on every launch (fill -> H2D -> D2H, output checked after each of 5
-    launches) and a raising host function surfaces as `HostFunctionError` on every launch.
+    launches) and a raising host function surfaces as `HostFunctionError` on every launch;
+    likewise on every eager run, whose host-function step is the capture executor's (the
+    driver's own cuLaunchHostFunc entry point).
     Each case runs tests/graph_host_probe.py in a child process with a timeout, so a crash on
     a driver thread (a captured host node calling freed memory was one: cuda-bindings'
     cuLaunchHostFunc wrapper) or a hang fails this test instead of killing the session; the
@@ -679,7 +677,7 @@ def test_orchestra_run_with_graph_executors(executor, tmp_path, capsys):
 
 
 def test_graph_cache_with_pow2_buckets_serves_padded_requests(dev, capture):
-    from orchestra.execute.graph_cache import GraphCache
+    from orchestra.execute.cuda_graph.cache import GraphCache
 
     per = 2048  # elements per batch
     cache = GraphCache(max_entries=4, buckets="pow2")

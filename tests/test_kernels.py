@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from orchestra.compiler import compile, link_ptx, normalize_params, parse_params
-from orchestra.kernels_bench import catalog as cat
-from orchestra.kernels_bench import reference as ref
-from orchestra.kernels_bench.pdl import (
+from orchestra.app.kernels_bench import catalog as cat
+from orchestra.app.kernels_bench import reference as ref
+from orchestra.app.kernels_bench.pdl import (
     PdlWithoutWaitError,
     entry_points,
     kernel_waits_on_grid_dependency,
@@ -259,8 +259,8 @@ def test_launch_requirement_helpers():
 
 
 def test_pattern_is_exact_under_the_bench_transform():
-    from orchestra.kernels_bench.common import pattern
-    from orchestra.kernels_bench.stages import A, B
+    from orchestra.app.kernels_bench.common import pattern
+    from orchestra.app.kernels_bench.stages import A, B
 
     x = pattern(0, 5000).astype(np.float64)
     y32 = np.float32(A) * pattern(0, 5000) + np.float32(B)
@@ -306,7 +306,7 @@ def test_ex_launch_builds_its_launch_config_once_per_configuration_and_stream(mo
     from cuda.bindings import driver
 
     from orchestra.compiler import LaunchConfig
-    from orchestra.compiler import module as mod
+    from orchestra.kernel import module as mod
 
     sent = []
     fake = SimpleNamespace(cuLaunchKernelEx=lambda cfg, f, a, e: (sent.append(cfg), (0,))[1])

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def report(dev):
     """8 batches x 8 MiB, by-engine, kernel calibrated to the slower copy, one traced run."""
-    from orchestra.job import MainJob
+    from orchestra.app.job import MainJob
 
     return MainJob(batches=8, batch_mib=8, policy="by-engine", streams=3, repeat=2, warmup=1,
                    device=dev, trace=True).run()
@@ -69,7 +69,7 @@ def test_main_job_trace_json_has_one_event_per_node_and_one_track_per_stream(rep
 
 
 def test_traced_eager_runs_leak_nothing(dev):
-    from orchestra.job import MainJob
+    from orchestra.app.job import MainJob
 
     pool = MemoryPool.default(dev)
     MainJob(batches=2, batch_mib=1, compute_iters=3, repeat=1, device=dev).run()  # warm: module

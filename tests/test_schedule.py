@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestra.errors import GraphError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In, InOut,
+    Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In, InOut,
     KernelNode, KernelRef, Memset, Out, TaskGraph, build_pipeline,
 )
 from orchestra.schedule import (
@@ -231,7 +232,8 @@ def _schedule_keeping_empty_streams(g, policy, streams):
 
     specs, assign, order, meta = {"round-robin": policies._round_robin,
                                   "by-engine": policies._by_engine,
-                                  "critical-path": lambda g, s: policies._critical_path(g, s, None)
+                                  "critical-path": lambda g, s: policies._critical_path(g, s, None),
+                                  "concurrent": policies.concurrent,
                                   }[policy](g, streams)
     return insert_events(g, assign, specs, order, policy, meta)
 

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Alloc, Buffer, DeviceToHost, HostBuffer, HostFunc, HostToDevice, In, KernelNode,
+    Alloc, Buffer, DeviceToHost, HostBuffer, HostFunc, HostToDevice, In, KernelNode,
     KernelRef, Memset, Out,
 )
 from orchestra.trace import (

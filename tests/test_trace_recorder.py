@@ -3,7 +3,8 @@ the eager tracer's hook protocol and event reuse, and the graph tracer's bookkee
 
 import pytest
 
-from orchestra.graph import BURN_PARAMS, KernelRef, build_pipeline
+from orchestra.app.job.graphs import BURN_PARAMS
+from orchestra.graph import KernelRef, build_pipeline
 from orchestra.schedule import RunNode, schedule
 from orchestra.trace import (
     EagerTracer, EventPair, EventPool, EventTimer, GraphTracer, Timeline, spans_from_event_pairs,

@@ -5,8 +5,9 @@ import time
 import pytest
 
 from orchestra.errors import HazardError
+from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
-    BURN_PARAMS, Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In,
+    Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostFunc, HostToDevice, In,
     InOut, KernelNode, KernelRef, Out, TaskGraph, add_batch, build_pipeline,
 )
 from orchestra.schedule import Plan, PlanBuilder, check, schedule, verify, verify_graph_edges

@@ -1,18 +1,35 @@
 """`orchestra compile FILE.cu --arch sm_90 [-o OUT.cubin] [--ptx]`: NVRTC to a cubin (or PTX);
 `orchestra compile FILE.ptx --arch sm_90 [-o OUT.cubin]`: nvJitLink to a cubin.
 
-Runs on a machine without a GPU when `--arch` is given. Uses the on-disk cubin cache.
+Writes the image and lists the kernels in it: a name expression with the lowered (mangled) name
+it became, an ``extern "C"`` kernel by its name. An image with no kernel is a warning on stderr
+(exit 0), or an error with ``--strict`` (exit 1, nothing written). ``--json`` prints one JSON
+object instead (``arch``, ``outputs``, ``kernels``, ``cache_hit``, ``warnings``), and errors as
+``{"error": {"type": ..., "message": ...}}``.
+
+Runs on a machine without a GPU when `--arch` is given. Uses the on-disk compile cache.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+from orchestra.errors import NoDeviceError
+
+_NO_KERNELS_HINT = ("a template kernel is only compiled for the instantiations named with"
+                    " --name-expression 'name<args>'; a file of device functions or headers"
+                    " alone has none")
+
 
 def register(sub) -> None:
-    p = sub.add_parser("compile", help="compile a CUDA C++ file (or link a .ptx file) to a cubin")
-    p.add_argument("file", type=Path, help="a .cu source file, or a .ptx file to link with nvJitLink")
+    p = sub.add_parser("compile", help="compile a CUDA C++ file (or link a .ptx file) to a cubin",
+                       description="Compile a CUDA C++ file with NVRTC (or link a .ptx file with "
+                                   "nvJitLink) to a cubin, and list the kernels it holds.")
+    p.add_argument("file", type=Path,
+                   help="a .cu source file, or a .ptx file to link with nvJitLink; a bare name "
+                        "such as burn.cu is also looked up among the kernels orchestra ships")
     p.add_argument("--arch", help="target, e.g. sm_90 (default: the current GPU; required without one)")
     p.add_argument("-o", "--output", type=Path, help="where to write the cubin/PTX (default: FILE.cubin)")
     p.add_argument("--ptx", action="store_true", help="emit PTX for compute_XX instead of a cubin")
@@ -20,19 +37,31 @@ def register(sub) -> None:
                    help="instantiate a template kernel, e.g. 'pipeline_block<2>' (repeatable; "
                         ".cu input only)")
     p.add_argument("-O", "--option", action="append", default=[], metavar="OPT",
-                   help="extra NVRTC option, e.g. -O=-lineinfo (repeatable; .cu input only)")
+                   help="extra NVRTC option, e.g. -O=-lineinfo or -O=-Iinclude (repeatable; .cu "
+                        "input only)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1, nothing written) when the image holds no kernel")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
-def _fail(message: str) -> int:
-    print(f"orchestra compile: {message}", file=sys.stderr)
-    return 2
+def _error(args, kind: str, message: str, code: int) -> int:
+    """The one place this command reports an error: ``{"error": {"type", "message"}}`` on
+    stdout under --json, else one ``orchestra compile: ...`` line on stderr. Returns ``code``."""
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"type": kind, "message": message}}))
+    else:
+        print(f"orchestra compile: {message}", file=sys.stderr)
+    return code
+
+
+def _fail(args, message: str) -> int:
+    return _error(args, "UsageError", message, 2)
 
 
 def _current_arch() -> str | None:
     """The current GPU's architecture, or None without a GPU or driver."""
     from orchestra.driver import Device
-    from orchestra.errors import NoDeviceError
 
     try:
         return Device.get().arch
@@ -40,49 +69,130 @@ def _current_arch() -> str | None:
         return None
 
 
-def run(args) -> int:
-    from orchestra.compiler import compile as nvrtc_compile, link_ptx
-    from orchestra.compiler.target import normalize_arch, virtual_arch
+def _listing(image: bytes, is_ptx: bool, lowered_names: dict) -> tuple[list[dict], list[dict]]:
+    """(kernels, variables) of an image. A kernel: ``{"name", "lowered_name",
+    "name_expression"}`` where ``name`` is the expression that named it, else its symbol; a
+    variable: a name expression that resolved to a ``__device__``/``__constant__`` variable."""
+    from orchestra.compiler.elf import kernel_names
+    from orchestra.compiler.ptx import ptx_entry_names
 
+    symbols = ptx_entry_names(image) if is_ptx else kernel_names(image)
+    by_lowered: dict[str, str] = {}
+    for expr, low in lowered_names.items():
+        by_lowered.setdefault(low, expr)
+    kernels = [{"name": by_lowered.get(s, s), "lowered_name": s,
+                "name_expression": by_lowered.get(s)} for s in symbols]
+    variables = [{"name": expr, "lowered_name": low} for expr, low in lowered_names.items()
+                 if low not in symbols]
+    return kernels, variables
+
+
+def _build(args, arch: str, ptx_input: bool) -> dict:
+    """Compile or link; the output record (before writing)."""
+    from orchestra.compiler import compile as nvrtc_compile
+    from orchestra.compiler.ptx import link_ptx_cached
+    from orchestra.compiler.target import virtual_arch
+
+    if ptx_input:
+        data, hit = link_ptx_cached(args.file, arch=arch)
+        log, lowered, emit_ptx = "", {}, False
+    else:
+        result = nvrtc_compile(args.file, arch=arch, options=tuple(args.option),
+                               name_expressions=tuple(args.name_expression), ptx=args.ptx)
+        data, hit, log, lowered, emit_ptx = (result.cubin, result.cache_hit, result.log,
+                                             result.lowered_names, args.ptx)
+    kernels, variables = _listing(data, emit_ptx, lowered)
+    out = args.output or args.file.with_suffix(".ptx" if emit_ptx else ".cubin")
+    return {"input": str(args.file), "output": str(out), "format": "ptx" if emit_ptx else "cubin",
+            "target": virtual_arch(arch) if emit_ptx else arch, "bytes": len(data),
+            "cache_hit": hit, "kernels": kernels, "variables": variables, "log": log,
+            "_data": data}
+
+
+def _text_report(rec: dict) -> list[str]:
+    what = f"{'PTX' if rec['format'] == 'ptx' else 'cubin'} for {rec['target']}"
+    lines = [f"wrote {rec['output']} ({rec['bytes']} bytes, {what})"
+             + (" (cache hit)" if rec["cache_hit"] else "")]
+    for k in rec["kernels"]:
+        lines.append(f"  kernel {k['name']} -> {k['lowered_name']}" if k["name_expression"]
+                     else f"  kernel {k['name']}")
+    for v in rec["variables"]:
+        lines.append(f"  variable {v['name']} -> {v['lowered_name']}")
+    return lines
+
+
+def run(args) -> int:
+    from orchestra.compiler.sources import SourceEncodingError
+
+    try:
+        return _run(args)
+    except SourceEncodingError as exc:  # a bad input file: a usage error, like a missing one
+        return _fail(args, str(exc))
+    # anything else reaches orchestra.cli.main: one line or one JSON error, and its exit code
+    # (a CompileError is 4, with the compiler's log)
+
+
+def _find_input(path: Path) -> Path:
+    """``path`` as given, else a kernel shipped with orchestra of that name (``burn.cu``,
+    ``cp_async.ptx``), else ``path`` unchanged (reported missing by the caller)."""
+    if path.exists() or path.is_absolute():
+        return path
+    from orchestra.compiler.sources import kernel_source_dir, ptx_source_dir, resolve_path
+
+    return resolve_path(path, (kernel_source_dir(), ptx_source_dir())) or path
+
+
+def _run(args) -> int:
+    from orchestra.compiler.target import normalize_arch
+
+    given = args.file
+    args.file = _find_input(given)
+    if args.file != given and args.output is None:  # a shipped kernel: write here, not beside it
+        args.output = Path(given.name).with_suffix(".ptx" if args.ptx else ".cubin")
     if args.file.is_dir():
-        return _fail(f"{args.file} is a directory: give a .cu or .ptx file")
+        return _fail(args, f"{args.file} is a directory: give a .cu or .ptx file")
     if not args.file.is_file():
-        return _fail(f"no such file: {args.file}")
+        return _fail(args, f"no such file: {args.file}")
     ptx_input = args.file.suffix == ".ptx"
     if ptx_input:
         if args.ptx:
-            return _fail("--ptx makes no sense for a .ptx input (it is PTX already)")
+            return _fail(args, "--ptx makes no sense for a .ptx input (it is PTX already)")
         nvrtc_only = [flag for flag, given in (("--name-expression", args.name_expression),
                                                ("-O/--option", args.option)) if given]
         if nvrtc_only:
             verb, it = ("apply", "them") if len(nvrtc_only) > 1 else ("applies", "it")
-            return _fail(f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a .ptx "
-                         f"input is linked with nvJitLink as it is: drop {it}")
+            return _fail(args, f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a "
+                               f".ptx input is linked with nvJitLink as it is: drop {it}")
+    arch: str | None
     if args.arch:
         try:
             arch = normalize_arch(args.arch)
         except ValueError:
-            return _fail(f"--arch {args.arch}: unknown GPU architecture; pass a name like "
-                         "--arch sm_90 or a compute capability like --arch 9.0")
+            return _fail(args, f"--arch {args.arch}: unknown GPU architecture; pass a name like "
+                               "--arch sm_90 or a compute capability like --arch 9.0")
     else:
         arch = _current_arch()
         if arch is None:
-            return _fail(f"no CUDA device to take the target architecture from: pass --arch, "
-                         f"e.g. --arch sm_90 (compute capability 9.0) to "
-                         f"{'link' if ptx_input else 'compile'} {args.file} without a GPU")
-    if ptx_input:
-        data, what, extra = link_ptx(args.file, arch=arch), f"cubin for {arch}", ""
+            return _fail(args, f"no CUDA device to take the target architecture from: pass "
+                               f"--arch, e.g. --arch sm_90 (compute capability 9.0) to "
+                               f"{'link' if ptx_input else 'compile'} {args.file} without a GPU")
+    rec = _build(args, arch, ptx_input)
+    data = rec.pop("_data")
+    warnings = []
+    if not rec["kernels"]:
+        msg = f"{rec['output']} holds no kernel: {_NO_KERNELS_HINT}"
+        if args.strict:
+            return _error(args, "NoKernelsError", f"{msg} (--strict: not written)", 1)
+        warnings.append(msg)
+    Path(rec["output"]).write_bytes(data)
+    if rec["log"].strip() and not args.json:
+        print(rec["log"].rstrip(), file=sys.stderr)
+    for w in warnings:
+        print(f"orchestra compile: warning: {w}", file=sys.stderr)
+    if args.json:
+        kernels = [dict(k, output=rec["output"]) for k in rec["kernels"]]
+        print(json.dumps({"arch": arch, "cache_hit": rec["cache_hit"], "outputs": [rec],
+                          "kernels": kernels, "warnings": warnings}, indent=2))
     else:
-        result = nvrtc_compile(args.file, arch=arch, options=tuple(args.option),
-                               name_expressions=tuple(args.name_expression), ptx=args.ptx)
-        data = result.cubin
-        what = f"PTX for {virtual_arch(arch)}" if args.ptx else f"cubin for {arch}"
-        extra = " (cache hit)" if result.cache_hit else ""
-        for expr, lowered in result.lowered_names.items():
-            print(f"{expr} -> {lowered}")
-        if result.log.strip():
-            print(result.log.rstrip(), file=sys.stderr)
-    out = args.output or args.file.with_suffix(".ptx" if args.ptx else ".cubin")
-    out.write_bytes(data)
-    print(f"wrote {out} ({len(data)} bytes, {what}){extra}")
+        print("\n".join(_text_report(rec)))
     return 0

@@ -1,5 +1,6 @@
 """orchestra.compiler: CUDA C++ -> cubin with NVRTC (cached), PTX -> cubin with nvJitLink,
-module loading, kernel lookup, argument packing and checked launches.
+argument packing and launch checks. Loaded modules, kernels and launches are `orchestra.kernel`
+(re-exported here: `Module`, `Kernel`, `load_kernel`).
 
 Public API::
 
@@ -18,12 +19,21 @@ Public API::
     Kernel.occupancy(block, shared_mem=0) -> int;  Kernel.attributes
     parse_params(source, kernel_name) -> tuple[Param, ...]
     kernel_source_dir(), ptx_source_dir()
+    cache_info() -> CacheInfo;  cache_clear() -> (entries, bytes)   # `orchestra cache`
 
-See docs/ARCHITECTURE.md. Everything but `Module`/`Kernel`/`load_kernel` runs without a GPU.
+See docs/ARCHITECTURE.md. Everything here runs without a GPU; `Module`/`Kernel`/`load_kernel`
+(from `orchestra.kernel`) need one.
 """
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
-from orchestra.compiler.cache import cache_dir, cache_enabled
+from orchestra.compiler.cache import (
+    CacheConfigError,
+    CacheInfo,
+    cache_clear,
+    cache_dir,
+    cache_enabled,
+    cache_info,
+)
 from orchestra.compiler.elf import kernel_names
 from orchestra.compiler.launch import (
     LaunchConfig,
@@ -54,19 +64,24 @@ from orchestra.compiler.ptx import (
 from orchestra.compiler.sources import kernel_source_dir, ptx_source_dir
 from orchestra.compiler.target import normalize_arch
 
-from orchestra.compiler.module import (  # noqa: E402  (imports cuda.bindings.driver lazily)
-    Kernel,
-    KernelAttributes,
-    KernelNotFoundError,
-    Module,
-    load_kernel,
-)
+# Loaded code lives in orchestra.kernel (which imports this package); its documented names are
+# re-exported here on first use, so ``from orchestra.compiler import load_kernel`` keeps working.
+_KERNEL_NAMES = ("Kernel", "KernelAttributes", "KernelNotFoundError", "Module", "load_kernel")
+
+
+def __getattr__(name):
+    if name in _KERNEL_NAMES:
+        import orchestra.kernel
+
+        return getattr(orchestra.kernel, name)
+    raise AttributeError(f"module 'orchestra.compiler' has no attribute {name!r}")
+
 
 __all__ = [
-    "ArgLayout", "CompileJob", "CompileResult", "Kernel", "KernelAttributes",
-    "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError", "PackedArgs", "Param",
-    "PtxVersionError", "build_launch_config", "cache_dir", "cache_enabled", "check_launch",
-    "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
+    "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",
+    "KernelAttributes", "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError",
+    "PackedArgs", "Param", "PtxVersionError", "build_launch_config", "cache_clear", "cache_dir",
+    "cache_enabled", "cache_info", "check_launch", "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
     "kernel_source_dir", "launch_attribute_values", "launch_attributes", "link_ptx", "load_kernel",
     "normalize_arch", "normalize_dims", "normalize_params", "nvrtc_version", "parse_params",
     "prepare_compile", "ptx_isa_version", "ptx_source_dir", "required_cuda_for_ptx",

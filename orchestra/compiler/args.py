@@ -12,20 +12,22 @@ replay updates, changing a scalar between launches). The driver copies parameter
 the launch call returns, so rewriting a field after ``launch`` returned never changes a launch
 already enqueued.
 
-Validation (case C09), before anything is enqueued, always naming the parameter:
+Validation, before anything is enqueued, always naming the parameter:
 
-* wrong number of arguments -> ``TypeError`` showing the expected signature;
-* an int that does not fit the declared width -> ``ValueError``
+* wrong number of arguments -> `KernelArgumentTypeError` showing the expected signature;
+* an int that does not fit the declared width -> `KernelArgumentValueError`
   (``parameter n (int): 4294967296 does not fit in int32``);
-* a Python float (or numpy float) where an integer is declared -> ``TypeError``;
+* a Python float (or numpy float) where an integer is declared -> `KernelArgumentTypeError`;
 * ``bool`` is accepted only for ``bool`` parameters;
-* a numpy scalar of another dtype than declared -> ``TypeError`` (no silent casts);
-* a buffer (anything with ``.ptr``, a numpy array) where a scalar belongs -> ``TypeError``;
+* a numpy scalar of another dtype than declared -> `KernelArgumentTypeError` (no silent casts);
+* a buffer (anything with ``.ptr``, a numpy array) where a scalar belongs ->
+  `KernelArgumentTypeError`;
 * a pointer takes an int address, an object with ``.ptr`` (DeviceBuffer), a ``CUdeviceptr``
-  or ``None`` (NULL) -- never a float or a numpy array (host memory) -> ``TypeError``.
+  or ``None`` (NULL) -- never a float or a numpy array (host memory) -> `KernelArgumentTypeError`.
 
 Floats: a Python float is packed as IEEE double for a ``double`` parameter (never narrowed) and
-rounded to float32 for a ``float`` parameter (``ValueError`` if finite but out of float32 range).
+rounded to float32 for a ``float`` parameter (`KernelArgumentValueError` if finite but out of
+float32 range). The two classes are also ``TypeError`` / ``ValueError`` (orchestra.errors).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ import operator
 from collections.abc import Mapping
 
 from orchestra.compiler.params import Param
+from orchestra.errors import (
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    ParameterIndexError,
+    UnknownParameterError,
+)
 
 _CTYPES = {
     "bool": ctypes.c_bool,
@@ -91,38 +99,45 @@ def make_converter(p: Param):
             if type(v) is int:
                 if 0 <= v < (1 << 64):
                     return v
-                raise ValueError(f"{label}: address {v} is not a 64-bit unsigned value")
+                raise KernelArgumentValueError(
+                    f"{label}: address {v} is not a 64-bit unsigned value")
             if v is None:
                 return 0
             if isinstance(v, (bool, float)):
-                raise TypeError(f"{label} needs device memory: pass a DeviceBuffer (anything"
-                                f" with .ptr), a CUdeviceptr, an int address or None; got"
-                                f" {_describe(v)}")
+                raise KernelArgumentTypeError(
+                    f"{label} needs device memory: pass a DeviceBuffer (anything"
+                    f" with .ptr), a CUdeviceptr, an int address or None; got"
+                    f" {_describe(v)}")
             ptr = getattr(v, "ptr", None)
             if ptr is not None:
                 try:
                     return conv_ptr(int(ptr))
-                except TypeError:
-                    raise TypeError(f"{label}: {_describe(v)}.ptr is not an address") from None
+                except (TypeError, ValueError):  # int("0x10") is a ValueError
+                    raise KernelArgumentTypeError(
+                        f"{label}: {_describe(v)}.ptr is not an address") from None
             if type(v).__name__ == "CUdeviceptr":
                 return int(v)
             np = _np()
             if isinstance(v, np.ndarray):
-                raise TypeError(f"{label} needs device memory: got a numpy array (host"
-                                " memory); copy it into a DeviceBuffer and pass that")
+                raise KernelArgumentTypeError(
+                    f"{label} needs device memory: got a numpy array (host"
+                    " memory); copy it into a DeviceBuffer and pass that")
             if isinstance(v, np.integer):
                 return conv_ptr(int(v))
-            raise TypeError(f"{label} needs device memory: pass a DeviceBuffer (anything with"
-                            f" .ptr), a CUdeviceptr, an int address or None; got {_describe(v)}")
+            raise KernelArgumentTypeError(
+                f"{label} needs device memory: pass a DeviceBuffer (anything with"
+                f" .ptr), a CUdeviceptr, an int address or None; got {_describe(v)}")
         return conv_ptr
 
-    def not_scalar(v) -> TypeError:
-        return TypeError(f"{label}: got a buffer ({_describe(v)}) where a scalar belongs")
+    def not_scalar(v) -> KernelArgumentTypeError:
+        return KernelArgumentTypeError(
+            f"{label}: got a buffer ({_describe(v)}) where a scalar belongs")
 
-    def wrong_numpy(v) -> TypeError:
+    def wrong_numpy(v) -> KernelArgumentTypeError:
         kind = "float" if "float" in dtype else "int"
-        return TypeError(f"{label}: numpy {v.dtype} scalar does not match the declared {dtype};"
-                         f" pass numpy.{dtype}(...) or a Python {kind}")
+        return KernelArgumentTypeError(
+            f"{label}: numpy {v.dtype} scalar does not match the declared {dtype};"
+            f" pass numpy.{dtype}(...) or a Python {kind}")
 
     if dtype == "bool":
         def conv_bool(v):
@@ -133,7 +148,8 @@ def make_converter(p: Param):
                 return bool(v)
             if _is_buffer(v):
                 raise not_scalar(v)
-            raise TypeError(f"{label}: expected a bool (True/False), got {_describe(v)}")
+            raise KernelArgumentTypeError(
+                f"{label}: expected a bool (True/False), got {_describe(v)}")
         return conv_bool
 
     if dtype in _INT_RANGE:
@@ -142,11 +158,13 @@ def make_converter(p: Param):
         def conv_int(v):
             if type(v) is not int:
                 if type(v) is bool:
-                    raise TypeError(f"{label}: got a bool where an integer is declared;"
-                                    " pass an int (bool is accepted only for bool parameters)")
+                    raise KernelArgumentTypeError(
+                        f"{label}: got a bool where an integer is declared;"
+                        " pass an int (bool is accepted only for bool parameters)")
                 if isinstance(v, float):
-                    raise TypeError(f"{label}: got a float ({v!r}) where an integer is declared;"
-                                    " pass an int")
+                    raise KernelArgumentTypeError(
+                        f"{label}: got a float ({v!r}) where an integer is declared;"
+                        " pass an int")
                 np = _np()
                 if isinstance(v, np.generic):
                     if v.dtype != np.dtype(dtype):
@@ -158,10 +176,11 @@ def make_converter(p: Param):
                     try:
                         v = operator.index(v)
                     except TypeError:
-                        raise TypeError(f"{label}: expected an int, got {_describe(v)}") from None
+                        raise KernelArgumentTypeError(
+                            f"{label}: expected an int, got {_describe(v)}") from None
             if lo <= v <= hi:
                 return v
-            raise ValueError(f"{label}: {v} does not fit in {dtype}")
+            raise KernelArgumentValueError(f"{label}: {v} does not fit in {dtype}")
         return conv_int
 
     single = dtype == "float32"
@@ -171,7 +190,8 @@ def make_converter(p: Param):
         if t is float or (t is int):
             f = float(v)
         elif t is bool:
-            raise TypeError(f"{label}: got a bool where a floating-point value is declared")
+            raise KernelArgumentTypeError(
+                f"{label}: got a bool where a floating-point value is declared")
         else:
             np = _np()
             if isinstance(v, np.generic):
@@ -183,13 +203,14 @@ def make_converter(p: Param):
             if isinstance(v, (float, int)):  # subclasses
                 f = float(v)
             else:
-                raise TypeError(f"{label}: expected a float, got {_describe(v)}")
+                raise KernelArgumentTypeError(f"{label}: expected a float, got {_describe(v)}")
         if single and abs(f) >= _F32_OVERFLOW and not math.isinf(f):
-            raise ValueError(f"{label}: {v!r} does not fit in float32")
+            raise KernelArgumentValueError(f"{label}: {v!r} does not fit in float32")
         if isinstance(v, int) and t is not float and int(_np().array(f, dtype)) != v:
             # An int the declared type cannot hold exactly would be silently rounded.
-            raise ValueError(f"{label}: the int {v} is not exactly representable in {dtype};"
-                             " pass a float if rounding is intended")
+            raise KernelArgumentValueError(
+                f"{label}: the int {v} is not exactly representable in {dtype};"
+                " pass a float if rounding is intended")
         return f
     return conv_float
 
@@ -205,7 +226,8 @@ class ArgLayout:
         self.params = tuple(params)
         self.kernel_name = kernel_name
         fields = [(f"a{i}", _CTYPES[p.dtype]) for i, p in enumerate(self.params)]
-        self.struct_type = type(f"{kernel_name}_args", (ctypes.Structure,), {"_fields_": fields})
+        self.struct_type: type[ctypes.Structure] = type(
+            f"{kernel_name}_args", (ctypes.Structure,), {"_fields_": fields})
         self.field_names = tuple(f for f, _ in fields)
         self.offsets = tuple(getattr(self.struct_type, f).offset for f in self.field_names)
         self.size = ctypes.sizeof(self.struct_type)
@@ -218,22 +240,31 @@ class ArgLayout:
         """``name(float a, const float* x, ...)``."""
         return f"{self.kernel_name}({', '.join(str(p) for p in self.params)})"
 
-    def _arity_error(self, got: int) -> TypeError:
+    def _arity_error(self, got: int) -> KernelArgumentTypeError:
         n = len(self.params)
-        return TypeError(f"kernel {self.signature} takes {n} argument{'s' if n != 1 else ''},"
-                         f" got {got}")
+        return KernelArgumentTypeError(
+            f"kernel {self.signature} takes {n} argument{'s' if n != 1 else ''},"
+            f" got {got}")
 
     def resolve(self, key) -> int:
-        """A parameter index from an index or a name (``KeyError``/``IndexError`` otherwise)."""
+        """A parameter index from an index or a name; `UnknownParameterError` (a ``KeyError``)
+        for an unknown name, `ParameterIndexError` (an ``IndexError``) for an index out of
+        range, `KernelArgumentTypeError` for a key that is neither."""
         if isinstance(key, str):
             try:
                 return self.index[key]
             except KeyError:
-                raise KeyError(f"kernel {self.signature} has no parameter {key!r}") from None
-        i = operator.index(key)
+                raise UnknownParameterError(
+                    f"kernel {self.signature} has no parameter {key!r}") from None
+        try:
+            i = operator.index(key)
+        except TypeError:
+            raise KernelArgumentTypeError(
+                f"a parameter of {self.signature} is named by its name (str) or index (int),"
+                f" got {type(key).__name__} {key!r}") from None
         n = len(self.params)
         if not -n <= i < n:
-            raise IndexError(f"parameter index {i} out of range for {self.signature}")
+            raise ParameterIndexError(f"parameter index {i} out of range for {self.signature}")
         return i % n
 
     def pack(self, args) -> "PackedArgs":
@@ -242,17 +273,20 @@ class ArgLayout:
         if isinstance(args, Mapping):
             unknown = [k for k in args if k not in self.index]
             if unknown:
-                raise TypeError(f"kernel {self.signature} has no parameter(s) {unknown}")
+                raise KernelArgumentTypeError(
+                    f"kernel {self.signature} has no parameter(s) {unknown}")
             missing = [p.name for p in self.params if p.name not in args]
             if missing:
-                raise TypeError(f"kernel {self.signature}: missing argument(s) {missing}")
+                raise KernelArgumentTypeError(
+                    f"kernel {self.signature}: missing argument(s) {missing}")
             args = [args[p.name] for p in self.params]
         elif not isinstance(args, (list, tuple)):
             try:
                 args = list(args)
             except TypeError:
-                raise TypeError(f"kernel arguments must be a sequence or a mapping, got"
-                                f" {type(args).__name__}") from None
+                raise KernelArgumentTypeError(
+                    f"kernel arguments must be a sequence or a mapping, got"
+                    f" {type(args).__name__}") from None
         if len(args) != len(self.params):
             raise self._arity_error(len(args))
         values = [conv(v) for conv, v in zip(self.converters, args)]

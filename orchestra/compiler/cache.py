@@ -3,6 +3,21 @@
 Location: ``$ORCHESTRA_CACHE_DIR`` if set, else platformdirs' user cache directory +
 ``/orchestra``; created with mode 0o700. ``ORCHESTRA_NO_CACHE=1`` turns the cache off.
 
+Size cap: ``$ORCHESTRA_CACHE_MAX_BYTES`` (`max_bytes`), default `DEFAULT_MAX_BYTES` = 1 GiB:
+room for thousands of cubins (an orchestra cubin is typically 10 KiB - 1 MiB, a heavily
+templated one a few MiB), so a serving process that instantiates many kernels keeps them all,
+while a user cache directory never grows without bound. Plain bytes (``500000000``) or a
+number with a binary suffix ``K``, ``M``, ``G``, ``T`` (optionally followed by ``B`` or
+``iB``, any case: ``512M``, ``2GiB``, ``1.5G``); ``0``, ``none`` or ``unlimited`` remove the
+cap. Anything else raises `CacheConfigError` at the next cache access (before compiling).
+
+Eviction is least-recently-used: a hit touches the entry's mtime (`load`), and after every write
+(`store`) the oldest entries by mtime are deleted until the total is within the cap (the entry
+just written is kept even when it alone is larger). Processes share the directory safely: an
+entry that another process deletes or evicts under us is a miss (or is skipped), never an error.
+`cache_info` reports the location, entries, bytes, cap and whether the cache is on;
+`cache_clear` deletes every entry (``orchestra cache info|clear``).
+
 The key (`make_key`) is a sha256 over a namespace (``"nvrtc"``, ``"nvjitlink"``), the cache
 format version and every input that changes the output, each part length-prefixed so no two
 inputs collide by concatenation. One entry is one file ``<namespace>-<key>.bin``::
@@ -21,17 +36,39 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import attrs
+
+from orchestra.errors import OrchestraError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MAGIC = b"ORCACHE\0"
 _HEADER = struct.Struct("<8sI32sQQQ")
 HEADER_SIZE = _HEADER.size
+
+#: The size cap without ``$ORCHESTRA_CACHE_MAX_BYTES`` (see the module doc for the choice).
+DEFAULT_MAX_BYTES = 1 << 30
+MAX_BYTES_ENV = "ORCHESTRA_CACHE_MAX_BYTES"
+_NAMESPACES = ("nvrtc", "nvjitlink")
+_ENTRY_RE = re.compile(r"^(?:%s)-[0-9a-f]{64}\.bin$" % "|".join(_NAMESPACES))
+_TMP_RE = re.compile(r"^\.(?:%s)-.*\.tmp$" % "|".join(_NAMESPACES))
+#: A temporary file older than this is debris of a writer that died; eviction removes it.
+_STALE_TMP_S = 3600
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class CacheConfigError(OrchestraError, ValueError):
+    """``$ORCHESTRA_CACHE_MAX_BYTES`` holds something that is not a size."""
 
 
 @attrs.frozen
@@ -47,6 +84,28 @@ class CacheEntry:
 def cache_enabled() -> bool:
     """False when ``$ORCHESTRA_NO_CACHE`` is set to anything but ``""``/``"0"``."""
     return os.environ.get("ORCHESTRA_NO_CACHE", "") in ("", "0")
+
+
+def parse_size(text: str) -> int | None:
+    """``"512M"`` -> 536870912: a byte count with an optional binary suffix (see the module
+    doc); None for ``0``, ``none``, ``unlimited`` (no cap). Raises `CacheConfigError`."""
+    t = str(text).strip()
+    if t.lower() in ("none", "unlimited"):
+        return None
+    m = _SIZE_RE.match(t)
+    if m is None or (m.group(3) and m.group(3).upper() == "IB" and not m.group(2)):
+        raise CacheConfigError(
+            f"{MAX_BYTES_ENV}={text!r} is not a size: give bytes (500000000), a number with K, M,"
+            " G or T (512M, 2G, 1.5GiB), or 0 / none / unlimited for no cap")
+    n = int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+    return n or None
+
+
+def max_bytes() -> int | None:
+    """The size cap in bytes from ``$ORCHESTRA_CACHE_MAX_BYTES`` (default `DEFAULT_MAX_BYTES`;
+    an empty value counts as unset), or None for no cap. Raises `CacheConfigError`."""
+    env = os.environ.get(MAX_BYTES_ENV, "")
+    return DEFAULT_MAX_BYTES if not env.strip() else parse_size(env)
 
 
 def cache_dir(create: bool = True) -> Path:
@@ -137,36 +196,47 @@ def decode_entry(data: bytes) -> CacheEntry | None:
 
 def load(namespace: str, key: str) -> CacheEntry | None:
     """The verified entry for ``key``, or None (miss, cache off, or a bad entry, which is
-    deleted)."""
-    if not cache_enabled():
-        return None
-    path = entry_path(namespace, key)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return None
-    entry = decode_entry(data)
-    if entry is None:
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    return entry
+    deleted). A hit touches the entry's mtime: that is its recency for eviction.
 
-
-def store(namespace: str, key: str, image: bytes, log: str, names: dict) -> Path | None:
-    """Write an entry atomically (tempfile in the cache directory + ``os.replace``).
-
-    Returns its path, or None when the cache is off or the directory is not writable (a cache
-    that cannot be written never fails a compile).
+    Raises `CacheConfigError` for a bad ``$ORCHESTRA_CACHE_MAX_BYTES`` (so a compile stops
+    before NVRTC runs rather than after). Thread- and process-safe: an entry deleted under us
+    is a miss.
     """
     if not cache_enabled():
         return None
+    max_bytes()  # validate the cap before any work is done
+    path = entry_path(namespace, key)
+    try:
+        data = path.read_bytes()
+    except OSError:  # missing (never written, evicted, cleared) or unreadable: a miss
+        log.debug("cache miss %s", path.name)
+        return None
+    entry = decode_entry(data)
+    if entry is None:
+        log.debug("cache entry %s is damaged: deleted", path.name)
+        _unlink(path)
+        return None
+    try:
+        os.utime(path)  # recency for least-recently-used eviction
+    except OSError:
+        pass  # evicted by another process meanwhile: we hold its bytes already
+    log.debug("cache hit %s", path.name)
+    return entry
+
+
+def store(namespace: str, key: str, image: bytes, log_text: str, names: dict) -> Path | None:
+    """Write an entry atomically (tempfile in the cache directory + ``os.replace``), then evict
+    the least recently used entries beyond the cap (`evict`).
+
+    Returns its path, or None when the cache is off or the directory is not writable (a cache
+    that cannot be written never fails a compile). Raises `CacheConfigError` for a bad cap.
+    """
+    if not cache_enabled():
+        return None
+    cap = max_bytes()
     try:
         d = cache_dir()
-        data = encode_entry(image, log, names)
+        data = encode_entry(image, log_text, names)
         fd, tmp = tempfile.mkstemp(prefix=f".{namespace}-", suffix=".tmp", dir=d)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -176,11 +246,116 @@ def store(namespace: str, key: str, image: bytes, log: str, names: dict) -> Path
             path = entry_path(namespace, key, d)
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink(Path(tmp))
             raise
-        return path
     except OSError:
         return None
+    log.debug("cache store %s (%d bytes)", path.name, len(data))
+    if cap is not None:
+        evict(cap, keep=path, directory=d)
+    return path
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:  # gone already (another process) or not ours to delete
+        return False
+
+
+def _scan(directory: Path) -> tuple[list[tuple[int, str, int, str]], list[tuple[float, str]]]:
+    """(entries as (mtime_ns, name, size, path), temporary files as (mtime, path)); files that
+    vanish while we look are skipped."""
+    entries: list[tuple[int, str, int, str]] = []
+    temps: list[tuple[float, str]] = []
+    try:
+        it = os.scandir(directory)
+    except OSError:
+        return entries, temps
+    with it:
+        for e in it:
+            is_entry = _ENTRY_RE.match(e.name) is not None
+            if not is_entry and _TMP_RE.match(e.name) is None:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_entry:
+                entries.append((st.st_mtime_ns, e.name, st.st_size, e.path))
+            else:
+                temps.append((st.st_mtime, e.path))
+    return entries, temps
+
+
+def evict(cap: int, *, keep: Path | None = None, directory: Path | None = None) -> int:
+    """Delete the least recently used entries (oldest mtime first) until the entries total at
+    most ``cap`` bytes; ``keep`` (the entry just written) is never deleted. Also removes
+    temporary files older than an hour (left by a writer that died). Returns how many entries
+    were deleted. Safe against other processes doing the same at the same time.
+    """
+    d = directory or cache_dir(create=False)
+    entries, temps = _scan(d)
+    now = time.time()
+    for mtime, p in temps:
+        if now - mtime > _STALE_TMP_S:
+            _unlink(Path(p))
+    total = sum(size for _m, _n, size, _p in entries)
+    removed = 0
+    keep_s = str(keep) if keep is not None else None
+    for _mtime, name, size, p in sorted(entries):
+        if total <= cap:
+            break
+        if p == keep_s:
+            continue
+        if _unlink(Path(p)):
+            removed += 1
+            log.debug("cache evict %s (%d bytes)", name, size)
+        total -= size  # gone either way: deleted by us or by another process
+    return removed
+
+
+@attrs.frozen
+class CacheInfo:
+    """What `cache_info` reports: ``location`` (Path), ``entries`` (count), ``bytes`` (their
+    total size), ``max_bytes`` (the cap, None for none), ``enabled`` (False with
+    ``$ORCHESTRA_NO_CACHE``)."""
+
+    location: Path
+    entries: int
+    bytes: int
+    max_bytes: int | None
+    enabled: bool
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the fields, ``location`` as str."""
+        return {"location": str(self.location), "entries": self.entries, "bytes": self.bytes,
+                "max_bytes": self.max_bytes, "enabled": self.enabled}
+
+
+def cache_info() -> CacheInfo:
+    """The cache's location, entry count, total bytes, cap and on/off state. Creates nothing.
+    Raises `CacheConfigError` for a bad ``$ORCHESTRA_CACHE_MAX_BYTES``."""
+    cap = max_bytes()
+    d = cache_dir(create=False)
+    entries, _temps = _scan(d)
+    return CacheInfo(d, len(entries), sum(e[2] for e in entries), cap, cache_enabled())
+
+
+def cache_clear() -> tuple[int, int]:
+    """Delete every entry (and stale temporary files): returns ``(entries deleted, bytes
+    freed)``. Entries another process deletes meanwhile are not counted. A compile running in
+    another process at the same time may still write its entry afterwards."""
+    d = cache_dir(create=False)
+    entries, temps = _scan(d)
+    removed = freed = 0
+    for _m, _n, size, p in entries:
+        if _unlink(Path(p)):
+            removed += 1
+            freed += size
+    now = time.time()
+    for mtime, p in temps:
+        if now - mtime > _STALE_TMP_S:
+            _unlink(Path(p))
+    return removed, freed

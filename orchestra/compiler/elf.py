@@ -12,6 +12,8 @@ import struct
 
 import attrs
 
+from orchestra.errors import OrchestraError
+
 ELF_MAGIC = b"\x7fELF"
 _SHT_SYMTAB = 2
 _STT_OBJECT = 1
@@ -25,7 +27,7 @@ _SHDR = struct.Struct("<IIQQQQIIQQ")  # Elf64_Shdr
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym
 
 
-class ElfError(ValueError):
+class ElfError(OrchestraError, ValueError):
     """The bytes are not a well-formed ELF64 little-endian image."""
 
 

@@ -3,21 +3,18 @@
 System headers come from NVIDIA's wheels, found with ``cuda.pathfinder``:
 ``find_nvidia_header_directory("cccl")`` (libcu++ ``<cuda/pipeline>``, ``<cuda/barrier>``, CUB,
 Thrust) and ``find_nvidia_header_directory("cudart")`` (``cooperative_groups.h``,
-``cuda_pipeline_primitives.h``, ``cuda_runtime.h``). Project headers are the ones a program
-includes from its own directory, from ``cuda_src/`` or from directories the caller names: their
-contents go into the cache key, so editing a header recompiles what includes it.
+``cuda_pipeline_primitives.h``, ``cuda_runtime.h``). Which headers a program reaches, for the
+cache key, is `orchestra.compiler.headers`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from pathlib import Path
 
 from orchestra.compiler.sources import kernel_source_dir
 
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]', re.MULTILINE)
 _MISSING_RE = re.compile(r'cannot open source file "([^"]+)"')
 
 
@@ -60,37 +57,6 @@ def include_dirs_for(source_dir, user_dirs=()) -> tuple[str, ...]:
     return tuple(dirs)
 
 
-def project_header_digest(text: str, source_dir, project_dirs) -> list[tuple[str, str]]:
-    """The project headers ``text`` includes, recursively: ``[(include name, sha256 hex), ...]``
-    in first-seen order.
-
-    ``#include "x"`` is looked up next to the including file, then in ``project_dirs``;
-    ``#include <x>`` only in ``project_dirs`` (never in the system directories: those are
-    versioned by the NVRTC/CCCL versions in the key). Unresolved names are skipped (NVRTC
-    reports them). Includes spelled with a macro are not followed.
-    """
-    out: list[tuple[str, str]] = []
-    seen: set[Path] = set()
-    proj = [Path(d) for d in project_dirs]
-
-    def walk(body: str, here: Path | None) -> None:
-        for kind, name in _INCLUDE_RE.findall(body):
-            search = ([here] if (kind == '"' and here is not None) else []) + proj
-            for d in search:
-                cand = d / name
-                if cand.is_file():
-                    cand = cand.resolve()
-                    if cand not in seen:
-                        seen.add(cand)
-                        data = cand.read_bytes()
-                        out.append((name, hashlib.sha256(data).hexdigest()))
-                        walk(data.decode("utf-8", errors="replace"), cand.parent)
-                    break
-
-    walk(text, Path(source_dir) if source_dir is not None else None)
-    return out
-
-
 def missing_headers(log: str) -> list[str]:
     """Header names NVRTC could not open (``cannot open source file "x"``), in log order."""
     return list(dict.fromkeys(_MISSING_RE.findall(log)))
@@ -131,16 +97,16 @@ def cudart_version(directory) -> tuple[int, int] | None:
     return (v // 1000, (v % 1000) // 10)
 
 
-def header_versions(dirs) -> list[tuple[str, str, tuple]]:
+def header_versions(dirs) -> list[tuple[str, str, tuple[int, ...]]]:
     """For each directory holding CCCL or cudart headers: ``(dir, "CCCL"|"cudart", version)``."""
-    out = []
+    out: list[tuple[str, str, tuple[int, ...]]] = []
     for d in dirs:
         v = cccl_version(d)
         if v is not None:
             out.append((str(d), "CCCL", v))
-        v = cudart_version(d)
-        if v is not None:
-            out.append((str(d), "cudart", v))
+        v2 = cudart_version(d)
+        if v2 is not None:
+            out.append((str(d), "cudart", v2))
     return out
 
 

@@ -2,8 +2,9 @@
 
 Everything here but `launch_attributes`/`build_launch_config` is plain Python: `check_launch`
 takes the limits as arguments, so it is tested on the CPU, and the graph-build executor runs the
-same checks before it adds a kernel node. Every check raises ``ValueError`` naming the limit it
-hit, before anything is enqueued.
+same checks before it adds a kernel node. Every check raises `LaunchConfigValueError` (a
+``ValueError``; wrong types: `LaunchConfigTypeError`, a ``TypeError``) naming the limit it hit,
+before anything is enqueued.
 
 Launch attributes (``cuLaunchKernelEx`` / kernel-node attributes):
 
@@ -25,6 +26,8 @@ import operator
 
 import attrs
 
+from orchestra.errors import LaunchConfigTypeError, LaunchConfigValueError
+
 PORTABLE_CLUSTER_SIZE = 8
 NON_PORTABLE_CLUSTER_SIZE = 16
 
@@ -32,25 +35,27 @@ NON_PORTABLE_CLUSTER_SIZE = 16
 def normalize_dims(value, what: str) -> tuple[int, int, int]:
     """An int or a 1-3 tuple/list of ints -> ``(x, y, z)`` padded with 1.
 
-    Raises ``TypeError`` for other types, ``ValueError`` for a dimension below 1 or above
-    2**32 - 1, or more than 3 entries.
+    Raises `LaunchConfigTypeError` (a ``TypeError``) for other types, `LaunchConfigValueError`
+    (a ``ValueError``) for a dimension below 1 or above 2**32 - 1, or more than 3 entries.
     """
     if isinstance(value, (tuple, list)):
         items = list(value)
         if not 1 <= len(items) <= 3:
-            raise ValueError(f"{what} must have 1 to 3 dimensions, got {len(items)}: {value!r}")
+            raise LaunchConfigValueError(
+                f"{what} must have 1 to 3 dimensions, got {len(items)}: {value!r}")
     else:
         items = [value]
     out = []
     for v in items:
         if isinstance(v, bool):
-            raise TypeError(f"{what} dimensions must be ints, got {value!r}")
+            raise LaunchConfigTypeError(f"{what} dimensions must be ints, got {value!r}")
         try:
             v = operator.index(v)
         except TypeError:
-            raise TypeError(f"{what} dimensions must be ints, got {value!r}") from None
+            raise LaunchConfigTypeError(f"{what} dimensions must be ints, got {value!r}") from None
         if not 1 <= v <= 0xFFFFFFFF:
-            raise ValueError(f"{what} dimensions must be between 1 and 2**32-1, got {value!r}")
+            raise LaunchConfigValueError(
+                f"{what} dimensions must be between 1 and 2**32-1, got {value!r}")
         out.append(v)
     while len(out) < 3:
         out.append(1)
@@ -81,16 +86,21 @@ class LaunchConfig:
         try:
             smem = operator.index(shared_mem)
         except TypeError:
-            raise TypeError(f"shared_mem must be an int (bytes), got {shared_mem!r}") from None
+            raise LaunchConfigTypeError(
+                f"shared_mem must be an int (bytes), got {shared_mem!r}") from None
         if isinstance(shared_mem, bool) or smem < 0:
-            raise ValueError(f"shared_mem must be a byte count >= 0, got {shared_mem!r}")
+            raise LaunchConfigValueError(
+                f"shared_mem must be a byte count >= 0, got {shared_mem!r}")
         if priority is not None:
             if isinstance(priority, bool):
-                raise TypeError(f"priority must be an int, got {priority!r}")
-            priority = operator.index(priority)
+                raise LaunchConfigTypeError(f"priority must be an int, got {priority!r}")
+            try:
+                priority = operator.index(priority)
+            except TypeError:
+                raise LaunchConfigTypeError(f"priority must be an int, got {priority!r}") from None
         return cls(normalize_dims(grid, "grid"), normalize_dims(block, "block"), smem,
                    bool(cooperative), None if cluster is None else normalize_dims(cluster,
-                                                                                 "cluster"),
+                   "cluster"),
                    bool(pdl), priority)
 
     @property
@@ -131,28 +141,28 @@ def check_launch(cfg: LaunchConfig, limits, *, kernel_name: str = "kernel",
     (``cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)``) before this launch,
     or 0 when no opt-in is needed.
 
-    Raises ``ValueError`` naming the limit that the launch exceeds.
+    Raises `LaunchConfigValueError` (a ``ValueError``) naming the limit that the launch exceeds.
     """
     name = kernel_name
     bx, by, bz = cfg.block
     threads = bx * by * bz
     if threads > limits.max_threads_per_block:
-        raise ValueError(
+        raise LaunchConfigValueError(
             f"launch of {name}: block {cfg.block} has {threads} threads, above the device's max"
             f" threads per block ({limits.max_threads_per_block})")
     for axis, v, lim in zip("xyz", cfg.block, limits.max_block_dim):
         if v > lim:
-            raise ValueError(
+            raise LaunchConfigValueError(
                 f"launch of {name}: block dimension {axis} = {v} exceeds the device's max block"
                 f" dims {tuple(limits.max_block_dim)}")
     if kernel_max_threads is not None and threads > kernel_max_threads:
-        raise ValueError(
+        raise LaunchConfigValueError(
             f"launch of {name}: block {cfg.block} has {threads} threads, above the kernel's max"
             f" threads per block ({kernel_max_threads}, limited by its register use or"
             " __launch_bounds__)")
     for axis, v, lim in zip("xyz", cfg.grid, limits.max_grid_dim):
         if v > lim:
-            raise ValueError(
+            raise LaunchConfigValueError(
                 f"launch of {name}: grid dimension {axis} = {v} exceeds the device's max grid"
                 f" dims {tuple(limits.max_grid_dim)}")
 
@@ -162,7 +172,7 @@ def check_launch(cfg: LaunchConfig, limits, *, kernel_name: str = "kernel",
         max_dynamic_shared = max(limits.max_shared_memory_per_block - static_shared, 0)
     if smem > max_dynamic_shared:
         if static_shared + smem > limits.max_shared_memory_per_block_optin:
-            raise ValueError(
+            raise LaunchConfigValueError(
                 f"launch of {name}: shared memory per block {smem} bytes dynamic +"
                 f" {static_shared} static = {smem + static_shared} bytes exceeds the device's"
                 f" opt-in limit (max shared memory per block optin ="
@@ -170,37 +180,39 @@ def check_launch(cfg: LaunchConfig, limits, *, kernel_name: str = "kernel",
         optin_needed = smem
 
     if cfg.pdl and tuple(compute_capability) < (9, 0):
-        raise ValueError(
+        raise LaunchConfigValueError(
             f"launch of {name}: programmatic dependent launch (pdl=True) needs compute capability"
             f" 9.0 or newer; this device is {compute_capability[0]}.{compute_capability[1]}")
 
     if cfg.cluster is not None:
         if not limits.cluster_launch:
-            raise ValueError(f"launch of {name}: this device does not support thread block"
-                             " clusters (cluster launch needs compute capability 9.0+)")
+            raise LaunchConfigValueError(
+                f"launch of {name}: this device does not support thread block"
+                " clusters (cluster launch needs compute capability 9.0+)")
         size = cfg.cluster[0] * cfg.cluster[1] * cfg.cluster[2]
         cap = NON_PORTABLE_CLUSTER_SIZE if non_portable_cluster else PORTABLE_CLUSTER_SIZE
         if size > cap:
-            raise ValueError(
+            raise LaunchConfigValueError(
                 f"launch of {name}: cluster {cfg.cluster} has {size} blocks, above the max"
                 f" cluster size {cap}" + ("" if non_portable_cluster else
                                           " (portable limit; the kernel does not allow"
                                           " non-portable cluster sizes)"))
         for axis, g, c in zip("xyz", cfg.grid, cfg.cluster):
             if g % c:
-                raise ValueError(
+                raise LaunchConfigValueError(
                     f"launch of {name}: cluster dimension {axis} = {c} does not divide grid"
                     f" dimension {axis} = {g} (cluster dims must divide the grid)")
 
     if cfg.cooperative:
         if not limits.cooperative_launch:
-            raise ValueError(f"launch of {name}: this device does not support cooperative"
-                             " launch")
+            raise LaunchConfigValueError(
+                f"launch of {name}: this device does not support cooperative"
+                " launch")
         per_sm = occupancy(threads, smem) if callable(occupancy) else occupancy
         if per_sm is not None and sm_count is not None:
             cap = int(per_sm) * int(sm_count)
             if cfg.blocks > cap:
-                raise ValueError(
+                raise LaunchConfigValueError(
                     f"launch of {name}: cooperative grid {cfg.grid} has {cfg.blocks} blocks, but"
                     f" only {cap} can be co-resident ({sm_count} SMs x {per_sm} blocks per SM"
                     f" for {threads} threads and {smem} bytes of shared memory,"
@@ -209,7 +221,7 @@ def check_launch(cfg: LaunchConfig, limits, *, kernel_name: str = "kernel",
     if cfg.priority is not None:
         lo, hi = limits.greatest_stream_priority, limits.least_stream_priority
         if not lo <= cfg.priority <= hi:
-            raise ValueError(
+            raise LaunchConfigValueError(
                 f"launch of {name}: priority {cfg.priority} is outside the device's stream"
                 f" priority range {lo} (highest) .. {hi} (lowest)")
     return optin_needed

@@ -9,6 +9,10 @@ Default options: ``-std=c++17`` (unless the caller passes a ``-std``), and
 ``--gpu-architecture=compute_XY`` (PTX). Then the caller's options, then one ``-I`` per include
 directory: the source file's directory, the caller's ``include_dirs``, ``cuda_src/``, and the
 CCCL and cudart header directories found with ``cuda.pathfinder``.
+
+The cache key covers every header the program reaches through any of those directories or a
+``-I`` in the caller's options (`orchestra.compiler.headers`); the cache itself (location, size
+cap, eviction) is `orchestra.compiler.cache`.
 """
 
 from __future__ import annotations
@@ -24,15 +28,14 @@ from orchestra.compiler import cache
 from orchestra.compiler.elf import ElfError, defined_names, is_elf, kernel_names
 from orchestra.compiler.includes import (
     describe_versions,
-    header_versions,
     include_dirs_for,
     missing_headers,
-    project_header_digest,
     system_include_dirs,
 )
-from orchestra.compiler.sources import Source, kernel_source_dir, read_source
+from orchestra.compiler.headers import header_digest, search_path
+from orchestra.compiler.sources import Source, read_source
 from orchestra.compiler.target import default_arch, normalize_arch, virtual_arch
-from orchestra.errors import CompileError
+from orchestra.errors import CompileError, CompilerArgumentTypeError, CompilerArgumentValueError
 
 _ERROR_LINE_RE = re.compile(r"^(.*?)\((\d+)\): (?:catastrophic )?error\b.*$", re.MULTILINE)
 _NAME_MAP_PRAGMA_RE = re.compile(r"^\s*#pragma nv_mangled_name (.+?)\s*$", re.MULTILINE)
@@ -40,7 +43,7 @@ _ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
 
 
 class NameExpressionError(CompileError):
-    """One or more name expressions did not resolve to a symbol of the image (case C11).
+    """One or more name expressions did not resolve to a symbol of the image.
 
     Attributes (besides `CompileError`'s): ``missing``: the expressions that failed, in the
     order given; ``resolved``: dict expression -> lowered name for the ones that did resolve.
@@ -121,7 +124,7 @@ def compile_to_file(source_or_path, out=None, *, arch=None, ptx=False, options=(
     if out is None:
         src = read_source(source_or_path)
         if src.path is None:
-            raise ValueError("inline source text has no file name: pass out=")
+            raise CompilerArgumentValueError("inline source text has no file name: pass out=")
         out = default_output_path(src.path, ptx)
     return res, res.write(out)
 
@@ -135,11 +138,6 @@ def nvrtc_version() -> tuple[int, int]:
     if int(err):
         raise CompileError(f"nvrtcVersion: {_result_name(err)}", call="nvrtcVersion")
     return (int(major), int(minor))
-
-
-@functools.lru_cache(maxsize=64)
-def _system_header_versions(dirs: tuple[str, ...]) -> tuple:
-    return tuple(header_versions(dirs))
 
 
 def _result_name(result) -> str:
@@ -157,7 +155,7 @@ def _as_str_tuple(items, what: str) -> tuple[str, ...]:
         if isinstance(x, bytes):
             x = x.decode("utf-8")
         if not isinstance(x, str):
-            raise TypeError(f"{what} must be strings, got {type(x).__name__}")
+            raise CompilerArgumentTypeError(f"{what} must be strings, got {type(x).__name__}")
         out.append(x)
     return tuple(out)
 
@@ -171,7 +169,7 @@ def build_options(arch: str, ptx: bool, user_options=(), include_dirs=()) -> tup
     user = _as_str_tuple(user_options, "options")
     for o in user:
         if o.startswith(_ARCH_OPTIONS):
-            raise ValueError(
+            raise CompilerArgumentValueError(
                 f"option {o!r} sets the target architecture: pass arch=\"sm_XY\" (and ptx=True"
                 " for PTX) instead")
     opts = []
@@ -218,7 +216,13 @@ class CompileJob:
 def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(),
                     include_dirs=(), ptx=False) -> CompileJob:
     """Resolve the inputs of a compile (see `compile`) and compute its cache key, without
-    compiling. Reads the source and the project headers it includes."""
+    compiling.
+
+    The key covers the source text and name, every NVRTC option, the target, the name
+    expressions, the NVRTC version and every header the source reaches through any include path
+    (`orchestra.compiler.headers.header_key`: project headers by path and content, CCCL and
+    cudart by version). Costs one ``stat`` per reachable header when nothing changed.
+    """
     src = read_source(source_or_path)
     arch = normalize_arch(default_arch() if arch is None else arch)
     if isinstance(include_dirs, (str, bytes, os.PathLike)):
@@ -230,14 +234,12 @@ def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(
     names = tuple(dict.fromkeys(_as_str_tuple(name_expressions, "name_expressions")))
     for n in names:
         if not n.strip():
-            raise ValueError("an empty name expression was given")
-    ksd = kernel_source_dir()
-    project_dirs = list(user_dirs) + ([str(ksd)] if ksd.is_dir() else [])
-    headers = project_header_digest(src.text, src.directory, project_dirs)
-    key = cache.make_key(
-        "nvrtc", src.text, src.name, tuple(headers), opts, arch, bool(ptx), names,
-        nvrtc_version(), _system_header_versions(system_include_dirs()))
-    return CompileJob(src, arch, bool(ptx), opts, dirs, names, key)
+            raise CompilerArgumentValueError("an empty name expression was given")
+    headers = header_digest(src.text, src.name, opts, system_include_dirs())
+    key = cache.make_key("nvrtc", src.text, src.name, headers, opts, arch, bool(ptx), names,
+                         nvrtc_version())
+    searched, _pre, _src_inc = search_path(opts)  # -I from options= too, in NVRTC's order
+    return CompileJob(src, arch, bool(ptx), opts, searched, names, key)
 
 
 def compile(source_or_path, *, arch=None, options=(), name_expressions=(), include_dirs=(),
@@ -249,11 +251,14 @@ def compile(source_or_path, *, arch=None, options=(), name_expressions=(), inclu
             also looked up in ``cuda_src/``), or the CUDA C++ text itself.
         arch: ``"sm_90"`` etc.; default: the current device's (``Device.get().arch``). Without
             a GPU it must be given (``ValueError`` says so).
-        options: extra NVRTC options (str), e.g. ``("-DN=4", "-lineinfo")``.
+        options: extra NVRTC options (str), e.g. ``("-DN=4", "-lineinfo")``; ``-I`` /
+            ``--include-path`` directories given here are searched before ``include_dirs``,
+            and the headers found through them enter the cache key like any other.
         name_expressions: C++ expressions naming ``__global__`` functions or ``__device__``
             variables, e.g. ``"my_kernel<float, 4>"``; their lowered names come back in
             ``lowered_names`` (``nvrtcAddNameExpression`` / ``nvrtcGetLoweredName``).
         include_dirs: extra ``-I`` directories (project headers: their contents enter the key).
+            Editing, adding or removing any header the source can reach recompiles.
         ptx: give PTX for ``compute_XY`` instead of a cubin.
 
     Returns a `CompileResult`; ``cache_hit`` tells whether NVRTC ran.

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+from orchestra.errors import ParamDeclarationTypeError, ParamDeclarationValueError
+
 import attrs
 
 # ctype name -> (numpy-style kind name, size in bytes). "pointer" uses ("ptr", 8).
@@ -99,7 +101,9 @@ def _strip_comments(text: str) -> str:
 
 
 def _split_top_level(s: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in s:
         if ch in "(<[{":
             depth += 1
@@ -118,16 +122,17 @@ def parse_param_decl(decl: str, index: int = 0, *, kernel: str = "") -> Param:
     """One declaration (``"const float* __restrict__ x"``, ``"int"``, ``"size_t n = 0"``) ->
     `Param`. Unnamed parameters are called ``arg<index>``.
 
-    Raises ``ValueError`` for an unsupported type (the message asks for ``params=``).
+    Raises `ParamDeclarationValueError` (a ``ValueError``) for an unsupported type (the message
+    asks for ``params=``).
     """
     where = f" of kernel {kernel!r}" if kernel else ""
     text = decl.split("=", 1)[0].strip()
     tokens = [t for t in _TOKEN_RE.findall(text) if t not in _IGNORED]
     if not tokens:
-        raise ValueError(f"empty parameter declaration {decl!r}{where}")
+        raise ParamDeclarationValueError(f"empty parameter declaration {decl!r}{where}")
 
-    def unsupported(why: str) -> ValueError:
-        return ValueError(
+    def unsupported(why: str) -> ParamDeclarationValueError:
+        return ParamDeclarationValueError(
             f"parameter {index} ({decl.strip()!r}){where}: {why}; pass the parameter types"
             " explicitly, e.g. params=(\"const float*\", \"float*\", \"int\", \"float\")")
 
@@ -203,19 +208,19 @@ def _find_declaration(text: str, kernel_name: str):
 def parse_params(source: str, kernel_name: str) -> tuple[Param, ...]:
     """Parse the parameters of ``__global__`` kernel ``kernel_name`` declared in ``source``.
 
-    Raises ``ValueError`` when no ``__global__`` declaration of that name is found, when it is
-    a template (use ``name_expression=`` with explicit ``params=``), or for an unsupported
-    parameter type.
+    Raises `ParamDeclarationValueError` (a ``ValueError``) when no ``__global__`` declaration
+    of that name is found, when it is a template (use ``name_expression=`` with explicit
+    ``params=``), or for an unsupported parameter type.
     """
     text = _strip_comments(source)
     found = _find_declaration(text, kernel_name)
     if found is None:
-        raise ValueError(
+        raise ParamDeclarationValueError(
             f"no __global__ declaration of {kernel_name!r} found in the source; pass params="
             " explicitly, e.g. params=(\"const float*\", \"float*\", \"int\")")
     plist, is_template = found
     if is_template:
-        raise ValueError(
+        raise ParamDeclarationValueError(
             f"kernel {kernel_name!r} is a template: its parameters cannot be read from the"
             " source; pass params= explicitly, e.g. params=(\"const float*\", \"int\")")
     plist = plist.strip()
@@ -228,9 +233,16 @@ def parse_params(source: str, kernel_name: str) -> tuple[Param, ...]:
 def normalize_params(params) -> tuple[Param, ...]:
     """Explicit ``params=``: a sequence of `Param` objects or C type strings (optionally with
     names: ``"const float* x"``) -> tuple of `Param`. A single string is split at top-level
-    commas. Raises ``ValueError`` for unsupported types, ``TypeError`` for other items."""
+    commas. Raises `ParamDeclarationValueError` (a ``ValueError``) for unsupported types,
+    `ParamDeclarationTypeError` (a ``TypeError``) for other items."""
     if isinstance(params, str):
         params = _split_top_level(params) if params.strip() else []
+    try:
+        params = list(params)
+    except TypeError:
+        raise ParamDeclarationTypeError(
+            f"params= must be a sequence of C declarations (str) or Params, got"
+            f" {type(params).__name__} {params!r}") from None
     out = []
     for i, p in enumerate(params):
         if isinstance(p, Param):
@@ -238,10 +250,10 @@ def normalize_params(params) -> tuple[Param, ...]:
         elif isinstance(p, str):
             out.append(parse_param_decl(p, i))
         else:
-            raise TypeError(f"params[{i}] must be a C type string or a Param, got"
-                            f" {type(p).__name__}")
+            raise ParamDeclarationTypeError(f"params[{i}] must be a C type string or a Param,"
+                                            f" got {type(p).__name__}")
     names = [p.name for p in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ValueError(f"duplicate parameter names: {sorted(dup)}")
+        raise ParamDeclarationValueError(f"duplicate parameter names: {sorted(dup)}")
     return tuple(out)

@@ -1,6 +1,6 @@
 """PTX: its ISA version, whether a driver can JIT it, and linking it to a cubin with nvJitLink.
 
-Case C08: PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
+PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
 older driver (say CUDA 13.0): the driver answers ``CUDA_ERROR_UNSUPPORTED_PTX_VERSION``, which
 names neither version. `check_ptx_loadable` compares the two first and raises `PtxVersionError`
 naming both; `Module.load` calls it before handing PTX to the driver. `link_ptx` avoids the
@@ -17,7 +17,7 @@ from orchestra.compiler import cache
 from orchestra.compiler.elf import is_elf
 from orchestra.compiler.sources import read_source
 from orchestra.compiler.target import normalize_arch
-from orchestra.errors import CompileError, OrchestraError
+from orchestra.errors import CompileError, CompilerArgumentValueError, OrchestraError
 
 _VERSION_RE = re.compile(rb"^[ \t]*\.version[ \t]+(\d+)\.(\d+)", re.MULTILINE)
 
@@ -69,7 +69,7 @@ def ptx_isa_version(ptx) -> tuple[int, int]:
         ptx = ptx.encode("utf-8", errors="replace")
     m = _VERSION_RE.search(bytes(ptx))
     if m is None:
-        raise ValueError("not PTX: no .version directive found")
+        raise CompilerArgumentValueError("not PTX: no .version directive found")
     return (int(m.group(1)), int(m.group(2)))
 
 
@@ -124,7 +124,8 @@ def nvjitlink_version() -> tuple[int, int]:
     """nvJitLink's (major, minor) (``nvJitLinkVersion``); cached for the process."""
     from cuda.bindings import nvjitlink
 
-    return tuple(int(x) for x in nvjitlink.version())
+    major, minor = (int(x) for x in nvjitlink.version())
+    return major, minor
 
 
 def _run_nvjitlink(ptx: bytes, name: str, options: tuple[str, ...]) -> tuple[bytes, str]:
@@ -189,6 +190,11 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
     Raises `CompileError` (with nvJitLink's error log) when the PTX does not assemble or link,
     ``ValueError`` for an unknown ``arch`` or text that is not PTX.
     """
+    return link_ptx_cached(ptx_source_or_path, arch=arch, options=options)[0]
+
+
+def link_ptx_cached(ptx_source_or_path, *, arch, options=()) -> tuple[bytes, bool]:
+    """`link_ptx` that also tells whether the cubin came from the cache: ``(cubin, hit)``."""
     if isinstance(ptx_source_or_path, (bytes, bytearray)):
         text = bytes(ptx_source_or_path).rstrip(b"\0")
         name = "inline.ptx"
@@ -196,7 +202,7 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
         src = read_source(ptx_source_or_path, inline_name="inline.ptx")
         text, name = src.text.encode("utf-8"), src.name
     if not is_ptx(text):
-        raise ValueError(f"{name} is not PTX text (no .version directive)")
+        raise CompilerArgumentValueError(f"{name} is not PTX text (no .version directive)")
     arch = normalize_arch(arch)
     if isinstance(options, str):
         options = (options,)
@@ -204,7 +210,17 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
     key = cache.make_key("nvjitlink", text, arch, opts, nvjitlink_version())
     entry = cache.load("nvjitlink", key)
     if entry is not None and is_elf(entry.image):
-        return entry.image
+        return entry.image, True
     cubin, info = _run_nvjitlink(text, name, opts)
     cache.store("nvjitlink", key, cubin, info, {})
-    return cubin
+    return cubin, False
+
+
+_ENTRY_RE = re.compile(r"^\s*(?:\.(?:visible|weak|extern)\s+)*\.entry\s+([A-Za-z_$%][\w$]*)",
+                       re.MULTILINE)
+
+
+def ptx_entry_names(ptx) -> list[str]:
+    """Names of the kernels (``.entry`` directives) a PTX text defines, in order."""
+    text = ptx.decode("utf-8", errors="replace") if isinstance(ptx, (bytes, bytearray)) else ptx
+    return _ENTRY_RE.findall(text)

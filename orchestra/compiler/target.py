@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from orchestra.errors import CompilerArgumentValueError
+
 _ARCH_RE = re.compile(r"^(?:sm_|compute_)?(\d)(\d{1,2})([af]?)$")
 
 
@@ -27,7 +29,7 @@ def normalize_arch(arch) -> str:
         m = _ARCH_RE.match(s)
         if m:
             return f"sm_{m.group(1)}{m.group(2)}{m.group(3)}"
-    raise ValueError(
+    raise CompilerArgumentValueError(
         f"unknown GPU architecture {arch!r}: pass a name like arch=\"sm_90\" (compute capability"
         " 9.0), or a compute capability such as (9, 0)")
 
@@ -51,6 +53,6 @@ def default_arch(device=None) -> str:
         dev = as_device(device)
         return dev.arch
     except NoDeviceError as exc:
-        raise ValueError(
+        raise CompilerArgumentValueError(
             "no CUDA device to take the target architecture from: pass it explicitly, e.g."
             f' arch="sm_90" (compute capability 9.0); {exc}') from None

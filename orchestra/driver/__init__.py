@@ -2,13 +2,27 @@
 
 Every driver call goes through `cu`. Every object here owns one handle, releases it on
 ``close()`` (idempotent, also via ``with``) or, if forgotten, from a finalizer, and never
-touches a primary context that was already released at interpreter exit.
-`live_handles()` counts the handles held now, by kind (leak accounting).
+touches a primary context that was already released at interpreter exit. ``obj.lease()``
+(a `Lease`) defers that release past a ``close()`` until the last lease ends, for work that
+still refers to the handle (docs/errors.md, "Lifetimes").
+`live_handles()` counts the handles held now, by kind (leak accounting);
+`deferred_releases()` those closed but still leased.
+
+Beside streams and events: stream capture (`CaptureSession`, `capture`), the graph allocator's
+memory (`graph_memory`), and the driver entry points called through ctypes where cuda-bindings'
+wrappers fall short (`entry_points`).
 """
 
+from orchestra.driver.capture import (
+    CaptureSession,
+    UnjoinedStreamError,
+    capture_status,
+    is_capturing,
+)
 from orchestra.driver.check import cu, device_available, ensure_initialized
 from orchestra.driver.device import Device, DeviceLimits, context_alive, device_count, devices
 from orchestra.driver.event import Event
+from orchestra.driver.graph_memory import GraphMemory, graph_memory, trim_graph_memory
 from orchestra.driver.host import (
     HostRegistration,
     PinnedBuffer,
@@ -17,9 +31,9 @@ from orchestra.driver.host import (
     pinned_ranges,
     register_host,
 )
-from orchestra.driver.live import leaked, live_handles
+from orchestra.driver.live import deferred_releases, leaked, live_handles
 from orchestra.driver.memory import DeviceBuffer, MemoryPool
-from orchestra.driver.owner import Owner, Resource
+from orchestra.driver.owner import Lease, Owner, Resource, ResourceClosedError
 from orchestra.driver.stream import Stream
 
 __all__ = [
@@ -28,5 +42,8 @@ __all__ = [
     "Stream", "Event", "MemoryPool", "DeviceBuffer",
     "PinnedBuffer", "HostRegistration", "register_host", "is_pinned", "PinnedRanges",
     "pinned_ranges",
-    "Owner", "Resource", "live_handles", "leaked",
+    "Owner", "Resource", "Lease", "ResourceClosedError", "live_handles", "leaked",
+    "deferred_releases",
+    "CaptureSession", "UnjoinedStreamError", "capture_status", "is_capturing",
+    "GraphMemory", "graph_memory", "trim_graph_memory",
 ]

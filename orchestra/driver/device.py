@@ -18,12 +18,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import operator
+import os
 import threading
 
 import attrs
 from cuda.bindings import driver
 
 from orchestra.driver.check import cu, ensure_initialized
+from orchestra.errors import DriverArgumentTypeError, DriverArgumentValueError
 
 _A = driver.CUdevice_attribute
 
@@ -32,6 +34,25 @@ _devices: dict[int, "Device"] = {}
 _alive: dict[int, bool] = {}  # ordinal -> primary context retained and not yet released
 _tls = threading.local()  # .ctx: int value of the context this thread last made current
 _atexit_registered = False
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked after ``cuInit`` (see `orchestra.driver.check`): forget the parent's
+    devices and contexts, so `Device.get` goes through `ensure_initialized` (which raises
+    `CudaForkError`), finalizers skip their releases (`context_alive` is False) and the exit hook
+    releases nothing: the child must not call the driver with the parent's handles."""
+    global _lock, _tls
+    from orchestra.driver.check import forked_after_init
+
+    _lock = threading.RLock()  # another thread may have held it at the fork
+    if forked_after_init():
+        _devices.clear()
+        _alive.clear()
+        _tls = threading.local()
+
+
+if hasattr(os, "register_at_fork"):  # registered after check.py's hook, so it runs after it
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def context_alive(ordinal: int) -> bool:
@@ -102,7 +123,7 @@ class Device:
         self.handle = handle
         self._ctx = None  # CUcontext, retained lazily
         self._ctx_int = 0
-        self._limits = None
+        self._limits: DeviceLimits | None = None
         raw_name = cu(driver.cuDeviceGetName, 256, handle)
         self.name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
         self.compute_capability = (
@@ -128,7 +149,8 @@ class Device:
         ordinal = operator.index(ordinal)
         count = cu(driver.cuDeviceGetCount)
         if not 0 <= ordinal < count:
-            raise ValueError(f"device ordinal {ordinal} is out of range: {count} device(s) visible")
+            raise DriverArgumentValueError(
+                f"device ordinal {ordinal} is out of range: {count} device(s) visible")
         with _lock:
             dev = _devices.get(ordinal)
             if dev is None:
@@ -241,7 +263,7 @@ def as_device(device) -> Device:
     try:
         ordinal = operator.index(device)
     except TypeError:
-        raise TypeError(
+        raise DriverArgumentTypeError(
             f"expected a Device, an int ordinal or None, got {type(device).__name__}") from None
     return Device.get(ordinal)
 

@@ -14,6 +14,7 @@ Portable memory counts as pinned in every context, so one buffer serves every de
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import operator
 import threading
@@ -23,45 +24,105 @@ from cuda.bindings import driver
 
 from orchestra.driver.check import cu, device_available
 from orchestra.driver.device import Device, as_device
-from orchestra.driver.owner import Owner, Resource
-from orchestra.errors import CudaError
+from orchestra.driver.owner import Lease, Owner, Resource, ResourceClosedError
+from orchestra.errors import (
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    PageableMemoryError,
+)
 
 
 class PinnedRanges:
     """The address ranges ``[lo, hi)`` of page-locked memory that orchestra itself allocated
-    (`PinnedBuffer`) or registered (`HostRegistration`), kept while they are pinned.
+    (`PinnedBuffer`) or registered (`HostRegistration`), each with the `Owner` behind it, kept
+    until the memory is really unpinned (``cuMemFreeHost`` / ``cuMemHostUnregister``): while
+    the owner is closed but leased, the range stays and reads as closed.
 
     Executors check bindings against it before asking the driver: a hit costs a bisect under a
     lock instead of two ``cuPointerGetAttribute`` calls, so a loop of many runs does no driver
     query on its hot path. Ranges never overlap (the driver refuses overlapping registrations).
 
-    ``version`` counts removals: an answer "covered" stays true while it is unchanged (adding
-    a range never unpins anything), which lets callers remember checked arrays.
+    ``version`` counts removals and closes: an answer "covered" stays true while it is
+    unchanged (adding a range never unpins anything), which lets callers remember checked
+    arrays.
+
+    Thread-safe. The lock is re-entrant because a finalizer (a forgotten buffer's release,
+    which removes its range) may run on the thread that holds it; every change is one step
+    that leaves the lists consistent.
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._starts: list[int] = []
-        self._ends: dict[int, int] = {}
+        self._ends: dict[int, tuple[int, Owner | None]] = {}  # lo -> (hi, owner)
         self.version = 0
 
-    def add(self, lo: int, nbytes: int) -> None:
+    def add(self, lo: int, nbytes: int, owner: Owner | None = None) -> None:
+        """Record ``[lo, lo + nbytes)`` as pinned by ``owner`` (its `lease` backs `lease`)."""
         with self._lock:
             if lo not in self._ends:
                 bisect.insort(self._starts, lo)
-            self._ends[lo] = lo + nbytes
+            self._ends[lo] = (lo + nbytes, owner)
 
-    def discard(self, lo: int) -> None:
+    def discard(self, lo: int, owner: Owner | None = None) -> None:
+        """Forget the range starting at ``lo`` (its memory was unpinned); with ``owner``, only
+        if the range is still that owner's (not new memory pinned at the same address)."""
         with self._lock:
-            if self._ends.pop(lo, None) is not None:
+            end = self._ends.get(lo)
+            if end is not None and (owner is None or end[1] is owner):
+                del self._ends[lo]
                 del self._starts[bisect.bisect_left(self._starts, lo)]
                 self.version += 1
 
-    def covers(self, lo: int, hi: int) -> bool:
-        """True when ``[lo, hi)`` lies inside one known pinned range."""
+    def closing(self, lo: int) -> None:
+        """The range's owner was closed: earlier "covered" answers no longer hold."""
+        with self._lock:
+            self.version += 1
+
+    def _find(self, lo: int, hi: int):
+        """(hi_of_range, owner) of the range holding all of ``[lo, hi)``, else None."""
         with self._lock:
             i = bisect.bisect_right(self._starts, lo) - 1
-            return i >= 0 and hi <= self._ends[self._starts[i]]
+            if i < 0:
+                return None
+            end = self._ends.get(self._starts[i])
+        return end if end is not None and hi <= end[0] else None
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """True when ``[lo, hi)`` lies inside one known pinned range whose owner is open."""
+        hit = self._find(lo, hi)
+        return hit is not None and (hit[1] is None or not hit[1].closed)
+
+    def closed_owner(self, lo: int, hi: int) -> str | None:
+        """The kind (``"PinnedBuffer"``, ``"HostRegistration"``) of the closed owner whose
+        memory, kept pinned only for earlier work, holds ``[lo, hi)``; None otherwise."""
+        hit = self._find(lo, hi)
+        if hit is not None and hit[1] is not None and hit[1].closed:
+            return hit[1]._what
+        return None
+
+    def lease(self, lo: int, hi: int) -> Lease | None:
+        """A `Lease` on the owner of the orchestra memory that holds all of ``[lo, hi)``, so
+        an executor that binds a plain numpy view of it keeps the memory pinned and allocated
+        until the lease is released; None when no orchestra range holds it (memory pinned
+        outside orchestra, e.g. by torch, or not pinned: ask `is_pinned`).
+
+        Raises `ResourceClosedError` when the owner is closed (its memory is kept only for
+        work that leased it before): close-then-bind is refused, never a read of memory about
+        to be freed.
+        """
+        hit = self._find(lo, hi)
+        if hit is None or hit[1] is None:
+            return None
+        owner = hit[1]
+        try:
+            return owner.lease()
+        except ResourceClosedError:
+            raise ResourceClosedError(
+                f"the host memory [{lo:#x}, {hi:#x}) belongs to a {owner._what} that is "
+                "closed: it cannot be bound to new work; bind memory of an open PinnedBuffer "
+                "or HostRegistration", owner._what) from None
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -75,14 +136,35 @@ def pinned_ranges() -> PinnedRanges:
     return _pinned
 
 
-def _free_pinned(ptr: int) -> None:
-    _pinned.discard(ptr)
-    cu(driver.cuMemFreeHost, ptr)
+class _Unpin:
+    """The release of orchestra's pinned memory at ``ptr``: ``cuMemFreeHost`` (``array`` None)
+    or ``cuMemHostUnregister`` of ``array``, which it keeps alive until then (the memory must
+    not go back to Python's allocator while it is registered or leased). The range is removed
+    afterwards, and only if it is still this owner's: until the driver call returns the memory
+    is pinned, and a lease asked for meanwhile is refused as closed, not answered "unknown"."""
+
+    __slots__ = ("array", "owner")
+
+    def __init__(self, array=None):
+        self.array = array
+        self.owner = None  # set once the Owner exists
+
+    def __call__(self, ptr: int) -> None:
+        try:
+            if self.array is None:
+                cu(driver.cuMemFreeHost, ptr)
+            else:
+                cu(driver.cuMemHostUnregister, ptr)
+        finally:
+            _pinned.discard(ptr, self.owner)
+            self.array = self.owner = None
 
 
-def _unregister(ptr: int) -> None:
-    _pinned.discard(ptr)
-    cu(driver.cuMemHostUnregister, ptr)
+def _owned_pinned(obj, ptr: int, nbytes: int, release: _Unpin, device, what: str) -> Owner:
+    own = Owner(obj, ptr, release, device, what, on_close=functools.partial(_pinned.closing, ptr))
+    release.owner = own
+    _pinned.add(ptr, nbytes, own)
+    return own
 
 
 class PinnedBuffer(Resource):
@@ -99,15 +181,15 @@ class PinnedBuffer(Resource):
     def __init__(self, nbytes: int, device: Device | int | None = None):
         nbytes = operator.index(nbytes)
         if nbytes < 1:
-            raise ValueError(f"PinnedBuffer needs a positive size in bytes, got {nbytes}")
+            raise DriverArgumentValueError(
+                f"PinnedBuffer needs a positive size in bytes, got {nbytes}")
         self.device = as_device(device)
         self.nbytes = nbytes
         self._shape: tuple[int, ...] = (nbytes,)
         self._dtype = np.dtype(np.uint8)
         self.device.make_current()
         ptr = int(cu(driver.cuMemHostAlloc, nbytes, driver.CU_MEMHOSTALLOC_PORTABLE))
-        self._own = Owner(self, ptr, _free_pinned, self.device, "PinnedBuffer")
-        _pinned.add(ptr, nbytes)
+        self._own = _owned_pinned(self, ptr, nbytes, _Unpin(), self.device, "PinnedBuffer")
 
     @classmethod
     def empty(cls, shape, dtype=np.float32, device: Device | int | None = None) -> "PinnedBuffer":
@@ -115,7 +197,7 @@ class PinnedBuffer(Resource):
         ``.array`` then has that shape and dtype."""
         dtype = np.dtype(dtype)
         if dtype.hasobject:
-            raise TypeError("PinnedBuffer cannot hold Python objects (dtype=object)")
+            raise DriverArgumentTypeError("PinnedBuffer cannot hold Python objects (dtype=object)")
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(map(operator.index, shape))
         buf = cls(math.prod(shape) * dtype.itemsize, device)
         buf._shape, buf._dtype = shape, dtype
@@ -123,8 +205,14 @@ class PinnedBuffer(Resource):
 
     @property
     def ptr(self) -> int:
-        """The host address (int); ``ValueError`` once closed."""
+        """The host address (int); `ResourceClosedError` (a ``ValueError``) once closed."""
         return self._own.handle
+
+    def lease(self) -> Lease:
+        """A `Lease` whose ``.handle`` (the int address) stays allocated and pinned until it
+        is released, even if the buffer is closed meanwhile. `ResourceClosedError` if closed
+        already. Release it only after the work that uses the memory has completed."""
+        return self._own.lease()
 
     @property
     def __array_interface__(self) -> dict:
@@ -146,7 +234,7 @@ class PinnedBuffer(Resource):
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(shape)
         need = math.prod(shape) * dtype.itemsize
         if need > self.nbytes:
-            raise ValueError(
+            raise DriverArgumentValueError(
                 f"a {shape} {dtype} view needs {need} bytes; the PinnedBuffer has {self.nbytes}")
         return np.asarray(self)[:need].view(dtype).reshape(shape)
 
@@ -162,30 +250,45 @@ class HostRegistration(Resource):
     ``.array`` (the registered array, kept alive by this object), ``.ptr`` (int), ``.nbytes``.
     Registration works on whole pages: two arrays sharing a page cannot both be registered
     (`CudaError` ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``).
+
+    Lifetime: `lease` (or ``pinned_ranges().lease(lo, hi)`` for the array's address range)
+    keeps the array registered, and alive, for work that refers to it. `close()` while a lease
+    is out returns at once and the registration reads as closed (``.ptr`` raises
+    `ResourceClosedError`, no new lease, `is_pinned` is False for the array), but
+    ``cuMemHostUnregister`` runs when the last lease ends (docs/errors.md, "Lifetimes").
+    Thread-safe.
     """
 
     def __init__(self, array: np.ndarray, device: Device | int | None = None):
         if not isinstance(array, np.ndarray):
-            raise TypeError(f"register_host expects a numpy array, got {type(array).__name__}")
+            raise DriverArgumentTypeError(
+                f"register_host expects a numpy array, got {type(array).__name__}")
         _check_layout(array, "register_host")
         if not array.flags.writeable:
-            raise ValueError("register_host refuses a read-only array: registration is for "
-                             "buffers the GPU writes too; pass a writable copy (array.copy())")
+            raise DriverArgumentValueError(
+                "register_host refuses a read-only array: registration is for "
+                "buffers the GPU writes too; pass a writable copy (array.copy())")
         if array.nbytes == 0:
-            raise ValueError("register_host: the array is empty (0 bytes)")
+            raise DriverArgumentValueError("register_host: the array is empty (0 bytes)")
         self.device = as_device(device)
         self.array = array
         self.nbytes = array.nbytes
         self.device.make_current()
         ptr = array.ctypes.data
         cu(driver.cuMemHostRegister, ptr, self.nbytes, driver.CU_MEMHOSTREGISTER_PORTABLE)
-        self._own = Owner(self, ptr, _unregister, self.device, "HostRegistration")
-        _pinned.add(ptr, self.nbytes)
+        self._own = _owned_pinned(self, ptr, self.nbytes, _Unpin(array), self.device,
+                                  "HostRegistration")
 
     @property
     def ptr(self) -> int:
-        """The host address (int); ``ValueError`` once unregistered."""
+        """The host address (int); `ResourceClosedError` (a ``ValueError``) once closed."""
         return self._own.handle
+
+    def lease(self) -> Lease:
+        """A `Lease` whose ``.handle`` (the int address) stays registered until it is
+        released, even if the registration is closed meanwhile. `ResourceClosedError` if
+        closed already. Release it only after the work that uses the memory has completed."""
+        return self._own.lease()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"0x{self._own.handle:x}"
@@ -206,17 +309,23 @@ def is_pinned(array) -> bool:
 
     Asks ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`` for the first and last byte
     (``CU_MEMORYTYPE_HOST`` means page-locked; ``CUDA_ERROR_INVALID_VALUE`` means pageable).
-    ``cuMemHostGetFlags`` is not used: it fails for registered memory. Never raises for a
-    numpy array: without a driver, or for an empty array, the answer is False.
+    ``cuMemHostGetFlags`` is not used: it fails for registered memory. Memory of a closed
+    `PinnedBuffer` / `HostRegistration` that a lease keeps pinned for earlier work reads False:
+    new work must not use it. Never raises for a numpy array: without a driver, or for an
+    empty array, the answer is False.
     """
     if isinstance(array, (PinnedBuffer, HostRegistration)):
         return not array.closed
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"is_pinned expects a numpy array, got {type(array).__name__}")
+        raise DriverArgumentTypeError(
+            f"is_pinned expects a numpy array, got {type(array).__name__}")
     if array.nbytes == 0:
         return False
-    if _pinned.covers(*_byte_bounds(array)):  # orchestra's own pinned memory: no driver query
+    bounds = _byte_bounds(array)
+    if _pinned.covers(*bounds):  # orchestra's own pinned memory: no driver query
         return True
+    if _pinned.closed_owner(*bounds) is not None:  # pinned only until earlier work ends
+        return False
     if not device_available():
         return False
     with Device.get(0).pushed():  # pointer queries need a current (UVA) context
@@ -252,9 +361,10 @@ def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
 
 def _check_layout(array: np.ndarray, what: str) -> None:
     if array.dtype.hasobject:
-        raise TypeError(f"{what}: arrays of Python objects (dtype=object) cannot be copied")
+        raise DriverArgumentTypeError(
+            f"{what}: arrays of Python objects (dtype=object) cannot be copied")
     if not (array.flags.c_contiguous or array.flags.f_contiguous):
-        raise ValueError(
+        raise DriverArgumentValueError(
             f"{what}: the array is not contiguous (strides {array.strides}); call "
             "np.ascontiguousarray(array) first, or copy it into a PinnedBuffer's .array")
 
@@ -277,14 +387,20 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
     elif isinstance(obj, np.ndarray):
         array, known_pinned = obj, False
     else:
-        raise TypeError(f"{what} expects a PinnedBuffer, HostRegistration or numpy array, "
-                        f"got {type(obj).__name__}")
+        raise DriverArgumentTypeError(
+            f"{what} expects a PinnedBuffer, HostRegistration or numpy array, "
+            f"got {type(obj).__name__}")
     _check_layout(array, what)
     if writable and not array.flags.writeable:
-        raise ValueError(f"{what}: the destination array is read-only")
+        raise DriverArgumentValueError(f"{what}: the destination array is read-only")
     _checked_size(array.nbytes, nbytes, what)
+    closed = None if known_pinned else _pinned.closed_owner(*_byte_bounds(array))
+    if closed is not None:
+        raise ResourceClosedError(
+            f"{what}: the numpy array is memory of a {closed} that is closed (kept only for "
+            "work that used it before); use an open PinnedBuffer or HostRegistration", closed)
     if not known_pinned and not _pinned.covers(*_byte_bounds(array)) and not _pinned_here(array):
-        raise TypeError(
+        raise PageableMemoryError(
             f"{what}: the numpy array is in pageable memory, which cannot be copied "
             "asynchronously; allocate it with PinnedBuffer.empty(shape, dtype).array or "
             "page-lock it with register_host(array)")
@@ -293,4 +409,5 @@ def host_span(obj, nbytes: int, what: str, *, writable: bool) -> int:
 
 def _checked_size(size: int, nbytes: int, what: str) -> None:
     if size != nbytes:
-        raise ValueError(f"{what}: the host side has {size} bytes, the device buffer {nbytes}")
+        raise DriverArgumentValueError(
+            f"{what}: the host side has {size} bytes, the device buffer {nbytes}")

@@ -9,7 +9,6 @@ memory back to the OS and the next batch pays for ``cudaMalloc``-like work again
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 
@@ -18,8 +17,9 @@ from cuda.bindings import driver
 from orchestra.driver.check import cu
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.host import host_span
-from orchestra.driver.owner import Owner, Resource
+from orchestra.driver.owner import Lease, Owner, Resource
 from orchestra.driver.stream import Stream, check_stream
+from orchestra.errors import DriverArgumentValueError
 
 UINT64_MAX = (1 << 64) - 1
 _P = driver.CUmemPool_attribute
@@ -78,7 +78,7 @@ class MemoryPool:
     def _set64(self, attr, value: int) -> None:
         value = operator.index(value)
         if not 0 <= value <= UINT64_MAX:
-            raise ValueError(f"{attr.name} must be in 0 .. 2**64 - 1, got {value}")
+            raise DriverArgumentValueError(f"{attr.name} must be in 0 .. 2**64 - 1, got {value}")
         cu(driver.cuMemPoolSetAttribute, self.handle, attr, driver.cuuint64_t(value))
 
     @property
@@ -138,19 +138,29 @@ class MemoryPool:
         return f"<MemoryPool of device {self.device.ordinal}>"
 
 
-def _free(stream: Stream, dptr) -> None:
-    """Release a stream-ordered allocation on the stream that made it (runs inside the
-    owner's ``device.pushed()``, so the context is current)."""
-    if stream.closed:
-        # The user closed the allocating stream first. Free in stream order on a private
-        # stream after the whole context is idle, and wait, so the pool sees the memory back
-        # at once (a plain cuMemFree of a pool allocation is returned to the pool lazily).
+class _Free:
+    """A stream-ordered allocation's release (runs inside the owner's ``device.pushed()``, so
+    the context is current): ``cuMemFreeAsync`` on ``stream`` (the one `DeviceBuffer.free`
+    named, else the allocating stream)."""
+
+    __slots__ = ("alloc_stream", "stream")
+
+    def __init__(self, stream: Stream):
+        self.alloc_stream = stream
+        self.stream = stream
+
+    def __call__(self, dptr) -> None:
+        for stream in (self.stream, self.alloc_stream):
+            if not stream.closed:
+                cu(driver.cuMemFreeAsync, dptr, stream.handle)
+                return
+        # The user closed the stream(s) first. Free in stream order on a private stream after
+        # the whole context is idle, and wait, so the pool sees the memory back at once (a
+        # plain cuMemFree of a pool allocation is returned to the pool lazily).
         cu(driver.cuCtxSynchronize)
-        with Stream(stream.device) as private:
+        with Stream(self.alloc_stream.device) as private:
             cu(driver.cuMemFreeAsync, dptr, private.handle)
             private.synchronize()
-    else:
-        cu(driver.cuMemFreeAsync, dptr, stream.handle)
 
 
 class DeviceBuffer(Resource):
@@ -160,12 +170,19 @@ class DeviceBuffer(Resource):
     (where the memory lives: the pool's device), ``.stream`` (the allocating stream).
     The memory may be used by work on ``stream`` right away; work on another stream must
     first wait for an event recorded on ``stream`` after the allocation.
+
+    Lifetime: `lease` keeps the memory allocated for a built exec or queued work that refers
+    to it. `close()` / `free()` while a lease is out return at once and the buffer reads as
+    closed (``.ptr`` raises `ResourceClosedError`, no new lease), but ``cuMemFreeAsync`` runs
+    when the last lease ends (docs/errors.md, "Lifetimes"); ``live_handles()`` counts the
+    buffer, and the pool's ``used_bytes`` its memory, until then. Thread-safe.
     """
 
     def __init__(self, nbytes: int, stream: Stream, pool: MemoryPool | None = None):
         nbytes = operator.index(nbytes)
         if nbytes < 1:
-            raise ValueError(f"DeviceBuffer needs a positive size in bytes, got {nbytes}")
+            raise DriverArgumentValueError(
+                f"DeviceBuffer needs a positive size in bytes, got {nbytes}")
         stream = check_stream(stream, "DeviceBuffer.allocate")
         pool = MemoryPool.default(stream.device) if pool is None else pool
         self.nbytes = nbytes
@@ -174,8 +191,8 @@ class DeviceBuffer(Resource):
         self.device = pool.device
         stream.device.make_current()
         dptr = cu(driver.cuMemAllocFromPoolAsync, nbytes, pool.handle, stream.handle)
-        self._own = Owner(self, dptr, functools.partial(_free, stream), self.device,
-                          "DeviceBuffer")
+        self._freer = _Free(stream)
+        self._own = Owner(self, dptr, self._freer, self.device, "DeviceBuffer")
 
     @classmethod
     def allocate(cls, nbytes: int, stream: Stream, pool: MemoryPool | None = None) -> "DeviceBuffer":
@@ -190,31 +207,40 @@ class DeviceBuffer(Resource):
 
     @property
     def handle(self) -> driver.CUdeviceptr:
-        """The ``CUdeviceptr``; ``ValueError`` once freed."""
+        """The ``CUdeviceptr``; `ResourceClosedError` (a ``ValueError``) once closed."""
         return self._own.handle
 
     @property
     def ptr(self) -> int:
-        """The device address as an int; ``ValueError`` once freed."""
+        """The device address as an int; `ResourceClosedError` (a ``ValueError``) once
+        closed."""
         return int(self._own.handle)
+
+    def lease(self) -> Lease:
+        """A `Lease` whose ``.handle`` (``CUdeviceptr``) stays allocated until it is released,
+        even if the buffer is closed meanwhile. `ResourceClosedError` if closed already.
+        Release it only after the work that uses the memory has completed."""
+        return self._own.lease()
 
     def free(self, stream: Stream | None = None) -> None:
         """Free in ``stream``'s order (``cuMemFreeAsync``); default: the allocating stream.
 
         Work on other streams that uses the buffer must be ordered before ``stream`` (by an
-        event) first. Freeing twice does nothing. If the allocating stream was closed, the
-        default path synchronizes the device and frees on a private stream.
+        event) first. Freeing twice does nothing (the first call's stream counts). While a
+        lease is out, the free waits for the last lease's end and is then enqueued on
+        ``stream``, or on the allocating stream if ``stream`` was closed by then. If both
+        streams are closed when the free runs, it synchronizes the context and frees on a
+        private stream. ``TypeError`` if ``stream`` is not a `Stream` (checked first).
         """
-        if stream is None:
-            self._own.close()
-            return
-        stream = check_stream(stream, "DeviceBuffer.free")
-        dptr = self._own.detach()
-        if dptr is not None:
-            cu(driver.cuMemFreeAsync, dptr, stream.handle)
+        if stream is not None:
+            stream = check_stream(stream, "DeviceBuffer.free")
+            if not self._own.closed:
+                self._freer.stream = stream  # before the close: the release reads it
+        self._own.close()
 
     def close(self) -> None:
-        """Same as ``free()`` on the allocating stream; idempotent."""
+        """Same as ``free()`` on the allocating stream; idempotent. See the class doc for a
+        close while leased."""
         self._own.close()
 
     def copy_from_host(self, src, stream: Stream, *, sync: bool = False) -> None:
@@ -251,7 +277,8 @@ class DeviceBuffer(Resource):
         """Enqueue setting every byte to ``value`` (an int 0..255) (``cuMemsetD8Async``)."""
         value = operator.index(value)
         if not 0 <= value <= 255:
-            raise ValueError(f"memset writes single bytes: value must be 0..255, got {value}")
+            raise DriverArgumentValueError(
+                f"memset writes single bytes: value must be 0..255, got {value}")
         stream = check_stream(stream, "DeviceBuffer.memset")
         cu(driver.cuMemsetD8Async, self.handle, value, self.nbytes, stream.handle)
 

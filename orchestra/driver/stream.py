@@ -14,7 +14,12 @@ from cuda.bindings import driver
 from orchestra.driver.check import cu
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.owner import Owner, Resource
-from orchestra.errors import CudaError
+from orchestra.errors import (
+    ClosedError,
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+)
 
 
 class Stream(Resource):
@@ -34,7 +39,7 @@ class Stream(Resource):
         self.device = as_device(device)
         greatest, least = self.device.limits.stream_priority_range
         if not greatest <= priority <= least:
-            raise ValueError(
+            raise DriverArgumentValueError(
                 f"stream priority {priority} is outside {self.device.name}'s range "
                 f"[{greatest} (highest) .. {least} (lowest)]")
         self.priority = int(priority)
@@ -76,7 +81,8 @@ class Stream(Resource):
         from orchestra.driver.event import Event
 
         if not isinstance(event, Event):
-            raise TypeError(f"Stream.wait expects an orchestra Event, got {type(event).__name__}")
+            raise DriverArgumentTypeError(
+                f"Stream.wait expects an orchestra Event, got {type(event).__name__}")
         cu(driver.cuStreamWaitEvent, self.handle, event.handle, 0)
 
     def record(self, event=None):
@@ -99,9 +105,9 @@ def check_stream(stream, what: str = "this call") -> Stream:
     Refuses ``0`` / ``None`` (the legacy default stream) on purpose.
     """
     if not isinstance(stream, Stream):
-        raise TypeError(
+        raise DriverArgumentTypeError(
             f"{what} needs an orchestra Stream, got {stream!r}; orchestra never enqueues work on "
             "the legacy default stream: create one with Stream(device)")
     if stream.closed:
-        raise ValueError(f"{what}: the stream is closed")
+        raise ClosedError(f"{what}: the stream is closed")
     return stream

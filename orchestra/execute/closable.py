@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from orchestra.errors import ClosedError
+
 
 class Closable:
     """Mixin for objects with a ``_closed`` flag that their ``close()`` sets: the ``closed``
@@ -12,7 +16,7 @@ class Closable:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"this {type(self).__name__} is closed")
+            raise ClosedError(f"this {type(self).__name__} is closed")
 
     @property
     def closed(self) -> bool:
@@ -23,6 +27,8 @@ class Closable:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    close: Callable[[], None]  # each subclass's own: releases its handles, sets _closed
 
 
 __all__ = ["Closable"]

@@ -6,7 +6,13 @@ user expects for the mistake: a bad binding is a ``ValueError``, pageable memory
 
 from __future__ import annotations
 
-from orchestra.errors import OrchestraError
+from orchestra.errors import OrchestraError, PageableMemoryError
+
+__all__ = [
+    "BindingError", "BucketOverflowError", "ExecutorArgumentError", "ExecutorArgumentTypeError",
+    "ExecutorArgumentValueError", "ExecutorUnavailable", "HostFunctionError",
+    "PageableMemoryError", "PlanMismatchError",
+]
 
 PIN_HOWTO = ("allocate it pinned with orchestra.driver.PinnedBuffer.empty(shape, dtype).array, "
              "or page-lock it in place with orchestra.driver.register_host(array) (keep the "
@@ -17,11 +23,6 @@ class BindingError(OrchestraError, ValueError):
     """A run's ``bindings`` do not fit the graph: a host buffer without an array, a name the
     graph does not use, the wrong size, a non-contiguous or read-only array. Nothing was
     enqueued."""
-
-
-class PageableMemoryError(OrchestraError, TypeError):
-    """A host array bound to the graph is in pageable memory. orchestra copies asynchronously
-    and only from or to page-locked memory; nothing was enqueued. The message says how to pin."""
 
 
 class HostFunctionError(OrchestraError):
@@ -42,10 +43,29 @@ class HostFunctionError(OrchestraError):
         return (type(self), (self.node, self.exception, self.others))
 
 
-class ExecutorUnavailable(OrchestraError):
-    """The executor asked for is not built (yet)."""
+class ExecutorUnavailable(OrchestraError, ValueError):
+    """The executor asked for is unknown or not built (yet)."""
 
 
 class PlanMismatchError(OrchestraError, ValueError):
     """The plan does not fit the graph in a way no executor can run (a node missing, run twice
     or unknown; a use issued before its allocation). Raised even with ``verify=False``."""
+
+
+class ExecutorArgumentError(OrchestraError):
+    """An executor, `GraphExec`, `GraphCache`, `GraphRunner` or `StagingPool` was given an
+    argument it cannot use (not a TaskGraph / Plan, an unknown mode or kind, a bad size).
+    Root of the two below; nothing was enqueued."""
+
+
+class ExecutorArgumentTypeError(ExecutorArgumentError, TypeError):
+    """An executor argument of the wrong type (``run(graph=...)`` given something else)."""
+
+
+class ExecutorArgumentValueError(ExecutorArgumentError, ValueError):
+    """An executor argument with an unusable value (``mode="global-ish"``, ``slots=0``)."""
+
+
+class BucketOverflowError(ExecutorArgumentValueError):
+    """A size is larger than the largest shape bucket of a `GraphCache`: pad or split the
+    request, or add a larger bucket."""

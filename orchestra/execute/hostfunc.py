@@ -10,17 +10,9 @@ A host function runs on a driver thread and must not call CUDA (the driver forbi
 exception it raises cannot cross the C boundary: the trampoline records ``(node, exception)``
 and the executor re-raises it after the run (`HostFunctionError`).
 
-Capturing a host function: cuda-bindings' own ``cuLaunchHostFunc`` (12.x through 13.3.1 at
-least; 13.5.0 passes the arguments through) does not hand ``fn`` / ``userData`` to the driver:
-it mallocs a ``{callback, userData}`` record and enqueues its own ``cuHostCallbackWrapper`` with
-that record; the wrapper calls ``callback(userData)`` and then *frees the record*. That is right
-for a one-shot stream launch (the eager executor), but a stream capture turns the call into a
-graph host node whose parameters are the wrapper and the record: the first graph launch frees
-the record, the second calls through freed memory (a segfault on a driver thread).
-`launch_host_func` therefore calls the driver's own entry point
-(``cuGetProcAddress("cuLaunchHostFunc")``, else the symbol in libcuda.so.1) through ctypes, so
-the captured node holds the trampoline and the token themselves, as a node from
-``cuGraphAddHostNode`` does (cuda-bindings passes ``CUDA_HOST_NODE_PARAMS`` through unchanged).
+Capturing a host function: the capture executor enqueues through the driver's own
+``cuLaunchHostFunc`` entry point (`orchestra.driver.entry_points.launch_host_func`), never
+cuda-bindings' wrapper, whose one-shot record a captured node would call after it was freed.
 """
 
 from __future__ import annotations
@@ -31,74 +23,6 @@ import threading
 from typing import Callable
 
 _HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-# CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
-_LAUNCH_HOSTFN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_void_p)
-_raw: tuple | None = None  # (the driver module it came from, ctypes function or None, source)
-
-
-def driver_launch_host_func(driver=None):
-    """The driver's own ``cuLaunchHostFunc`` as a ctypes function ``(stream, fn, userData) ->
-    CUresult`` (ints), or None when it cannot be found. Looked up once per driver module:
-    ``cuGetProcAddress`` through ``driver`` (default: ``cuda.bindings.driver``), else the
-    exported symbol of ``libcuda.so.1``. `driver_launch_host_func_source` says which."""
-    global _raw
-    if driver is None:
-        from cuda.bindings import driver as driver_mod
-
-        driver = driver_mod
-    if _raw is not None and _raw[0] is driver:
-        return _raw[1]
-    fn, source = None, "not found"
-    try:
-        err, pfn, _status = driver.cuGetProcAddress(b"cuLaunchHostFunc", 12000, 0)
-        if not err and pfn and int(pfn):
-            fn, source = _LAUNCH_HOSTFN(int(pfn)), "cuGetProcAddress"
-    except Exception:  # noqa: BLE001 - try the exported symbol below
-        pass
-    if fn is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fn = ctypes.cast(lib.cuLaunchHostFunc, _LAUNCH_HOSTFN)
-            source = "libcuda.so.1"
-        except (OSError, AttributeError):
-            fn = None
-    _raw = (driver, fn, source)
-    return fn
-
-
-def driver_launch_host_func_source() -> str:
-    """Where `driver_launch_host_func` found the entry point (``"cuGetProcAddress"``,
-    ``"libcuda.so.1"``, ``"not found"``), or ``"not looked up"``."""
-    return _raw[2] if _raw is not None else "not looked up"
-
-
-def launch_host_func(driver, stream, fn_address: int, token: int) -> int:
-    """Enqueue ``fn_address(token)`` on ``stream`` (a ``CUstream`` or its int) with the
-    driver's ``cuLaunchHostFunc``; returns the ``CUresult`` as an int. Safe inside a stream
-    capture: the host node gets exactly ``fn_address`` and ``token`` (see the module doc).
-
-    ``driver`` is the module the caller uses (``cuda.bindings.driver``); a stand-in driver
-    (tests) without ``cuGetProcAddress`` gets its own ``cuLaunchHostFunc(stream, CUhostFn,
-    token)`` called instead. Raises `OrchestraError` when the real driver's entry point cannot
-    be found (cuda-bindings' ``cuLaunchHostFunc`` is not used as a fallback: in a capture it
-    would crash the second launch)."""
-    from cuda.bindings import driver as real
-
-    if driver is real or hasattr(driver, "cuGetProcAddress"):
-        fn = driver_launch_host_func(driver)
-        if fn is None:
-            from orchestra.errors import OrchestraError
-
-            raise OrchestraError(
-                "cannot enqueue a host function for capture: the driver's cuLaunchHostFunc "
-                "entry point was found neither by cuGetProcAddress nor in libcuda.so.1 "
-                "(cuda-bindings' own cuLaunchHostFunc frees its callback record after the "
-                "first call, so a captured host node would crash the second launch)")
-        return int(fn(int(stream), int(fn_address), int(token)))
-    (err,) = driver.cuLaunchHostFunc(stream, driver.CUhostFn(int(fn_address)), int(token))
-    return int(err)
 
 
 class HostCallbacks:

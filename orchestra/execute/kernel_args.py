@@ -16,6 +16,13 @@ from typing import Mapping
 
 import attrs
 
+from orchestra.errors import (
+    KernelArgumentTypeError,
+    KernelArgumentValueError,
+    LaunchConfigTypeError,
+    LaunchConfigValueError,
+    prefixed,
+)
 from orchestra.graph import Buffer, BufferRange, In, InOut, KernelNode, Out
 from orchestra.graph.buffers import as_range
 
@@ -33,7 +40,7 @@ class PointerArg:
 
 
 class KernelArgs:
-    """One kernel node, ready to launch: ``kernel`` (compiler `Kernel`), ``config`` (checked
+    """One kernel node, ready to launch: ``kernel`` (`orchestra.kernel.Kernel`), ``config`` (checked
     `LaunchConfig`), ``packed`` (`PackedArgs`), ``pointers`` (`PointerArg` per buffer argument),
     ``attributes`` (launch keyword arguments: cooperative, cluster, pdl, priority)."""
 
@@ -72,7 +79,7 @@ def _buffer_target(arg):
 
 def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] | None = None
                         ) -> KernelArgs:
-    """Check and pack ``node`` for ``kernel`` (a compiler `Kernel`).
+    """Check and pack ``node`` for ``kernel`` (an `orchestra.kernel.Kernel`).
 
     ``addresses`` (buffer name -> device address) fills the pointer fields now; without it they
     hold 0 until `KernelArgs.bind`. Raises ``TypeError`` / ``ValueError`` naming the node and the
@@ -82,38 +89,41 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
     where = f"kernel node {node.name}"
     layout = getattr(kernel, "layout", None)
     params = layout.params if layout is not None else None
+    field_names = layout.field_names if layout is not None else ()
     values, pointers = [], []
     for i, arg in enumerate(node.args):
         target = _buffer_target(arg)
         param = params[i] if params is not None and i < len(params) else None
         if target is not None:
             if param is not None and not param.is_pointer:
-                raise TypeError(f"{where}: argument {i} is buffer {target.buffer.name} but "
-                                f"parameter {param.name} is a scalar ({param.ctype})")
+                raise KernelArgumentTypeError(
+                    f"{where}: argument {i} is buffer {target.buffer.name} but "
+                    f"parameter {param.name} is a scalar ({param.ctype})")
             base = addresses.get(target.buffer.name, 0) if addresses else 0
             values.append(base + target.offset)
             if param is not None:
-                pointers.append(PointerArg(i, layout.field_names[i], target.buffer.name,
+                pointers.append(PointerArg(i, field_names[i], target.buffer.name,
                                            target.offset))
         else:
             if param is not None and param.is_pointer and not (
                     isinstance(arg, int) and not isinstance(arg, bool) and arg == 0):
-                raise TypeError(
+                raise KernelArgumentTypeError(
                     f"{where}: parameter {param.name} ({param.ctype}) is a pointer; pass a graph "
                     f"buffer (In/Out/InOut, a Buffer or a BufferRange), not {arg!r} (0 means NULL)")
             values.append(arg)
     try:
         packed = kernel.pack(values)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{where}: {exc}") from exc
+        raise prefixed(exc, f"{where}: ", KernelArgumentTypeError,
+                       KernelArgumentValueError) from exc
     attributes = {}
     for key, value in node.attributes:
         if key not in LAUNCH_ATTRIBUTES:
-            raise ValueError(f"{where}: unknown launch attribute {key!r}; known: "
-                             f"{', '.join(LAUNCH_ATTRIBUTES)}")
+            raise LaunchConfigValueError(f"{where}: unknown launch attribute {key!r}; known: "
+                                         f"{', '.join(LAUNCH_ATTRIBUTES)}")
         attributes[key] = value
     try:
         config = kernel.launch_config(node.grid, node.block, node.shared_mem, **attributes)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{where}: {exc}") from exc
+        raise prefixed(exc, f"{where}: ", LaunchConfigTypeError, LaunchConfigValueError) from exc
     return KernelArgs(node, kernel, config, packed, pointers, attributes)

@@ -1,4 +1,4 @@
-"""Kernel resolution: a graph's `KernelRef` (plain data) -> a loaded compiler `Kernel`.
+"""Kernel resolution: a graph's `KernelRef` (plain data) -> a loaded `orchestra.kernel.Kernel`.
 
 `KernelResolver` compiles (through the on-disk cubin cache), loads and looks up each distinct
 `KernelRef` once per device and remembers the result; every executor resolves kernels through
@@ -15,16 +15,16 @@ from orchestra.graph import KernelRef
 
 
 def _default_loader(ref: KernelRef, device):
-    from orchestra.compiler import load_kernel
+    from orchestra.kernel import load_kernel
 
     return load_kernel(ref.source, ref.name, name_expression=ref.name_expression,
                        options=tuple(ref.options), params=ref.params, device=device)
 
 
 class KernelResolver:
-    """`KernelRef` -> `orchestra.compiler.Kernel` on ``device``, memoized.
+    """`KernelRef` -> `orchestra.kernel.Kernel` on ``device``, memoized.
 
-    ``loader(ref, device) -> Kernel`` defaults to `orchestra.compiler.load_kernel` (compile with
+    ``loader(ref, device) -> Kernel`` defaults to `orchestra.kernel.load_kernel` (compile with
     the cache, load the module, look the kernel up); tests pass a fake.
     """
 

@@ -19,12 +19,9 @@ from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import Alloc, DeviceToHost, Free, HostToDevice, In, KernelNode, Node, Out
 from orchestra.graph.taskgraph import TaskGraph
 
-# cuda_src/burn.cu: burn(const float* x, float* y, size_t n, int iters, float s, float t)
-BURN_PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s", "float t")
-
-
-def burn_args(inp: Buffer, out: Buffer, n: int, scalars: tuple) -> tuple:
-    """Kernel arguments ``(In(inp), Out(out), n, *scalars)``: the layout of ``burn``."""
+def elementwise_args(inp: Buffer, out: Buffer, n: int, scalars: tuple) -> tuple:
+    """Kernel arguments ``(In(inp), Out(out), n, *scalars)``: the elementwise convention
+    ``kernel(const T* in, T* out, size_t n, ...scalars)``, the default `add_batch` layout."""
     return (In(inp), Out(out), n, *scalars)
 
 
@@ -61,13 +58,14 @@ class Batch:
 
 def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, grid=None,
               block=256, scalars: tuple = (), host_in=None, host_out=None, element_size: int = 4,
-              in_place: bool = False, arg_layout: ArgLayout = burn_args, device: int = 0,
+              in_place: bool = False, arg_layout: ArgLayout = elementwise_args, device: int = 0,
               alloc_after: Sequence[str] = ()) -> Batch:
     """Add one batch of ``nbytes`` bytes (``nbytes // element_size`` elements) to ``graph``.
 
     ``host_in``/``host_out``: a `HostBuffer` or `BufferRange` of ``nbytes`` bytes, or None for a
     fresh host slot per batch. ``grid`` defaults to enough blocks of ``block`` threads to cover
-    every element once. ``arg_layout(in, out, n, scalars)`` gives the kernel's arguments.
+    every element once. ``arg_layout(in, out, n, scalars)`` gives the kernel's arguments (default
+    `elementwise_args`: input, output, element count, then ``scalars``).
     ``alloc_after``: names of nodes (typically an earlier batch's frees) the allocations must
     follow, so the memory pool can reuse that memory through an explicit event.
     """
@@ -121,11 +119,12 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
     if in_flight is not None and in_flight < 1:
         raise GraphError(f"in_flight must be at least 1 batch; got {in_flight}")
     graph = TaskGraph()
-    out, offset = [], 0
+    out: list[Batch] = []
+    offset = 0
     for i, size in enumerate(sizes):
         hin = host_in.range(offset, size) if host_in is not None else None
         hout = host_out.range(offset, size) if host_out is not None else None
-        after = ()
+        after: tuple[str, ...] = ()
         if in_flight is not None and i >= in_flight:
             prev = out[i - in_flight]
             after = tuple(f.name for f in (prev.free_in, prev.free_out) if f is not None)

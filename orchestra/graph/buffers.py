@@ -9,22 +9,26 @@ D2H copy. Both are plain, hashable values identified by name; sizes are in bytes
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 import attrs
 
-from orchestra.errors import GraphError
+from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
+from orchestra.graph.fields import check_int, check_name, got
+
+
+def _record(inst) -> str:
+    name, kind = getattr(inst, "name", None), type(inst).__name__
+    return f"{kind} {name}" if isinstance(name, str) and name else kind
 
 
 def _positive_int(inst, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise GraphError(f"{type(inst).__name__}.{attribute.name} must be a positive int (bytes); "
-                         f"got {value!r}")
+    check_int(lambda: _record(inst), attribute.name, value, minimum=1,
+              what="a positive int (bytes)")
 
 
 def _name(inst, attribute, value):
-    if not isinstance(value, str) or not value:
-        raise GraphError(f"{type(inst).__name__}.{attribute.name} must be a non-empty str; "
-                         f"got {value!r}")
+    check_name(type(inst).__name__, attribute.name, value)
 
 
 class Mode(enum.Enum):
@@ -46,18 +50,21 @@ class Mode(enum.Enum):
 class _RangeMixin:
     """`.range()` and `.whole` for both buffer kinds."""
 
+    nbytes: int  # each buffer kind's own field
+    _whole: "BufferRange | None"  # each buffer kind's cache of `whole`
+
     def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
         if nbytes is None:
             nbytes = self.nbytes - offset
-        return BufferRange(self, offset, nbytes)
+        return BufferRange(cast("Buffer | HostBuffer", self), offset, nbytes)
 
     @property
     def whole(self) -> "BufferRange":
         """Every byte of this buffer (one range object per buffer, made on first use)."""
         w = self._whole
         if w is None:
-            w = BufferRange._valid(self, 0, self.nbytes)
+            w = BufferRange._valid(cast("Buffer | HostBuffer", self), 0, self.nbytes)
             object.__setattr__(self, "_whole", w)
         return w
 
@@ -73,8 +80,8 @@ class Buffer(_RangeMixin):
 
     @device.validator
     def _device(self, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise GraphError(f"Buffer {self.name}: device must be a device ordinal (int >= 0); got {value!r}")
+        check_int(lambda: _record(self), "device", value, minimum=0,
+                  what="a device ordinal (an int >= 0)")
 
     is_host = False
 
@@ -109,14 +116,18 @@ class BufferRange:
 
     def __attrs_post_init__(self):
         if not isinstance(self.buffer, (Buffer, HostBuffer)):
-            raise GraphError(f"a BufferRange needs a Buffer or HostBuffer; got {self.buffer!r}")
-        for field, v in (("offset", self.offset), ("nbytes", self.nbytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise GraphError(f"range of {self.buffer.name}: {field} must be an int >= 0; got {v!r}")
+            raise NodeFieldTypeError(f"BufferRange: buffer must be a Buffer or HostBuffer, got"
+                                     f" {got(self.buffer)}")
+        offset, nbytes = self.offset, self.nbytes
+        if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0):
+            record = f"range of {self.buffer.name}"
+            check_int(record, "offset", offset, minimum=0)
+            check_int(record, "nbytes", nbytes, minimum=0)
         if self.nbytes == 0:
-            raise GraphError(f"range of {self.buffer.name}: an empty range (0 bytes) touches nothing")
+            raise NodeFieldValueError(f"range of {self.buffer.name}: an empty range (0 bytes)"
+                                      " touches nothing")
         if self.offset + self.nbytes > self.buffer.nbytes:
-            raise GraphError(
+            raise NodeFieldValueError(
                 f"range [{self.offset}, {self.offset + self.nbytes}) is out of bounds of "
                 f"{self.buffer.name} ({self.buffer.nbytes} bytes)")
 
@@ -144,12 +155,21 @@ class BufferRange:
 
 
 def as_range(x, what: str = "argument") -> BufferRange:
-    """A `BufferRange` from a buffer (whole) or a range; anything else is a `GraphError`."""
+    """A `BufferRange` from a buffer (whole) or a range; anything else is a
+    `NodeFieldTypeError` (a `GraphError` and a ``TypeError``)."""
     if isinstance(x, BufferRange):
         return x
     if isinstance(x, (Buffer, HostBuffer)):
         return x.whole
-    raise GraphError(f"{what} must be a Buffer, HostBuffer or BufferRange; got {x!r}")
+    raise NodeFieldTypeError(f"{what} must be a Buffer, HostBuffer or BufferRange, got {got(x)}")
+
+
+def to_range(x):
+    """Converter: a buffer -> its whole range, a range as is, anything else unchanged (the
+    record's own check names it)."""
+    if isinstance(x, (Buffer, HostBuffer)):
+        return x.whole
+    return x
 
 
 @attrs.frozen

@@ -7,22 +7,23 @@ a read.
 
 from __future__ import annotations
 
+import os
 import re
 
 import attrs
 
-from orchestra.errors import GraphError
+from orchestra.errors import NodeFieldTypeError
 from orchestra.graph.buffers import Mode
-
-
-def _str_tuple(value) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
+from orchestra.graph.fields import check_name, check_str_tuple, got, str_tuple
 
 
 def _opt_str_tuple(value):
-    return None if value is None else _str_tuple(value)
+    return None if value is None else str_tuple(value)
+
+
+def _source(value):
+    # A pathlib.Path is a path like a str one; keep the record plain (hashable, JSON-able).
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 _WORD = re.compile(r"[A-Za-z_]\w*")
@@ -45,25 +46,39 @@ class KernelRef:
     """A kernel to launch, resolved later by the executor through `orchestra.compiler`.
 
     Attributes:
-        source: a path to a ``.cu``/``.ptx`` file or the source text itself.
+        source: a path to a ``.cu``/``.ptx`` file (str or ``os.PathLike``, kept as str) or the
+            source text itself.
         name: the kernel's name (``extern "C"`` name, or the template's base name).
         name_expression: for templates, the instantiation to compile, e.g. ``"scale<float>"``.
         params: the parameter declarations, e.g. ``("const float* x", "float* y", "size_t n")``;
             None when unknown (then bare buffer arguments default to read-write).
         options: NVRTC options, e.g. ``("-O3",)``.
+
+    A field of the wrong type raises `NodeFieldTypeError` (a ``TypeError``), an empty name or
+    source `NodeFieldValueError` (a ``ValueError``), both naming the field.
     """
 
-    source: str
+    source: str = attrs.field(converter=_source)
     name: str
     name_expression: str | None = None
     params: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_str_tuple)
-    options: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    options: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
 
     def __attrs_post_init__(self):
-        if not isinstance(self.source, str) or not self.source:
-            raise GraphError(f"KernelRef.source must be a path or source text; got {self.source!r}")
-        if not isinstance(self.name, str) or not self.name:
-            raise GraphError(f"KernelRef.name must be the kernel's name; got {self.name!r}")
+        check_name("KernelRef", "name", self.name)
+        record = f"KernelRef {self.name}"
+        if not isinstance(self.source, str):
+            raise NodeFieldTypeError(f"{record}: source must be a path (str or Path) or the"
+                                     f" source text (str), got {got(self.source)}")
+        check_name(record, "source", self.source)
+        if self.name_expression is not None and not isinstance(self.name_expression, str):
+            raise NodeFieldTypeError(f"{record}: name_expression must be a str or None, got"
+                                     f" {got(self.name_expression)}")
+        if self.params is not None:
+            check_str_tuple(record, "params", self.params,
+                            item="a C parameter declaration (str)",
+                            expected="None or a list/tuple of C parameter declarations (str)")
+        check_str_tuple(record, "options", self.options)
 
     def default_mode(self, index: int) -> Mode:
         """The access mode of a bare buffer passed as argument ``index``.

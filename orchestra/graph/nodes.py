@@ -10,23 +10,24 @@ and ``accesses()`` -> tuple of `Access`. ``engine`` says which hardware queue it
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 
-from orchestra.errors import GraphError
-from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode, as_range
+from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
+from orchestra.graph.buffers import (
+    Access,
+    Buffer,
+    BufferRange,
+    HostBuffer,
+    Mode,
+    as_range,
+    to_range,
+)
+from orchestra.graph.fields import check_int, check_name, check_str_tuple, got, str_tuple
 from orchestra.graph.kernel_ref import KernelRef
 
-
-def _after(value) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    value = tuple(value)
-    for v in value:
-        if not isinstance(v, str):
-            raise GraphError(f"after= takes node names (str); got {v!r}")
-    return value
+_RANGE = "a Buffer, HostBuffer or BufferRange"
 
 
 @attrs.frozen
@@ -36,36 +37,64 @@ class Node:
     name: str
     batch: int | None = attrs.field(default=None, kw_only=True)
     device: int | None = attrs.field(default=None, kw_only=True)
-    after: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_after)
+    after: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=str_tuple)
     # accesses() as computed once at construction (fields are frozen): TaskGraph.add reuses it
     _accesses: tuple | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"
 
+    @property
+    def _record(self) -> str:
+        """How messages name this node: ``KernelNode k``."""
+        return f"{type(self).__name__} {self.name}"
+
+    def _record_of(self) -> str:  # the same, as a callable the checks call only to fail
+        return self._record
+
     def __attrs_post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise GraphError(f"a node's name must be a non-empty str; got {self.name!r}")
-        if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)):
-            raise GraphError(f"node {self.name}: batch must be an int or None; got {self.batch!r}")
+        # Wrong types and values raise NodeFieldTypeError / NodeFieldValueError (GraphErrors)
+        # naming the node and the field, before anything reads the fields.
+        record = self._record_of
+        check_name(type(self).__name__, "name", self.name)
+        check_int(record, "batch", self.batch, optional=True)
+        check_int(record, "device", self.device, minimum=0, optional=True,
+                  what="a device ordinal (an int >= 0) or None")
+        check_str_tuple(record, "after", self.after, item="a node name (str)",
+                        expected="a node name (str) or a list/tuple of node names")
+        self._check()
         accesses = self.accesses()
         object.__setattr__(self, "_accesses", accesses)
         devices = {a.buffer.device for a in accesses if not a.buffer.is_host}
         if self.device is None:
             object.__setattr__(self, "device", min(devices) if devices else 0)
         if self.checks_device and devices - {self.device}:
-            raise GraphError(
+            raise NodeFieldValueError(
                 f"node {self.name} runs on device {self.device} but touches buffers on device(s) "
                 f"{sorted(devices - {self.device})}: use a peer copy to move data between devices")
 
     checks_device: ClassVar[bool] = True
 
+    def _check(self) -> None:
+        """The kind's own field checks (called before ``accesses()`` is first used)."""
+
+    def _check_range(self, field: str, *, device: bool | None = None) -> None:
+        """Field ``field`` holds a `BufferRange` (the converter made one of a buffer); with
+        ``device`` True / False it must be of a device / host buffer."""
+        value = getattr(self, field)
+        if not isinstance(value, BufferRange):
+            raise NodeFieldTypeError(f"{self._record}: {field} must be {_RANGE}, got {got(value)}")
+        if device is not None and value.buffer.is_host == device:
+            want, have = ("device", "host") if device else ("host", "device")
+            raise NodeFieldTypeError(f"{self._record}: {field} must be a {want} buffer; got"
+                                     f" {value.buffer.name} ({have})")
+
     def accesses(self) -> tuple[Access, ...]:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: every node kind defines its accesses
 
     def buffers(self) -> tuple:
         """The distinct buffers this node touches, in declaration order."""
-        seen = {}
+        seen: dict[Any, Buffer | HostBuffer] = {}
         for a in self.accesses():
             seen.setdefault(a.buffer.key, a.buffer)
         return tuple(seen.values())
@@ -73,8 +102,8 @@ class Node:
 
 def _device_buffer(node, value, what):
     if not isinstance(value, Buffer):
-        raise GraphError(f"{type(node).__name__} {node.name}: {what} must be a device Buffer "
-                         f"(not a range or host buffer); got {value!r}")
+        raise NodeFieldTypeError(f"{node._record}: {what} must be a device Buffer (not a range or"
+                                 f" host buffer), got {got(value)}")
 
 
 @attrs.frozen
@@ -85,9 +114,8 @@ class Alloc(Node):
     engine: ClassVar[str] = "memory"
     kind: ClassVar[str] = "alloc"
 
-    def __attrs_post_init__(self):
+    def _check(self):
         _device_buffer(self, self.buffer, "buffer")
-        super().__attrs_post_init__()
 
     def accesses(self):
         return (Access(self.buffer.whole, Mode.WRITE),)
@@ -102,30 +130,20 @@ class Free(Node):
     engine: ClassVar[str] = "memory"
     kind: ClassVar[str] = "free"
 
-    def __attrs_post_init__(self):
+    def _check(self):
         _device_buffer(self, self.buffer, "buffer")
-        super().__attrs_post_init__()
 
     def accesses(self):
         return (Access(self.buffer.whole, Mode.WRITE),)
 
 
 def _copy_check(node, want_src_host: bool):
+    node._check_range("src", device=not want_src_host)
+    node._check_range("dst", device=want_src_host)
     src, dst = node.src, node.dst
-    names = ("host", "device") if want_src_host else ("device", "host")
-    if src.buffer.is_host != want_src_host:
-        raise GraphError(f"{type(node).__name__} {node.name}: src must be a {names[0]} buffer; "
-                         f"got {src.buffer.name} ({'host' if src.buffer.is_host else 'device'})")
-    if dst.buffer.is_host == want_src_host:
-        raise GraphError(f"{type(node).__name__} {node.name}: dst must be a {names[1]} buffer; "
-                         f"got {dst.buffer.name}")
     if src.nbytes != dst.nbytes:
-        raise GraphError(f"{type(node).__name__} {node.name}: src {src} has {src.nbytes} bytes but "
-                         f"dst {dst} has {dst.nbytes}; sizes must match")
-
-
-def _rng(what):
-    return lambda x: as_range(x, what)
+        raise NodeFieldValueError(f"{node._record}: src {src} has {src.nbytes} bytes but dst"
+                                  f" {dst} has {dst.nbytes}; sizes must match")
 
 
 @attrs.frozen
@@ -134,10 +152,12 @@ class _HostCopy(Node):
     Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``."""
 
     src_is_host: ClassVar[bool]
+    if TYPE_CHECKING:  # fields of each subclass (with its own converter), not of this class
+        src: BufferRange
+        dst: BufferRange
 
-    def __attrs_post_init__(self):
+    def _check(self):
         _copy_check(self, self.src_is_host)
-        super().__attrs_post_init__()
 
     @property
     def nbytes(self) -> int:
@@ -151,8 +171,8 @@ class _HostCopy(Node):
 class HostToDevice(_HostCopy):
     """Copy ``src`` (host, pinned) to ``dst`` (device); ``cuMemcpyHtoDAsync``."""
 
-    src: BufferRange = attrs.field(converter=_rng("HostToDevice src"))
-    dst: BufferRange = attrs.field(converter=_rng("HostToDevice dst"))
+    src: BufferRange = attrs.field(converter=to_range)
+    dst: BufferRange = attrs.field(converter=to_range)
     engine: ClassVar[str] = "upload"
     kind: ClassVar[str] = "h2d"
     src_is_host: ClassVar[bool] = True
@@ -162,8 +182,8 @@ class HostToDevice(_HostCopy):
 class DeviceToHost(_HostCopy):
     """Copy ``src`` (device) to ``dst`` (host, pinned); ``cuMemcpyDtoHAsync``."""
 
-    src: BufferRange = attrs.field(converter=_rng("DeviceToHost src"))
-    dst: BufferRange = attrs.field(converter=_rng("DeviceToHost dst"))
+    src: BufferRange = attrs.field(converter=to_range)
+    dst: BufferRange = attrs.field(converter=to_range)
     engine: ClassVar[str] = "download"
     kind: ClassVar[str] = "d2h"
     src_is_host: ClassVar[bool] = False
@@ -174,26 +194,26 @@ class Memset(Node):
     """Fill ``dst`` (device) with ``value`` repeated as ``element_size``-byte elements
     (``cuMemsetD8/D16/D32Async``). To poison float32 with NaN: value=0x7FC00000, element_size=4."""
 
-    dst: BufferRange = attrs.field(converter=_rng("Memset dst"))
+    dst: BufferRange = attrs.field(converter=to_range)
     value: int
     element_size: int = attrs.field(default=1)
     kind: ClassVar[str] = "memset"
 
-    def __attrs_post_init__(self):
-        if self.dst.buffer.is_host:
-            raise GraphError(f"Memset {self.name}: dst must be a device buffer; got {self.dst.buffer.name}")
+    def _check(self):
+        self._check_range("dst", device=True)
         es = self.element_size
+        check_int(self._record_of, "element_size", es, what="1, 2 or 4 (bytes)")
         if es not in (1, 2, 4):
-            raise GraphError(f"Memset {self.name}: element_size must be 1, 2 or 4; got {es!r}")
+            raise NodeFieldValueError(f"{self._record}: element_size must be 1, 2 or 4; got {es!r}")
         if self.dst.offset % es or self.dst.nbytes % es:
-            raise GraphError(f"Memset {self.name}: {self.dst} is not a whole number of "
-                             f"{es}-byte elements")
+            raise NodeFieldValueError(f"{self._record}: {self.dst} is not a whole number of "
+                                      f"{es}-byte elements")
         bits = 8 * es
-        if isinstance(self.value, bool) or not isinstance(self.value, int) \
-                or not -(1 << (bits - 1)) <= self.value < (1 << bits):
-            raise GraphError(f"Memset {self.name}: value must be an int that fits {es} byte(s); "
-                             f"got {self.value!r}")
-        super().__attrs_post_init__()
+        expected = f"an int that fits {es} byte(s)"
+        check_int(self._record_of, "value", self.value, what=expected)
+        if not -(1 << (bits - 1)) <= self.value < (1 << bits):
+            raise NodeFieldValueError(f"{self._record}: value must be {expected}; got"
+                                      f" {self.value!r}")
 
     @property
     def unsigned_value(self) -> int:
@@ -211,7 +231,7 @@ class Memset(Node):
 class In:
     """A kernel argument the kernel only reads."""
 
-    target: BufferRange = attrs.field(converter=_rng("In(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "In(...)"))
     mode: ClassVar[Mode] = Mode.READ
 
 
@@ -219,7 +239,7 @@ class In:
 class Out:
     """A kernel argument the kernel only writes."""
 
-    target: BufferRange = attrs.field(converter=_rng("Out(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "Out(...)"))
     mode: ClassVar[Mode] = Mode.WRITE
 
 
@@ -227,7 +247,7 @@ class Out:
 class InOut:
     """A kernel argument the kernel reads and writes."""
 
-    target: BufferRange = attrs.field(converter=_rng("InOut(...)"))
+    target: BufferRange = attrs.field(converter=lambda x: as_range(x, "InOut(...)"))
     mode: ClassVar[Mode] = Mode.READ_WRITE
 
 
@@ -237,20 +257,40 @@ def _is_scalar(x) -> bool:
                                              and getattr(x, "shape", None) == ())
 
 
-def _dim3(value, what):
+def _dim3(value):
+    """Converter: an int or a list/tuple of 1-3 ints -> ``(x, y, z)``; anything else unchanged
+    (`KernelNode` names the field)."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    value = tuple(value)
-    if not 1 <= len(value) <= 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                                       for v in value):
-        raise GraphError(f"{what} must be a positive int or 1-3 positive ints; got {value!r}")
-    return value + (1,) * (3 - len(value))
+    if isinstance(value, (list, tuple)) and 1 <= len(value) <= 3 \
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value) + (1,) * (3 - len(value))
+    return value
+
+
+def _check_dim3(node, field: str) -> None:
+    value = getattr(node, field)
+    expected = "an int or a tuple of 1-3 ints"
+    if not (isinstance(value, tuple) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise NodeFieldTypeError(f"{node._record}: {field} must be {expected}, got {got(value)}")
+    if any(v < 1 for v in value):
+        raise NodeFieldValueError(f"{node._record}: {field} must be positive ({expected} >= 1),"
+                                  f" got {value!r}")
+
+
+def _args(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _attributes(value):
+    """Converter: a mapping or pairs -> sorted ``((name, value), ...)``; else unchanged."""
     if isinstance(value, dict):
         value = value.items()
-    return tuple(sorted((str(k), v) for k, v in value))
+    try:
+        return tuple(sorted((str(k), v) for k, v in value))
+    except (TypeError, ValueError):
+        return value  # not pairs: KernelNode names the field
 
 
 @attrs.frozen
@@ -265,31 +305,40 @@ class KernelNode(Node):
     """
 
     kernel: KernelRef
-    grid: tuple[int, int, int] = attrs.field(converter=lambda v: _dim3(v, "grid"))
-    block: tuple[int, int, int] = attrs.field(converter=lambda v: _dim3(v, "block"))
-    args: tuple = attrs.field(default=(), converter=tuple)
+    grid: tuple[int, int, int] = attrs.field(converter=_dim3)
+    block: tuple[int, int, int] = attrs.field(converter=_dim3)
+    args: tuple = attrs.field(default=(), converter=_args)
     shared_mem: int = 0
     attributes: tuple = attrs.field(default=(), converter=_attributes)
     kind: ClassVar[str] = "kernel"
 
-    def __attrs_post_init__(self):
+    def _check(self):
         if not isinstance(self.kernel, KernelRef):
-            raise GraphError(f"KernelNode {self.name}: kernel must be a KernelRef; got {self.kernel!r}")
-        if isinstance(self.shared_mem, bool) or not isinstance(self.shared_mem, int) or self.shared_mem < 0:
-            raise GraphError(f"KernelNode {self.name}: shared_mem must be an int >= 0 (bytes)")
+            raise NodeFieldTypeError(f"{self._record}: kernel must be a KernelRef, got"
+                                     f" {got(self.kernel)}")
+        _check_dim3(self, "grid")
+        _check_dim3(self, "block")
+        check_int(self._record_of, "shared_mem", self.shared_mem, minimum=0,
+                  what="an int >= 0 (bytes)")
+        r = self._record_of
+        if not isinstance(self.attributes, tuple):
+            raise NodeFieldTypeError(f"{r()}: attributes must be a mapping of launch attribute"
+                                     f" name -> value, got {got(self.attributes)}")
+        if not isinstance(self.args, tuple):
+            raise NodeFieldTypeError(f"{r()}: args must be a tuple or list of kernel arguments, got"
+                                     f" {got(self.args)}")
         for i, a in enumerate(self.args):
             if isinstance(a, (In, Out, InOut, Buffer, BufferRange)):
                 target = a.target if isinstance(a, (In, Out, InOut)) else as_range(a)
                 if target.buffer.is_host:
-                    raise GraphError(f"KernelNode {self.name}: argument {i} is host buffer "
-                                     f"{target.buffer.name}; kernels take device buffers")
+                    raise NodeFieldTypeError(f"{r()}: argument {i} is host buffer "
+                                             f"{target.buffer.name}; kernels take device buffers")
             elif isinstance(a, HostBuffer):
-                raise GraphError(f"KernelNode {self.name}: argument {i} is host buffer {a.name}; "
-                                 f"kernels take device buffers")
+                raise NodeFieldTypeError(f"{r()}: argument {i} is host buffer {a.name}; "
+                                         f"kernels take device buffers")
             elif not _is_scalar(a):
-                raise GraphError(f"KernelNode {self.name}: argument {i} ({a!r}) is neither a scalar "
-                                 f"nor a buffer (In/Out/InOut/Buffer/BufferRange)")
-        super().__attrs_post_init__()
+                raise NodeFieldTypeError(f"{r()}: argument {i} ({a!r}) is neither a scalar nor a"
+                                         f" buffer (In/Out/InOut/Buffer/BufferRange)")
 
     def accesses(self):
         out = []
@@ -301,6 +350,14 @@ class KernelNode(Node):
         return tuple(out)
 
 
+def _ranges(xs):
+    """Converter: a list/tuple of buffers or ranges -> tuple of ranges (bad items unchanged:
+    `HostFunc` names them); a single buffer or range -> a 1-tuple."""
+    if isinstance(xs, (Buffer, HostBuffer, BufferRange)):
+        xs = (xs,)
+    return tuple(to_range(x) for x in xs) if isinstance(xs, (list, tuple)) else xs
+
+
 @attrs.frozen
 class HostFunc(Node):
     """Run ``fn()`` on a host thread in stream order (``cuLaunchHostFunc``).
@@ -310,16 +367,25 @@ class HostFunc(Node):
     """
 
     fn: Callable[[], Any]
-    reads: tuple = attrs.field(default=(), converter=lambda xs: tuple(as_range(x, "HostFunc reads") for x in xs))
-    writes: tuple = attrs.field(default=(), converter=lambda xs: tuple(as_range(x, "HostFunc writes") for x in xs))
+    reads: tuple = attrs.field(default=(), converter=_ranges)
+    writes: tuple = attrs.field(default=(), converter=_ranges)
     engine: ClassVar[str] = "host"
     kind: ClassVar[str] = "host"
     checks_device: ClassVar[bool] = False
 
-    def __attrs_post_init__(self):
+    def _check(self):
         if not callable(self.fn):
-            raise GraphError(f"HostFunc {self.name}: fn must be callable; got {self.fn!r}")
-        super().__attrs_post_init__()
+            raise NodeFieldTypeError(f"{self._record}: fn must be callable (a function taking no"
+                                     f" arguments), got {got(self.fn)}")
+        for field in ("reads", "writes"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple):
+                raise NodeFieldTypeError(f"{self._record}: {field} must be a list/tuple of"
+                                         f" buffers or ranges, got {got(value)}")
+            for i, r in enumerate(value):
+                if not isinstance(r, BufferRange):
+                    raise NodeFieldTypeError(f"{self._record}: {field}[{i}] must be {_RANGE},"
+                                             f" got {got(r)}")
 
     def accesses(self):
         return (tuple(Access(r, Mode.READ) for r in self.reads)

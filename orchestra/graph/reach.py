@@ -21,6 +21,7 @@ ancestor bitsets this replaced cost O(nodes^2 / 64) memory whatever the shape.
 from __future__ import annotations
 
 from collections import deque
+from typing import Union
 
 _EMPTY: dict[int, int] = {}  # the clock of a node without ancestors (shared; never mutated)
 _FLAT_MAX = 16  # a clock of up to this many chains is a plain dict, copied when extended
@@ -49,14 +50,18 @@ class _Layer:
         return k.get(chain, default)
 
     def flat(self) -> dict[int, int]:
-        layers, k = [], self
-        while type(k) is _Layer:
+        layers: list[dict[int, int]] = []
+        k: Clock = self
+        while isinstance(k, _Layer):
             layers.append(k.own)
             k = k.parent
         out = dict(k)
         for own in reversed(layers):
             out.update(own)
         return out
+
+
+Clock = Union[dict[int, int], _Layer]  # a node's clock: chain -> highest position reaching it
 
 
 def _size(clock) -> int:
@@ -95,7 +100,7 @@ class ChainClocks:
     def __init__(self, order, preds, succs, *, reduce: bool = False):
         self.chain: dict[str, int] = {}  # node -> its chain
         self.idx: dict[str, int] = {}  # node -> its position on that chain (0-based)
-        self.clock: dict[str, object] = {}  # node -> {chain: highest position reaching it} | _Layer
+        self.clock: dict[str, Clock] = {}  # node -> {chain: highest position reaching it}
         self._tails: list[str] = []  # chain -> its last node so far
         self._left = {n: len(s) for n, s in succs.items()}  # successors not placed yet
         self._stalled: deque[int] = deque(maxlen=_STALLED)  # chains whose tail has none left

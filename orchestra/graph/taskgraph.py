@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from typing import TypeVar
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.buffers import Buffer, HostBuffer
 from orchestra.graph.nodes import Node
 from orchestra.graph.ranges import RangeTracker
 from orchestra.graph.reach import ChainClocks
+
+N = TypeVar("N", bound=Node)
 
 
 class TaskGraph:
@@ -36,15 +39,15 @@ class TaskGraph:
 
     # -- building ---------------------------------------------------------------------------
 
-    def add(self, node: Node) -> Node:
+    def add(self, node: N) -> N:
         """Add ``node`` after every node added so far (program order); returns it."""
         if not isinstance(node, Node):
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
         nodes = self._nodes
         if name in nodes:
-            raise GraphError(f"a node named {name!r} is already in the graph "
-                             f"({type(nodes[name]).__name__}); node names must be unique")
+            raise NameCollisionError(f"a node named {name!r} is already in the graph "
+                                     f"({type(nodes[name]).__name__}); node names must be unique")
         after = node.after
         if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
@@ -85,7 +88,7 @@ class TaskGraph:
         if known is None:
             self._buffers[buf.name] = buf
         elif known != buf:
-            raise GraphError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
+            raise NameCollisionError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
                              f"not {buf!r}; give different buffers different names")
 
     def _edge(self, pred, succ, reason, explicit=False):
@@ -134,12 +137,12 @@ class TaskGraph:
     @property
     def buffers(self) -> tuple[Buffer, ...]:
         """Device buffers, in order of first use."""
-        return tuple(b for b in self._buffers.values() if not b.is_host)
+        return tuple(b for b in self._buffers.values() if isinstance(b, Buffer))
 
     @property
     def host_buffers(self) -> tuple[HostBuffer, ...]:
         """Host buffers, in order of first use."""
-        return tuple(b for b in self._buffers.values() if b.is_host)
+        return tuple(b for b in self._buffers.values() if isinstance(b, HostBuffer))
 
     def buffer(self, name: str):
         try:
@@ -281,7 +284,8 @@ def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
             succs[p].append(s)
     plists = {n: list(ps) for n, ps in preds.items()}
     implied = ChainClocks(order, plists, succs, reduce=True).implied
-    out = []
+    assert implied is not None  # reduce=True fills it
+    out: list[tuple[str, str]] = []
     for v in order:
         drop = implied.get(v)
         out.extend((p, v) for p in plists[v] if not drop or p not in drop)

@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 
 import attrs
 
+from orchestra.errors import ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
@@ -71,7 +72,7 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
             value = cost(node, accesses(node.name)) if ours and node.kind == "kernel" else cost(node)
         value = float(value)
         if not value >= 0:
-            raise ValueError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
+            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
         out[node.name] = value
     return out
 
@@ -113,14 +114,17 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
                     ev_time[st.event] = t
                 i += 1
             head[k], t_stream[k] = i, t
-            if i < end and rk[i] is not None:
-                res = rk[i][0]
+            run = rk[i] if i < end else None
+            if run is not None:
+                res = run[0]
                 start = max(t, busy[res]) if res else t
                 if best < 0 or start < best_start:
                     best, best_start = k, start
         if best < 0:
             return max(t_stream, default=0.0)
-        res, c = runs[best][head[best]]
+        chosen = runs[best][head[best]]
+        assert chosen is not None  # the chosen stream's head is a RunNode
+        res, c = chosen
         end_t = best_start + c
         if res:
             busy[res] = end_t

@@ -3,8 +3,8 @@
 With an indent, the standard library encodes in pure Python one value at a time (its C encoder
 only runs without one), which made a 350,000-node plan's JSON take seconds. This writes the same
 text for the JSON types (dict, list, tuple, str, int, float, bool, None), joining lists of strings
-(a plan's steps) in one go. Anything else raises the `TypeError` ``json.dumps`` raises, a
-circular structure its `ValueError`.
+(a plan's steps) in one go. Anything else (another type, a circular structure) is left to
+``json.dumps`` itself: the same text, or the same error.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _float(o: float) -> str:
     return float.__repr__(o)
 
 
-def _key(k) -> str:
+def _key(k) -> str | None:
     if isinstance(k, str):
         return k
     if isinstance(k, float):
@@ -38,17 +38,20 @@ def _key(k) -> str:
         return "null"
     if isinstance(k, int):
         return int.__repr__(k)
-    raise TypeError(f"keys must be str, int, float, bool or None, not {k.__class__.__name__}")
+    return None  # not a JSON key: json.dumps says so
 
 
 def dumps(obj, indent: int = 1) -> str:
     """The text of ``json.dumps(obj, indent=indent, sort_keys=True)``."""
     out: list[str] = []
-    _value(obj, out, " " * indent, 0, set())
-    return "".join(out)
+    if _value(obj, out, " " * indent, 0, set()):
+        return "".join(out)
+    return json.dumps(obj, indent=indent, sort_keys=True)  # the same text, or its error
 
 
-def _value(o, out, ind, level, seen):
+# Each writer appends to ``out`` and returns False when it meets what it leaves to json.dumps.
+
+def _value(o, out, ind, level, seen) -> bool:
     t = type(o)
     if t is str:
         out.append(_enc(o))
@@ -63,9 +66,9 @@ def _value(o, out, ind, level, seen):
     elif t is float:
         out.append(_float(o))
     elif t is list or t is tuple:
-        _list(o, out, ind, level, seen)
+        return _list(o, out, ind, level, seen)
     elif t is dict:
-        _dict(o, out, ind, level, seen)
+        return _dict(o, out, ind, level, seen)
     elif isinstance(o, str):
         out.append(_enc(o))
     elif isinstance(o, int):  # bool is handled above
@@ -73,29 +76,23 @@ def _value(o, out, ind, level, seen):
     elif isinstance(o, float):
         out.append(_float(o))
     elif isinstance(o, (list, tuple)):
-        _list(o, out, ind, level, seen)
+        return _list(o, out, ind, level, seen)
     elif isinstance(o, dict):
-        _dict(o, out, ind, level, seen)
+        return _dict(o, out, ind, level, seen)
     else:
-        json.dumps(o)  # raises the standard library's TypeError for this object
-        raise TypeError(f"Object of type {o.__class__.__name__} is not JSON serializable")
+        return False
+    return True
 
 
-def _enter(o, seen):
-    if id(o) in seen:
-        raise ValueError("Circular reference detected")
-    seen.add(id(o))
-
-
-def _list(o, out, ind, level, seen):
+def _list(o, out, ind, level, seen) -> bool:
     if not o:
         out.append("[]")
-        return
+        return True
     inner = "\n" + ind * (level + 1)
     close = "\n" + ind * level + "]"
     if all(type(x) is str for x in o):
         out.append("[" + inner + ("," + inner).join(map(_enc, o)) + close)
-        return
+        return True
     if all(type(x) is list and x and all(type(y) is str for y in x) for x in o):
         # a list of lists of strings (a plan's steps): each item's text in one join
         inner2 = "\n" + ind * (level + 2)
@@ -103,31 +100,43 @@ def _list(o, out, ind, level, seen):
         sep2 = "," + inner2
         out.append("[" + inner + ("," + inner).join(
             "[" + inner2 + sep2.join(map(_enc, x)) + close2 for x in o) + close)
-        return
-    _enter(o, seen)
+        return True
+    if id(o) in seen:  # circular
+        return False
+    seen.add(id(o))
     out.append("[" + inner)
     first = True
     for x in o:
         if not first:
             out.append("," + inner)
         first = False
-        _value(x, out, ind, level + 1, seen)
+        if not _value(x, out, ind, level + 1, seen):
+            return False
     out.append(close)
     seen.discard(id(o))
+    return True
 
 
-def _dict(o, out, ind, level, seen):
+def _dict(o, out, ind, level, seen) -> bool:
     if not o:
         out.append("{}")
-        return
+        return True
+    if id(o) in seen:  # circular
+        return False
+    seen.add(id(o))
     inner = "\n" + ind * (level + 1)
     out.append("{" + inner)
     first = True
     for k, v in sorted(o.items()):
+        key = _key(k)
+        if key is None:
+            return False
         if not first:
             out.append("," + inner)
         first = False
-        out.append(_enc(_key(k)) + ": ")
-        _value(v, out, ind, level + 1, seen)
+        out.append(_enc(key) + ": ")
+        if not _value(v, out, ind, level + 1, seen):
+            return False
     out.append("\n" + ind * level + "}")
     seen.discard(id(o))
+    return True

@@ -16,9 +16,11 @@ enqueue with `issue_order()`, which follows it while never issuing a wait before
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import attrs
 
+from orchestra.errors import NotFoundError, PlanError, PlanFormatError
 from orchestra.schedule import json_text
 
 ROLES = ("upload", "compute", "download", "general")
@@ -37,7 +39,7 @@ class StreamSpec:
     @role.validator
     def _role(self, attribute, value):
         if value not in ROLES:
-            raise ValueError(f"stream {self.name}: role must be one of {ROLES}; got {value!r}")
+            raise PlanError(f"stream {self.name}: role must be one of {ROLES}; got {value!r}")
 
 
 @attrs.frozen
@@ -70,6 +72,14 @@ def _field(step) -> str:
     return step.node if isinstance(step, RunNode) else step.event
 
 
+def _stream_specs(specs: Iterable[StreamSpec]) -> tuple[StreamSpec, ...]:
+    return tuple(specs)
+
+
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
 @attrs.frozen(eq=True, hash=False)
 class Plan:
     """Streams and their ordered steps. ``node_stream`` and ``events`` are derived.
@@ -84,10 +94,10 @@ class Plan:
         events: every event name, in order of first record (then unrecorded waits).
     """
 
-    streams: tuple[StreamSpec, ...] = attrs.field(converter=tuple)
+    streams: tuple[StreamSpec, ...] = attrs.field(converter=_stream_specs)
     steps: dict = attrs.field(converter=lambda d: {k: tuple(v) for k, v in d.items()})
     policy: str = "manual"
-    order: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    order: tuple[str, ...] = attrs.field(default=(), converter=_names)
     meta: dict = attrs.field(factory=dict, converter=dict)
     node_stream: dict = attrs.field(init=False, eq=False, repr=False)
     events: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
@@ -95,10 +105,11 @@ class Plan:
     def __attrs_post_init__(self):
         names = [s.name for s in self.streams]
         if len(set(names)) != len(names):
-            raise ValueError(f"plan streams must have distinct names; got {names}")
+            raise PlanError(f"plan streams must have distinct names; got {names}")
         unknown = set(self.steps) - set(names)
         if unknown:
-            raise ValueError(f"plan steps name unknown stream(s) {sorted(unknown)}; streams: {names}")
+            raise PlanError(
+                f"plan steps name unknown stream(s) {sorted(unknown)}; streams: {names}")
         steps = {n: self.steps.get(n, ()) for n in names}
         object.__setattr__(self, "steps", steps)
         node_stream, recorded, waited = {}, [], []
@@ -114,7 +125,8 @@ class Plan:
                 elif t is WaitEvent or isinstance(st, WaitEvent):
                     waited.append(st.event)
                 else:
-                    raise ValueError(f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
+                    raise PlanError(
+                        f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
         object.__setattr__(self, "node_stream", node_stream)
         object.__setattr__(self, "events", tuple(dict.fromkeys(recorded + waited)))
 
@@ -128,10 +140,15 @@ class Plan:
         for s in self.streams:
             if s.name == name:
                 return s
-        raise KeyError(f"no stream named {name!r} in the plan")
+        raise NotFoundError(f"no stream named {name!r} in the plan")
 
     def stream_of(self, node: str) -> str:
-        return self.node_stream[node]
+        """The stream of ``node``'s first `RunNode`; `NotFoundError` (a ``KeyError``) if the
+        plan does not run it."""
+        try:
+            return self.node_stream[node]
+        except KeyError:
+            raise NotFoundError(f"the plan does not run a node named {node!r}") from None
 
     def nodes(self, stream: str | None = None) -> tuple[str, ...]:
         """Node names run on ``stream`` (or on every stream, stream by stream), in order."""
@@ -152,7 +169,8 @@ class Plan:
         """Every step as (stream, step) in an order an executor can enqueue them.
 
         Follows ``order`` (else stream by stream), never putting a wait before the record of its
-        event. Raises ValueError when the waits form a cycle (the plan can never be issued).
+        event. Raises `PlanError` (a ``ValueError``) when the waits form a cycle (the plan can
+        never be issued).
         """
         rank = {n: i for i, n in enumerate(self.order)}
         names = self.stream_names
@@ -183,7 +201,8 @@ class Plan:
                 blocked = [f"{n} waits for {st.event}" for si, n in enumerate(names)
                            if head[si] < len(chunks[si]) for st in chunks[si][head[si]][0]
                            if isinstance(st, WaitEvent) and st.event not in issued_events]
-                raise ValueError("plan cannot be issued: waits form a cycle (" + "; ".join(blocked) + ")")
+                raise PlanError(
+                    "plan cannot be issued: waits form a cycle (" + "; ".join(blocked) + ")")
             n = names[best]
             chunk, _node = chunks[best][head[best]]
             head[best] += 1
@@ -221,8 +240,8 @@ class Plan:
                     add("    record " + st.event)
                 elif t is WaitEvent:
                     add(f"    wait   {st.event}   ({after.get(st.event, 'never recorded')})")
-                else:
-                    raise KeyError(t)  # not a step type (the plan refuses those)
+                else:  # not a step type (the plan refuses those): as before, _TAGS says so
+                    add(f"    {_TAGS[t]:<6} {_field(st)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -244,17 +263,98 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        if d.get("format") != FORMAT:
-            raise ValueError(f"not an orchestra plan (format {d.get('format')!r}, want {FORMAT!r})")
+        """The plan `to_dict` wrote. Raises `PlanFormatError` (a `PlanError`, a ``ValueError``)
+        naming what is missing or wrong and where, e.g.
+        ``plan JSON: streams[1]: missing "steps"``."""
+        _obj(d, "")
+        fmt = d.get("format")
+        if fmt != FORMAT:
+            raise PlanFormatError(
+                f"plan JSON: not an orchestra plan (format {fmt!r}, want {FORMAT!r})"
+                if "format" in d else
+                f'plan JSON: missing "format" (want {FORMAT!r}): not an orchestra plan', "format")
         streams, steps = [], {}
-        for s in d["streams"]:
-            streams.append(StreamSpec(s["name"], s.get("priority", 0), s.get("role", "general")))
-            steps[s["name"]] = [_BY_TAG[tag](value) for tag, value in s["steps"]]
-        return cls(streams, steps, d.get("policy", "manual"), d.get("order", ()), d.get("meta", {}))
+        for i, sd in enumerate(_list(_need(d, "streams", ""), "streams")):
+            where = f"streams[{i}]"
+            _obj(sd, where)
+            name = _str(_need(sd, "name", where), f"{where}.name")
+            priority = sd.get("priority", 0)
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise PlanFormatError(f"plan JSON: {where}.priority must be an int, got "
+                                      f"{_got(priority)}", f"{where}.priority")
+            role = _str(sd.get("role", "general"), f"{where}.role")
+            try:
+                streams.append(StreamSpec(name, priority, role))
+            except PlanError as exc:
+                raise PlanFormatError(f"plan JSON: {where}: {exc}", where) from None
+            if name in steps:
+                raise PlanFormatError(f"plan JSON: {where}: a second stream named {name!r}",
+                                      f"{where}.name")
+            steps[name] = [_step(st, f"{where}.steps[{j}]") for j, st in
+                           enumerate(_list(_need(sd, "steps", where), f"{where}.steps"))]
+        policy = _str(d.get("policy", "manual"), "policy")
+        order = [_str(n, f"order[{j}]") for j, n in enumerate(_list(d.get("order", []), "order"))]
+        meta = d.get("meta", {})
+        _obj(meta, "meta")
+        try:
+            return cls(streams, steps, policy, order, meta)
+        except PlanError as exc:
+            raise PlanFormatError(f"plan JSON: {exc}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """`from_dict` of ``json.loads(text)``; text that is not JSON is a `PlanFormatError`
+        too (with the line and column ``json`` reports)."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise PlanFormatError(f"plan JSON: not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+
+# -- plan JSON checks: each names the path of the bad value -----------------------------------
+
+
+def _got(value) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _at(where: str) -> str:
+    return f"plan JSON: {where}:" if where else "plan JSON:"
+
+
+def _obj(value, where: str) -> None:
+    if not isinstance(value, dict):
+        raise PlanFormatError(f"{_at(where)} expected an object, got {_got(value)}", where)
+
+
+def _need(d: dict, key: str, where: str):
+    if key not in d:
+        raise PlanFormatError(f'{_at(where)} missing "{key}"', f"{where}.{key}" if where else key)
+    return d[key]
+
+
+def _list(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise PlanFormatError(f"plan JSON: {where} must be a list, got {_got(value)}", where)
+    return value
+
+
+def _str(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise PlanFormatError(f"plan JSON: {where} must be a string, got {_got(value)}", where)
+    return value
+
+
+def _step(value, where: str):
+    if not (isinstance(value, list) and len(value) == 2):
+        raise PlanFormatError(f"plan JSON: {where} must be a [kind, name] pair such as"
+                              f' ["run", "b0.h2d"], got {_got(value)}', where)
+    tag, name = value
+    if tag not in _BY_TAG:
+        raise PlanFormatError(f"plan JSON: {where}: unknown step kind {tag!r}; kinds:"
+                              f" {', '.join(_BY_TAG)}", where)
+    return _BY_TAG[tag](_str(name, f"{where}[1]"))
 
 
 def _chunks(steps):
@@ -301,7 +401,7 @@ class PlanBuilder:
 
     def _add(self, step):
         if self._cur is None:
-            raise ValueError("PlanBuilder: call .stream(name) before adding steps")
+            raise PlanError("PlanBuilder: call .stream(name) before adding steps")
         self._steps[self._cur].append(step)
         return self
 

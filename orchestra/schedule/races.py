@@ -137,18 +137,19 @@ def races(order, graph, collected=None) -> list[Finding]:
     for key, rank in race_rank.items():  # buffers are independent: one sweep state at a time
         buf, nodes, accs = by_node(per_buffer[key])
         state = _Buffer(buf, rank)
-        cur, xs = None, []
+        cur = ""  # the node whose accesses of this buffer are being gathered
+        xs: list[tuple[int, int, Mode]] = []
         for node, acc in zip(nodes, accs):
             if node.kind in _LIFETIME_KINDS:
                 continue  # lifetimes are checked separately
-            if node is not cur:
+            if node.name != cur:
                 if xs:
-                    state.visit(cur.name, xs, before)
-                cur, xs = node, []
+                    state.visit(cur, xs, before)
+                cur, xs = node.name, []
             r = acc.range
             xs.append((r.offset, r.offset + r.nbytes, acc.mode))
         if xs:
-            state.visit(cur.name, xs, before)
+            state.visit(cur, xs, before)
         for a, b in state.pairs:
             out.append(((index(b), index(a), rank), _finding(order, graph, buf, a, b)))
     out.sort(key=lambda x: x[0])
@@ -174,6 +175,7 @@ def _finding(order, graph, buf, a, b) -> Finding:
                 pair = (ka, kb) if ka < kb else (kb, ka)
                 if best is None or pair < best[0]:
                     best = (pair, max(s1, s2), min(e1, e2), ma, mb)
+    assert best is not None  # a and b were found conflicting on buf
     _, lo, hi, ma, mb = best
     # a stale read is the likelier bug, so write -> read-write counts as RAW
     kind = "RAW" if ma.writes and mb.reads else ("WAW" if ma.writes else "WAR")

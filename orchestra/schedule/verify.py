@@ -17,7 +17,7 @@ walk per buffer, so a correct plan costs about linear time in nodes x accesses.
 from __future__ import annotations
 
 from orchestra.errors import HazardError
-from orchestra.graph import TaskGraph
+from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.happens_before import GraphOrder, PlanOrder
 from orchestra.schedule.plan import Plan
@@ -41,9 +41,10 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
                                     f"{n} is in the graph but the plan never runs it: add it to a "
                                     f"stream after its predecessors"))
         elif order.runs[n] > 1:
+            buffer = node.buffer.name if isinstance(node, (Alloc, Free)) else None
             kind = "DOUBLE_FREE" if node.kind == "free" else "DUPLICATE"
-            what = f" (each run frees {node.buffer.name} again)" if node.kind == "free" else ""
-            findings.append(Finding(kind, getattr(node, "buffer", None) and node.buffer.name,
+            what = f" (each run frees {buffer} again)" if node.kind == "free" else ""
+            findings.append(Finding(kind, buffer,
                                     (n, None), (order.stream_of[n], None),
                                     f"the plan runs {n} {order.runs[n]} times{what}: run each node once"))
     findings += _hazards(order, graph)
@@ -83,7 +84,7 @@ def _streams(order, a, b):
 
 def _lifetimes(order, graph, collected=None) -> list[Finding]:
     per_buffer, _ = collected or accesses_by_buffer(order, graph)
-    out = []
+    out: list[Finding] = []
     for entry in per_buffer.values():  # one buffer at a time, in order of first use
         buf, nodes, accs = by_node(entry)
         if buf.is_host or not any(n.kind in _LIFETIME_KINDS for n in nodes):

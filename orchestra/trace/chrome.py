@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
+from orchestra.errors import TraceTypeError
 from orchestra.trace.timeline import Timeline
 
 
 def to_chrome_trace(timeline: Timeline) -> dict:
     """The timeline as a Chrome trace object (``json.dumps`` it, or use `write_chrome_trace`)."""
     if not isinstance(timeline, Timeline):
-        raise TypeError(f"to_chrome_trace expects a Timeline; got {type(timeline).__name__}")
+        raise TraceTypeError(f"to_chrome_trace expects a Timeline; got {type(timeline).__name__}")
     tids = {name: i for i, name in enumerate(timeline.streams)}
     pids = sorted({timeline.device} | {s.device for s in timeline.spans})
     used = {(s.device, s.stream) for s in timeline.spans}
@@ -37,7 +39,8 @@ def to_chrome_trace(timeline: Timeline) -> dict:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"sort_index": tid}})
     for s in timeline.spans:
-        args = {"kind": s.kind, "engine": s.engine, "stream": s.stream, "batch": s.batch}
+        args: dict[str, Any] = {"kind": s.kind, "engine": s.engine, "stream": s.stream,
+                                "batch": s.batch}
         if s.nbytes is not None:
             args["bytes"] = s.nbytes
             if s.duration_ms > 0 and s.engine in ("upload", "download"):

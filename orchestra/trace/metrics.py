@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 import attrs
 
+from orchestra.errors import TraceValueError
 from orchestra.trace.timeline import OVERLAP_ENGINES, engine_key
 
 Interval = tuple[float, float]
@@ -79,9 +80,9 @@ def busy_by(spans, key: Callable) -> dict:
 def efficiency(bound_ms: float, makespan_ms: float) -> float:
     """``bound_ms / makespan_ms``; ValueError for a bound <= 0 or an empty run."""
     if not bound_ms > 0:
-        raise ValueError(f"efficiency: bound_ms must be > 0; got {bound_ms!r}")
+        raise TraceValueError(f"efficiency: bound_ms must be > 0; got {bound_ms!r}")
     if not makespan_ms > 0:
-        raise ValueError("efficiency: the timeline has no duration (no spans, or all empty)")
+        raise TraceValueError("efficiency: the timeline has no duration (no spans, or all empty)")
     return bound_ms / makespan_ms
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from orchestra.errors import MissingExtraError, TraceTypeError
 from orchestra.trace.timeline import Timeline, engine_color
 
 MISSING = ("plot_gantt needs matplotlib, which is not installed: pip install orchestra[plot] "
@@ -18,7 +19,7 @@ def _figure_class():
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError(MISSING) from exc
+        raise MissingExtraError(MISSING) from exc
     return Figure
 
 
@@ -32,7 +33,7 @@ def plot_gantt(timeline: Timeline, path, *, title: str | None = None,
     Raises ImportError with the install hint when matplotlib is missing.
     """
     if not isinstance(timeline, Timeline):
-        raise TypeError(f"plot_gantt expects a Timeline; got {type(timeline).__name__}")
+        raise TraceTypeError(f"plot_gantt expects a Timeline; got {type(timeline).__name__}")
     Figure = _figure_class()
     path = os.fspath(path)
     streams = timeline.streams

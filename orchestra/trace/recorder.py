@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime
 
 import attrs
 
+from orchestra.errors import CallOrderError, NotFoundError, TraceTypeError, TraceValueError
 from orchestra.trace.timeline import NodeSpan, Timeline
 
 _TIMELINE_FIELDS = ("streams", "policy", "executor", "device")
@@ -77,7 +78,7 @@ def spans_from_event_pairs(origin, pairs: Iterable, meta: Mapping | None = None,
     el = elapsed or event_elapsed_ms
     origins = list(origin) if isinstance(origin, (list, tuple)) else [origin]
     if not origins:
-        raise ValueError("spans_from_event_pairs: no origin event")
+        raise TraceValueError("spans_from_event_pairs: no origin event")
     ref = origins[0]
     zero = min([0.0] + [float(el(ref, o)) for o in origins[1:]])
     spans = []
@@ -154,9 +155,9 @@ def _stream_map(streams) -> dict:
                 out[f"s{i}"] = s
     for name in out:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"stream names must be non-empty str; got {name!r}")
+            raise TraceTypeError(f"stream names must be non-empty str; got {name!r}")
     if not out:
-        raise ValueError("a traced run needs at least one stream")
+        raise TraceValueError("a traced run needs at least one stream")
     return out
 
 
@@ -180,49 +181,52 @@ class _PairBook:
         """True between `begin` and `finish` / `abort`."""
         return self._streams is not None
 
-    def _begin(self, streams, policy, meta):
+    def _begin(self, streams, policy, meta) -> dict:
         if self.active:
-            raise RuntimeError(f"{type(self).__name__}.begin: a run is already being traced; "
-                               "call finish() or abort() first")
-        self._streams = _stream_map(streams)
-        self._names = {id(s): n for n, s in self._streams.items() if s is not None}
+            raise CallOrderError(f"{type(self).__name__}.begin: a run is already being traced; "
+                                 "call finish() or abort() first")
+        live = self._streams = _stream_map(streams)
+        self._names = {id(s): n for n, s in live.items() if s is not None}
         self._open, self._pairs = {}, []
-        self._meta = {**dict(meta or {}), "streams": tuple(self._streams), "policy": policy,
+        self._meta = {**dict(meta or {}), "streams": tuple(live), "policy": policy,
                       "executor": self.executor, "device": _ordinal(self.device)}
+        return live
 
     def _resolve(self, stream, what) -> tuple[str, Any]:
-        if not self.active:
-            raise RuntimeError(f"{type(self).__name__}.{what}: call begin(streams) first")
+        live = self._streams
+        if live is None:  # not active
+            raise CallOrderError(f"{type(self).__name__}.{what}: call begin(streams) first")
         if isinstance(stream, str):
-            if stream not in self._streams:
-                raise KeyError(f"{type(self).__name__}.{what}: unknown stream {stream!r}; "
-                               f"begin() was given {list(self._streams)}")
-            return stream, self._streams[stream]
+            if stream not in live:
+                raise NotFoundError(f"{type(self).__name__}.{what}: unknown stream {stream!r}; "
+                                    f"begin() was given {list(live)}")
+            return stream, live[stream]
         name = self._names.get(id(stream))
         if name is None:
-            raise KeyError(f"{type(self).__name__}.{what}: {stream!r} is not one of the streams "
-                           f"given to begin() ({list(self._streams)})")
+            raise NotFoundError(
+                f"{type(self).__name__}.{what}: {stream!r} is not one of the streams "
+                f"given to begin() ({list(live)})")
         return name, stream
 
     def _open_pair(self, name, node, ev):
         if node.name in self._open:
-            raise RuntimeError(f"before({node.name!r}) called twice without after()")
+            raise CallOrderError(f"before({node.name!r}) called twice without after()")
         self._open[node.name] = (name, ev)
 
     def _close_pair(self, name, node, ev):
         try:
             sname, start = self._open.pop(node.name)
         except KeyError:
-            raise RuntimeError(f"after({node.name!r}) without a matching before()") from None
+            raise CallOrderError(f"after({node.name!r}) without a matching before()") from None
         if sname != name:
-            raise RuntimeError(f"node {node.name!r}: before() on stream {sname!r} but after() "
-                               f"on {name!r}")
+            raise CallOrderError(f"node {node.name!r}: before() on stream {sname!r} but after() "
+                                 f"on {name!r}")
         self._pairs.append(EventPair(name, node, start, ev))
 
     def _check_closed(self):
         if self._open:
-            raise RuntimeError("finish(): before() without after() for node(s) "
-                               f"{sorted(self._open)}")
+            raise CallOrderError("finish(): before() without after() for node(s) "
+                                 f"{sorted(self._open)}")
 
     def _read(self, origins) -> Timeline:
         return spans_from_event_pairs(origins, self._pairs, self._meta, elapsed=self._elapsed)
@@ -263,16 +267,17 @@ class EagerTracer(_PairBook):
     def begin(self, streams, *, policy: str = "", meta: Mapping | None = None) -> None:
         """Start a run: ``streams`` maps stream names (track order) to orchestra Streams (or is a
         sequence of ``(name, Stream)`` pairs or bare Streams); records an origin on each."""
-        self._begin(streams, policy, meta)
-        missing = [n for n, s in self._streams.items() if s is None]
+        live = self._begin(streams, policy, meta)
+        missing = [n for n, s in live.items() if s is None]
         if missing:
             self._streams = None
-            raise TypeError(f"EagerTracer.begin needs a Stream for every stream name; got none "
-                            f"for {missing}")
+            raise TraceTypeError(
+                f"EagerTracer.begin needs a Stream for every stream name; got none "
+                f"for {missing}")
         self.pool.reset()
         self._origins, self._last = [], {}
         try:
-            for name, s in self._streams.items():
+            for name, s in live.items():
                 ev = self.pool.take()
                 ev.record(s)
                 self._origins.append(ev)
@@ -297,7 +302,7 @@ class EagerTracer(_PairBook):
     def finish(self) -> Timeline:
         """Wait for each stream's last event, read every pair, free the events for reuse."""
         if not self.active:
-            raise RuntimeError("EagerTracer.finish: no run in progress (call begin first)")
+            raise CallOrderError("EagerTracer.finish: no run in progress (call begin first)")
         self._check_closed()
         try:
             for ev in self._last.values():
@@ -335,7 +340,7 @@ class GraphTracer(_PairBook):
     def __init__(self, device=None, *, executor: str = "graph", pool: EventPool | None = None,
                  elapsed: Callable | None = None):
         super().__init__(device, executor=executor, pool=pool, elapsed=elapsed)
-        self._origin = None
+        self._origin: Any = None  # the pool's timing event, recorded before each launch
 
     def begin(self, streams, *, policy: str = "", meta: Mapping | None = None) -> None:
         """Start describing a graph: ``streams`` are the plan's stream names (Streams too when
@@ -364,8 +369,8 @@ class GraphTracer(_PairBook):
         """While capturing: an event-record node before ``node`` on ``stream`` (a Stream)."""
         name, s = self._resolve(stream, "before")
         if s is None:
-            raise TypeError(f"GraphTracer.before: stream {name!r} has no Stream; pass "
-                            "name -> Stream to begin() when capturing")
+            raise TraceTypeError(f"GraphTracer.before: stream {name!r} has no Stream; pass "
+                                 "name -> Stream to begin() when capturing")
         ev = self.pool.take()
         self._open_pair(name, node, ev)
         self._record(ev, s)
@@ -381,7 +386,7 @@ class GraphTracer(_PairBook):
         """Record the origin on ``stream`` (an orchestra Stream, not capturing) right before
         ``cuGraphLaunch`` on it; returns the origin event."""
         if not self.active:
-            raise RuntimeError("GraphTracer.mark_launch: call begin() and add the pairs first")
+            raise CallOrderError("GraphTracer.mark_launch: call begin() and add the pairs first")
         self._check_closed()
         if self._origin is None:
             self._origin = self.pool.take()
@@ -391,8 +396,8 @@ class GraphTracer(_PairBook):
     def finish(self) -> Timeline:
         """After a launch: wait for its events and read them. Call again after each launch."""
         if self._origin is None:
-            raise RuntimeError("GraphTracer.finish: no launch marked; call mark_launch(stream) "
-                               "right before cuGraphLaunch")
+            raise CallOrderError("GraphTracer.finish: no launch marked; call mark_launch(stream) "
+                                 "right before cuGraphLaunch")
         self._check_closed()
         for p in self._pairs:
             p.end.synchronize()

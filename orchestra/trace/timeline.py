@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from orchestra.errors import NotFoundError, TraceTypeError, TraceValueError
+
 ENGINES = ("upload", "compute", "download", "host", "memory")
 """Known engines, in display order (others sort after these, by name)."""
 
@@ -40,8 +42,8 @@ def engine_key(engine: str):
 
 def _finite(instance, attribute, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"NodeSpan {instance.name if hasattr(instance, 'name') else ''}: "
-                         f"{attribute.name} must be a finite number of ms; got {value!r}")
+        raise TraceValueError(f"NodeSpan {instance.name if hasattr(instance, 'name') else ''}: "
+                              f"{attribute.name} must be a finite number of ms; got {value!r}")
 
 
 @attrs.frozen
@@ -64,8 +66,8 @@ class NodeSpan:
 
     def __attrs_post_init__(self):
         if self.end_ms < self.start_ms:
-            raise ValueError(f"NodeSpan {self.name}: end_ms {self.end_ms} is before start_ms "
-                             f"{self.start_ms}")
+            raise TraceValueError(f"NodeSpan {self.name}: end_ms {self.end_ms} is before start_ms "
+                                  f"{self.start_ms}")
 
     @property
     def duration_ms(self) -> float:
@@ -99,7 +101,7 @@ def _spans(value):
     spans = tuple(value)
     for s in spans:
         if not isinstance(s, NodeSpan):
-            raise TypeError(f"Timeline spans must be NodeSpan; got {type(s).__name__}")
+            raise TraceTypeError(f"Timeline spans must be NodeSpan; got {type(s).__name__}")
     return spans
 
 
@@ -126,12 +128,13 @@ class Timeline:
     def __attrs_post_init__(self):
         streams = list(dict.fromkeys(self.streams))
         if len(streams) != len(self.streams):
-            raise ValueError(f"Timeline streams must be distinct; got {list(self.streams)}")
+            raise TraceValueError(f"Timeline streams must be distinct; got {list(self.streams)}")
         for s in self.spans:  # streams no span names are kept; unnamed ones are appended
             if s.stream not in streams:
                 if self.streams:
-                    raise ValueError(f"span {s.name} is on stream {s.stream!r}, which is not one "
-                                     f"of the timeline's streams {list(self.streams)}")
+                    raise TraceValueError(
+                        f"span {s.name} is on stream {s.stream!r}, which is not one "
+                        f"of the timeline's streams {list(self.streams)}")
                 streams.append(s.stream)
         index = {n: i for i, n in enumerate(streams)}
         spans = sorted(self.spans, key=lambda s: (s.start_ms, index[s.stream], s.end_ms, s.name))
@@ -151,14 +154,15 @@ class Timeline:
         for s in self.spans:
             if s.name == name:
                 return s
-        raise KeyError(f"no span for node {name!r} in the timeline")
+        raise NotFoundError(f"no span for node {name!r} in the timeline")
 
     def spans_for(self, stream: str | None = None, *, engine: str | None = None,
                   batch: int | None = None) -> tuple[NodeSpan, ...]:
         """Spans on ``stream`` and/or of ``engine`` and/or of ``batch`` (keywords, since stream
         and engine names may be the same word), in start order."""
         if stream is not None and stream not in self.streams:
-            raise KeyError(f"no stream {stream!r} in the timeline; streams: {list(self.streams)}")
+            raise NotFoundError(
+                f"no stream {stream!r} in the timeline; streams: {list(self.streams)}")
         return tuple(s for s in self.spans
                      if (stream is None or s.stream == stream)
                      and (engine is None or s.engine == engine)
@@ -227,7 +231,8 @@ class Timeline:
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
         if d.get("format") != FORMAT:
-            raise ValueError(f"not an orchestra timeline (format {d.get('format')!r}, want {FORMAT!r})")
+            raise TraceValueError(
+                f"not an orchestra timeline (format {d.get('format')!r}, want {FORMAT!r})")
         return cls([NodeSpan(**s) for s in d["spans"]], d.get("streams", ()), d.get("policy", ""),
                    d.get("executor", ""), d.get("device", 0), d.get("meta", {}))
 

@@ -1,0 +1,233 @@
+"""Single-batch timings with timing events, sustained times for the bound, and the choice of
+``--compute-iters``.
+
+Each of H2D, kernel and D2H is timed alone (nothing else on the GPU): a timing event before and
+after it on one stream, ``cuEventElapsedTime``, median of ``repeats`` after ``warmup`` runs.
+Those single-batch times are reported and calibrate the kernel; the bound uses the sustained
+times of `BatchTimer.sustained` (K back-to-back items behind a gate, `sustained`), because a
+single item timed alone includes latency a full pipeline hides (`bound`).
+
+``--compute-iters auto`` (the default) calibrates the kernel to the slower copy: the kernel's
+time is affine in ``iters`` (a fixed part plus the per-iteration FMAs), so two probe launches
+give the line, one more launch at the predicted count corrects it (`calibrate_iters`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import attrs
+
+from orchestra.app.job.bound import PipelineBound, Sustained, pipeline_bound
+from orchestra.errors import JobConfigError
+
+PROBES = (64, 512)
+MAX_ITERS = 1 << 20
+
+
+@attrs.frozen
+class SingleBatch:
+    """Median single-batch times (ms) of ``nbytes`` bytes, the kernel's ``iters``, and the
+    sustained times the bound is made of (None when not measured)."""
+
+    nbytes: int
+    iters: int
+    t_h2d_ms: float
+    t_kernel_ms: float
+    t_d2h_ms: float
+    repeats: int
+    sustained: Sustained | None = None
+
+    def bound(self, sizes) -> PipelineBound:
+        """`pipeline_bound` over ``sizes`` (bytes per batch, or a batch count) from the
+        sustained times; without them from the single-batch times, both directions at once
+        assumed as fast as the slower alone (an upper estimate of what the link allows)."""
+        s = self.sustained
+        if s is None:
+            s = Sustained(self.nbytes, 1, self.t_h2d_ms, self.t_kernel_ms, self.t_d2h_ms,
+                          max(self.t_h2d_ms, self.t_d2h_ms))
+        return pipeline_bound(s, sizes)
+
+
+def calibrate_iters(kernel_ms: Callable[[int], float], target_ms: float, *,
+                    probes: tuple[int, int] = PROBES, max_iters: int = MAX_ITERS
+                    ) -> tuple[int, float]:
+    """The iteration count whose kernel time is ``target_ms``, and that time.
+
+    ``kernel_ms(iters)`` measures the kernel. Fits ``t = a + b * iters`` through two probes,
+    predicts, measures there and corrects once more with the slope through that point.
+    """
+    if not target_ms > 0:
+        raise JobConfigError(f"target time must be > 0 ms; got {target_ms!r}")
+    i1, i2 = probes
+    t1, t2 = kernel_ms(i1), kernel_ms(i2)
+    slope = (t2 - t1) / (i2 - i1)
+    if slope <= 0:  # noise at tiny sizes: fall back to proportional scaling
+        slope = max(t2, 1e-6) / i2
+
+    def clamp(v):
+        return int(min(max(round(v), 1), max_iters))
+
+    iters = clamp(i2 + (target_ms - t2) / slope)
+    t = kernel_ms(iters)
+    if abs(t - target_ms) > 0.02 * target_ms and iters != i2:
+        slope2 = (t - t2) / (iters - i2)
+        if slope2 > 0:
+            better = clamp(iters + (target_ms - t) / slope2)
+            if better != iters:
+                iters, t = better, kernel_ms(better)
+    return iters, t
+
+
+def median_ms(op: Callable[[], None], stream, *, repeats: int = 7, warmup: int = 2,
+              events=None) -> float:
+    """Median time (ms) of ``op()`` (which enqueues on ``stream``) between two timing events."""
+    from orchestra.driver import Event
+
+    start, end = events or (Event(stream.device, timing=True), Event(stream.device, timing=True))
+    samples = []
+    try:
+        for r in range(warmup + repeats):
+            start.record(stream)
+            op()
+            end.record(stream)
+            end.synchronize()
+            if r >= warmup:
+                samples.append(Event.elapsed_ms(start, end))
+    finally:
+        if events is None:
+            start.close()
+            end.close()
+    return statistics.median(samples)
+
+
+class BatchTimer:
+    """Times one batch of ``nbytes`` on ``stream``: H2D from pinned ``host_in`` (a 1-D float32
+    view of ``nbytes``), the kernel, D2H into pinned ``host_out``.
+
+    ``kernel``: the `orchestra.kernel.Kernel` for burn; ``grid``/``block`` as in the job's graph.
+    `close()` frees the device buffers and events.
+    """
+
+    def __init__(self, kernel, stream, host_in, host_out, *, grid: int, block: int,
+                 repeats: int = 7, warmup: int = 2):
+        from cuda.bindings import driver
+
+        from orchestra.driver import DeviceBuffer, Event
+
+        self._d = driver
+        self.kernel, self.stream = kernel, stream
+        self.host_in, self.host_out = host_in, host_out
+        self.nbytes = host_in.nbytes
+        self.n = self.nbytes // 4
+        self.grid, self.block = grid, block
+        self.repeats, self.warmup = repeats, warmup
+        self.d_in = DeviceBuffer.allocate(self.nbytes, stream)
+        self.d_out = DeviceBuffer.allocate(self.nbytes, stream)
+        self.events = (Event(stream.device, timing=True), Event(stream.device, timing=True))
+
+    def _time(self, op) -> float:
+        return median_ms(op, self.stream, repeats=self.repeats, warmup=self.warmup,
+                         events=self.events)
+
+    def h2d_ms(self) -> float:
+        return self._time(lambda: self.d_in.copy_from_host(self.host_in, self.stream))
+
+    def d2h_ms(self) -> float:
+        return self._time(lambda: self.d_out.copy_to_host(self.host_out, self.stream))
+
+    def kernel_ms(self, iters: int) -> float:
+        from orchestra.app.job.graphs import burn_scalars
+
+        packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
+        return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
+
+    def sustained(self, items: int, iters: int, *, streams: int = 1) -> Sustained:
+        """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
+        H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once. Each kind is timed on
+        one stream and, when ``streams`` > 1, spread round-robin over that many (pairs: the
+        H2Ds over ``streams`` streams, the D2Hs over as many others); the faster counts, since
+        small items overlap across streams (several copy engines, kernels smaller than the GPU)
+        as round-robin and concurrent plans let them. Items on several streams write the same
+        device or host buffer: harmless for timing, and the contents are not used."""
+        from orchestra.app.job.graphs import burn_scalars
+        from orchestra.app.job.sustained import GatedTimer
+        from orchestra.driver import Stream
+
+        K = max(1, int(items))
+        S = max(1, min(int(streams), K))
+        s = self.stream
+        h_in, h_out, d_in, d_out = self.host_in, self.host_out, self.d_in, self.d_out
+        packed = self.kernel.pack([d_in.ptr, d_out.ptr, self.n, *burn_scalars(iters)])
+        kern, grid, block = self.kernel, self.grid, self.block
+        gated = GatedTimer(s, repeats=max(3, self.repeats - 2), warmup=1)
+        extra = [Stream(s.device) for _ in range(2 * S - 1)]
+        lanes = [s, *extra[:S - 1]]  # S streams, the timer's first
+        down = extra[S - 1:]         # S more, for the D2H side of pairs
+
+        def h2ds(width):
+            def run():
+                for i in range(K):
+                    d_in.copy_from_host(h_in, lanes[i % width])
+            return run
+
+        def d2hs(width):
+            def run():
+                for i in range(K):
+                    d_out.copy_to_host(h_out, lanes[i % width])
+            return run
+
+        def kernels(width):
+            def run():
+                for i in range(K):
+                    kern.launch(lanes[i % width], grid, block, packed)
+            return run
+
+        def pairs(width):
+            def run():
+                for i in range(K):
+                    d_in.copy_from_host(h_in, lanes[i % width])
+                    d_out.copy_to_host(h_out, down[i % width])
+            return run
+
+        def best(make, others_of):
+            t = gated.median_ms(make(1), others_of(1)) / K
+            if S > 1:
+                t = min(t, gated.median_ms(make(S), others_of(S)) / K)
+            return t
+
+        try:
+            t_h = best(h2ds, lambda w: lanes[1:w])
+            t_d = best(d2hs, lambda w: lanes[1:w])
+            t_k = best(kernels, lambda w: lanes[1:w])
+            t_p = best(pairs, lambda w: lanes[1:w] + down[:w])
+        finally:
+            gated.close()
+            for e in extra:
+                e.synchronize()
+                e.close()
+        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S)
+
+    def measure(self, iters: int | None, *, items: int | None = None,
+                streams: int = 1) -> SingleBatch:
+        """Time H2D and D2H alone, then the kernel at ``iters`` (None: calibrate to the slower
+        copy alone); with ``items``, the sustained times of that many back-to-back items too,
+        on one stream and on ``streams`` (`sustained`)."""
+        self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
+        t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
+        if iters is None:
+            iters, _ = calibrate_iters(self.kernel_ms, max(t_h2d, t_d2h))
+        t_k = self.kernel_ms(iters)
+        sus = None
+        if items:
+            sus = self.sustained(items, iters, streams=streams)
+        return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, sus)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.d_in.close()
+        self.d_out.close()
+        for e in self.events:
+            e.close()
+        self.stream.synchronize()

@@ -1,0 +1,649 @@
+"""Loaded code: `Module` (a cubin/PTX loaded as a CUDA library), `Kernel` (one entry point with
+argument packing and checked launches) and `load_kernel` (compile + load + look up, memoized).
+
+Loading uses the context-independent library API: ``cuLibraryLoadData`` loads the image,
+``cuLibraryGetKernel`` + ``cuKernelGetFunction`` give the ``CUfunction`` of the device's primary
+context (made current first with ``Device.make_current``), which launches go through.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+from pathlib import Path
+
+from orchestra.compiler.args import ArgLayout, PackedArgs
+from orchestra.compiler.elf import ElfError, is_elf, kernel_names, kernel_params
+from orchestra.compiler.launch import LaunchConfig, build_launch_config, check_launch
+from orchestra.compiler.nvrtc import CompileResult, prepare_compile
+from orchestra.compiler.params import normalize_params, parse_params
+from orchestra.compiler.ptx import (
+    check_ptx_loadable,
+    is_ptx,
+    link_ptx,
+    ptx_isa_version,
+)
+from orchestra.driver.owner import Resource
+from orchestra.errors import (
+    CompilerArgumentTypeError,
+    CudaError,
+    DriverArgumentTypeError,
+    DriverArgumentValueError,
+    KernelArgumentTypeError,
+    NotFoundError,
+    ParamDeclarationValueError,
+)
+
+
+class KernelNotFoundError(NotFoundError):
+    """No kernel of that name in a module; the message lists the kernels present.
+
+    Attributes: ``name`` (asked for), ``available`` (tuple of lowered names present).
+    A `KeyError` subclass (``except KeyError`` catches it) with a readable message.
+    """
+
+    def __init__(self, name: str, available=()):
+        self.name = name
+        self.available = tuple(available)
+        listed = ", ".join(self.available) if self.available else "none"
+        self.text = (f"no kernel named {name!r} in the module; kernels present: {listed}"
+                     " (C++ kernels have mangled names: declare them extern \"C\" or load them"
+                     " with name_expression=)")
+        super().__init__(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.available))
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _device_api():
+    from orchestra.driver.device import as_device, context_alive
+
+    return as_device, context_alive
+
+
+def _cu(fn, *args):
+    from orchestra.driver.check import cu
+
+    return cu(fn, *args)
+
+
+def driver_version() -> int:
+    """``cuDriverGetVersion``: the CUDA version the driver supports, e.g. 13000 for 13.0."""
+    return int(_cu(_drv().cuDriverGetVersion))
+
+
+class Module(Resource):
+    """A loaded image (cubin, fatbin or PTX) for one device: a ``CUlibrary``.
+
+    Make it with `Module.load`. ``close()`` unloads it (``cuLibraryUnload``; idempotent); the
+    driver layer's `Owner` finalizer does it for a module that is dropped, and skips the call
+    once the device's primary context has been released at interpreter exit. `Kernel` objects
+    keep their module alive.
+
+    Lifetime: `lease` keeps the library loaded for a built exec or queued work that launches
+    its kernels. `close()` while a lease is out returns at once and the module reads as closed
+    (``library`` raises `ResourceClosedError`, `kernel` refuses, no new lease), but the kernels
+    it handed out keep working and ``cuLibraryUnload`` runs when the last lease ends
+    (docs/errors.md, "Lifetimes"). Thread-safe.
+    """
+
+    def __init__(self, library, image: bytes, device, *, lowered_names=None, source=None):
+        from cuda.bindings import driver
+
+        from orchestra.driver.check import cu
+        from orchestra.driver.owner import Owner
+
+        self.device = device
+        self.lowered_names = dict(lowered_names or {})
+        self.source = source
+        self._image = image  # kept alive for the library's lifetime
+        self._kernels: dict = {}
+        self._lock = threading.Lock()
+        self._own = Owner(self, library, functools.partial(cu, driver.cuLibraryUnload), device,
+                          "Module")
+
+    @property
+    def library(self):
+        """The ``CUlibrary``; `ResourceClosedError` (a ``ValueError``) once closed."""
+        return self._own.handle
+
+    def lease(self):
+        """A `Lease` that keeps the library loaded (and its kernels launchable) until it is
+        released, even if the module is closed meanwhile. `ResourceClosedError` if closed
+        already. Release it only after the launches that use its kernels have completed."""
+        return self._own.lease()
+
+    @classmethod
+    def load(cls, image, device=None, *, source=None, lowered_names=None) -> "Module":
+        """Load ``image`` on ``device`` (default: device 0) with ``cuLibraryLoadData``.
+
+        ``image``: a `CompileResult`, cubin/fatbin bytes, PTX text (bytes or str), or a path
+        to a ``.cubin``/``.fatbin``/``.ptx`` file. PTX is JIT-compiled by the driver; before
+        that its ``.version`` is compared with ``cuDriverGetVersion`` and `PtxVersionError`
+        names both when the driver is too old. ``source`` (CUDA C++ text) lets
+        `kernel` read parameter declarations; ``lowered_names`` maps name expressions to
+        lowered names (taken from a `CompileResult`).
+
+        Raises `CudaError` for a driver refusal, `NoDeviceError` without a GPU.
+        """
+        as_device, _ = _device_api()
+        dev = as_device(device)
+        if isinstance(image, CompileResult):
+            lowered_names = {**image.lowered_names, **(lowered_names or {})}
+            data = image.cubin
+        elif isinstance(image, (bytes, bytearray, memoryview)):
+            data = bytes(image)
+        elif isinstance(image, str) and is_ptx(image):
+            data = image.encode("utf-8")
+        elif isinstance(image, (str, os.PathLike)):
+            data = Path(image).read_bytes()
+        else:
+            raise CompilerArgumentTypeError(
+                "Module.load takes a CompileResult, image bytes, PTX text or a"
+                f" path, got {type(image).__name__}")
+        if is_ptx(data):
+            check_ptx_loadable(ptx_isa_version(data), driver_version())
+            data = data.rstrip(b"\0") + b"\0"  # the driver reads PTX as a C string
+        dev.make_current()
+        d = _drv()
+        library = _cu(d.cuLibraryLoadData, data, [], [], 0, [], [], 0)
+        return cls(library, data, dev, lowered_names=lowered_names, source=source)
+
+    def close(self) -> None:
+        """Unload the library (``cuLibraryUnload``); idempotent. Kernels become unusable once
+        it is unloaded: now, or, while a `lease` is out, when the last lease ends."""
+        self._own.close()
+
+    def kernel_names(self) -> list[str]:
+        """Lowered names of the kernels in the library (``cuLibraryGetKernelCount``,
+        ``cuLibraryEnumerateKernels``, ``cuKernelGetName``); the cubin's ELF symbol table when
+        the driver cannot say."""
+        d = _drv()
+        try:
+            count = _cu(d.cuLibraryGetKernelCount, self.library)
+            handles = _cu(d.cuLibraryEnumerateKernels, count, self.library) if count else []
+            names = []
+            for h in handles:
+                n = _cu(d.cuKernelGetName, h)
+                names.append(n.decode() if isinstance(n, bytes) else str(n))
+            return names
+        except Exception:  # noqa: BLE001 - fall back to the image itself
+            if is_elf(self._image):
+                try:
+                    return kernel_names(self._image)
+                except ElfError:
+                    pass
+            return []
+
+    def kernel(self, name: str, params=None) -> "Kernel":
+        """The `Kernel` called ``name``: a lowered name (``extern "C"`` kernels: their plain
+        name) or a name expression this module was compiled with.
+
+        ``params``: explicit parameter types (`Param` objects or C type strings such as
+        ``("const float*", "float*", "int")``); default: parsed from the module's ``source``.
+
+        Raises `KernelNotFoundError` (a ``KeyError``) listing the kernels present.
+        """
+        if self.closed:
+            from orchestra.driver.owner import ResourceClosedError
+
+            raise ResourceClosedError("this Module is closed: load it again to look up "
+                                      f"kernel {name!r}", "Module")
+        explicit = None if params is None else normalize_params(params)
+        key = (name, explicit)
+        k = self._kernels.get(key)
+        if k is not None:
+            return k
+        with self._lock:
+            k = self._kernels.get(key)
+            if k is not None:
+                return k
+            lowered = self.lowered_names.get(name, name)
+            d = _drv()
+            self.device.make_current()
+            err, handle = d.cuLibraryGetKernel(self.library, lowered.encode("utf-8"))
+            if int(err):
+                if err == d.CUresult.CUDA_ERROR_NOT_FOUND:
+                    raise KernelNotFoundError(name, self.kernel_names())
+                from orchestra.driver.check import error_from_result
+
+                raise error_from_result("cuLibraryGetKernel", err, context=name)
+            func = _cu(d.cuKernelGetFunction, handle)
+            params_error = None
+            if explicit is not None:
+                declared = explicit
+            elif self.source is not None and lowered == name:
+                try:
+                    declared = parse_params(self.source, name)
+                except ValueError as exc:
+                    declared, params_error = None, str(exc)
+            else:
+                declared = None
+                params_error = (f"the parameters of kernel {name!r} are unknown (no source to"
+                                " read them from, or a name expression); pass params="
+                                " explicitly, e.g. params=(\"const float*\", \"float*\", \"int\")")
+            k = Kernel(self, name, lowered, handle, func, declared, params_error)
+            self._kernels[key] = k
+            return k
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"device {self.device.ordinal}"
+        return f"<Module {state}>"
+
+
+class Kernel:
+    """One kernel of a loaded `Module`, ready to launch.
+
+    Attributes: ``name`` (as asked), ``lowered_name``, ``module``, ``device``, ``function``
+    (``CUfunction``), ``handle`` (``CUkernel``), ``params`` (tuple of `Param`, or None when
+    unknown), ``layout`` (`ArgLayout`, or None).
+    """
+
+    def __init__(self, module: Module, name: str, lowered: str, handle, function, params,
+                 params_error=None):
+        self.module = module
+        self.device = module.device
+        self.name = name
+        self.lowered_name = lowered
+        self.handle = handle
+        self.function = function
+        self.params = params
+        self.layout = ArgLayout(params, lowered if lowered.isidentifier() else "kernel") \
+            if params is not None else None
+        self._params_error = params_error
+        self._attributes: KernelAttributes | None = None
+        # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._dyn_smem: int | None = None
+        self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
+        self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
+        self._lock = threading.Lock()
+        if params is not None:
+            self._verify_params()
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def _verify_params(self) -> None:
+        """Compare the declared parameters with the image's: their count, offsets and sizes.
+
+        A cubin's own parameter table (`elf.kernel_params`) is read first, with no driver call;
+        a PTX-loaded module asks the driver (``cuFuncGetParamCount`` where it exists, then
+        ``cuFuncGetParamInfo`` for the declared indices only: probing past the end would raise
+        a driver error that compute-sanitizer reports). A mismatch is
+        `ParamDeclarationValueError` (a ``ValueError``)."""
+        image = self.module._image
+        actual = kernel_params(image, self.lowered_name) if is_elf(image) else None
+        if actual is None:
+            actual = self._params_from_driver()
+            if actual is None:
+                return  # cannot tell: skip the check
+        layout = self._need_layout()  # set: the parameters were declared
+        declared = [(o, p.size) for o, p in zip(layout.offsets, self.params)]
+        if len(actual) != len(declared):
+            raise ParamDeclarationValueError(
+                f"kernel {self.name} takes {len(actual)} parameters in the image, but"
+                f" {len(declared)} were declared: {layout.signature}; fix params=")
+        for idx, ((ao, asz), (do, dsz), p) in enumerate(zip(actual, declared, self.params)):
+            if ao != do or asz != dsz:
+                raise ParamDeclarationValueError(
+                    f"kernel {self.name}: parameter {idx} ({p}) is {dsz} bytes at offset {do}"
+                    f" as declared, but the image has {asz} bytes at offset {ao}; fix params=")
+
+    def _params_from_driver(self) -> list[tuple[int, int]] | None:
+        d = _drv()
+        count = None
+        try:
+            err, n = d.cuFuncGetParamCount(self.function)
+            if not int(err):
+                count = int(n)
+        except Exception:  # noqa: BLE001 - drivers/bindings before 13.1
+            count = None
+        actual = []
+        try:
+            for i in range(min(len(self.params) if count is None else count, 4096)):
+                err, offset, size = d.cuFuncGetParamInfo(self.function, i)
+                if int(err):
+                    if count is None and err == d.CUresult.CUDA_ERROR_INVALID_VALUE:
+                        break  # the image has fewer parameters than declared
+                    return None
+                actual.append((int(offset), int(size)))
+        except Exception:  # noqa: BLE001 - older driver/bindings: nothing to compare with
+            return None
+        return actual
+
+    def _need_layout(self) -> ArgLayout:
+        if self.layout is None:
+            raise KernelArgumentTypeError(
+                self._params_error or f"kernel {self.name}: parameters unknown;"
+                " pass params= to Module.kernel/load_kernel")
+        return self.layout
+
+    def pack(self, args) -> PackedArgs:
+        """Validate and pack ``args`` (sequence in declaration order or mapping name ->
+        value) into a reusable `PackedArgs` (see `orchestra.compiler.args`)."""
+        return self._need_layout().pack(args)
+
+    # -- attributes ---------------------------------------------------------------------------
+
+    @property
+    def attributes(self) -> "KernelAttributes":
+        """Register count, static shared memory, max threads per block and more
+        (``cuFuncGetAttribute``), queried once."""
+        attributes = self._attributes
+        if attributes is None:
+            attributes = self._attributes = KernelAttributes.query(self.function)
+            self._dyn_smem = attributes.max_dynamic_shared_bytes
+        return attributes
+
+    def occupancy(self, block, shared_mem: int = 0) -> int:
+        """Max resident blocks per SM for ``block`` threads and ``shared_mem`` bytes of dynamic
+        shared memory (``cuOccupancyMaxActiveBlocksPerMultiprocessor``)."""
+        cfg = LaunchConfig.make(1, block, shared_mem)
+        self.device.make_current()
+        return int(_cu(_drv().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
+                   cfg.threads_per_block, cfg.shared_mem))
+
+    # -- launch -------------------------------------------------------------------------------
+
+    def check(self, cfg: LaunchConfig) -> None:
+        """Check ``cfg`` against the device's and this kernel's limits and opt in to more than
+        48 KiB of dynamic shared memory when needed (``cuFuncSetAttribute``
+        ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``). Raises ``ValueError`` naming the
+        limit. Used by `launch` (once per distinct configuration) and the graph executors."""
+        dev = self.device
+        a = self.attributes
+        with self._lock:
+            need = check_launch(
+                cfg, dev.limits, kernel_name=self.name,
+                kernel_max_threads=a.max_threads_per_block, static_shared=a.static_shared_bytes,
+                max_dynamic_shared=self._dyn_smem, compute_capability=dev.compute_capability,
+                sm_count=dev.sm_count,
+                occupancy=(lambda t, s: self.occupancy(t, s)) if cfg.cooperative else None,
+                non_portable_cluster=a.non_portable_cluster_size_allowed)
+            if need:
+                d = _drv()
+                dev.make_current()
+                _cu(d.cuFuncSetAttribute, self.function,
+                    d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need)
+                self._dyn_smem = need
+
+    def _prepare_plain(self, grid, block, shared_mem):
+        cfg = LaunchConfig.make(grid, block, shared_mem)
+        self.check(cfg)
+        dims = cfg.grid + cfg.block + (cfg.shared_mem,)
+        try:
+            self._plain[(grid, block, shared_mem)] = dims
+        except TypeError:  # unhashable (a list): checked again next time
+            pass
+        return dims
+
+    def _args_address(self, args):
+        if type(args) is PackedArgs:
+            if args.layout is self.layout or (self.layout is not None
+                                              and args.layout.params == self.layout.params):
+                return args, args.address
+            raise KernelArgumentTypeError(
+                f"these PackedArgs were packed for {args.layout.signature}, not for"
+                f" {self._need_layout().signature}")
+        packed = self.pack(args)
+        return packed, packed.address
+
+    def launch(self, stream, grid, block, args, shared_mem: int = 0, *, cooperative=False,
+               cluster=None, pdl=False, priority=None) -> None:
+        """Enqueue the kernel on ``stream``.
+
+        Args:
+            stream: a `Stream` (its ``.handle``) or a non-null ``CUstream``; never the legacy
+                default stream.
+            grid, block: int or 1-3 tuple (blocks per grid, threads per block).
+            args: a sequence/mapping (validated and packed now) or `PackedArgs` from
+                `pack` (reused as is: no repacking).
+            shared_mem: dynamic shared memory per block, bytes. Above 48 KiB the kernel is
+                opted in automatically up to the device's opt-in limit.
+            cooperative, cluster, pdl, priority: launch attributes (see
+                `orchestra.compiler.launch`); any of them makes this a ``cuLaunchKernelEx``.
+
+        Limits are checked before the launch (once per distinct configuration, then cached):
+        ``ValueError`` names the limit exceeded; argument errors are ``TypeError``/
+        ``ValueError`` naming the parameter; a driver refusal is `CudaError` naming
+        ``cuLaunchKernel``/``cuLaunchKernelEx`` and the kernel.
+        """
+        if cooperative or cluster is not None or pdl or priority is not None:
+            return self._launch_ex(stream, grid, block, args, shared_mem, cooperative,
+                                   cluster, pdl, priority)
+        try:
+            dims = self._plain[(grid, block, shared_mem)]
+        except (KeyError, TypeError):
+            dims = self._prepare_plain(grid, block, shared_mem)
+        if type(args) is PackedArgs and args.layout is self.layout:
+            address = args.address
+        else:
+            args, address = self._args_address(args)
+        try:
+            handle = stream.handle
+        except AttributeError:
+            handle = _raw_stream(stream)
+        (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
+                         dims[6], handle, address, 0)
+        if err:
+            from orchestra.driver.check import error_from_result
+
+            raise error_from_result("cuLaunchKernel", err, context=f"kernel {self.name}")
+
+    def launch_config(self, grid, block, shared_mem: int = 0, *, cooperative=False,
+                      cluster=None, pdl=False, priority=None) -> LaunchConfig:
+        """A checked `LaunchConfig` (for graph kernel nodes): same checks as `launch`."""
+        cfg = LaunchConfig.make(grid, block, shared_mem, cooperative=cooperative,
+                                cluster=cluster, pdl=pdl, priority=priority)
+        self.check(cfg)
+        return cfg
+
+    def _launch_ex(self, stream, grid, block, args, shared_mem, cooperative, cluster, pdl,
+                   priority):
+        try:
+            handle = stream.handle
+        except AttributeError:
+            handle = _raw_stream(stream)
+        key = (grid, block, shared_mem, cooperative, cluster, pdl, priority)
+        # The CUlaunchConfig (dims, stream, attribute list) is built once per configuration and
+        # stream and reused: building it costs several microseconds, as much as the launch.
+        try:
+            config = self._ex[key, int(handle)]
+        except (KeyError, TypeError):
+            config = self._prepare_ex(key, handle)
+        if type(args) is PackedArgs and args.layout is self.layout:
+            address = args.address
+        else:
+            args, address = self._args_address(args)
+        (err,) = _drv().cuLaunchKernelEx(config, self.function, address, 0)
+        if err:
+            from orchestra.driver.check import error_from_result
+
+            raise error_from_result("cuLaunchKernelEx", err, context=f"kernel {self.name}")
+
+    def _prepare_ex(self, key, handle):
+        grid, block, shared_mem, cooperative, cluster, pdl, priority = key
+        cfg = self.launch_config(grid, block, shared_mem, cooperative=cooperative,
+                                 cluster=cluster, pdl=pdl, priority=priority)
+        config = build_launch_config(cfg, handle)
+        try:
+            if len(self._ex) >= 256:  # many streams or shapes: start over rather than grow
+                self._ex.clear()
+            self._ex[key, int(handle)] = config
+        except TypeError:  # unhashable (a list): checked and built again next time
+            pass
+        return config
+
+    def __repr__(self) -> str:
+        sig = self.layout.signature if self.layout is not None else f"{self.name}(?)"
+        return f"<Kernel {sig} on device {self.device.ordinal}>"
+
+
+# cuLaunchKernel bound once at import: one attribute lookup less per launch.
+from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
+
+
+def _raw_stream(stream):
+    """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
+    if stream is None:
+        raise DriverArgumentValueError(
+            "launch needs a Stream: orchestra never enqueues on the legacy default"
+            " stream (pass a Stream(device) created non-blocking)")
+    if type(stream).__name__ == "CUstream":
+        if int(stream) == 0:
+            raise DriverArgumentValueError(
+                "CUstream 0 is the legacy default stream: pass a Stream instead")
+        return stream
+    raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
+                                  f" {type(stream).__name__}")
+
+
+class KernelAttributes:
+    """A kernel's attributes (``cuFuncGetAttribute``).
+
+    ``num_regs`` (registers per thread), ``static_shared_bytes``, ``max_threads_per_block``,
+    ``local_bytes`` (per thread), ``const_bytes``, ``max_dynamic_shared_bytes`` (current
+    opt-in), ``ptx_version`` and ``binary_version`` (major*10+minor),
+    ``non_portable_cluster_size_allowed``.
+    """
+
+    __slots__ = ("num_regs", "static_shared_bytes", "max_threads_per_block", "local_bytes",
+                 "const_bytes", "max_dynamic_shared_bytes", "ptx_version", "binary_version",
+                 "non_portable_cluster_size_allowed")
+    num_regs: int
+    static_shared_bytes: int
+    max_threads_per_block: int
+    local_bytes: int
+    const_bytes: int
+    max_dynamic_shared_bytes: int
+    ptx_version: int
+    binary_version: int
+    non_portable_cluster_size_allowed: bool
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+    @classmethod
+    def query(cls, function) -> "KernelAttributes":
+        d = _drv()
+        A = d.CUfunction_attribute
+
+        def get(attr, default=None):
+            try:
+                return int(_cu(d.cuFuncGetAttribute, attr, function))
+            except CudaError:
+                if default is None:
+                    raise
+                return default
+
+        return cls(
+            num_regs=get(A.CU_FUNC_ATTRIBUTE_NUM_REGS),
+            static_shared_bytes=get(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+            max_threads_per_block=get(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK),
+            local_bytes=get(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+            const_bytes=get(A.CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES),
+            max_dynamic_shared_bytes=get(A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES),
+            ptx_version=get(A.CU_FUNC_ATTRIBUTE_PTX_VERSION, 0),
+            binary_version=get(A.CU_FUNC_ATTRIBUTE_BINARY_VERSION, 0),
+            non_portable_cluster_size_allowed=bool(
+                get(A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 0)),
+        )
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __repr__(self) -> str:
+        return "KernelAttributes(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) \
+            + ")"
+
+
+_memo_lock = threading.Lock()
+_modules: dict = {}
+
+
+def load_kernel(path_or_source, name: str, *, name_expression=None, options=(), params=None,
+                device=None, include_dirs=()) -> Kernel:
+    """Compile (cached), load and look up one kernel; memoized per (device, cache key).
+
+    Args:
+        path_or_source: a ``.cu`` file (a bare name is looked up in ``cuda_src/``), CUDA C++
+            text, or a ``.ptx`` file / PTX text (linked with nvJitLink for the device's arch).
+        name: the kernel's name (``extern "C"``), or any label when ``name_expression`` is
+            given.
+        name_expression: for C++ (templated, namespaced) kernels, e.g. ``"scale<float>"``;
+            needs ``params=``.
+        options: extra NVRTC options.
+        params: explicit parameter types; default: parsed from the source.
+        device: a `Device`, an ordinal or None (device 0).
+
+    Returns a `Kernel`. Raises what `compile`, `Module.load` and `Module.kernel` raise.
+    """
+    as_device, _ = _device_api()
+    dev = as_device(device)
+    explicit = None if params is None else normalize_params(params)
+    ptx_input = False
+    if isinstance(path_or_source, (bytes, bytearray)):
+        ptx_input = is_ptx(bytes(path_or_source))
+    elif isinstance(path_or_source, (str, os.PathLike)):
+        s = os.fspath(path_or_source)
+        ptx_input = s.endswith(".ptx") or (isinstance(path_or_source, str) and "\n" in s
+                                            and is_ptx(s))
+    if ptx_input:
+        cubin = link_ptx(path_or_source, arch=dev.arch)
+        import hashlib
+
+        memo_key: tuple[Any, ...] = (dev.ordinal, "ptx", hashlib.sha256(cubin).hexdigest())
+        with _memo_lock:
+            module = _modules.get(memo_key)
+            if module is None or module.closed:
+                module = _modules[memo_key] = Module.load(cubin, dev)
+        return module.kernel(name, params=explicit)
+
+    exprs = (name_expression,) if name_expression else ()
+    job = prepare_compile(path_or_source, arch=dev.arch, options=options,
+                          name_expressions=exprs, include_dirs=include_dirs)
+    memo_key = (dev.ordinal, job.key)
+    with _memo_lock:
+        module = _modules.get(memo_key)
+        if module is None or module.closed:
+            result = job.run()
+            module = _modules[memo_key] = Module.load(result, dev, source=job.source.text)
+    if name_expression:
+        if explicit is None:
+            explicit = _params_for_expression(job.source.text, name_expression)
+        return module.kernel(name_expression, params=explicit)
+    return module.kernel(name, params=explicit)
+
+
+def _params_for_expression(source: str, expr: str):
+    """Parameters for a name expression naming a non-template kernel (``ns::k``/``&k``);
+    None (explicit params needed) for templates."""
+    base = expr.strip().lstrip("&").strip()
+    if "<" in base:
+        return None
+    short = base.split("::")[-1]
+    try:
+        return parse_params(source, short)
+    except ValueError:
+        return None
+
+
+def clear_memo() -> None:
+    """Forget every memoized module of `load_kernel` (they stay loaded while referenced)."""
+    with _memo_lock:
+        _modules.clear()
+
+
+__all__ = ["Kernel", "KernelAttributes", "KernelNotFoundError", "Module", "clear_memo",
+           "driver_version", "load_kernel"]

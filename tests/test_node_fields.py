@@ -1,0 +1,171 @@
+"""Wrong Python types (and values) for graph-record fields name the record, the field and what it
+must be, at construction: `NodeFieldTypeError` (a `GraphError` and a ``TypeError``) or
+`NodeFieldValueError` (a `GraphError` and a ``ValueError``). Before, ``grid=1.0`` or ``after=3``
+surfaced as ``'float' object is not iterable``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestra.errors import GraphError, NodeFieldError, NodeFieldTypeError, NodeFieldValueError
+from orchestra.graph import (
+    Alloc,
+    Buffer,
+    BufferRange,
+    DeviceToHost,
+    Free,
+    HostBuffer,
+    HostFunc,
+    HostToDevice,
+    In,
+    InOut,
+    KernelNode,
+    KernelRef,
+    Memset,
+    Out,
+)
+
+K = KernelRef("k.cu", "k", params=("const float* x", "float* y", "int n"))
+X, Y = Buffer("x", 64), Buffer("y", 64)
+H = HostBuffer("h", 64)
+
+T, V = NodeFieldTypeError, NodeFieldValueError
+
+CASES = [
+    # KernelNode: the examples of the issue first
+    (lambda: KernelNode("k", K, 1.0, 1), T,
+     "KernelNode k: grid must be an int or a tuple of 1-3 ints, got float 1.0"),
+    (lambda: KernelNode("k", K, 1, 1, after=3), T,
+     "KernelNode k: after must be a node name (str) or a list/tuple of node names, got int 3"),
+    (lambda: KernelNode("k", K, 1, 1, after=["a", 3]), T,
+     "KernelNode k: after[1] must be a node name (str), got int 3"),
+    (lambda: KernelNode("k", K, 1, "256"), T,
+     "KernelNode k: block must be an int or a tuple of 1-3 ints, got str '256'"),
+    (lambda: KernelNode("k", K, (1, 2, 3, 4), 1), T,
+     "KernelNode k: grid must be an int or a tuple of 1-3 ints, got tuple (1, 2, 3, 4)"),
+    (lambda: KernelNode("k", K, (2, 1.5), 1), T,
+     "KernelNode k: grid must be an int or a tuple of 1-3 ints, got tuple (2, 1.5)"),
+    (lambda: KernelNode("k", K, (2, True), 1), T,
+     "KernelNode k: grid must be an int or a tuple of 1-3 ints, got tuple (2, True)"),
+    (lambda: KernelNode("k", K, 0, 1), V,
+     "KernelNode k: grid must be positive (an int or a tuple of 1-3 ints >= 1), got (0, 1, 1)"),
+    (lambda: KernelNode("k", K, 1, (32, -1)), V,
+     "KernelNode k: block must be positive (an int or a tuple of 1-3 ints >= 1), got (32, -1, 1)"),
+    (lambda: KernelNode("k", K, 1, 1, args=5), T,
+     "KernelNode k: args must be a tuple or list of kernel arguments, got int 5"),
+    (lambda: KernelNode("k", K, 1, 1, shared_mem=1.5), T,
+     "KernelNode k: shared_mem must be an int >= 0 (bytes), got float 1.5"),
+    (lambda: KernelNode("k", K, 1, 1, shared_mem=-1), V,
+     "KernelNode k: shared_mem must be an int >= 0 (bytes), got int -1"),
+    (lambda: KernelNode("k", K, 1, 1, attributes=3), T,
+     "KernelNode k: attributes must be a mapping of launch attribute name -> value, got int 3"),
+    (lambda: KernelNode("k", "k.cu", 1, 1), T,
+     "KernelNode k: kernel must be a KernelRef, got str 'k.cu'"),
+    (lambda: KernelNode("k", K, 1, 1, (In(X), H)), T,
+     "KernelNode k: argument 1 is host buffer h; kernels take device buffers"),
+    (lambda: KernelNode("k", K, 1, 1, (In(H),)), T,
+     "KernelNode k: argument 0 is host buffer h; kernels take device buffers"),
+    (lambda: KernelNode("k", K, 1, 1, ("x",)), T,
+     "KernelNode k: argument 0 ('x') is neither a scalar nor a buffer"
+     " (In/Out/InOut/Buffer/BufferRange)"),
+    # every node: name, batch, device
+    (lambda: KernelNode(3, K, 1, 1), T, "KernelNode: name must be a non-empty str, got int 3"),
+    (lambda: Alloc("", X), V, "Alloc: name must be a non-empty str, got str ''"),
+    (lambda: Alloc("a", X, batch="1"), T, "Alloc a: batch must be an int or None, got str '1'"),
+    (lambda: Free("f", X, device=-1), V,
+     "Free f: device must be a device ordinal (an int >= 0) or None, got int -1"),
+    (lambda: Free("f", X, device="0"), T,
+     "Free f: device must be a device ordinal (an int >= 0) or None, got str '0'"),
+    # Alloc / Free
+    (lambda: Alloc("a", H), T, "Alloc a: buffer must be a device Buffer (not a range or host"
+     " buffer), got HostBuffer HostBuffer(name='h', nbytes=64)"),
+    (lambda: Free("f", 64), T,
+     "Free f: buffer must be a device Buffer (not a range or host buffer), got int 64"),
+    # copies
+    (lambda: HostToDevice("u", 3, X), T,
+     "HostToDevice u: src must be a Buffer, HostBuffer or BufferRange, got int 3"),
+    (lambda: HostToDevice("u", H, "x"), T,
+     "HostToDevice u: dst must be a Buffer, HostBuffer or BufferRange, got str 'x'"),
+    (lambda: HostToDevice("u", X, Y), T, "HostToDevice u: src must be a host buffer; got x"
+     " (device)"),
+    (lambda: DeviceToHost("d", X, Y), T, "DeviceToHost d: dst must be a host buffer; got y"
+     " (device)"),
+    (lambda: DeviceToHost("d", X, H.range(0, 32)), V,
+     "DeviceToHost d: src x[0:64] has 64 bytes but dst h[0:32] has 32; sizes must match"),
+    # Memset
+    (lambda: Memset("m", X, 1.0), T, "Memset m: value must be an int that fits 1 byte(s), got"
+     " float 1.0"),
+    (lambda: Memset("m", X, 256), V, "Memset m: value must be an int that fits 1 byte(s); got 256"),
+    (lambda: Memset("m", X, 0, element_size=3), V,
+     "Memset m: element_size must be 1, 2 or 4; got 3"),
+    (lambda: Memset("m", X, 0, element_size="4"), T,
+     "Memset m: element_size must be 1, 2 or 4 (bytes), got str '4'"),
+    (lambda: Memset("m", H, 0), T, "Memset m: dst must be a device buffer; got h (host)"),
+    # HostFunc
+    (lambda: HostFunc("f", 3), T, "HostFunc f: fn must be callable (a function taking no"
+     " arguments), got int 3"),
+    (lambda: HostFunc("f", print, reads=3), T,
+     "HostFunc f: reads must be a list/tuple of buffers or ranges, got int 3"),
+    (lambda: HostFunc("f", print, writes=[H, "y"]), T,
+     "HostFunc f: writes[1] must be a Buffer, HostBuffer or BufferRange, got str 'y'"),
+    # buffers and ranges
+    (lambda: Buffer("x", 1.0), T, "Buffer x: nbytes must be a positive int (bytes), got float 1.0"),
+    (lambda: Buffer("x", 0), V, "Buffer x: nbytes must be a positive int (bytes), got int 0"),
+    (lambda: Buffer(7, 64), T, "Buffer: name must be a non-empty str, got int 7"),
+    (lambda: Buffer("x", 64, device=1.0), T,
+     "Buffer x: device must be a device ordinal (an int >= 0), got float 1.0"),
+    (lambda: HostBuffer("h", -4), V, "HostBuffer h: nbytes must be a positive int (bytes), got"
+     " int -4"),
+    (lambda: X.range(1.5, 2), T, "range of x: offset must be an int >= 0, got float 1.5"),
+    (lambda: X.range(0, 0), V, "range of x: an empty range (0 bytes) touches nothing"),
+    (lambda: X.range(60, 8), V, "range [60, 68) is out of bounds of x (64 bytes)"),
+    (lambda: BufferRange("x", 0, 4), T, "BufferRange: buffer must be a Buffer or HostBuffer, got"
+     " str 'x'"),
+    (lambda: In(3), T, "In(...) must be a Buffer, HostBuffer or BufferRange, got int 3"),
+    (lambda: Out(None), T, "Out(...) must be a Buffer, HostBuffer or BufferRange, got NoneType"
+     " None"),
+    (lambda: InOut("y"), T, "InOut(...) must be a Buffer, HostBuffer or BufferRange, got str 'y'"),
+    # KernelRef
+    (lambda: KernelRef(3, "k"), T, "KernelRef k: source must be a path (str or Path) or the"
+     " source text (str), got int 3"),
+    (lambda: KernelRef("", "k"), V, "KernelRef k: source must be a non-empty str, got str ''"),
+    (lambda: KernelRef("k.cu", None), T, "KernelRef: name must be a non-empty str, got NoneType"
+     " None"),
+    (lambda: KernelRef("k.cu", "k", name_expression=3), T,
+     "KernelRef k: name_expression must be a str or None, got int 3"),
+    (lambda: KernelRef("k.cu", "k", params=3), T,
+     "KernelRef k: params must be None or a list/tuple of C parameter declarations (str), got"
+     " int 3"),
+    (lambda: KernelRef("k.cu", "k", params=["int n", 4]), T,
+     "KernelRef k: params[1] must be a C parameter declaration (str), got int 4"),
+    (lambda: KernelRef("k.cu", "k", options=3), T,
+     "KernelRef k: options must be a str or a list/tuple of str, got int 3"),
+    (lambda: KernelRef("k.cu", "k", options=("-O3", b"-lineinfo")), T,
+     "KernelRef k: options[1] must be a str, got bytes b'-lineinfo'"),
+]
+
+
+@pytest.mark.parametrize("make,cls,message", CASES, ids=[c[2][:60] for c in CASES])
+def test_field_errors_name_the_record_the_field_and_the_type(make, cls, message):
+    with pytest.raises(cls) as info:
+        make()
+    err = info.value
+    assert type(err) is cls
+    assert isinstance(err, NodeFieldError) and isinstance(err, GraphError)
+    assert isinstance(err, TypeError if cls is T else ValueError)
+    assert str(err) == message
+
+
+def test_good_records_still_normalize():
+    k = KernelNode("k", K, [4, 2], 128, [In(X), Out(Y), 16], attributes={"pdl": True},
+                   after="a")
+    assert k.grid == (4, 2, 1) and k.block == (128, 1, 1) and k.after == ("a",)
+    assert k.args == (In(X), Out(Y), 16) and k.attributes == (("pdl", True),)
+    assert HostToDevice("u", H, X).src == H.whole  # a buffer becomes its whole range
+    assert HostFunc("f", print, reads=H).reads == (H.whole,)  # a single buffer is one range
+    assert KernelRef(Path("k.cu"), "k").source == "k.cu"  # a Path is kept as str
+    assert KernelRef("k.cu", "k", options="-O3").options == ("-O3",)
+    assert Memset("m", X, np.int32(7)).unsigned_value == 7  # numpy ints are ints
