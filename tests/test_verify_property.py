@@ -1,10 +1,15 @@
 """The fast hazard verifier against the old exhaustive one (tests/verify_oracle.py) on many random
 small programs: graphs over a few buffers with overlapping ranges, scheduled by every policy,
 then broken by dropping or moving steps. Same findings (kind, buffer, nodes, streams, message),
-same order, for plans and for hand-picked graph edges."""
+same order, for plans and for hand-picked graph edges. Likewise the chain clocks and transitive
+reduction against bitsets, and the plan's issue order, text, makespan and JSON against the code
+they replaced."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +20,8 @@ from orchestra.graph import (
 )
 from orchestra.graph.taskgraph import transitive_reduction
 from orchestra.schedule import (
-    POLICIES, GraphOrder, Plan, PlanOrder, schedule, verify, verify_graph_edges,
+    POLICIES, GraphOrder, Plan, PlanOrder, estimate_makespan, json_text, schedule, verify,
+    verify_graph_edges,
 )
 
 K = KernelRef("k.cu", "k")
@@ -205,3 +211,91 @@ def test_issue_order_matches_the_head_scan(g, policy, streams, data):
     the same error for waits in a cycle."""
     plan = _edit(schedule(g, policy, streams), data)
     assert _issue(Plan.issue_order, plan) == _issue(oracle.issue_order, plan)
+
+
+@SETTINGS
+@given(g=programs(), policy=st.sampled_from(POLICIES), streams=st.integers(1, 5), data=st.data())
+def test_plan_text_and_makespan_match_the_old_writers(g, policy, streams, data):
+    """`str(plan)` (what `orchestra plan` prints) and `estimate_makespan` as the code they
+    replaced gives them, on scheduled and on broken plans."""
+    plan = _edit(schedule(g, policy, streams), data)
+    assert str(plan) == oracle.plan_text(plan)
+    if set(plan.node_stream) <= {n.name for n in g.nodes}:  # the simulation needs every cost
+        assert estimate_makespan(plan, g) == oracle.estimate_makespan(plan, g)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.one_of(st.text(), st.integers(), st.floats(), st.booleans(),
+                                st.none()), inner, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_json_values, indent=st.integers(0, 3))
+def test_json_text_is_json_dumps(value, indent):
+    """The fast indented JSON writer gives ``json.dumps(..., indent, sort_keys=True)``'s text,
+    or the same error (keys of mixed types cannot be sorted)."""
+    def text(fn):
+        try:
+            return fn()
+        except (TypeError, ValueError) as exc:
+            return (type(exc), str(exc))
+    assert text(lambda: json_text.dumps(value, indent)) == \
+        text(lambda: json.dumps(value, indent=indent, sort_keys=True))
+
+
+def test_json_text_of_a_plan_and_of_what_json_refuses():
+    g = TaskGraph()
+    for i in range(3):
+        g.add(HostFunc(f"v{i}", _noop, after=(f"v{i - 1}",) if i else ()))
+    d = {"plan": schedule(g, "round-robin", 2).to_dict(), "n": [1.5, float("nan"), -0.0]}
+    assert json_text.dumps(d, 1) == json.dumps(d, indent=1, sort_keys=True)
+    loop: list = []
+    loop.append(loop)
+    for bad, exc in ((loop, ValueError), ({"x": object()}, TypeError), ({(1, 2): 3}, TypeError)):
+        with pytest.raises(exc) as got:
+            json_text.dumps(bad)
+        with pytest.raises(exc) as want:
+            json.dumps(bad, indent=1, sort_keys=True)
+        assert str(got.value) == str(want.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 12), data=st.data())
+def test_topological_order_and_edge_tables(n, data):
+    """Program order is the topological order when every edge goes forward, Kahn's otherwise
+    (an ``after=`` naming a node added later); the edge count and predecessor table agree with
+    the edge set."""
+    from orchestra.errors import GraphError
+    from orchestra.graph.taskgraph import kahn_order
+
+    names = [f"v{i}" for i in range(n)]
+    g = TaskGraph()
+    for i, name in enumerate(names):
+        after = data.draw(st.sets(st.sampled_from(names), max_size=2), label="after") - {name}
+        g.add(HostFunc(name, _noop, after=tuple(sorted(after))))
+    edges = sorted(g.edges)
+    assert g.edge_count == len(edges)
+    assert sorted((p, s) for s, ps in g.predecessor_map().items() for p in ps) == edges
+    order = kahn_order(names, edges)
+    if len(order) < n:
+        with pytest.raises(GraphError, match="cycle"):
+            g.topological_order()
+    else:
+        assert g.topological_order() == tuple(order)
+
+
+@SETTINGS
+@given(g=programs(), policy=st.sampled_from(POLICIES), streams=st.integers(1, 5), data=st.data())
+def test_maximal_nodes_match_pairwise_checks(g, policy, streams, data):
+    """``maximal`` (the last racing uses a FREE_RACE reports) is the set of nodes before none of
+    the others, for plans and for graph edges."""
+    plan = _edit(schedule(g, policy, streams), data)
+    names = [n.name for n in g.nodes]
+    for order in (PlanOrder(plan), GraphOrder(g, sorted(g.reduced_edges()))):
+        have = [n for n in names if order.has(n)]
+        some = data.draw(st.lists(st.sampled_from(have), unique=True), label="nodes") if have else []
+        assert order.maximal(some) == {u for u in some
+                                       if not any(order.before(u, v) for v in some)}

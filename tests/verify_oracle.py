@@ -1,8 +1,9 @@
 """The hazard verifier as it was before it was made near-linear: every pair of overlapping
 accesses of a buffer compared (quadratic), happens-before from per-node vector clock tuples (plan)
-or ancestor bitsets (graph edges); and the transitive reduction by reachability bitsets. Kept
-only as the test oracle of `orchestra.schedule.verify` and `orchestra.graph.reach`
-(tests/test_verify_property.py): same findings, same order, on small plans."""
+or ancestor bitsets (graph edges); and the transitive reduction by reachability bitsets, the
+plan's issue order, text and simulated makespan as they were written before they were made
+faster. Kept only as test oracles (tests/test_verify_property.py): the same results, on many
+small plans."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from orchestra.errors import HazardError
 from orchestra.graph import Mode, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
+from orchestra.schedule.costs import estimate_costs, resource_of, RESOURCES
+from orchestra.schedule.plan import _TAGS, Step, _field
 from orchestra.schedule.plan import _chunks as _plan_chunks
 
 
@@ -429,3 +432,72 @@ def issue_order(self) -> list:
                 issued_events.add(st.event)
             out.append((n, st))
     return out
+
+
+# estimate_makespan as it was (every stream's head looked up again per step)
+def estimate_makespan(plan, graph, costs=None) -> float:
+    """Simulated end time (µs) of ``plan``: each stream in order, waits joined, one node at a time
+    per engine, the node that can start first going next."""
+    cost = estimate_costs(graph, costs)
+    names = plan.stream_names
+    t_stream = {n: 0.0 for n in names}
+    head = {n: 0 for n in names}
+    ev_time: dict[str, float] = {}
+    recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
+    busy = {r: 0.0 for r in RESOURCES.values()}
+    res_of = {node.name: resource_of(node) for node in graph.nodes}
+    while True:
+        best = None
+        for n in names:
+            steps, i, t = plan.steps[n], head[n], t_stream[n]
+            while i < len(steps) and not isinstance(steps[i], RunNode):
+                st = steps[i]
+                if isinstance(st, WaitEvent) and st.event in recorded:
+                    if st.event not in ev_time:
+                        break
+                    t = max(t, ev_time[st.event])
+                elif isinstance(st, RecordEvent):
+                    ev_time[st.event] = t
+                i += 1
+            head[n], t_stream[n] = i, t
+            if i < len(steps) and isinstance(steps[i], RunNode):
+                node = steps[i].node
+                res = res_of[node] if node in res_of else resource_of(graph.node(node))
+                start = max(t, busy[res]) if res else t
+                if best is None or start < best[0]:
+                    best = (start, n, res)
+        if best is None:
+            return max(t_stream.values(), default=0.0)
+        start, n, res = best
+        end = start + cost[plan.steps[n][head[n]].node]
+        if res:
+            busy[res] = end
+        t_stream[n] = end
+        head[n] += 1
+
+
+# Plan.__str__ as it was
+def plan_text(self) -> str:
+    after = {}  # event -> "node on stream" it follows
+    for n in self.stream_names:
+        last = None
+        for st in self.steps[n]:
+            if isinstance(st, RunNode):
+                last = st.node
+            elif isinstance(st, RecordEvent):
+                after[st.event] = f"after {last or '(start)'} on {n}"
+    nodes = sum(isinstance(st, RunNode) for ss in self.steps.values() for st in ss)
+    lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
+             f"{self.event_count} event(s), {self.wait_count} wait(s)"]
+    for k, v in sorted(self.meta.items()):
+        lines.append(f"  {k}: {v}")
+    for s in self.streams:
+        lines.append(f"stream {s.name} (role {s.role}, priority {s.priority}):")
+        for st in self.steps[s.name]:
+            tag = _TAGS[type(st)]
+            text = f"    {tag:<6} {_field(st)}"
+            if isinstance(st, WaitEvent):
+                text += f"   ({after.get(st.event, 'never recorded')})"
+            lines.append(text)
+    return "\n".join(lines)
+

@@ -127,6 +127,29 @@ class ChainClocks:
             return self.idx[a] < self.idx[b]
         return self.clock[b].get(ca, -1) >= self.idx[a]
 
+    def maximal(self, nodes) -> set[str]:
+        """The nodes of ``nodes`` that reach none of the others. Per chain of one of them: the
+        highest position of one on it, and the highest position on it another one's clock
+        holds; each node costs the smaller of its clock and the number of those chains."""
+        chain, idx, clock = self.chain, self.idx, self.clock
+        chains = {chain[u] for u in nodes}
+        own = dict.fromkeys(chains, -1)  # highest position of one of the nodes on the chain
+        known = dict.fromkeys(chains, -1)  # highest position on it reaching another of them
+        for v in nodes:
+            cv = chain[v]
+            if idx[v] > own[cv]:
+                own[cv] = idx[v]
+            k = clock[v]
+            if type(k) is dict and len(k) <= len(chains):
+                items = [(c, i) for c, i in k.items() if c in known]
+            else:
+                items = [(c, k.get(c, -1)) for c in chains]
+            for c, i in items:
+                if c != cv and i > known[c]:
+                    known[c] = i
+        return {u for u in nodes
+                if not (own[chain[u]] > idx[u] or known[chain[u]] >= idx[u])}
+
     def _place(self, v, ps):
         """Give ``v`` (every predecessor placed) a chain, a position and a clock."""
         chain, idx, clock, tails, left = self.chain, self.idx, self.clock, self._tails, self._left

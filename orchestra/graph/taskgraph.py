@@ -27,7 +27,6 @@ class TaskGraph:
     def __init__(self):
         self._nodes: dict[str, Node] = {}
         self._index: dict[str, int] = {}
-        self._accesses: dict[str, tuple] = {}  # node -> its accesses (computed once)
         self._buffers: dict[str, Buffer | HostBuffer] = {}
         self._preds: dict[str, dict[str, str]] = {}  # node -> {pred: reason}
         self._succs: dict[str, dict[str, str]] = {}
@@ -54,6 +53,7 @@ class TaskGraph:
         accesses = node._accesses
         if accesses is None:  # a subclass that skipped Node's __attrs_post_init__
             accesses = node.accesses()
+            object.__setattr__(node, "_accesses", accesses)
         buffers = self._buffers
         for acc in accesses:
             buf = acc.range.buffer
@@ -64,7 +64,6 @@ class TaskGraph:
                 self._register(buf, name)  # equal, or a clash to report
         nodes[name] = node
         self._index[name] = len(self._index)
-        self._accesses[name] = accesses
         # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
         preds = self._preds[name] = self._tracker.access(name, accesses)
         succs = self._succs
@@ -123,7 +122,7 @@ class TaskGraph:
         """Node ``name``'s ``accesses()``, computed once when it was added (nodes are
         immutable): what the scheduler and the verifier read instead of building them again."""
         try:
-            return self._accesses[name]
+            return self._nodes[name]._accesses
         except KeyError:
             raise GraphError(f"no node named {name!r} in the graph") from None
 
@@ -154,6 +153,11 @@ class TaskGraph:
     def edges(self) -> frozenset[tuple[str, str]]:
         """Every (pred, succ) edge: inferred from accesses and explicit ``after=``."""
         return frozenset((p, s) for s, ps in self._preds.items() for p in ps)
+
+    @property
+    def edge_count(self) -> int:
+        """``len(self.edges)``, without building the set."""
+        return sum(len(ps) for ps in self._preds.values())
 
     @property
     def explicit_edges(self) -> frozenset[tuple[str, str]]:

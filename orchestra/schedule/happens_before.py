@@ -139,6 +139,25 @@ class PlanOrder:
             return self._pos[a] < self._pos[b]
         return self._seen[b][sa] >= self._pos[a]
 
+    def maximal(self, nodes) -> set[str]:
+        """The nodes of ``nodes`` that finish before none of the others starts: per stream, the
+        highest position any of them runs at or knows of, O(len(nodes) x streams)."""
+        on, pos, seen = self._on, self._pos, self._seen
+        S = len(self._sid)
+        own = [0] * S  # highest position run on each stream
+        known = [0] * S  # highest position of each stream known to a node of another stream
+        for v in nodes:
+            sv = on[v]
+            if pos[v] > own[sv]:
+                own[sv] = pos[v]
+            snap = seen[v]
+            for s in range(S):
+                if s != sv and snap[s] > known[s]:
+                    known[s] = snap[s]
+        # u (on s) is before another node v exactly when v runs later on s, or v is on another
+        # stream that knew u's position when v ran
+        return {u for u in nodes if not (own[on[u]] > pos[u] or known[on[u]] >= pos[u])}
+
     def where(self, node: str) -> str:
         return f"{node} (stream {self.stream_of[node]})"
 
@@ -188,6 +207,10 @@ class GraphOrder:
 
     def has(self, node: str) -> bool:
         return node in self._reach.chain
+
+    def maximal(self, nodes) -> set[str]:
+        """The nodes of ``nodes`` that reach none of the others (`ChainClocks.maximal`)."""
+        return self._reach.maximal(nodes)
 
     def where(self, node: str) -> str:
         return node

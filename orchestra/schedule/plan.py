@@ -101,6 +101,7 @@ class Plan:
     meta: dict = attrs.field(factory=dict, converter=dict)
     node_stream: dict = attrs.field(init=False, eq=False, repr=False)
     events: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+    _counts: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # records, waits
 
     def __attrs_post_init__(self):
         names = [s.name for s in self.streams]
@@ -129,6 +130,7 @@ class Plan:
                         f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
         object.__setattr__(self, "node_stream", node_stream)
         object.__setattr__(self, "events", tuple(dict.fromkeys(recorded + waited)))
+        object.__setattr__(self, "_counts", (len(recorded), len(waited)))
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -158,12 +160,12 @@ class Plan:
     @property
     def event_count(self) -> int:
         """Number of `RecordEvent` steps (events the executor must create)."""
-        return sum(isinstance(st, RecordEvent) for ss in self.steps.values() for st in ss)
+        return self._counts[0]
 
     @property
     def wait_count(self) -> int:
         """Number of `WaitEvent` steps (cross-stream joins)."""
-        return sum(isinstance(st, WaitEvent) for ss in self.steps.values() for st in ss)
+        return self._counts[1]
 
     def issue_order(self) -> list[tuple[str, Step]]:
         """Every step as (stream, step) in an order an executor can enqueue them.

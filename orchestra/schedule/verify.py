@@ -160,8 +160,9 @@ class _Life:
                          f"buffer's last use")
             else:
                 racing.append((u, umode))
+        last = o.maximal([u for u, _ in racing]) if len(racing) > 1 else {u for u, _ in racing}
         for u, umode in racing:
-            if any(o.before(u, v) for v, _ in racing):
+            if u not in last:
                 continue  # a later racing use is reported; ordering it orders this one
             hint = (f" (or put the free on {o.stream_of[u]}, the stream of the buffer's last use)"
                     if o.mode == "plan" and u == self.uses[-1][0] else "")
