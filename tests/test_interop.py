@@ -1101,6 +1101,25 @@ def test_launch_on_a_default_stream_is_refused_before_any_ordering(fake, kernel,
         kernel.launch(stream, 1, 32, [1, 2, 3])
 
 
+def test_launch_reads_cuda_stream_before_handle(fake, kernel):
+    class CoreLikeStream:  # cuda.core streams have both; the default one must still be refused
+        handle = driver.CUstream(1)
+
+        def __cuda_stream__(self):
+            return (0, 1)
+
+    with pytest.raises(DriverArgumentValueError, match="legacy default stream"):
+        kernel.launch(CoreLikeStream(), 1, 32, [1, 2, 3])
+    for raw in (driver.CUstream(1), driver.CUstream(2)):
+        with pytest.raises(DriverArgumentValueError, match="default stream"):
+            kernel.launch(raw, 1, 32, [1, 2, 3])
+    with pytest.raises(DriverArgumentValueError, match="legacy default stream"):
+        kernel.launch(driver.CUstream(0), 1, 32, [1, 2, 3])
+    assert kernel.launches == []
+    kernel.launch(driver.CUstream(0x9600), 1, 32, [1, 2, 3])
+    assert kernel.launches == [(0x9600, (1, 2, 3))]
+
+
 def test_launch_checks_the_pointee_dtype_and_const(fake, kernel):
     s = Stream()
     ptr = fake.device_memory(128)

@@ -442,16 +442,10 @@ class Kernel:
                 args, address = self._args_address(args)
             except ArgumentNeedsStreamError:  # a torch / CuPy array: ordered on the stream
                 args, address, views = self._interop_args(args, stream)
-        try:
-            handle = stream.handle
-        except AttributeError:
-            handle = _raw_stream(stream)
+        handle = stream.handle if type(stream) is _Stream else _launch_handle(stream)
         try:
             (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4],
                              dims[5], dims[6], handle, address, 0)
-        except TypeError:  # a .handle the bindings do not take (numba's c_void_p)
-            (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4],
-                             dims[5], dims[6], _raw_stream(stream, True), address, 0)
         finally:
             if views:
                 _release_all(views)
@@ -469,10 +463,8 @@ class Kernel:
 
         layout = self._need_layout()
         values = list(layout.ordered(args))
-        try:  # refuse a stream that cannot take the launch before any producer orders on it
-            stream.handle
-        except AttributeError:
-            _raw_stream(stream)
+        if type(stream) is not _Stream:  # refuse a stream that cannot take the launch before
+            _launch_handle(stream)        # any producer orders its work on it
         consumer = _order_stream(stream, self.device)
         views = []
         try:
@@ -501,10 +493,7 @@ class Kernel:
 
     def _launch_ex(self, stream, grid, block, args, shared_mem, cooperative, cluster, pdl,
                    priority):
-        try:
-            handle = stream.handle
-        except AttributeError:
-            handle = _raw_stream(stream)
+        handle = stream.handle if type(stream) is _Stream else _launch_handle(stream)
         key = (grid, block, shared_mem, cooperative, cluster, pdl, priority)
         # The CUlaunchConfig (dims, stream, attribute list) is built once per configuration and
         # stream and reused: building it costs several microseconds, as much as the launch.
@@ -551,6 +540,8 @@ class Kernel:
 # cuLaunchKernel bound once at import: one attribute lookup less per launch.
 from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 
+from orchestra.driver.stream import Stream as _Stream  # noqa: E402  (the launch fast path)
+
 
 def _release_all(views) -> None:
     for view in views:
@@ -588,15 +579,18 @@ def _order_stream(stream, device):
 
     if isinstance(stream, (Stream, DefaultStream)):
         return stream
-    if hasattr(type(stream), "__cuda_stream__") or type(stream).__name__ == "CUstream":
-        return Stream.from_handle(stream, device)
-    return Stream.from_handle(stream.handle, device)
+    if hasattr(type(stream), "__cuda_stream__"):
+        return Stream.from_handle(stream, device)  # keeps the framework's stream object alive
+    return Stream.from_handle(_launch_handle(stream), device)
 
 
-def _raw_stream(stream, protocol_first: bool = False):
-    """Accept a raw ``CUstream`` (not the legacy/NULL stream) or a ``__cuda_stream__`` object
-    of a non-default stream; refuse everything else (`DriverArgumentValueError` for default
-    streams, saying to order instead)."""
+def _launch_handle(stream):
+    """The ``CUstream`` to launch on for anything but an orchestra `Stream`: an object with
+    ``__cuda_stream__`` (torch, CuPy, cuda.core, numba streams; read first, so a default stream
+    is recognized whatever else the object has), an object with ``.handle`` (an external
+    `Stream` wrapper; a `DefaultStream` refuses there), or a non-null ``CUstream``. Default
+    streams are refused with `DriverArgumentValueError` saying to order instead; anything else
+    with `DriverArgumentTypeError`."""
     if hasattr(type(stream), "__cuda_stream__"):
         from orchestra.driver.stream import DEFAULT_HANDLES, ORDERING_ONLY, stream_value
 
@@ -607,8 +601,14 @@ def _raw_stream(stream, protocol_first: bool = False):
                 f"{'per-thread' if value == 2 else 'legacy'} default stream (handle {value}); "
                 + ORDERING_ONLY)
         return _drv().CUstream(value)
-    if protocol_first:
-        return stream.handle
+    handle = getattr(stream, "handle", None)
+    if handle is not None:
+        return handle
+    return _raw_stream(stream)
+
+
+def _raw_stream(stream):
+    """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
     if stream is None:
         raise DriverArgumentValueError(
             "launch needs a Stream: orchestra never enqueues on the legacy default"
@@ -617,6 +617,11 @@ def _raw_stream(stream, protocol_first: bool = False):
         if int(stream) == 0:
             raise DriverArgumentValueError(
                 "CUstream 0 is the legacy default stream: pass a Stream instead")
+        if int(stream) in (1, 2):  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+            from orchestra.driver.stream import ORDERING_ONLY
+
+            raise DriverArgumentValueError(
+                f"CUstream {int(stream)} is a default stream: " + ORDERING_ONLY)
         return stream
     raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
                                   f" {type(stream).__name__}")
