@@ -722,6 +722,43 @@ def test_host_view_shares_memory_with_every_host_protocol():
     assert not ro.flags.writeable
 
 
+def test_host_view_through_dlpack_keeps_the_tensor_until_the_array_dies():
+    base = np.arange(8, dtype=np.float32)
+    released, streams = [], []
+
+    class PinnedTensor:  # a pinned torch CPU tensor stand-in: DLPack kDLCUDAHost
+        def __init__(self, dtype=np.float32, readonly=True):
+            self.dtype, self.readonly = dtype, readonly
+
+        def __dlpack_device__(self):
+            return (3, 0)
+
+        def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+            streams.append(stream)
+            return dlpack.make_capsule(base.ctypes.data, (2, 4), (4, 1), self.dtype, (3, 0),
+                                       readonly=self.readonly,
+                                       versioned=max_version is not None,
+                                       on_release=lambda: released.append(1))
+
+    a = host_view(PinnedTensor())
+    assert streams == [None]  # host memory: no stream
+    assert a.shape == (2, 4) and a.dtype == np.float32 and a.ctypes.data == base.ctypes.data
+    assert not a.flags.writeable  # the read-only flag reaches numpy
+    assert a[1, 2] == 6.0
+    assert released == []
+    del a
+    gc.collect()
+    assert released == [1]
+    w = host_view(PinnedTensor(readonly=False))
+    w[0, 0] = 99.0
+    assert base[0] == 99.0
+    del w
+    with pytest.raises(InteropTypeError, match="numpy has no bfloat16 dtype"):
+        host_view(PinnedTensor("bfloat16"))
+    gc.collect()
+    assert released == [1, 1, 1]  # the refused one was released too
+
+
 def test_host_view_refuses_device_memory_and_strangers():
     with pytest.raises(InteropValueError) as info:
         host_view(HostTensor(np.zeros(2), device=(2, 0)))

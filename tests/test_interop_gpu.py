@@ -137,8 +137,8 @@ def test_torch_tensor_into_kernel_launch_on_torchs_stream():
     theirs = torch.cuda.ExternalStream(ours.__cuda_stream__()[1])
     with torch.cuda.stream(theirs):
         z = torch.zeros(N, device="cuda")
-        K["axpb"].launch(ours, GRID, BLOCK, [x, z, 3.0, 0.5, N])
-        check(torch.equal(z, x * 3.0 + 0.5), "torch on orchestra's stream sees its result")
+        K["axpb"].launch(ours, GRID, BLOCK, [x, z, 3.0, 1.0, N])  # 3x + 1 < 2**24: exact
+        check(torch.equal(z, x * 3.0 + 1.0), "torch on orchestra's stream sees its result")
     # a pinned torch CPU tensor is host memory orchestra copies from and to, without a copy
     from orchestra.driver import host_view
     pinned = torch.arange(N, dtype=torch.float32).pin_memory()

@@ -577,8 +577,8 @@ def host_view(obj, *, what: str | None = None) -> np.ndarray:
 
     ``obj``: a numpy array (returned as is), a `PinnedBuffer` / `HostRegistration` (their
     ``.array``), an object with ``__dlpack__`` on the host (pinned torch CPU tensors: DLPack
-    kDLCPU / kDLCUDAHost; read through ``numpy.from_dlpack``, which keeps the producer alive
-    through the array's ``.base``), ``__array_interface__``, or the buffer protocol.
+    kDLCPU / kDLCUDAHost; the array's ``.base`` keeps the consumed tensor, whose deleter runs
+    when the array is collected), ``__array_interface__``, or the buffer protocol.
 
     Nothing is copied, and pinning is not checked here: the host-binding checks and
     `DeviceBuffer.copy_*` refuse pageable memory (``PageableMemoryError``; pin a torch tensor
@@ -600,17 +600,12 @@ def host_view(obj, *, what: str | None = None) -> np.ndarray:
             dev_type = int(obj.__dlpack_device__()[0])
         except Exception as exc:  # noqa: BLE001
             raise InteropValueError(f"{what}: __dlpack_device__() failed: {exc}") from exc
-        if dev_type in (_dl.DLDeviceType.kDLCUDA, _dl.DLDeviceType.kDLROCM):
+        if dev_type not in _HOST_TYPES + (_dl.DLDeviceType.kDLCUDAManaged,):
             raise InteropValueError(
                 f"{what} is device memory (DLPack {_device_name(dev_type)}), where host memory "
                 "is needed: bind it as an external device buffer (device_view), or copy it to "
                 "the host first")
-        try:
-            return np.from_dlpack(obj)
-        except Exception as exc:  # noqa: BLE001 - numpy's or the producer's refusal
-            raise InteropValueError(
-                f"{what}: numpy.from_dlpack could not read it: {type(exc).__name__}: {exc}"
-            ) from exc
+        return _host_from_dlpack(obj, what)
     if _has(obj, "__cuda_array_interface__"):
         raise InteropValueError(
             f"{what} is device memory (CUDA Array Interface), where host memory is needed: "
@@ -625,6 +620,51 @@ def host_view(obj, *, what: str | None = None) -> np.ndarray:
             "a pinned torch CPU tensor, or an object with __dlpack__, __array_interface__ or "
             "the buffer protocol") from None
     return np.asarray(view)
+
+
+class _HostTensor:
+    """The ``.base`` of a `host_view` array read through DLPack: describes the memory to numpy
+    (``__array_interface__``) and keeps the consumed tensor (its `DLPackHolder`) alive."""
+
+    __slots__ = ("__array_interface__", "holder", "obj")
+
+    def __init__(self, interface: dict, holder, obj):
+        self.__array_interface__ = interface
+        self.holder, self.obj = holder, obj
+
+
+def _host_from_dlpack(obj, what: str) -> np.ndarray:
+    try:
+        try:
+            capsule = obj.__dlpack__(stream=None,
+                                     max_version=(_dl.DLPACK_MAJOR, _dl.DLPACK_MINOR))
+        except TypeError:  # a producer from before DLPack 1.0
+            capsule = obj.__dlpack__(stream=None)
+    except Exception as exc:  # noqa: BLE001 - the producer's refusal, whatever its class
+        raise InteropValueError(
+            f"{what}: its __dlpack__() refused to export: {type(exc).__name__}: {exc}") from exc
+    info = _dl.consume(capsule, what)
+    try:
+        if info.device[0] not in _HOST_TYPES + (_dl.DLDeviceType.kDLCUDAManaged,):
+            raise InteropValueError(
+                f"{what}: its capsule is on DLPack device {_device_name(info.device[0])}, not "
+                "in host memory")
+        if isinstance(info.dtype, str):
+            raise InteropTypeError(
+                f"{what}: numpy has no {info.dtype} dtype; view the tensor as an integer dtype "
+                "of the same size first (torch: t.view(torch.int16))")
+        shape = info.shape
+        strides = None if info.strides is None else tuple(
+            st * info.itemsize for st in info.strides)
+        if math.prod(shape) == 0:
+            info.holder.release()
+            return np.empty(shape, info.dtype)
+        interface = {"version": 3, "shape": shape, "typestr": info.dtype.str,
+                     "data": (info.ptr, info.readonly), "strides": strides}
+        return np.asarray(_HostTensor(interface, info.holder, obj))
+    except BaseException:
+        info.holder.release()
+        raise
 
 
 __all__ += ["dlpack_stream_arg", "cuda_array_interface"]
