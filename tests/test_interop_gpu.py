@@ -264,6 +264,7 @@ def test_c15_cupy_producer_ordered_through_the_interface_stream():
     P = cp.cuda.Stream(non_blocking=True)
     with P:
         x = cp.zeros(N, dtype=cp.float32)
+        x.fill(0)  # compiled now, outside the timed window
     P.synchronize()
 
     def long_producer(value):
@@ -329,7 +330,7 @@ def test_device_buffer_read_by_torch_while_orchestras_stream_writes():
     used = pool.used_bytes
     buf.close()
     check(pool.used_bytes == used, "closing the buffer while torch holds it frees nothing")
-    check(float(t.sum()) == 7.0 * N, "torch still reads the closed buffer's memory")
+    check(bool((t == 7.0).all()), "torch still reads the closed buffer's memory")
     del t
     gc.collect()
     torch.cuda.synchronize()
@@ -342,6 +343,9 @@ def test_device_buffer_read_by_cupy_while_orchestras_stream_writes():
     import cupy as cp
 
     buf = DeviceBuffer.allocate(N * 4, ours)
+    warm = cp.zeros(16, dtype=cp.float32)  # CuPy compiles its kernels on first use: not
+    bool((warm == 0).all())                # inside the timed window below
+    cp.cuda.Device().synchronize()
 
     def long_write(value):
         buf.memset(0, ours)
