@@ -57,6 +57,8 @@ from orchestra.driver import dlpack as _dl
 from orchestra.driver.check import cu
 from orchestra.driver.device import as_device
 from orchestra.driver.event import Event
+from orchestra.driver.export import BufferView
+from orchestra.driver.memory import DeviceBuffer
 from orchestra.driver.stream import DefaultStream, as_stream
 from orchestra.errors import CudaError, InteropTypeError, InteropValueError
 
@@ -185,8 +187,10 @@ def _normalize_dtype(dtype, what: str):
         raise InteropTypeError(f"{what}: {dtype!r} is not a dtype") from None
 
 
-def _dtype_name(dtype) -> str:
-    return dtype if isinstance(dtype, str) else dtype.name
+def _same_dtype(a, b) -> bool:
+    if type(a) is type(b):  # two numpy dtypes (the common case: a cheap comparison) or names
+        return a == b
+    return (a if isinstance(a, str) else a.name) == (b if isinstance(b, str) else b.name)
 
 
 def _c_strides(shape, itemsize: int) -> tuple[int, ...]:
@@ -280,9 +284,6 @@ def device_view(obj, *, stream=None, device=None, nbytes: int | None = None, dty
     want = _ordinal(device)
     if want is None:
         want = consumer.device.ordinal if consumer is not None else 0
-    from orchestra.driver.export import BufferView
-    from orchestra.driver.memory import DeviceBuffer
-
     if isinstance(obj, ExternalArray):
         if obj.released:
             raise InteropValueError(f"{what}: this ExternalArray was released")
@@ -312,8 +313,6 @@ def device_view(obj, *, stream=None, device=None, nbytes: int | None = None, dty
 
 
 def _from_orchestra(obj) -> ExternalArray:
-    from orchestra.driver.export import BufferView
-
     lease = (obj.buffer if isinstance(obj, BufferView) else obj).lease()
     ptr = int(lease.handle)
     if isinstance(obj, BufferView):
@@ -402,7 +401,7 @@ def _check(rec: ExternalArray, want: int, dtype, nbytes, writable: bool, layout:
             f"cupy.cuda.Device({want})), or use device {rec.device}'s streams")
     if rec.device is None:
         rec.device = want  # managed memory: usable on the device asked for
-    if dtype is not None and rec.dtype is not None and _dtype_name(rec.dtype) != _dtype_name(dtype):
+    if dtype is not None and rec.dtype is not None and not _same_dtype(rec.dtype, dtype):
         raise InteropTypeError(
             f"{what} has dtype {rec.dtype}, but {dtype} is needed: convert it first (torch: "
             f"t.to(torch.{dtype}); CuPy / numpy: a.astype('{dtype}'))")

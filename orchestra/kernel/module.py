@@ -266,6 +266,7 @@ class Kernel:
         self._dyn_smem = None  # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
+        self._pointer_specs = None  # for protocol arguments (_interop_args), built on first use
         self._lock = threading.Lock()
         if params is not None:
             self._verify_params()
@@ -466,15 +467,19 @@ class Kernel:
         if type(stream) is not _Stream:  # refuse a stream that cannot take the launch before
             _launch_handle(stream)        # any producer orders its work on it
         consumer = _order_stream(stream, self.device)
+        specs = self._pointer_specs
+        if specs is None:  # per pointer parameter: (index, pointee dtype, writable, label)
+            specs = self._pointer_specs = tuple(
+                (i, pointee_dtype(p.ctype), not p.const,
+                 f"kernel {self.name}: parameter {p.name} ({p.ctype})")
+                for i, p in enumerate(layout.params) if p.kind == "pointer")
         views = []
         try:
-            for i, p in enumerate(layout.params):
+            for i, dtype, writable, label in specs:
                 v = values[i]
-                if p.kind == "pointer" and speaks_device_protocol(v) \
-                        and not hasattr(type(v), "ptr"):
-                    view = device_view(v, stream=consumer, device=self.device,
-                                       dtype=pointee_dtype(p.ctype), writable=not p.const,
-                                       what=f"kernel {self.name}: parameter {p.name} ({p.ctype})")
+                if speaks_device_protocol(v) and not hasattr(type(v), "ptr"):
+                    view = device_view(v, stream=consumer, device=self.device, dtype=dtype,
+                                       writable=writable, what=label)
                     views.append(view)
                     values[i] = view.ptr
             packed = layout.pack(values)
