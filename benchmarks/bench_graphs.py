@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import faulthandler
 import json
 import statistics
@@ -189,132 +188,9 @@ class Workload:
                 and self.y[-1:].view(np.uint32)[0] == self.want[-1:].view(np.uint32)[0])
 
 
-class BareGraph:
-    """The same work captured with raw cuda-python: no orchestra on any path."""
-
-    def __init__(self, w: Workload):
-        from cuda.bindings import driver as d
-
-        from orchestra.driver import MemoryPool
-
-        self.d, self.w = d, w
-        w.dev.make_current()
-        pool = MemoryPool.default(w.dev).handle  # configured before the capture
-        ok = self._ok
-        flags = d.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.origin = ok(d.cuStreamCreateWithPriority(flags, 0))
-        up, comp, down = (ok(d.cuStreamCreateWithPriority(flags, 0)) for _ in range(3))
-        ev_flags = d.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        events = [ok(d.cuEventCreate(ev_flags)) for _ in range(2 * w.batches + 2)]
-        self.t0, self.t1 = ok(d.cuEventCreate(0)), ok(d.cuEventCreate(0))
-        nb, n = w.batch_bytes, w.n
-        xaddr, yaddr = w.x.ctypes.data, w.y.ctypes.data
-        func = w.kernel.function
-        keep = []
-        ok(d.cuStreamBeginCapture(self.origin,
-                                  d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-        fork, join = events[-2], events[-1]
-        ok(d.cuEventRecord(fork, self.origin))
-        for s in (up, comp, down):
-            ok(d.cuStreamWaitEvent(s, fork, 0))
-        for b in range(w.batches):
-            off = b * nb
-            din = ok(d.cuMemAllocFromPoolAsync(nb, pool, up))
-            dout = ok(d.cuMemAllocFromPoolAsync(nb, pool, up))
-            ok(d.cuMemcpyHtoDAsync(din, xaddr + off, nb, up))
-            ev_up, ev_k = events[2 * b], events[2 * b + 1]
-            ok(d.cuEventRecord(ev_up, up))
-            ok(d.cuStreamWaitEvent(comp, ev_up, 0))
-            vals = (ctypes.c_uint64(int(din)), ctypes.c_uint64(int(dout)), ctypes.c_uint64(n),
-                    ctypes.c_int32(w.iters), ctypes.c_float(0.5), ctypes.c_float(1.0))
-            params = (ctypes.c_void_p * 6)(*[ctypes.addressof(v) for v in vals])
-            keep.append((vals, params))
-            ok(d.cuLaunchKernel(func, w.grid, 1, 1, w.block, 1, 1, 0, comp,
-                                ctypes.addressof(params), 0))
-            ok(d.cuEventRecord(ev_k, comp))
-            ok(d.cuMemFreeAsync(din, comp))
-            ok(d.cuStreamWaitEvent(down, ev_k, 0))
-            ok(d.cuMemcpyDtoHAsync(yaddr + off, dout, nb, down))
-            ok(d.cuMemFreeAsync(dout, down))
-        for s in (up, comp, down):
-            ok(d.cuEventRecord(join, s))
-            ok(d.cuStreamWaitEvent(self.origin, join, 0))
-        self.graph = ok(d.cuStreamEndCapture(self.origin))
-        self.exec = ok(d.cuGraphInstantiate(self.graph, 0))
-        ok(d.cuGraphUpload(self.exec, self.origin))
-        self.streams, self.events = (up, comp, down), events
-        self.nodes = 7 * w.batches
-        self._rebind_sets(w)
-
-    def _rebind_sets(self, w):
-        """The memcpy nodes of the captured graph, each with two parameter objects: one on the
-        workload's arrays, one on the alternate arrays (same offsets), for `rebind`."""
-        d, ok = self.d, self._ok
-        count = d.cuGraphGetNodes(self.graph, 0)[2]
-        nodes = d.cuGraphGetNodes(self.graph, count)[1]
-        memcpy = d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY
-        host = d.CUmemorytype.CU_MEMORYTYPE_HOST
-        bases = {"src": (w.x.ctypes.data, w.x2.ctypes.data),
-                 "dst": (w.y.ctypes.data, w.y2.ctypes.data)}
-        self.copies = []  # (node, (params on the workload's arrays, params on the alternates))
-        for node in nodes:
-            if d.cuGraphNodeGetType(node)[1] != memcpy:
-                continue
-            pair = []
-            for which in (0, 1):
-                p = ok(d.cuGraphMemcpyNodeGetParams(node))
-                side = "src" if p.srcMemoryType == host else "dst"
-                field = f"{side}Host"
-                base, alt = bases[side]
-                off = int(getattr(p, field)) - base
-                setattr(p, field, (base, alt)[which] + off)
-                pair.append(p)
-            self.copies.append((node, tuple(pair)))
-        self._which = 0
-
-    def rebind(self):
-        """Every H2D / D2H node onto the other array set (``cuGraphExecMemcpyNodeSetParams``
-        with prepared parameters, the fewest calls there are), then ``cuGraphLaunch``."""
-        d = self.d
-        self._which ^= 1
-        ex, ctx, which = self.exec, self.w.dev.context, self._which
-        for node, pair in self.copies:
-            (err,) = d.cuGraphExecMemcpyNodeSetParams(ex, node, pair[which], ctx)
-            if err:
-                raise RuntimeError(f"cuGraphExecMemcpyNodeSetParams: {err!r}")
-        self.launch()
-
-    @staticmethod
-    def _ok(res):
-        if int(res[0]):
-            raise RuntimeError(f"driver call failed: {res[0]!r}")
-        return res[1] if len(res) == 2 else None
-
-    def launch(self):
-        (err,) = self.d.cuGraphLaunch(self.exec, self.origin)
-        if err:
-            raise RuntimeError(f"cuGraphLaunch: {err!r}")
-
-    def sync(self):
-        self._ok(self.d.cuStreamSynchronize(self.origin))
-
-    def gpu_ms(self) -> float:
-        d = self.d
-        self._ok(d.cuEventRecord(self.t0, self.origin))
-        self.launch()
-        self._ok(d.cuEventRecord(self.t1, self.origin))
-        self._ok(d.cuEventSynchronize(self.t1))
-        return float(self._ok(d.cuEventElapsedTime(self.t0, self.t1)))
-
-    def close(self):
-        d = self.d
-        self.sync()
-        d.cuGraphExecDestroy(self.exec)
-        d.cuGraphDestroy(self.graph)
-        for e in self.events + [self.t0, self.t1]:
-            d.cuEventDestroy(e)
-        for s in self.streams + (self.origin,):
-            d.cuStreamDestroy(s)
+# The bare captured graph (raw cuda-python, the by-engine shape, rebinding by hand) lives in
+# orchestra.app.peers.cuda_python; `orchestra bench peers` runs it too.
+from orchestra.app.peers.cuda_python import BareGraph  # noqa: E402
 
 
 def exec_gpu_ms(exe, t0, t1) -> float:

@@ -12,7 +12,7 @@
 // The PTX instructions are used directly (they are what the two runtime device functions expand
 // to), so the kernels need no runtime header; griddepcontrol needs sm_90 (PTX ISA 7.8).
 //
-// Case C12 (a PDL launch attribute on a consumer that never waits): a kernel's PTX either contains
+// A PDL launch attribute on a consumer that never waits: a kernel's PTX either contains
 // griddepcontrol.wait or not; orchestra.kernels_bench.pdl.kernel_waits_on_grid_dependency() scans
 // the PTX and bench/tests apply PDL only to kernels that wait. pdl_secondary_nowait below is the
 // negative example for that check and must never be launched with the PDL attribute.
@@ -25,7 +25,7 @@
 //   pdl_secondary(const float* y, const float* w, float* z, unsigned long long n)
 //       independent preamble (loads w), then waits on the grid dependency, then z[i] = y[i] + w[i].
 //       Launch right after pdl_primary in the same stream, with or without the PDL attribute.
-//   pdl_secondary_nowait(...)   same without the wait: NOT safe with the PDL attribute (C12).
+//   pdl_secondary_nowait(...)   same without the wait: NOT safe with the PDL attribute.
 //   pdl_chain_step(const float* x, float* y, unsigned long long n)
 //       trigger, wait, y[i] = x[i] + 1: one link of the `orchestra bench pdl` chain (launch k
 //       reads what launch k - 1 wrote; ping-pong two buffers). PDL attribute optional. The

@@ -7,6 +7,8 @@ those) -> `job` -> `cli`. See docs/ARCHITECTURE.md.
 
 from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     BenchConfigError,
+    BufferLifetimeError,
+    BuilderClosedError,
     CallOrderError,
     ClosedError,
     CompileError,
@@ -22,6 +24,7 @@ from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     DriverTooOldError,
     GraphError,
     HazardError,
+    HostBufferUseError,
     JobConfigError,
     JobInputError,
     KernelArgumentError,
@@ -32,6 +35,7 @@ from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     LaunchConfigTypeError,
     LaunchConfigValueError,
     MissingExtraError,
+    NameCollisionError,
     NoDeviceError,
     NodeFieldError,
     NodeFieldTypeError,

@@ -253,6 +253,11 @@ class ClosedError(StateError, ValueError):
     A ``ValueError``, as Python's own "I/O operation on closed file" is."""
 
 
+class BuilderClosedError(ClosedError):
+    """A `GraphBuilder` (or a buffer it allocates) used after the builder closed: its graph is
+    built and can take no more nodes; start a new builder."""
+
+
 class NotReadyError(StateError, ValueError):
     """The call needs something done first (e.g. ``GraphRunner.run()`` before ``.exec``)."""
 
@@ -296,6 +301,24 @@ class NodeFieldTypeError(NodeFieldError, TypeError):
 
 class NodeFieldValueError(NodeFieldError, ValueError):
     """A graph record's field has the right type but a value it cannot take (``grid=0``)."""
+
+
+class NameCollisionError(GraphError, ValueError):
+    """A node or buffer name that is already taken in the graph, or one that `GraphBuilder`
+    keeps for the names it generates (any name containing ``#``); the message names both
+    holders and says how to pick another name."""
+
+
+class BufferLifetimeError(GraphError, ValueError):
+    """`GraphBuilder`: a buffer whose allocation the builder owns was given its own `Alloc` /
+    `Free`, or a buffer one builder allocates was used by another builder's graph (its memory
+    exists only inside the first graph's runs)."""
+
+
+class HostBufferUseError(GraphError, ValueError):
+    """`GraphBuilder`: a host buffer used against its declared role: a host input written by a
+    node, a host output that no node writes, or host bytes written twice with no node reading
+    them in between (the first write is lost)."""
 
 
 class KernelArgumentError(OrchestraError):

@@ -37,6 +37,7 @@ class FakeDevice:
     sm_count = 4
     arch = "sm_90"
     limits = LIMITS
+    total_memory = 80 << 30  # bytes, as cuDeviceTotalMem reports (orchestra run checks it)
 
     def make_current(self, force=False):
         return self

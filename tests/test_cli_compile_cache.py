@@ -146,7 +146,7 @@ def test_json_errors_are_one_object(tmp_path, capsys):
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void k() { int x = ; }\n')
     code, doc = run_json(capsys, ["compile", str(bad), "--arch", "sm_90", "--json"])
-    assert code == 1 and doc["error"]["type"] == "CompileError"
+    assert code == 4 and doc["error"]["type"] == "CompileError"  # exit 4: a compile error
     assert "bad.cu(1)" in doc["error"]["message"]
     code, doc = run_json(capsys, ["compile", str(tmp_path / "nope.cu"), "--arch", "sm_90",
                                   "--json"])

@@ -103,13 +103,13 @@ def test_a_new_enough_driver_initializes(fake):
     assert check._initialized is True
 
 
-def test_orchestra_devices_with_an_old_driver_prints_one_line_and_exits_2(fake, capsys):
+def test_orchestra_devices_with_an_old_driver_prints_one_line_and_exits_3(fake, capsys):
     fake(_fake_driver(12020))
-    assert main(["devices"]) == 2
+    assert main(["devices"]) == 3  # no usable GPU (orchestra.cli.exit_codes)
     out, errtext = capsys.readouterr()
     assert out == ""
     lines = errtext.strip().splitlines()
-    assert lines == ["orchestra: the NVIDIA driver supports CUDA 12.2 (cuDriverGetVersion ="
+    assert lines == ["orchestra devices: the NVIDIA driver supports CUDA 12.2 (cuDriverGetVersion ="
                      " 12020); orchestra needs CUDA 13.0 or newer, which is NVIDIA driver R580"
                      " or newer: update the driver"]
 
@@ -137,17 +137,17 @@ def test_a_missing_entry_point_is_a_driver_binding_error(fake):
         r" NVIDIA driver", str(err)), str(err)
 
 
-def test_orchestra_devices_with_a_missing_entry_point_prints_one_line_and_exits_2(fake, capsys):
+def test_orchestra_devices_with_a_missing_entry_point_prints_one_line_and_exits_3(fake, capsys):
     fake(_fake_driver(count=_missing("cuDeviceGetCount")))
-    assert main(["devices"]) == 2
+    assert main(["devices"]) == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "orchestra: cuDeviceGetCount: the NVIDIA driver has no entry point for it"), lines
+        "orchestra devices: cuDeviceGetCount: the NVIDIA driver has no entry point for it"), lines
 
 
 def test_the_cli_turns_a_raw_binding_failure_into_one_line(monkeypatch, capsys):
     # A FunctionNotFoundError from a binding call outside cu() (a hot path that checks the
-    # CUresult itself) still ends as one line and exit 2.
+    # CUresult itself) still ends as one line and exit 3 (no usable GPU).
     import orchestra.cli.devices as devices
 
     def rows():
@@ -155,7 +155,7 @@ def test_the_cli_turns_a_raw_binding_failure_into_one_line(monkeypatch, capsys):
         yield  # pragma: no cover
 
     monkeypatch.setattr(devices, "_rows", rows)
-    assert main(["devices"]) == 2
+    assert main(["devices"]) == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no entry point" in lines[0] and \
         "function cuDeviceGetName is not found" in lines[0], lines

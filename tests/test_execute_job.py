@@ -12,9 +12,9 @@ from orchestra.execute import bindings as bindings_mod
 from orchestra.execute import staging as staging_mod
 from orchestra.app.job import (
     MainJob,
+    Sustained,
     batch_bytes_from_mib,
     batch_sizes,
-    bound_ms,
     burn_grid,
     calibrate_iters,
     parse_iters,
@@ -38,19 +38,14 @@ def test_sizes_and_grid():
     assert burn_grid(1000, 256) == 1
     assert burn_grid(1 << 20, 256) == 1024
     assert parse_iters("auto") is None and parse_iters(None) is None and parse_iters("7") == 7
-    assert bound_ms(1.0, 2.0, 1.5, 10) == pytest.approx(1 + 20 + 1.5)
+    # without sustained times the bound comes from the single-batch times, pairs as fast as
+    # the slower copy: h + k + d + (N - 1) * max for a balanced pipeline
     sb = SingleBatch(4096, 9, 1.0, 2.0, 1.5, 7)
-    assert sb.bound_ms(10) == pytest.approx(22.5) and sb.t_max_ms == 2.0
-    assert sb.duplex_bound_ms(10) is None
-    # copies at once slower than the kernel: the step is the duplex time
-    sb = SingleBatch(4096, 9, 1.0, 1.0, 1.0, 7, t_duplex_ms=1.1)
-    assert sb.bound_ms(32) == pytest.approx(34.0)
-    assert sb.duplex_bound_ms(32) == pytest.approx(1 + 32 * 1.1 + 1)
-    # the kernel slower still: the step is the kernel
-    assert SingleBatch(4096, 9, 1.0, 1.5, 1.0, 7, 1.1).duplex_bound_ms(4) == pytest.approx(8.0)
-    # a noisy t_duplex below a single copy never takes the bound under the plain one
-    sb = SingleBatch(4096, 9, 1.0, 1.0, 1.3, 7, 1.1)
-    assert sb.duplex_bound_ms(10) == pytest.approx(sb.bound_ms(10))
+    assert sb.bound(10).bound_ms == pytest.approx(1 + 10 * 2 + 1.5)
+    # with them, the sustained times count (pairs slower than either copy: link-bound)
+    sb = SingleBatch(4096, 9, 1.5, 1.5, 1.5, 7, Sustained(4096, 8, 1.0, 1.0, 1.0, 1.1))
+    assert sb.bound(32).bound_ms == pytest.approx(4 + 30 * 1.1)
+    assert sb.bound(32).limiter == "link"
 
 
 def test_calibrate_iters_hits_the_target():
@@ -179,11 +174,12 @@ def fake_job(monkeypatch):
 
     timings = []
 
-    def fake_timings(self, kernel, stream, host_in, host_out, grid):
+    def fake_timings(self, kernel, stream, host_in, host_out, grid, batches):
         assert host_in.dtype == np.float32 and host_in.size == host_out.size
-        timings.append((host_in.size, grid))
+        timings.append((host_in.size, grid, batches))
         return SingleBatch(host_in.nbytes, self.iters if self.iters is not None else 40,
-                           1.0, 1.0, 1.0, 7, 1.25)
+                           1.0, 1.0, 1.0, 7,
+                           Sustained(host_in.nbytes, min(batches, 16), 1.0, 1.0, 1.0, 1.25))
 
     monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
     monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
@@ -205,17 +201,19 @@ def test_main_job_generated_data_on_the_fake(fake_job, policy):
     assert r.compute_iters == 6 and not r.compute_iters_auto
     assert len(r.wall_ms_runs) == 3 and r.wall_ms > 0
     n_eff = r.data_bytes / r.batch_bytes
-    assert r.bound_ms == pytest.approx(1.0 + n_eff * 1.0 + 1.0)
+    f = (r.data_bytes - 4 * r.batch_bytes) / r.batch_bytes  # the ragged last batch
+    # link-bound: fill and drain at the smallest batch, the rest of both directions at once
+    assert r.bound_limiter == "link" and r.sustained["pair_ms"] == 1.25
+    assert r.bound_ms == pytest.approx(4 * f + 1.25 * (n_eff - 2 * f))
+    assert r.bound_terms["upload"] == pytest.approx(n_eff + 2 * f)
     assert r.efficiency == pytest.approx(r.bound_ms / r.wall_ms)
-    assert r.t_duplex_ms == 1.25
-    assert r.duplex_bound_ms == pytest.approx(1.0 + n_eff * 1.25 + 1.0)
-    assert r.duplex_efficiency == pytest.approx(r.duplex_bound_ms / r.wall_ms)
+    assert fake_job.timings[-1][2] == 5  # K comes from the job's batch count
     assert fake_job.used == 0
     assert all(ex.closed for ex in fake_job.made)
     d = r.as_dict()
     for key in ("batches", "wall_ms", "bound_ms", "efficiency", "verified", "t_h2d_ms",
                 "t_kernel_ms", "t_d2h_ms", "policy", "streams", "compute_iters", "bytes",
-                "t_duplex_ms", "duplex_bound_ms", "duplex_efficiency"):
+                "bound_limiter", "bound_terms", "sustained", "bound_warning"):
         assert key in d
     assert d["bytes"] == 2 * r.data_bytes
 
@@ -388,17 +386,27 @@ def test_main_job_reports_the_streams_the_plan_runs_on(fake_job):
     assert MainJob(batches=3, batch_mib=0.01, streams=5, compute_iters=3, repeat=1).run().streams == 5
 
 
-def test_print_report_duplex_line(fake_job, capsys):
-    """The duplex line shows with a measured t_duplex and a wall time; a zero wall time (no
-    efficiency to give) leaves it out instead of failing."""
+def test_print_report_bound_lines(fake_job, capsys):
+    """The sustained times and the bound's terms show; an efficiency above 1.01 prints the
+    loud BOUND BUG banner on stdout and the message on stderr."""
     import attrs
 
+    from orchestra.app.job import bound_warning
     from orchestra.cli.run_cmd import print_report
 
     r = MainJob(batches=4, batch_mib=0.01, compute_iters=3, repeat=1).run()
+    # the fake GPU takes no time, so its runs "beat" the 1 ms items: the report says so
+    assert r.bound_warning.startswith("BOUND BUG: eager by-engine efficiency")
+    r = attrs.evolve(r, wall_ms=2 * r.bound_ms, efficiency=0.5, bound_warning=None)
     print_report(r)
-    line = [x for x in capsys.readouterr().out.splitlines() if "while a D2H runs" in x]
-    assert len(line) == 1 and "1.250 ms per batch" in line[0]
-    assert f"{r.duplex_bound_ms:.3f} ms" in line[0]
-    print_report(attrs.evolve(r, wall_ms=0.0, efficiency=0.0))
-    assert "while a D2H runs" not in capsys.readouterr().out
+    out = capsys.readouterr()
+    line = [x for x in out.out.splitlines() if x.startswith("sustained per batch")]
+    assert len(line) == 1 and "1.250 ms per pair" in line[0] and "4 back-to-back" in line[0]
+    assert any(x.startswith("bound = the largest of (upload") for x in out.out.splitlines())
+    assert "BOUND BUG" not in out.out + out.err
+    fast = attrs.evolve(r, wall_ms=r.bound_ms / 1.05, efficiency=1.05,
+                        bound_warning=bound_warning(1.05, "eager by-engine"))
+    print_report(fast)
+    out = capsys.readouterr()
+    assert "!" * 78 in out.out and "BOUND BUG: eager by-engine efficiency 1.050" in out.out
+    assert "BOUND BUG" in out.err

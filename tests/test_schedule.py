@@ -232,7 +232,8 @@ def _schedule_keeping_empty_streams(g, policy, streams):
 
     specs, assign, order, meta = {"round-robin": policies._round_robin,
                                   "by-engine": policies._by_engine,
-                                  "critical-path": lambda g, s: policies._critical_path(g, s, None)
+                                  "critical-path": lambda g, s: policies._critical_path(g, s, None),
+                                  "concurrent": policies.concurrent,
                                   }[policy](g, streams)
     return insert_events(g, assign, specs, order, policy, meta)
 

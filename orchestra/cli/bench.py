@@ -4,16 +4,21 @@
 same bytes (`orchestra.app.kernels_bench.stages`). ``pdl``: a chain of small dependent kernels with
 and without programmatic dependent launch (`orchestra.app.kernels_bench.pdlchain`). Both print a
 table (or ``--json``) and check their output against numpy; exit 1 when the output is wrong, or
-with ``--check-goal`` when the issue's goal is missed.
+with ``--check-goal`` when the benchmark's goal (printed under the table) is missed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
+from orchestra.cli import progress
+from orchestra.cli.exit_codes import CHECK_FAILED, OK
 
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks of the kernel library (stages, pdl)")
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl), serving "
+                                     "(serve), orchestra against its peers (peers)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")
@@ -22,7 +27,7 @@ def register(sub) -> None:
     s.add_argument("--block", type=int, default=256, help="threads per block (default 256)")
     s.add_argument("--repeats", type=int, default=20, help="timed launches per contender")
     s.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    _common(s)
+    _common(s, "the best stage count stays under 85%% of the copy's bandwidth")
     s.set_defaults(func=run_stages_cmd)
 
     d = bsub.add_parser("pdl", help="chain of small dependent kernels with and without PDL")
@@ -35,24 +40,33 @@ def register(sub) -> None:
                         " (default: 3x the measured enqueue time, at least 5 ms)")
     d.add_argument("--no-graphs", action="store_true",
                    help="time stream chains only (default: CUDA graph replays too)")
-    _common(d)
+    _common(d, "a stream chain with PDL takes more than 0.7 us per kernel")
     d.set_defaults(func=run_pdl_cmd)
 
+    from orchestra.serve.cli import register as register_serve  # options live with the engine
 
-def _common(p) -> None:
+    register_serve(bsub)
+
+    from orchestra.cli import peers_cmd
+
+    peers_cmd.register(bsub)
+
+
+def _common(p: argparse.ArgumentParser, goal: str) -> None:
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--check-goal", action="store_true",
-                   help="exit 1 when the goal of issue 5 is not met")
+    p.add_argument("--check-goal", action="store_true", help=f"exit 1 when {goal}")
     p.set_defaults(no_device_hint=" (orchestra bench runs kernels: it needs an NVIDIA GPU)")
 
 
-def run_stages_cmd(args) -> int:
+def run_stages_cmd(args: argparse.Namespace) -> int:
     from orchestra.app.kernels_bench.common import format_table
     from orchestra.app.kernels_bench.stages import GOAL_PERCENT, run_stages
 
-    rep = run_stages(mib=args.mib, block=args.block, repeats=args.repeats, warmup=args.warmup,
-                     device=args.device)
+    with progress.task("bench stages") as update:
+        rep = run_stages(mib=args.mib, block=args.block, repeats=args.repeats,
+                         warmup=args.warmup, device=args.device,
+                         progress=progress.reporter(update, "bench stages"))
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))
     else:
@@ -74,16 +88,18 @@ def run_stages_cmd(args) -> int:
             if not r.verified:
                 print(f"  {r.stages} stages: {r.detail}")
     if not rep.verified:
-        return 1
-    return 1 if args.check_goal and not rep.goal_met else 0
+        return CHECK_FAILED
+    return CHECK_FAILED if args.check_goal and not rep.goal_met else OK
 
 
-def run_pdl_cmd(args) -> int:
+def run_pdl_cmd(args: argparse.Namespace) -> int:
     from orchestra.app.kernels_bench.common import format_table
     from orchestra.app.kernels_bench.pdlchain import GOAL_US, run_pdl_chain
 
-    rep = run_pdl_chain(kernels=args.kernels, n=args.n, block=args.block, repeats=args.repeats,
-                        gate_ms=args.gate_ms, graphs=not args.no_graphs, device=args.device)
+    with progress.task("bench pdl") as update:
+        rep = run_pdl_chain(kernels=args.kernels, n=args.n, block=args.block,
+                            repeats=args.repeats, gate_ms=args.gate_ms, graphs=not args.no_graphs,
+                            device=args.device, progress=progress.reporter(update, "bench pdl"))
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))
     else:
@@ -117,5 +133,5 @@ def run_pdl_cmd(args) -> int:
                 print(f"  {r.mode} {r.kernel} pdl={r.pdl}: the host was still enqueueing when"
                       " the gate opened: the GPU time includes host gaps; raise --gate-ms")
     if not rep.verified:
-        return 1
-    return 1 if args.check_goal and not rep.goal_met else 0
+        return CHECK_FAILED
+    return CHECK_FAILED if args.check_goal and not rep.goal_met else OK

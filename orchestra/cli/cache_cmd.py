@@ -43,10 +43,11 @@ def human_bytes(n: int) -> str:
     """``1536`` -> ``"1.5 KiB"`` (binary units; plain bytes below 1 KiB)."""
     if n < 1024:
         return f"{n} B"
+    size = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
     raise AssertionError("unreachable")
 
 

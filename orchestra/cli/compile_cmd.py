@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from orchestra.errors import NoDeviceError, OrchestraError
+from orchestra.errors import NoDeviceError
 
 _NO_KERNELS_HINT = ("a template kernel is only compiled for the instantiations named with"
                     " --name-expression 'name<args>'; a file of device functions or headers"
@@ -27,7 +27,9 @@ def register(sub) -> None:
     p = sub.add_parser("compile", help="compile a CUDA C++ file (or link a .ptx file) to a cubin",
                        description="Compile a CUDA C++ file with NVRTC (or link a .ptx file with "
                                    "nvJitLink) to a cubin, and list the kernels it holds.")
-    p.add_argument("file", type=Path, help="a .cu source file, or a .ptx file to link with nvJitLink")
+    p.add_argument("file", type=Path,
+                   help="a .cu source file, or a .ptx file to link with nvJitLink; a bare name "
+                        "such as burn.cu is also looked up among the kernels orchestra ships")
     p.add_argument("--arch", help="target, e.g. sm_90 (default: the current GPU; required without one)")
     p.add_argument("-o", "--output", type=Path, help="where to write the cubin/PTX (default: FILE.cubin)")
     p.add_argument("--ptx", action="store_true", help="emit PTX for compute_XX instead of a cubin")
@@ -126,16 +128,27 @@ def run(args) -> int:
         return _run(args)
     except SourceEncodingError as exc:  # a bad input file: a usage error, like a missing one
         return _fail(args, str(exc))
-    except (OrchestraError, ValueError, TypeError, OSError) as exc:
-        if not args.json:
-            raise  # main prints it (one line, or the compile log for a CompileError)
-        code = 2 if isinstance(exc, NoDeviceError) or not isinstance(exc, OrchestraError) else 1
-        return _error(args, type(exc).__name__, str(exc), code)
+    # anything else reaches orchestra.cli.main: one line or one JSON error, and its exit code
+    # (a CompileError is 4, with the compiler's log)
+
+
+def _find_input(path: Path) -> Path:
+    """``path`` as given, else a kernel shipped with orchestra of that name (``burn.cu``,
+    ``cp_async.ptx``), else ``path`` unchanged (reported missing by the caller)."""
+    if path.exists() or path.is_absolute():
+        return path
+    from orchestra.compiler.sources import kernel_source_dir, ptx_source_dir, resolve_path
+
+    return resolve_path(path, (kernel_source_dir(), ptx_source_dir())) or path
 
 
 def _run(args) -> int:
     from orchestra.compiler.target import normalize_arch
 
+    given = args.file
+    args.file = _find_input(given)
+    if args.file != given and args.output is None:  # a shipped kernel: write here, not beside it
+        args.output = Path(given.name).with_suffix(".ptx" if args.ptx else ".cubin")
     if args.file.is_dir():
         return _fail(args, f"{args.file} is a directory: give a .cu or .ptx file")
     if not args.file.is_file():
@@ -150,6 +163,7 @@ def _run(args) -> int:
             verb, it = ("apply", "them") if len(nvrtc_only) > 1 else ("applies", "it")
             return _fail(args, f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a "
                                f".ptx input is linked with nvJitLink as it is: drop {it}")
+    arch: str | None
     if args.arch:
         try:
             arch = normalize_arch(args.arch)

@@ -1,10 +1,30 @@
-"""The graph options `orchestra run` and `orchestra plan` share (the same graph either way)."""
+"""The graph options `orchestra run` and `orchestra plan` share (the same graph either way),
+and the checks both make of them.
+
+`check_options` is every check `orchestra run` makes of these options that does not need the
+GPU: ``plan`` calls it too, so ``plan`` refuses what ``run`` refuses (``--block 2048``, a batch
+whose pinned host memory exceeds this machine's memory) with the same message, and both warn
+about options that do not apply. `check_device` adds the checks against the device (its block
+limit and memory); ``run`` makes them before any work.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import Any
 
+from orchestra.cli.exit_codes import UsageError
 from orchestra.schedule import POLICIES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCHES = 32
+DEFAULT_STAGING_SLOTS = 4
+#: maxThreadsPerBlock of every CUDA GPU since compute capability 2.0 (CUDA C++ Programming
+#: Guide, "Compute Capabilities", technical specifications table).
+MAX_BLOCK = 1024
 
 
 def compute_iters(text: str):
@@ -41,8 +61,9 @@ def positive_float(text: str) -> float:
 
 
 def add_graph_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batches", type=positive_int, default=32,
-                   help="number of batches (default 32)")
+    p.add_argument("--batches", type=positive_int, default=None,
+                   help=f"number of batches (default {DEFAULT_BATCHES}; with --input the file's "
+                        "size sets it)")
     p.add_argument("--batch-mib", type=positive_float, default=64.0,
                    help="MiB of float32 per batch (default 64; may be fractional)")
     p.add_argument("--streams", type=positive_int, default=3, help="streams (default 3)")
@@ -56,15 +77,102 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", metavar="FILE.npy",
                    help="stream a float32 .npy file (memory-mapped) through pinned staging "
                         "slots instead of generated data")
-    p.add_argument("--staging-slots", type=positive_int, default=4,
-                   help="pinned staging slots per direction with --input (default 4)")
+    p.add_argument("--staging-slots", type=positive_int, default=None,
+                   help=f"pinned staging slots per direction with --input (default "
+                        f"{DEFAULT_STAGING_SLOTS})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def fmt_bytes(n: int) -> str:
-    """``4.00 GiB``, ``64.0 MiB``, ``12.0 KiB``, ``100 B``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    """``4.00 GiB``, ``64.0 MiB``, ``12.0 KiB``, ``100 B`` (and TiB)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             v = n / scale
             return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}"
     return f"{n} B"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (``sysconf``), or None where it is not known."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_needs(args: argparse.Namespace, input_elements: int | None = None) -> dict[str, int]:
+    """Bytes the job needs, from the options alone (no graph is built):
+
+    ``batch_bytes`` (one batch), ``batches``, ``pinned_bytes`` (page-locked host memory: the
+    whole input and output, or the staging slots with ``--input``), ``device_batch_bytes`` (one
+    batch's input and output buffers on the device, at least what a run needs at once) and
+    ``device_peak_bytes`` (what the batches that may be in flight together hold)."""
+    from orchestra.app.job import batch_bytes_from_mib
+    from orchestra.app.job.graphs import IN_FLIGHT
+
+    batch_bytes = batch_bytes_from_mib(args.batch_mib)
+    if input_elements is not None:
+        batches = -(-input_elements * 4 // batch_bytes)
+        slots = max(1, min(args.staging_slots or DEFAULT_STAGING_SLOTS, batches))
+        pinned = 2 * slots * min(batch_bytes, input_elements * 4)
+    else:
+        batches = args.batches or DEFAULT_BATCHES
+        pinned = 2 * batches * batch_bytes
+    return {"batch_bytes": batch_bytes, "batches": batches, "pinned_bytes": pinned,
+            "device_batch_bytes": 2 * batch_bytes,
+            "device_peak_bytes": 2 * batch_bytes * min(IN_FLIGHT, batches)}
+
+
+def check_options(args: argparse.Namespace, command: str,
+                  input_elements: int | None = None) -> dict[str, Any]:
+    """The checks `orchestra run` and `orchestra plan` both make, before any work.
+
+    Raises `UsageError` for what cannot run anywhere: ``--staging-slots`` without ``--input``,
+    a block over `MAX_BLOCK` threads, pinned host memory beyond this machine's memory. Logs a
+    warning for each option that does not apply (``--batches`` with ``--input``). Returns
+    `memory_needs`. ``input_elements``: the ``--input`` array's size (after `open_input`).
+    """
+    if args.staging_slots is not None and not args.input:
+        raise UsageError("--staging-slots needs --input (the generated data is made in pinned "
+                         "memory and needs no staging slots)")
+    if args.block > MAX_BLOCK:
+        raise UsageError(f"--block {args.block}: a block has at most {MAX_BLOCK} threads on "
+                         f"every CUDA GPU; pass --block {MAX_BLOCK} or fewer (256 is the default)")
+    if args.input and args.batches is not None:
+        log.warning("--batches does not apply with --input: the file's size and --batch-mib "
+                    "set the number of batches")
+    needs = memory_needs(args, input_elements)
+    host = host_memory_bytes()
+    if host is not None and needs["pinned_bytes"] > host:
+        what = ("two staging pools of --staging-slots batches" if args.input
+                else "the whole input and output")
+        raise UsageError(
+            f"the job needs {fmt_bytes(needs['pinned_bytes'])} of pinned host memory ({what}) "
+            f"but this machine has {fmt_bytes(host)}; pass a smaller --batch-mib"
+            + ("" if args.input else " or fewer --batches"))
+    log.debug("%s: %d batches of %s, %s pinned, %s device memory per batch (%s with every "
+              "batch in flight)", command, needs["batches"], fmt_bytes(needs["batch_bytes"]),
+              fmt_bytes(needs["pinned_bytes"]), fmt_bytes(needs["device_batch_bytes"]),
+              fmt_bytes(needs["device_peak_bytes"]))
+    return needs
+
+
+def check_device(args: argparse.Namespace, needs: dict[str, Any], device: Any) -> None:
+    """`orchestra run`'s checks against ``device`` (a `Device`), before any work: the block
+    limit and the device memory one batch needs. Warns when the batches that may be in flight
+    together might not fit."""
+    limit = device.limits.max_threads_per_block
+    if args.block > limit:
+        raise UsageError(f"--block {args.block}: {device.name} runs at most {limit} threads per "
+                         "block")
+    total = device.total_memory
+    if needs["device_batch_bytes"] > total:
+        raise UsageError(
+            f"one batch needs {fmt_bytes(needs['device_batch_bytes'])} of device memory (its "
+            f"input and output) but {device.name} has {fmt_bytes(total)}; pass a smaller "
+            "--batch-mib")
+    if needs["device_peak_bytes"] > total:
+        log.warning("the batches in flight together may need %s of device memory and %s has "
+                    "%s: the run may fail with CUDA_ERROR_OUT_OF_MEMORY; a smaller --batch-mib "
+                    "avoids it", fmt_bytes(needs["device_peak_bytes"]), device.name,
+                    fmt_bytes(total))

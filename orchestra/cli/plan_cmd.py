@@ -8,15 +8,22 @@ long as its input's copy), while `orchestra run` measures the copies and the ker
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 
-from orchestra.cli.job_options import add_graph_options, fmt_bytes
+from orchestra.cli import progress
+from orchestra.cli.job_options import (
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_options, fmt_bytes,
+)
+
+log = logging.getLogger(__name__)
 
 COST_NOTE = ("default cost model (no GPU measurements): copies at 50 GB/s, a kernel as long as "
              "its input's copy; `orchestra run` measures them first")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the main job's plan (streams, nodes, events); "
                                     "no GPU needed")
     add_graph_options(p)
@@ -25,69 +32,97 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build(args):
-    """(graph, plan, info) for the options: the graph `orchestra run` would build."""
+def build(args: argparse.Namespace, update: progress.Update = progress._noop):
+    """(job graph, plan, source description, memory needs) for the options: the graph
+    `orchestra run` would build, after the checks `run` makes (`check_options`)."""
     from orchestra.app.job import (
         batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
     )
     from orchestra.schedule import schedule
 
     iters = 1 if args.compute_iters == "auto" else args.compute_iters
-    batch_bytes = batch_bytes_from_mib(args.batch_mib)
-    per = batch_bytes // 4
+    per = batch_bytes_from_mib(args.batch_mib) // 4
     source = None
     if args.input:
         from orchestra.app.job.inputs import open_input
 
         inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
+        needs = check_options(args, "plan", input_elements=inp.size)
         sizes = batch_sizes(inp.size, per)
-        slots = max(1, min(args.staging_slots, len(sizes)))
+        slots = max(1, min(args.staging_slots or DEFAULT_STAGING_SLOTS, len(sizes)))
+        update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
         jg = build_staged_graph(sizes, slots=slots, iters=iters, block=args.block)
         source = f"{args.input} ({inp.size} float32, {len(sizes)} batches, {slots} staging slots)"
     else:
-        sizes = batch_sizes(args.batches * per, per)
+        needs = check_options(args, "plan")
+        sizes = batch_sizes(needs["batches"] * per, per)
+        update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
         jg = build_job_graph(sizes, iters=iters, block=args.block)
+    log.debug("plan: task graph of %d nodes, %d edges", len(jg.graph), len(jg.graph.edges))
+    update(1, description=f"plan: scheduling {len(jg.graph)} nodes ({args.policy})")
     plan = schedule(jg.graph, args.policy, args.streams)
-    return jg, plan, source
+    log.debug("plan: %d streams, %d events, %d waits", len(plan.streams), plan.event_count,
+              plan.wait_count)
+    return jg, plan, source, needs
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from orchestra.schedule import estimate_makespan
 
-    jg, plan, source = build(args)
-    graph = jg.graph
-    makespan_ms = estimate_makespan(plan, graph) / 1e3
-    info = {
-        "batches": len(jg.sizes),
-        "batch_bytes": max(jg.sizes),
-        "data_bytes": jg.total_bytes,
-        "policy": args.policy,
-        "streams": len(plan.streams),
-        "streams_requested": args.streams,
-        "nodes": len(graph),
-        "edges": len(graph.edges),
-        "events": plan.event_count,
-        "waits": plan.wait_count,
-        "compute_iters": args.compute_iters,
-        "input": args.input,
-        "cost_model": COST_NOTE,
-        "estimated_makespan_ms": round(makespan_ms, 3),
-    }
-    if args.json:
-        print(json.dumps({**info, "plan": plan.to_dict()}, indent=1, sort_keys=True))
-        return 0
+    if args.json and args.summary:
+        log.warning("--summary does not apply with --json (the JSON object holds the counts "
+                    "and the plan)")
+    with progress.task("plan", total=3) as update:
+        jg, plan, source, needs = build(args, update)
+        update(2, description="plan: estimating the makespan")
+        graph = jg.graph
+        makespan_ms = estimate_makespan(plan, graph) / 1e3
+        info = {
+            "batches": len(jg.sizes),
+            "batch_bytes": max(jg.sizes),
+            "data_bytes": jg.total_bytes,
+            "policy": args.policy,
+            "streams": len(plan.streams),
+            "streams_requested": args.streams,
+            "nodes": len(graph),
+            "edges": len(graph.edges),
+            "events": plan.event_count,
+            "waits": plan.wait_count,
+            "compute_iters": args.compute_iters,
+            "input": args.input,
+            "pinned_bytes": needs["pinned_bytes"],
+            "device_batch_bytes": needs["device_batch_bytes"],
+            "device_peak_bytes": needs["device_peak_bytes"],
+            "cost_model": COST_NOTE,
+            "estimated_makespan_ms": round(makespan_ms, 3),
+        }
+        update(3, description="plan: formatting")
+        text = (json.dumps({**info, "plan": plan.to_dict()}, indent=1, sort_keys=True)
+                if args.json else format_text(args, info, plan, source))
+    print(text)  # after the bar is gone
+    return 0
+
+
+def format_text(args: argparse.Namespace, info: dict, plan, source: str | None) -> str:
+    """The human-readable listing `orchestra plan` prints."""
     what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
                       f"({fmt_bytes(info['data_bytes'])})")
     streams = f"{info['streams']} stream(s)"
     if info["streams"] < args.streams:
         streams += f" (of {args.streams} requested: no node would run on the others)"
-    print(f"orchestra plan: {what}, policy {args.policy}, {streams}, "
-          f"compute iters {args.compute_iters}")
+    lines = [f"orchestra plan: {what}, policy {args.policy}, {streams}, "
+             f"compute iters {args.compute_iters}"]
     if not args.summary:
-        print(plan)
-    print(f"counts: {info['nodes']} nodes, {info['edges']} edges, {info['events']} events, "
-          f"{info['waits']} waits, {info['streams']} streams")
-    print(f"estimated makespan: {makespan_ms:.3f} ms ({COST_NOTE})")
+        lines.append(str(plan))
+    lines += [
+        f"counts: {info['nodes']} nodes, {info['edges']} edges, {info['events']} events, "
+        f"{info['waits']} waits, {info['streams']} streams",
+        f"memory: {fmt_bytes(info['pinned_bytes'])} pinned host, "
+        f"{fmt_bytes(info['device_batch_bytes'])} device per batch, up to "
+        f"{fmt_bytes(info['device_peak_bytes'])} with the batches in flight",
+        f"estimated makespan: {info['estimated_makespan_ms']:.3f} ms ({COST_NOTE})",
+    ]
     if args.policy == "critical-path":
-        print("critical-path placed the nodes with the default cost model: no GPU is used here")
-    return 0
+        lines.append("critical-path placed the nodes with the default cost model: no GPU is "
+                     "used here")
+    return "\n".join(lines)

@@ -3,24 +3,35 @@
 Generates float32 batches (or streams ``--input FILE.npy``), measures single-batch H2D, kernel
 and D2H times with timing events, runs the pipeline ``--repeat`` times with NaN-poisoned outputs,
 verifies every element against numpy and prints: batches, bytes moved, wall ms (median), the
-bound ``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``, efficiency = bound / wall, host µs per
-node and PASS/FAIL (``--json``: one JSON object). Exit 0 on PASS, 1 on a mismatch, 2 without a
-GPU (the message points to `orchestra plan`). ``--trace FILE.json`` / ``--plot FILE.png``: one
+fill-aware pipeline bound from sustained per-item times (docs/execution.md, "The bound"),
+efficiency = bound / wall, host µs per node and PASS/FAIL (``--json``: one JSON object); an
+efficiency above 1.01 prints a BOUND BUG banner. Exit 0 on PASS, 1 on a mismatch, 3 without a
+GPU (the message points to `orchestra plan`); options are checked as `orchestra plan` checks
+them (`orchestra.cli.job_options`), and against the device, before any work.
+``--trace FILE.json`` / ``--plot FILE.png``: one
 extra traced run after the timed ones, written as a Chrome trace / Gantt chart and summarized
 (`orchestra.cli.trace_out`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import logging
 
-from orchestra.cli.job_options import add_graph_options, fmt_bytes, positive_int
+from orchestra.cli import progress
+from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
+from orchestra.cli.job_options import (
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, fmt_bytes,
+    positive_int,
+)
+
+log = logging.getLogger(__name__)
 
 EXECUTORS = ("eager", "capture", "graph")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run the main job on the GPU: batched H2D -> kernel -> D2H, "
                                    "timed against the overlap bound and verified")
     add_graph_options(p)
@@ -46,47 +57,50 @@ def register(sub) -> None:
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
     p.add_argument("--no-verify-plan", action="store_true",
                    help="skip the hazard verifier before the first run")
-    # None: not given (4 slots with --input); given without --input it is refused in `run`.
-    p.set_defaults(func=run, staging_slots=None,
-                   no_device_hint="; `orchestra plan` shows the same plan without a GPU")
+    p.set_defaults(func=run, no_device_hint="; `orchestra plan` shows the same plan without a GPU")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from orchestra.execute import AVAILABLE_EXECUTORS
 
     if args.executor not in AVAILABLE_EXECUTORS:
-        print(f"orchestra run: --executor {args.executor} is not available yet; use "
-              f"--executor {' | '.join(AVAILABLE_EXECUTORS)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--executor {args.executor} is not available yet; use "
+                         f"--executor {' | '.join(AVAILABLE_EXECUTORS)}")
     if args.graph_dot and args.executor == "eager":
-        print("orchestra run: --graph-dot needs --executor capture or graph (the eager "
-              "executor builds no CUDA graph)", file=sys.stderr)
-        return 2
+        raise UsageError("--graph-dot needs --executor capture or graph (the eager executor "
+                         "builds no CUDA graph)")
     if args.output and not args.input:
-        print("orchestra run: --output needs --input (the generated data is verified in "
-              "memory)", file=sys.stderr)
-        return 2
-    if args.staging_slots is not None and not args.input:
-        print("orchestra run: --staging-slots needs --input (the generated data is made in "
-              "pinned memory and needs no staging slots)", file=sys.stderr)
-        return 2
+        raise UsageError("--output needs --input (the generated data is verified in memory)")
+    if args.input and args.seed != 0:
+        log.warning("--seed does not apply with --input: the file is the input")
+    input_elements = None
+    if args.input:
+        from orchestra.app.job.inputs import open_input
+
+        input_elements = open_input(args.input).size  # the checks `orchestra plan` makes too
+    needs = check_options(args, "run", input_elements)
     from orchestra.cli.trace_out import check_outputs
 
     problem = check_outputs(args.trace, args.plot)
     if problem:
-        print(f"orchestra run: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
     from orchestra.driver import Device
     from orchestra.app.job import MainJob
 
-    dev = Device.get(args.device)  # NoDeviceError here: exit 2 before any work
-    job = MainJob(batches=args.batches, batch_mib=args.batch_mib, streams=args.streams,
-                  policy=args.policy, compute_iters=args.compute_iters, repeat=args.repeat,
-                  seed=args.seed, executor=args.executor, device=dev, input=args.input,
-                  output=args.output, warmup=args.warmup, block=args.block,
-                  verify_plan=not args.no_verify_plan, staging_slots=args.staging_slots or 4,
-                  graph_dot=args.graph_dot, trace=bool(args.trace or args.plot))
-    report = job.run()
+    dev = Device.get(args.device)  # NoDeviceError here: exit 3 before any work
+    check_device(args, needs, dev)
+    with progress.task("run") as update:
+        job = MainJob(batches=needs["batches"], batch_mib=args.batch_mib, streams=args.streams,
+                      policy=args.policy, compute_iters=args.compute_iters, repeat=args.repeat,
+                      seed=args.seed, executor=args.executor, device=dev, input=args.input,
+                      output=args.output, warmup=args.warmup, block=args.block,
+                      verify_plan=not args.no_verify_plan,
+                      staging_slots=args.staging_slots or DEFAULT_STAGING_SLOTS,
+                      graph_dot=args.graph_dot, trace=bool(args.trace or args.plot),
+                      progress=progress.reporter(update, "run"))
+        report = job.run()
+    log.debug("run: %s", {k: v for k, v in report.as_dict().items() if k in (
+        "nodes", "events", "waits", "wall_ms", "verified")})
     trace_info = None
     if report.timeline is not None:
         from orchestra.cli.trace_out import write_outputs
@@ -98,6 +112,8 @@ def run(args) -> int:
         if trace_info is not None:
             d["trace"] = trace_info
         print(json.dumps(d, indent=1, sort_keys=True))
+        if report.bound_warning:
+            log.error("%s", report.bound_warning)  # stderr, even with -q
     else:
         print_report(report)
         if trace_info is not None:
@@ -105,7 +121,7 @@ def run(args) -> int:
 
             print()
             print(format_trace(report.timeline, trace_info))
-    return 0 if report.verified else 1
+    return CHECK_FAILED if not report.verified else OK
 
 
 def format_table(header, rows) -> str:
@@ -133,11 +149,20 @@ def print_report(r) -> None:
     runs = ", ".join(f"{w:.2f}" for w in r.wall_ms_runs)
     print(f"wall ms: median of {r.repeat} run(s) ({runs}); host clock from the first enqueue to "
           "the end of the synchronize")
-    print("bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h (single-batch times from "
-          "timing events); efficiency = bound / wall")
-    if r.duplex_efficiency is not None:
-        print(f"H2D while a D2H runs: {r.t_duplex_ms:.3f} ms per batch (PCIe moves both "
-              "directions at once more slowly than one); the bound with that step is "
-              f"{r.duplex_bound_ms:.3f} ms, wall reaches {r.duplex_efficiency:.3f} of it")
+    if r.sustained:
+        su = r.sustained
+        spread = (f", the faster of 1 and {su['streams']} streams" if su.get("streams", 1) > 1
+                  else "")
+        print(f"sustained per batch ({su['items']} back-to-back{spread}, GPU time behind a "
+              f"gate): H2D {su['h2d_ms']:.3f} ms, kernel {su['kernel_ms']:.3f} ms, D2H "
+              f"{su['d2h_ms']:.3f} ms, H2D + D2H at once {su['pair_ms']:.3f} ms per pair")
+    if r.bound_terms:
+        terms = ", ".join(f"{k} {v:.3f}" for k, v in r.bound_terms.items())
+        print(f"bound = the largest of ({terms}) ms: {r.bound_limiter}-bound; efficiency = "
+              "bound / wall (docs/execution.md, \"The bound\")")
+    if r.bound_warning:
+        banner = "!" * 78
+        print(f"{banner}\n{r.bound_warning}\n{banner}")
+        log.error("%s", r.bound_warning)  # stderr too, even with -q
     if not r.verified:
         print(f"verification: {r.check}")

@@ -12,7 +12,7 @@ replay updates, changing a scalar between launches). The driver copies parameter
 the launch call returns, so rewriting a field after ``launch`` returned never changes a launch
 already enqueued.
 
-Validation (case C09), before anything is enqueued, always naming the parameter:
+Validation, before anything is enqueued, always naming the parameter:
 
 * wrong number of arguments -> `KernelArgumentTypeError` showing the expected signature;
 * an int that does not fit the declared width -> `KernelArgumentValueError`
@@ -242,7 +242,8 @@ class ArgLayout:
         self.params = tuple(params)
         self.kernel_name = kernel_name
         fields = [(f"a{i}", _CTYPES[p.dtype]) for i, p in enumerate(self.params)]
-        self.struct_type = type(f"{kernel_name}_args", (ctypes.Structure,), {"_fields_": fields})
+        self.struct_type: type[ctypes.Structure] = type(
+            f"{kernel_name}_args", (ctypes.Structure,), {"_fields_": fields})
         self.field_names = tuple(f for f, _ in fields)
         self.offsets = tuple(getattr(self.struct_type, f).offset for f in self.field_names)
         self.size = ctypes.sizeof(self.struct_type)

@@ -267,7 +267,8 @@ def _unlink(path: Path) -> bool:
 def _scan(directory: Path) -> tuple[list[tuple[int, str, int, str]], list[tuple[float, str]]]:
     """(entries as (mtime_ns, name, size, path), temporary files as (mtime, path)); files that
     vanish while we look are skipped."""
-    entries, temps = [], []
+    entries: list[tuple[int, str, int, str]] = []
+    temps: list[tuple[float, str]] = []
     try:
         it = os.scandir(directory)
     except OSError:

@@ -269,13 +269,13 @@ def dir_versions(directory: str, scan: _Scan | None = None) -> tuple:
     hit = _version_memo.get(directory)
     if hit is not None and hit[0] == sig:
         return hit[1]
-    found = []
-    v = cccl_version(directory) if "cuda" in entries else None
-    if v is not None:
-        found.append(("CCCL", v))
-    v = cudart_version(directory) if entries.get("cuda_runtime_api.h") else None
-    if v is not None:
-        found.append(("cudart", v))
+    found: list[tuple[str, tuple[int, ...]]] = []
+    cccl = cccl_version(directory) if "cuda" in entries else None
+    if cccl is not None:
+        found.append(("CCCL", cccl))
+    cudart = cudart_version(directory) if entries.get("cuda_runtime_api.h") else None
+    if cudart is not None:
+        found.append(("cudart", cudart))
     out = tuple(found)
     _remember(_version_memo, directory, (sig, out))
     return out
@@ -335,7 +335,7 @@ def _key_and_digest(text, name, options, system_dirs, cwd) -> tuple[tuple, str]:
 
 def _scan_headers(scan: _Scan, text, name, options, system_dirs, cwd) -> tuple:
     dirs, pre_includes, source_include = search_path(options, cwd)
-    dir_candidates = [(d, j) for j, d in enumerate(dirs)]
+    dir_candidates: list[tuple[str, int | None]] = [(d, j) for j, d in enumerate(dirs)]
     resolved: dict[tuple, tuple | None] = {}  # the same include from the same place, once
     system = tuple(os.path.normpath(d) for d in system_dirs)
     versioned = versioned_dirs(dirs, system, scan)

@@ -97,16 +97,16 @@ def cudart_version(directory) -> tuple[int, int] | None:
     return (v // 1000, (v % 1000) // 10)
 
 
-def header_versions(dirs) -> list[tuple[str, str, tuple]]:
+def header_versions(dirs) -> list[tuple[str, str, tuple[int, ...]]]:
     """For each directory holding CCCL or cudart headers: ``(dir, "CCCL"|"cudart", version)``."""
-    out = []
+    out: list[tuple[str, str, tuple[int, ...]]] = []
     for d in dirs:
         v = cccl_version(d)
         if v is not None:
             out.append((str(d), "CCCL", v))
-        v = cudart_version(d)
-        if v is not None:
-            out.append((str(d), "cudart", v))
+        v2 = cudart_version(d)
+        if v2 is not None:
+            out.append((str(d), "cudart", v2))
     return out
 
 

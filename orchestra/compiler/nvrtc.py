@@ -43,7 +43,7 @@ _ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
 
 
 class NameExpressionError(CompileError):
-    """One or more name expressions did not resolve to a symbol of the image (case C11).
+    """One or more name expressions did not resolve to a symbol of the image.
 
     Attributes (besides `CompileError`'s): ``missing``: the expressions that failed, in the
     order given; ``resolved``: dict expression -> lowered name for the ones that did resolve.

@@ -101,7 +101,9 @@ def _strip_comments(text: str) -> str:
 
 
 def _split_top_level(s: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in s:
         if ch in "(<[{":
             depth += 1

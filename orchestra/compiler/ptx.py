@@ -1,6 +1,6 @@
 """PTX: its ISA version, whether a driver can JIT it, and linking it to a cubin with nvJitLink.
 
-Case C08: PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
+PTX written by a newer NVRTC (say 13.5, ``.version 9.5``) cannot be JIT-compiled by an
 older driver (say CUDA 13.0): the driver answers ``CUDA_ERROR_UNSUPPORTED_PTX_VERSION``, which
 names neither version. `check_ptx_loadable` compares the two first and raises `PtxVersionError`
 naming both; `Module.load` calls it before handing PTX to the driver. `link_ptx` avoids the
@@ -124,7 +124,8 @@ def nvjitlink_version() -> tuple[int, int]:
     """nvJitLink's (major, minor) (``nvJitLinkVersion``); cached for the process."""
     from cuda.bindings import nvjitlink
 
-    return tuple(int(x) for x in nvjitlink.version())
+    major, minor = (int(x) for x in nvjitlink.version())
+    return major, minor
 
 
 def _run_nvjitlink(ptx: bytes, name: str, options: tuple[str, ...]) -> tuple[bytes, str]:

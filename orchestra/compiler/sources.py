@@ -1,15 +1,21 @@
 """Where kernel sources live and how a `source_or_path` argument is read.
 
-`kernel_source_dir()` is the repository's ``cuda_src/`` (CUDA C++ kernels), `ptx_source_dir()`
-its ``ptx/`` (hand-written PTX); both are found relative to this package, which works for the
-editable install the project uses. `read_source` turns the argument every compiler entry point
-takes (a path to an existing file, or the program text itself) into a `Source`.
+`kernel_source_dir()` holds the CUDA C++ kernels, `ptx_source_dir()` the hand-written PTX. In the
+repository they are ``cuda_src/`` and ``ptx/`` at the top level; a built package (a wheel,
+``pip install .``) carries copies as ``orchestra/_kernels/cuda_src/`` and
+``orchestra/_kernels/ptx/`` (setup.py's build step). Both functions look in the installed
+package first and in the checkout next to it second, so a normal and an editable install find
+them through the same calls, from any working directory. `read_source` turns the argument every
+compiler entry point takes (a path to an existing file, or the program text itself) into a
+`Source`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Iterable
 
 import attrs
 
@@ -19,30 +25,45 @@ from orchestra.errors import (
     OrchestraError,
 )
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-_REPO_ROOT = _PACKAGE_DIR.parent.parent
+log = logging.getLogger(__name__)
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../orchestra
+_PACKAGED = _PACKAGE_DIR / "_kernels"                   # a built package's copies
+_CHECKOUT = _PACKAGE_DIR.parent                         # the repository, in an editable install
 
 #: File suffixes that mark a str argument as a file name rather than program text.
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inl", ".ptx")
 
 
-def kernel_source_dir() -> Path:
-    """The repository's ``cuda_src/`` directory (CUDA C++ kernels), absolute.
+def _kernel_dir(name: str, env: str) -> Path:
+    """``$env`` if set, else the package's ``_kernels/<name>``, else the checkout's ``<name>``.
 
-    Overridable with ``$ORCHESTRA_KERNEL_DIR``. The directory may be missing in a non-editable
-    install; callers that need it check ``.is_dir()``.
+    The last is returned even when missing, so that "not found" messages name where the
+    kernels were looked for."""
+    override = os.environ.get(env)
+    if override:
+        return Path(override).resolve()
+    packaged = _PACKAGED / name
+    if packaged.is_dir():
+        return packaged
+    return _CHECKOUT / name
+
+
+def kernel_source_dir() -> Path:
+    """The directory of the CUDA C++ kernels (``cuda_src/``), absolute.
+
+    Overridable with ``$ORCHESTRA_KERNEL_DIR``; otherwise the installed package's copy, or the
+    checkout's ``cuda_src/`` in an editable install. Callers that need it check ``.is_dir()``.
     """
-    env = os.environ.get("ORCHESTRA_KERNEL_DIR")
-    return Path(env).resolve() if env else _REPO_ROOT / "cuda_src"
+    return _kernel_dir("cuda_src", "ORCHESTRA_KERNEL_DIR")
 
 
 def ptx_source_dir() -> Path:
-    """The repository's ``ptx/`` directory (hand-written PTX kernels), absolute.
+    """The directory of the hand-written PTX kernels (``ptx/``), absolute.
 
-    Overridable with ``$ORCHESTRA_PTX_DIR``.
+    Overridable with ``$ORCHESTRA_PTX_DIR``; otherwise found as `kernel_source_dir` is.
     """
-    env = os.environ.get("ORCHESTRA_PTX_DIR")
-    return Path(env).resolve() if env else _REPO_ROOT / "ptx"
+    return _kernel_dir("ptx", "ORCHESTRA_PTX_DIR")
 
 
 class SourceEncodingError(OrchestraError, ValueError):
@@ -95,7 +116,8 @@ def _looks_like_path(s: str) -> bool:
     return s.endswith(SOURCE_SUFFIXES) or os.sep in s or os.path.isfile(s)
 
 
-def resolve_path(name: str | os.PathLike, search=()) -> Path | None:
+def resolve_path(name: str | os.PathLike[str], search: Iterable[str | os.PathLike[str]] = ()
+                 ) -> Path | None:
     """Find file ``name``: as given (relative to the working directory), then in each of
     ``search`` (directories). Returns an absolute `Path` or None."""
     p = Path(name)
@@ -109,7 +131,8 @@ def resolve_path(name: str | os.PathLike, search=()) -> Path | None:
     return None
 
 
-def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) -> Source:
+def read_source(source_or_path: str | bytes | os.PathLike[str], *, inline_name: str = "inline.cu",
+                search: Iterable[str | os.PathLike[str]] | None = None) -> Source:
     """Read a program given as a path or as text.
 
     ``source_or_path``: a `Path` (must exist), a str naming an existing file (a relative name
@@ -120,8 +143,7 @@ def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) 
     ``.cu``/``.ptx``/..., holds no newline) but exists nowhere; `SourceEncodingError` (a
     ``ValueError``) for a file that is not UTF-8; ``TypeError`` for other types.
     """
-    if search is None:
-        search = (kernel_source_dir(), ptx_source_dir())
+    search = (kernel_source_dir(), ptx_source_dir()) if search is None else tuple(search)
     if isinstance(source_or_path, bytes):
         return Source(source_or_path.decode("utf-8"), None, inline_name)
     if isinstance(source_or_path, os.PathLike) or (
@@ -133,7 +155,9 @@ def read_source(source_or_path, *, inline_name: str = "inline.cu", search=None) 
             raise KernelSourceNotFoundError(
                 f"kernel source {os.fspath(source_or_path)!r} not found (looked in the working"
                 f" directory and {dirs}); pass an existing path or the program text itself")
-        return Source(_read_text(path), path, str(path))
+        text = _read_text(path)
+        log.debug("kernel source %s (%d bytes)", path, len(text))
+        return Source(text, path, str(path))
     if isinstance(source_or_path, str):
         return Source(source_or_path, None, inline_name)
     raise CompilerArgumentTypeError(

@@ -12,7 +12,7 @@ joins it through an event, into a ``CUgraph`` instead of running it:
 ``mode`` is ``thread-local`` by default (another host thread's CUDA calls cannot invalidate the
 capture), ``global`` or ``relaxed`` on request (``CUstreamCaptureMode``). A stream that did work
 after its fork or its last join when the session ends is *unjoined* (the driver would fail
-``cuStreamEndCapture`` with ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``, case C02): the session joins
+``cuStreamEndCapture`` with ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``): the session joins
 it, ends the capture, discards the graph and raises `UnjoinedStreamError` naming it. An
 exception inside the block ends the capture (`CaptureSession.abort`) and propagates: every
 stream leaves capture mode whatever happened. `capture_status` / `is_capturing` read a stream's

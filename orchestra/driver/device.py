@@ -123,7 +123,7 @@ class Device:
         self.handle = handle
         self._ctx = None  # CUcontext, retained lazily
         self._ctx_int = 0
-        self._limits = None
+        self._limits: DeviceLimits | None = None
         raw_name = cu(driver.cuDeviceGetName, 256, handle)
         self.name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
         self.compute_capability = (

@@ -123,7 +123,8 @@ def exec_update(exec_, graph, driver=None) -> tuple[int, int | None, int | None,
     """
     global _update_fn
     if driver is None:
-        from cuda.bindings import driver
+        from cuda.bindings import driver as default_driver
+        driver = default_driver
     _d = driver
     if _update_fn is None or _update_fn[0] is not _d:
         _update_fn = (_d, None)

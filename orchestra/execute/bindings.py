@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import numpy as np
@@ -31,10 +31,11 @@ import numpy as np
 from orchestra.driver import host as _host
 from orchestra.errors import NotFoundError
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
-from orchestra.graph import Buffer, HostBuffer, TaskGraph
+from orchestra.graph import Alloc, Buffer, Free, HostBuffer, TaskGraph
 
 
-_from_buffer = ctypes.c_char.from_buffer
+# any object with the writable buffer protocol (a TypeError otherwise, caught by the caller)
+_from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 
@@ -193,7 +194,7 @@ class BindingSpec:
 
     def __init__(self, graph: TaskGraph):
         self.host: dict[str, HostBuffer] = {b.name: b for b in graph.host_buffers}
-        allocated = {n.buffer.name for n in graph.nodes if n.kind in ("alloc", "free")}
+        allocated = {n.buffer.name for n in graph.nodes if isinstance(n, (Alloc, Free))}
         self.external: dict[str, Buffer] = {b.name: b for b in graph.buffers
                                             if b.name not in allocated}
         self.allocated = frozenset(allocated)
@@ -241,8 +242,8 @@ class BindingSpec:
         for name, buf in self.host.items():
             host[name] = self._host(name, buf, bindings[name], pinned)
         device = {}
-        for name, buf in self.external.items():
-            device[name] = self._device(name, buf, bindings[name])
+        for name, dbuf in self.external.items():
+            device[name] = self._device(name, dbuf, bindings[name])
         return ResolvedBindings(host, device)
 
     def _kind(self, name):

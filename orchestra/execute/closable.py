@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestra.errors import ClosedError
 
 
@@ -25,6 +27,8 @@ class Closable:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    close: Callable[[], None]  # each subclass's own: releases its handles, sets _closed
 
 
 __all__ = ["Closable"]

@@ -29,6 +29,7 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -47,10 +48,13 @@ from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionErro
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, RecordEvent, RunNode
+
+log = logging.getLogger(__name__)
 
 _alloc = _d.cuMemAllocFromPoolAsync
 _free = _d.cuMemFreeAsync
@@ -215,8 +219,10 @@ class EagerExecutor(Closable):
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs, self.cache_size)
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object
+        (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
+        return self._plans.get(graph, policy, streams, costs, self.cache_size,
+                               capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:
@@ -263,7 +269,7 @@ class EagerExecutor(Closable):
         # Kernels first: compile errors, argument and launch-limit errors surface before any
         # stream or event is created.
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
         prep.streams = self._pool.take_streams(plan)
@@ -499,6 +505,10 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
+                  "enqueued (one per step), in %.0f us; wall %s ms", prep.nodes,
+                  len(prep.streams), prep.events, prep.waits, len(prep.steps), enqueue_us,
+                  "-" if wall_ms is None else f"{wall_ms:.3f}")
         return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
                          steps=len(prep.steps), events=prep.events, waits=prep.waits,
                          streams=len(prep.streams), policy=prep.plan.policy,

@@ -89,6 +89,7 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
     where = f"kernel node {node.name}"
     layout = getattr(kernel, "layout", None)
     params = layout.params if layout is not None else None
+    field_names = layout.field_names if layout is not None else ()
     values, pointers = [], []
     for i, arg in enumerate(node.args):
         target = _buffer_target(arg)
@@ -101,7 +102,7 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
             base = addresses.get(target.buffer.name, 0) if addresses else 0
             values.append(base + target.offset)
             if param is not None:
-                pointers.append(PointerArg(i, layout.field_names[i], target.buffer.name,
+                pointers.append(PointerArg(i, field_names[i], target.buffer.name,
                                            target.offset))
         else:
             if param is not None and param.is_pointer and not (

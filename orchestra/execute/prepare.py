@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from orchestra.execute.errors import PlanMismatchError
-from orchestra.graph import TaskGraph
+from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.schedule import Plan, RunNode, check
 
 
@@ -51,13 +51,13 @@ def issue_order(plan: Plan) -> list:
 def check_alloc_order(issue, graph: TaskGraph) -> None:
     """In issue order, every access to a buffer with `Alloc`/`Free` nodes lies between an Alloc
     and the next Free of it (the executor must know the address when it enqueues the use)."""
-    managed = {n.buffer.name for n in graph.nodes if n.kind in ("alloc", "free")}
+    managed = {n.buffer.name for n in graph.nodes if isinstance(n, (Alloc, Free))}
     live: dict[str, str | None] = {}
     for stream, step in issue:
         if not isinstance(step, RunNode):
             continue
         node = graph.node(step.node)
-        if node.kind == "alloc":
+        if isinstance(node, Alloc):
             b = node.buffer.name
             if live.get(b):
                 raise PlanMismatchError(f"node {node.name} allocates buffer {b} again while the "
@@ -70,7 +70,7 @@ def check_alloc_order(issue, graph: TaskGraph) -> None:
                 raise PlanMismatchError(
                     f"node {node.name} (stream {stream}) uses buffer {b} but is issued before "
                     f"its Alloc (or after its Free); order the plan so the Alloc comes first")
-        if node.kind == "free":
+        if isinstance(node, Free):
             live[node.buffer.name] = None
 
 

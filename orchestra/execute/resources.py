@@ -86,15 +86,17 @@ class PlanCache:
     def __init__(self):
         self._plans: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, graph, policy: str, streams: int, costs, size: int):
+    def get(self, graph, policy: str, streams: int, costs, size: int, capacity=None):
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object;
-        keeps at most ``size`` plans."""
+        keeps at most ``size`` plans. ``capacity``: ``graph -> resident_blocks`` for the
+        policies that need it (`occupancy.capacity_for`), called on a miss only."""
         key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
         hit = self._plans.get(key)
         if hit is not None and hit[0] is graph and hit[2] is costs:
             self._plans.move_to_end(key)
             return hit[1]
-        plan = schedule(graph, policy, streams, costs)
+        blocks = capacity(graph) if capacity is not None else None
+        plan = schedule(graph, policy, streams, costs, resident_blocks=blocks)
         self._plans[key] = (graph, plan, costs)
         while len(self._plans) > size:
             self._plans.popitem(last=False)

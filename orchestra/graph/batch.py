@@ -119,11 +119,12 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
     if in_flight is not None and in_flight < 1:
         raise GraphError(f"in_flight must be at least 1 batch; got {in_flight}")
     graph = TaskGraph()
-    out, offset = [], 0
+    out: list[Batch] = []
+    offset = 0
     for i, size in enumerate(sizes):
         hin = host_in.range(offset, size) if host_in is not None else None
         hout = host_out.range(offset, size) if host_out is not None else None
-        after = ()
+        after: tuple[str, ...] = ()
         if in_flight is not None and i >= in_flight:
             prev = out[i - in_flight]
             after = tuple(f.name for f in (prev.free_in, prev.free_out) if f is not None)

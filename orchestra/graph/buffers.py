@@ -9,6 +9,7 @@ D2H copy. Both are plain, hashable values identified by name; sizes are in bytes
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 import attrs
 
@@ -49,16 +50,18 @@ class Mode(enum.Enum):
 class _RangeMixin:
     """`.range()` and `.whole` for both buffer kinds."""
 
+    nbytes: int  # each buffer kind's own field
+
     def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
         if nbytes is None:
             nbytes = self.nbytes - offset
-        return BufferRange(self, offset, nbytes)
+        return BufferRange(cast("Buffer | HostBuffer", self), offset, nbytes)
 
     @property
     def whole(self) -> "BufferRange":
         """Every byte of this buffer."""
-        return BufferRange(self, 0, self.nbytes)
+        return BufferRange(cast("Buffer | HostBuffer", self), 0, self.nbytes)
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ and ``accesses()`` -> tuple of `Access`. ``engine`` says which hardware queue it
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 
@@ -90,7 +90,7 @@ class Node:
 
     def buffers(self) -> tuple:
         """The distinct buffers this node touches, in declaration order."""
-        seen = {}
+        seen: dict[Any, Buffer | HostBuffer] = {}
         for a in self.accesses():
             seen.setdefault(a.buffer.key, a.buffer)
         return tuple(seen.values())
@@ -148,6 +148,9 @@ class _HostCopy(Node):
     Subclasses declare ``src`` and ``dst`` (with their own converters) and ``src_is_host``."""
 
     src_is_host: ClassVar[bool]
+    if TYPE_CHECKING:  # fields of each subclass (with its own converter), not of this class
+        src: BufferRange
+        dst: BufferRange
 
     def _check(self):
         _copy_check(self, self.src_is_host)

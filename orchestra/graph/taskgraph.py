@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from typing import TypeVar
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.buffers import Buffer, HostBuffer
 from orchestra.graph.nodes import Node
+
+N = TypeVar("N", bound=Node)
 from orchestra.graph.ranges import RangeTracker
 
 
@@ -33,13 +36,13 @@ class TaskGraph:
 
     # -- building ---------------------------------------------------------------------------
 
-    def add(self, node: Node) -> Node:
+    def add(self, node: N) -> N:
         """Add ``node`` after every node added so far (program order); returns it."""
         if not isinstance(node, Node):
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
         if name in self._nodes:
-            raise GraphError(f"a node named {name!r} is already in the graph "
+            raise NameCollisionError(f"a node named {name!r} is already in the graph "
                              f"({type(self._nodes[name]).__name__}); node names must be unique")
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
@@ -75,7 +78,7 @@ class TaskGraph:
         if known is None:
             self._buffers[buf.name] = buf
         elif known != buf:
-            raise GraphError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
+            raise NameCollisionError(f"node {node_name!r}: buffer name {buf.name!r} already names {known!r}, "
                              f"not {buf!r}; give different buffers different names")
 
     def _edge(self, pred, succ, reason, explicit=False):
@@ -114,12 +117,12 @@ class TaskGraph:
     @property
     def buffers(self) -> tuple[Buffer, ...]:
         """Device buffers, in order of first use."""
-        return tuple(b for b in self._buffers.values() if not b.is_host)
+        return tuple(b for b in self._buffers.values() if isinstance(b, Buffer))
 
     @property
     def host_buffers(self) -> tuple[HostBuffer, ...]:
         """Host buffers, in order of first use."""
-        return tuple(b for b in self._buffers.values() if b.is_host)
+        return tuple(b for b in self._buffers.values() if isinstance(b, HostBuffer))
 
     def buffer(self, name: str):
         try:
@@ -244,7 +247,7 @@ def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
         for s in succs[n]:
             r |= reach[s] | (1 << pos[s])
         reach[n] = r
-    out = set()
+    out: set[tuple[str, str]] = set()
     for n in order:
         via = 0
         for s in succs[n]:

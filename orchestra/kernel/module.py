@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import Any
 from pathlib import Path
 
 from orchestra.compiler.args import ArgLayout, PackedArgs
@@ -131,7 +132,7 @@ class Module(Resource):
         ``image``: a `CompileResult`, cubin/fatbin bytes, PTX text (bytes or str), or a path
         to a ``.cubin``/``.fatbin``/``.ptx`` file. PTX is JIT-compiled by the driver; before
         that its ``.version`` is compared with ``cuDriverGetVersion`` and `PtxVersionError`
-        names both when the driver is too old (case C08). ``source`` (CUDA C++ text) lets
+        names both when the driver is too old. ``source`` (CUDA C++ text) lets
         `kernel` read parameter declarations; ``lowered_names`` maps name expressions to
         lowered names (taken from a `CompileResult`).
 
@@ -262,8 +263,9 @@ class Kernel:
         self.layout = ArgLayout(params, lowered if lowered.isidentifier() else "kernel") \
             if params is not None else None
         self._params_error = params_error
-        self._attributes = None
-        self._dyn_smem = None  # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._attributes: KernelAttributes | None = None
+        # current CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._dyn_smem: int | None = None
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
         self._pointer_specs = None  # for protocol arguments (_interop_args), built on first use
@@ -287,11 +289,12 @@ class Kernel:
             actual = self._params_from_driver()
             if actual is None:
                 return  # cannot tell: skip the check
-        declared = [(o, p.size) for o, p in zip(self.layout.offsets, self.params)]
+        layout = self._need_layout()  # set: the parameters were declared
+        declared = [(o, p.size) for o, p in zip(layout.offsets, self.params)]
         if len(actual) != len(declared):
             raise ParamDeclarationValueError(
                 f"kernel {self.name} takes {len(actual)} parameters in the image, but"
-                f" {len(declared)} were declared: {self.layout.signature}; fix params=")
+                f" {len(declared)} were declared: {layout.signature}; fix params=")
         for idx, ((ao, asz), (do, dsz), p) in enumerate(zip(actual, declared, self.params)):
             if ao != do or asz != dsz:
                 raise ParamDeclarationValueError(
@@ -338,10 +341,11 @@ class Kernel:
     def attributes(self) -> "KernelAttributes":
         """Register count, static shared memory, max threads per block and more
         (``cuFuncGetAttribute``), queried once."""
-        if self._attributes is None:
-            self._attributes = KernelAttributes.query(self.function)
-            self._dyn_smem = self._attributes.max_dynamic_shared_bytes
-        return self._attributes
+        attributes = self._attributes
+        if attributes is None:
+            attributes = self._attributes = KernelAttributes.query(self.function)
+            self._dyn_smem = attributes.max_dynamic_shared_bytes
+        return attributes
 
     def occupancy(self, block, shared_mem: int = 0) -> int:
         """Max resident blocks per SM for ``block`` threads and ``shared_mem`` bytes of dynamic
@@ -644,6 +648,15 @@ class KernelAttributes:
     __slots__ = ("num_regs", "static_shared_bytes", "max_threads_per_block", "local_bytes",
                  "const_bytes", "max_dynamic_shared_bytes", "ptx_version", "binary_version",
                  "non_portable_cluster_size_allowed")
+    num_regs: int
+    static_shared_bytes: int
+    max_threads_per_block: int
+    local_bytes: int
+    const_bytes: int
+    max_dynamic_shared_bytes: int
+    ptx_version: int
+    binary_version: int
+    non_portable_cluster_size_allowed: bool
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -718,7 +731,7 @@ def load_kernel(path_or_source, name: str, *, name_expression=None, options=(), 
         cubin = link_ptx(path_or_source, arch=dev.arch)
         import hashlib
 
-        memo_key = (dev.ordinal, "ptx", hashlib.sha256(cubin).hexdigest())
+        memo_key: tuple[Any, ...] = (dev.ordinal, "ptx", hashlib.sha256(cubin).hexdigest())
         with _memo_lock:
             module = _modules.get(memo_key)
             if module is None or module.closed:

@@ -68,7 +68,7 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
 
     # events numbered by their source's place in the global order: stable and readable
     event = {p: f"e{i}" for i, p in enumerate(sorted(sources, key=gpos.__getitem__))}
-    steps = {sp.name: [] for sp in specs}
+    steps: dict[str, list[RunNode | RecordEvent | WaitEvent]] = {sp.name: [] for sp in specs}
     for v in order:
         out = steps[node_stream[v]]
         if v in waits:

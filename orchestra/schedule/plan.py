@@ -16,6 +16,7 @@ enqueue with `issue_order()`, which follows it while never issuing a wait before
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import attrs
 
@@ -70,6 +71,14 @@ def _field(step) -> str:
     return step.node if isinstance(step, RunNode) else step.event
 
 
+def _stream_specs(specs: Iterable[StreamSpec]) -> tuple[StreamSpec, ...]:
+    return tuple(specs)
+
+
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
 @attrs.frozen(eq=True, hash=False)
 class Plan:
     """Streams and their ordered steps. ``node_stream`` and ``events`` are derived.
@@ -84,10 +93,10 @@ class Plan:
         events: every event name, in order of first record (then unrecorded waits).
     """
 
-    streams: tuple[StreamSpec, ...] = attrs.field(converter=tuple)
+    streams: tuple[StreamSpec, ...] = attrs.field(converter=_stream_specs)
     steps: dict = attrs.field(converter=lambda d: {k: tuple(v) for k, v in d.items()})
     policy: str = "manual"
-    order: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    order: tuple[str, ...] = attrs.field(default=(), converter=_names)
     meta: dict = attrs.field(factory=dict, converter=dict)
     node_stream: dict = attrs.field(init=False, eq=False, repr=False)
     events: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)

@@ -1,4 +1,4 @@
-"""Stream assignment policies: round-robin, by-engine, critical-path.
+"""Stream assignment policies: round-robin, by-engine, critical-path, concurrent.
 
 Each policy picks a stream per node and one global node order that respects the graph; event
 insertion then adds the joins. Rules shared by all: a `Free` runs on the stream of the buffer's
@@ -13,15 +13,18 @@ import heapq
 
 from orchestra.errors import GraphError, ScheduleError
 from orchestra.graph import TaskGraph
+from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
 from orchestra.schedule.events import insert_events
 from orchestra.schedule.plan import Plan, StreamSpec
 
-POLICIES = ("round-robin", "by-engine", "critical-path")
+POLICIES = ("round-robin", "by-engine", "critical-path", "concurrent")
+#: Policies that use ``resident_blocks`` (executors fill it from kernel occupancy).
+CAPACITY_POLICIES = ("concurrent",)
 
 
 def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
-             costs: Costs = None) -> Plan:
+             costs: Costs = None, *, resident_blocks=None) -> Plan:
     """A `Plan` for ``graph`` on ``streams`` streams.
 
     - ``round-robin``: batch b wholly on stream ``s{b % streams}``, nodes in program order: the
@@ -34,6 +37,12 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
       longest remaining path) goes on the stream where it starts earliest, with one upload copy
       engine, one download copy engine and the SMs as exclusive resources. Allocs are placed just
       before their first use. The estimated makespan is in ``plan.meta["makespan_us"]``.
+    - ``concurrent``: by-engine's copy streams; kernels that do not fill the GPU (grid smaller
+      than ``resident_blocks[node]``, the blocks the device holds at once for that launch) go
+      on separate compute streams (``compute0``..) so independent ones run at once; kernels
+      that fill it, or whose capacity is unknown, stay on one (`concurrent`). Needs
+      ``streams`` >= 4 for two compute streams. The executors fill ``resident_blocks`` from
+      ``Kernel.occupancy()`` and the SM count; other policies ignore it.
 
     ``streams`` is an upper bound: a stream no node would run on is left out of the plan (the
     others keep their names), so ``by-engine`` with 100 streams and 4 batches makes ``upload``,
@@ -49,6 +58,8 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
         specs, assign, order, meta = _by_engine(graph, streams)
     elif policy == "critical-path":
         specs, assign, order, meta = _critical_path(graph, streams, costs)
+    elif policy == "concurrent":
+        specs, assign, order, meta = concurrent(graph, streams, costs, resident_blocks)
     else:
         raise ScheduleError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     return insert_events(graph, assign, _used(specs, assign), order, policy, meta)
@@ -64,7 +75,7 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
     nodes = graph.nodes
     if all(n.batch is not None for n in nodes):  # the common case: no fallback to compute
-        return {n.name: n.batch for n in nodes}
+        return {n.name: b for n in nodes if (b := n.batch) is not None}
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from orchestra.errors import HazardError
-from orchestra.graph import Mode, TaskGraph
+from orchestra.graph import Alloc, Free, Mode, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.happens_before import GraphOrder, PlanOrder
 from orchestra.schedule.plan import Plan
@@ -43,9 +43,10 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
                                     f"{n} is in the graph but the plan never runs it: add it to a "
                                     f"stream after its predecessors"))
         elif order.runs[n] > 1:
+            buffer = node.buffer.name if isinstance(node, (Alloc, Free)) else None
             kind = "DOUBLE_FREE" if node.kind == "free" else "DUPLICATE"
-            what = f" (each run frees {node.buffer.name} again)" if node.kind == "free" else ""
-            findings.append(Finding(kind, getattr(node, "buffer", None) and node.buffer.name,
+            what = f" (each run frees {buffer} again)" if node.kind == "free" else ""
+            findings.append(Finding(kind, buffer,
                                     (n, None), (order.stream_of[n], None),
                                     f"the plan runs {n} {order.runs[n]} times{what}: run each node once"))
     findings += _hazards(order, graph)
@@ -115,13 +116,14 @@ def _races(order, graph) -> list[Finding]:
 
 
 def _lifetimes(order, graph) -> list[Finding]:
-    uses = defaultdict(dict)  # buffer name -> {node name: (kind, mode)} in program order
+    # buffer name -> {node name: (kind, mode)} in program order
+    uses: defaultdict[str, dict[str, tuple[str, Mode]]] = defaultdict(dict)
     for node in graph.nodes:
         if order.has(node.name):
             for acc in node.accesses():
                 if not acc.buffer.is_host:
                     uses[acc.buffer.name].setdefault(node.name, (node.kind, acc.mode))
-    out = []
+    out: list[Finding] = []
     for buf, events in uses.items():
         if not any(k in ("alloc", "free") for k, _ in events.values()):
             continue  # external buffer: bound by the caller, not allocated by the plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from orchestra.errors import TraceTypeError
 from orchestra.trace.timeline import Timeline
@@ -38,7 +39,8 @@ def to_chrome_trace(timeline: Timeline) -> dict:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"sort_index": tid}})
     for s in timeline.spans:
-        args = {"kind": s.kind, "engine": s.engine, "stream": s.stream, "batch": s.batch}
+        args: dict[str, Any] = {"kind": s.kind, "engine": s.engine, "stream": s.stream,
+                                "batch": s.batch}
         if s.nbytes is not None:
             args["bytes"] = s.nbytes
             if s.duration_ms > 0 and s.engine in ("upload", "download"):

@@ -181,29 +181,31 @@ class _PairBook:
         """True between `begin` and `finish` / `abort`."""
         return self._streams is not None
 
-    def _begin(self, streams, policy, meta):
+    def _begin(self, streams, policy, meta) -> dict:
         if self.active:
             raise CallOrderError(f"{type(self).__name__}.begin: a run is already being traced; "
                                  "call finish() or abort() first")
-        self._streams = _stream_map(streams)
-        self._names = {id(s): n for n, s in self._streams.items() if s is not None}
+        live = self._streams = _stream_map(streams)
+        self._names = {id(s): n for n, s in live.items() if s is not None}
         self._open, self._pairs = {}, []
-        self._meta = {**dict(meta or {}), "streams": tuple(self._streams), "policy": policy,
+        self._meta = {**dict(meta or {}), "streams": tuple(live), "policy": policy,
                       "executor": self.executor, "device": _ordinal(self.device)}
+        return live
 
     def _resolve(self, stream, what) -> tuple[str, Any]:
-        if not self.active:
+        live = self._streams
+        if live is None:  # not active
             raise CallOrderError(f"{type(self).__name__}.{what}: call begin(streams) first")
         if isinstance(stream, str):
-            if stream not in self._streams:
+            if stream not in live:
                 raise NotFoundError(f"{type(self).__name__}.{what}: unknown stream {stream!r}; "
-                                    f"begin() was given {list(self._streams)}")
-            return stream, self._streams[stream]
+                                    f"begin() was given {list(live)}")
+            return stream, live[stream]
         name = self._names.get(id(stream))
         if name is None:
             raise NotFoundError(
                 f"{type(self).__name__}.{what}: {stream!r} is not one of the streams "
-                f"given to begin() ({list(self._streams)})")
+                f"given to begin() ({list(live)})")
         return name, stream
 
     def _open_pair(self, name, node, ev):
@@ -265,8 +267,8 @@ class EagerTracer(_PairBook):
     def begin(self, streams, *, policy: str = "", meta: Mapping | None = None) -> None:
         """Start a run: ``streams`` maps stream names (track order) to orchestra Streams (or is a
         sequence of ``(name, Stream)`` pairs or bare Streams); records an origin on each."""
-        self._begin(streams, policy, meta)
-        missing = [n for n, s in self._streams.items() if s is None]
+        live = self._begin(streams, policy, meta)
+        missing = [n for n, s in live.items() if s is None]
         if missing:
             self._streams = None
             raise TraceTypeError(
@@ -275,7 +277,7 @@ class EagerTracer(_PairBook):
         self.pool.reset()
         self._origins, self._last = [], {}
         try:
-            for name, s in self._streams.items():
+            for name, s in live.items():
                 ev = self.pool.take()
                 ev.record(s)
                 self._origins.append(ev)
@@ -338,7 +340,7 @@ class GraphTracer(_PairBook):
     def __init__(self, device=None, *, executor: str = "graph", pool: EventPool | None = None,
                  elapsed: Callable | None = None):
         super().__init__(device, executor=executor, pool=pool, elapsed=elapsed)
-        self._origin = None
+        self._origin: Any = None  # the pool's timing event, recorded before each launch
 
     def begin(self, streams, *, policy: str = "", meta: Mapping | None = None) -> None:
         """Start describing a graph: ``streams`` are the plan's stream names (Streams too when

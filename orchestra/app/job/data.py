@@ -102,6 +102,8 @@ class Check:
     def describe(self) -> str:
         if self.ok:
             return "all elements match"
+        if self.first is None:
+            return f"{self.mismatches} element(s) differ"
         i, got, want = self.first
         return (f"{self.mismatches} element(s) differ; first at index {i}: got {got!r}, "
                 f"want {want!r}")

@@ -9,7 +9,8 @@ What `MainJob.run` does, in order:
    output array; batch ``b`` is a disjoint range of both (the last batch may be shorter);
 2. single-batch timings with timing events, each operation alone (`timing.BatchTimer`):
    ``t_h2d``, ``t_d2h``, then ``--compute-iters auto`` calibrates the kernel to the slower copy,
-   then ``t_kernel``;
+   then ``t_kernel``; then the sustained times of K back-to-back items (H2Ds, D2Hs, kernels,
+   H2D/D2H pairs at once; `sustained`) for the bound;
 3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once;
 4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
    many iterations every output converges to 2.0 whatever its input, so only a short run shows
@@ -20,8 +21,10 @@ What `MainJob.run` does, in order:
 6. with ``trace=True``, one more run after the timed ones, traced (``run(..., trace=True)``) and
    verified like the others, so tracing never changes the wall times: ``JobReport.timeline``.
 
-``efficiency = bound / wall`` with ``bound = t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``
-(N counts a shorter last batch by its fraction of a full one).
+``efficiency = bound / wall`` with the fill-aware pipeline bound from the sustained times, the
+duplex rate where both directions overlap (`bound.pipeline_bound`; N counts a shorter last
+batch by its fraction of a full one). An efficiency above 1.01 is a bug in the bound:
+``JobReport.bound_warning`` says so.
 
 With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
 flattened) and goes through a pool of pinned staging slots (`graphs.build_staged_graph`); the
@@ -31,9 +34,11 @@ verified chunk by chunk.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +58,16 @@ from orchestra.app.job.graphs import (
     job_costs,
 )
 from orchestra.app.job.inputs import open_input
+from orchestra.app.job.bound import bound_warning
+from orchestra.app.job.sustained import items_for
 from orchestra.app.job.timing import BatchTimer, SingleBatch
+
+log = logging.getLogger(__name__)
 
 TIMING_NOTE = ("wall: host clock (perf_counter) from the first enqueue to the end of the final "
                "stream synchronize, median over the timed runs; single-batch times: timing "
-               "events around each operation alone, median")
+               "events around each operation alone, median; sustained times (the bound's): K "
+               "back-to-back items behind a gate kernel, GPU time / K, median")
 CHECK_ITERS = 3
 
 
@@ -93,8 +103,10 @@ class JobReport:
     seed: int | None
     input: str | None = None
     output: str | None = None
-    t_duplex_ms: float | None = None  # an H2D and a D2H at once (see SingleBatch)
-    duplex_bound_ms: float | None = None  # the bound with steps of at least t_duplex
+    bound_limiter: str = ""  # the bound's largest term: upload, download, compute or link
+    bound_terms: dict = attrs.field(factory=dict)  # term -> ms (bound.PipelineBound.terms)
+    sustained: dict | None = None  # bound.Sustained.as_dict(): the times the bound is made of
+    bound_warning: str | None = None  # set when efficiency > 1.01: the bound is wrong
     timing: str = TIMING_NOTE
     timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
@@ -102,13 +114,6 @@ class JobReport:
     def bytes_moved(self) -> int:
         """H2D plus D2H bytes of one run."""
         return 2 * self.data_bytes
-
-    @property
-    def duplex_efficiency(self) -> float | None:
-        """duplex_bound / wall: how close the run came to what the link allows."""
-        if self.duplex_bound_ms is None or not self.wall_ms:
-            return None
-        return self.duplex_bound_ms / self.wall_ms
 
     @property
     def gbps(self) -> float:
@@ -120,7 +125,6 @@ class JobReport:
         d["wall_ms_runs"] = list(self.wall_ms_runs)
         d["bytes"] = self.bytes_moved
         d["gbps"] = self.gbps
-        d["duplex_efficiency"] = self.duplex_efficiency
         return d
 
 
@@ -142,6 +146,7 @@ class MainJob:
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
     float32 ``.npy`` file through ``staging_slots`` pinned slots instead of generated data.
     ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
+    ``progress``: called as ``progress(stage, done, total)`` as the runs go (the CLI's bar).
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
@@ -150,7 +155,8 @@ class MainJob:
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
-                 graph_dot: str | os.PathLike | None = None, trace: bool = False):
+                 graph_dot: str | os.PathLike | None = None, trace: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
             raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
@@ -171,6 +177,7 @@ class MainJob:
         self.check_iters = int(check_iters)
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
         self.trace = bool(trace)
+        self.progress = progress
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -187,11 +194,13 @@ class MainJob:
                               single.t_d2h_ms)
         return executor.prepare(graph, policy=self.policy, streams=self.streams, costs=costs), costs
 
-    def _timings(self, kernel, stream, host_in, host_out, grid) -> SingleBatch:
+    def _timings(self, kernel, stream, host_in, host_out, grid, batches: int) -> SingleBatch:
+        self._step("single-batch timings", 0, self.warmup + self.repeat + int(self.trace))
         timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
                            repeats=self.timing_repeats)
         try:
-            return timer.measure(self.iters)
+            return timer.measure(self.iters, items=items_for(batches, host_in.nbytes),
+                                 streams=self.streams)
         finally:
             timer.close()
 
@@ -199,8 +208,8 @@ class MainJob:
                 timeline=None) -> JobReport:
         walls = [r.wall_ms for r in runs]
         wall = statistics.median(walls)
-        n_eff = sum(sizes) / single.nbytes
-        bound = single.bound_ms(n_eff)
+        bound = single.bound(sizes)
+        efficiency = bound.efficiency(wall)
         last = runs[-1]
         ok = all(c.ok for c in checks) and routing is not False
         bad = next((c for c in checks if not c.ok), checks[-1])
@@ -210,14 +219,17 @@ class MainJob:
             data_bytes=sum(sizes), compute_iters=single.iters,
             compute_iters_auto=self.iters is None, t_h2d_ms=single.t_h2d_ms,
             t_kernel_ms=single.t_kernel_ms, t_d2h_ms=single.t_d2h_ms, wall_ms=wall,
-            wall_ms_runs=tuple(walls), bound_ms=bound, efficiency=bound / wall if wall else 0.0,
+            wall_ms_runs=tuple(walls), bound_ms=bound.bound_ms, efficiency=efficiency,
             host_us_per_node=statistics.median(r.host_us_per_node for r in runs),
             nodes=last.nodes, events=last.events, waits=last.waits, verified=ok,
             check=bad.describe(), mismatches=mismatches, routing_check=routing,
             repeat=self.repeat, seed=None if self.input else self.seed,
             input=None if self.input is None else str(self.input),
             output=None if self.output is None else str(self.output), timeline=timeline,
-            t_duplex_ms=single.t_duplex_ms, duplex_bound_ms=single.duplex_bound_ms(n_eff))
+            bound_limiter=bound.limiter, bound_terms=bound.terms,
+            sustained=None if single.sustained is None else single.sustained.as_dict(),
+            bound_warning=bound_warning(efficiency,
+                                        f"{self.executor_name} {self.policy}"))
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):
@@ -228,8 +240,12 @@ class MainJob:
         ``check()``; the DOT dump; with ``trace``, one more traced and verified run. Returns
         (the timed runs, every check, the most mismatches, the traced run's timeline)."""
         runs, checks, mismatches = [], [], 0
+        total = self.warmup + self.repeat + int(self.trace)
         for r in range(self.warmup + self.repeat):
+            self._step("warm-up run" if r < self.warmup else "timed run", r, total)
             res = run_once(False)
+            log.debug("main job: run %d of %d: %d nodes, %d steps, wall %.3f ms", r + 1,
+                      self.warmup + self.repeat, res.nodes, res.steps, res.wall_ms)
             chk = check()
             mismatches = max(mismatches, chk.mismatches)
             checks.append(chk)
@@ -238,11 +254,17 @@ class MainJob:
         self._dump_dot(executor)  # the timed runs' graph, not the traced one
         timeline = None
         if self.trace:  # after the timed runs: tracing never skews the wall times
+            self._step("traced run", total - 1, total)
             timeline = run_once(True).timeline
             chk = check()
             mismatches = max(mismatches, chk.mismatches)
             checks.append(chk)
         return runs, checks, mismatches, timeline
+
+    def _step(self, stage: str, done: int, total: int) -> None:
+        log.debug("main job: %s (%d of %d)", stage, done + 1, total)
+        if self.progress is not None:
+            self.progress(stage, done, total)
 
     @staticmethod
     def _close(executor, stream, buffers) -> None:
@@ -262,7 +284,7 @@ class MainJob:
 
         dev = as_device(self.device)
         if self.input is not None:
-            return self._run_file(dev)
+            return self._run_file(dev, self.input)
         return self._run_generated(dev)
 
     def _run_generated(self, dev) -> JobReport:
@@ -283,7 +305,7 @@ class MainJob:
             kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
-            single = self._timings(kernel, stream, x[:n0], y[:n0], grid)
+            single = self._timings(kernel, stream, x[:n0], y[:n0], grid, len(sizes))
             bindings = {"host_in": x, "host_out": y}
 
             routing = None
@@ -306,16 +328,16 @@ class MainJob:
 
             runs, checks, mismatches, timeline = self._timed_runs(
                 executor, run_once, lambda: reference.compare(y))
-            x = y = bindings = None  # drop the views (run_once's too) before the buffers close
+            del x, y, bindings  # drop the views (run_once's too) before the buffers close
             return self._report(dev, sizes, single, runs, checks, routing, mismatches, timeline)
         finally:
             self._close(executor, stream, (pin_in, pin_out))
 
-    def _run_file(self, dev) -> JobReport:
+    def _run_file(self, dev, path: Path) -> JobReport:
         from orchestra.driver import Stream
         from orchestra.execute import StagingPool, make_executor
 
-        inp = open_input(self.input)  # the checks `orchestra plan --input` makes too
+        inp = open_input(path)  # the checks `orchestra plan --input` makes too
         src, fortran, flat_in = inp.array, inp.fortran, inp.flat
         tmp = None
         out_path = self.output
@@ -358,7 +380,7 @@ class MainJob:
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
             np.copyto(ins[0][:n0], flat_in[:n0])
-            single = self._timings(kernel, stream, ins[0][:n0], outs[0][:n0], grid)
+            single = self._timings(kernel, stream, ins[0][:n0], outs[0][:n0], grid, len(sizes))
             bindings = {**stage_in.bindings(), **stage_out.bindings()}
 
             def build(iters):
@@ -400,9 +422,4 @@ class MainJob:
                     pass
 
 
-def bound_ms(t_h2d_ms: float, t_kernel_ms: float, t_d2h_ms: float, batches: float) -> float:
-    """``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h``."""
-    return t_h2d_ms + batches * max(t_h2d_ms, t_kernel_ms, t_d2h_ms) + t_d2h_ms
-
-
-__all__ = ["CHECK_ITERS", "JobReport", "MainJob", "TIMING_NOTE", "bound_ms", "parse_iters"]
+__all__ = ["CHECK_ITERS", "JobReport", "MainJob", "TIMING_NOTE", "parse_iters"]

@@ -1,8 +1,11 @@
-"""Single-batch timings with timing events, and the choice of ``--compute-iters``.
+"""Single-batch timings with timing events, sustained times for the bound, and the choice of
+``--compute-iters``.
 
 Each of H2D, kernel and D2H is timed alone (nothing else on the GPU): a timing event before and
 after it on one stream, ``cuEventElapsedTime``, median of ``repeats`` after ``warmup`` runs.
-These are the numbers the bound ``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h`` uses.
+Those single-batch times are reported and calibrate the kernel; the bound uses the sustained
+times of `BatchTimer.sustained` (K back-to-back items behind a gate, `sustained`), because a
+single item timed alone includes latency a full pipeline hides (`bound`).
 
 ``--compute-iters auto`` (the default) calibrates the kernel to the slower copy: the kernel's
 time is affine in ``iters`` (a fixed part plus the per-iteration FMAs), so two probe launches
@@ -16,6 +19,7 @@ from typing import Callable
 
 import attrs
 
+from orchestra.app.job.bound import PipelineBound, Sustained, pipeline_bound
 from orchestra.errors import JobConfigError
 
 PROBES = (64, 512)
@@ -24,7 +28,8 @@ MAX_ITERS = 1 << 20
 
 @attrs.frozen
 class SingleBatch:
-    """Median single-batch times (ms) of ``nbytes`` bytes, and the kernel's ``iters``."""
+    """Median single-batch times (ms) of ``nbytes`` bytes, the kernel's ``iters``, and the
+    sustained times the bound is made of (None when not measured)."""
 
     nbytes: int
     iters: int
@@ -32,26 +37,17 @@ class SingleBatch:
     t_kernel_ms: float
     t_d2h_ms: float
     repeats: int
-    t_duplex_ms: float | None = None  # per batch, H2Ds of nbytes while D2Hs of nbytes run
+    sustained: Sustained | None = None
 
-    @property
-    def t_max_ms(self) -> float:
-        return max(self.t_h2d_ms, self.t_kernel_ms, self.t_d2h_ms)
-
-    def bound_ms(self, batches: float) -> float:
-        """``t_h2d + N * max(t_h2d, t_kernel, t_d2h) + t_d2h`` (fill-aware ideal)."""
-        return self.t_h2d_ms + batches * self.t_max_ms + self.t_d2h_ms
-
-    def duplex_bound_ms(self, batches: float) -> float | None:
-        """The same bound with each steady-state step costing at least ``t_duplex`` (and at least
-        the plain bound's step, should a noisy ``t_duplex`` come in lower): in a full
-        pipeline batch b's H2D runs while batch b-2's D2H does, and the link moves both
-        directions at once more slowly than either alone (PCIe duplex contention). What the
-        hardware allows; None when not measured."""
-        if self.t_duplex_ms is None:
-            return None
-        step = max(self.t_duplex_ms, self.t_max_ms)  # never below the plain bound
-        return self.t_h2d_ms + batches * step + self.t_d2h_ms
+    def bound(self, sizes) -> PipelineBound:
+        """`pipeline_bound` over ``sizes`` (bytes per batch, or a batch count) from the
+        sustained times; without them from the single-batch times, both directions at once
+        assumed as fast as the slower alone (an upper estimate of what the link allows)."""
+        s = self.sustained
+        if s is None:
+            s = Sustained(self.nbytes, 1, self.t_h2d_ms, self.t_kernel_ms, self.t_d2h_ms,
+                          max(self.t_h2d_ms, self.t_d2h_ms))
+        return pipeline_bound(s, sizes)
 
 
 def calibrate_iters(kernel_ms: Callable[[int], float], target_ms: float, *,
@@ -147,35 +143,86 @@ class BatchTimer:
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
 
-    def duplex_ms(self, pairs: int = 4) -> float:
-        """The time per batch of ``pairs`` H2Ds (on the timer's stream) running while as many
-        D2Hs run (on a second stream forked from it with an event and joined back): what one
-        pipeline step costs the link once both directions are busy."""
-        from orchestra.driver import Event, Stream
+    def sustained(self, items: int, iters: int, *, streams: int = 1) -> Sustained:
+        """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
+        H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once. Each kind is timed on
+        one stream and, when ``streams`` > 1, spread round-robin over that many (pairs: the
+        H2Ds over ``streams`` streams, the D2Hs over as many others); the faster counts, since
+        small items overlap across streams (several copy engines, kernels smaller than the GPU)
+        as round-robin and concurrent plans let them. Items on several streams write the same
+        device or host buffer: harmless for timing, and the contents are not used."""
+        from orchestra.app.job.graphs import burn_scalars
+        from orchestra.app.job.sustained import GatedTimer
+        from orchestra.driver import Stream
 
-        with Stream(self.stream.device) as other, Event(self.stream.device) as fork, \
-                Event(self.stream.device) as join:
-            def both():
-                fork.record(self.stream)
-                other.wait(fork)
-                for _ in range(pairs):
-                    self.d_in.copy_from_host(self.host_in, self.stream)
-                    self.d_out.copy_to_host(self.host_out, other)
-                join.record(other)
-                self.stream.wait(join)
+        K = max(1, int(items))
+        S = max(1, min(int(streams), K))
+        s = self.stream
+        h_in, h_out, d_in, d_out = self.host_in, self.host_out, self.d_in, self.d_out
+        packed = self.kernel.pack([d_in.ptr, d_out.ptr, self.n, *burn_scalars(iters)])
+        kern, grid, block = self.kernel, self.grid, self.block
+        gated = GatedTimer(s, repeats=max(3, self.repeats - 2), warmup=1)
+        extra = [Stream(s.device) for _ in range(2 * S - 1)]
+        lanes = [s, *extra[:S - 1]]  # S streams, the timer's first
+        down = extra[S - 1:]         # S more, for the D2H side of pairs
 
-            return self._time(both) / pairs
+        def h2ds(width):
+            def run():
+                for i in range(K):
+                    d_in.copy_from_host(h_in, lanes[i % width])
+            return run
 
-    def measure(self, iters: int | None) -> SingleBatch:
-        """Time H2D and D2H alone and at once, then the kernel at ``iters`` (None: calibrate
-        to the slower copy alone)."""
+        def d2hs(width):
+            def run():
+                for i in range(K):
+                    d_out.copy_to_host(h_out, lanes[i % width])
+            return run
+
+        def kernels(width):
+            def run():
+                for i in range(K):
+                    kern.launch(lanes[i % width], grid, block, packed)
+            return run
+
+        def pairs(width):
+            def run():
+                for i in range(K):
+                    d_in.copy_from_host(h_in, lanes[i % width])
+                    d_out.copy_to_host(h_out, down[i % width])
+            return run
+
+        def best(make, others_of):
+            t = gated.median_ms(make(1), others_of(1)) / K
+            if S > 1:
+                t = min(t, gated.median_ms(make(S), others_of(S)) / K)
+            return t
+
+        try:
+            t_h = best(h2ds, lambda w: lanes[1:w])
+            t_d = best(d2hs, lambda w: lanes[1:w])
+            t_k = best(kernels, lambda w: lanes[1:w])
+            t_p = best(pairs, lambda w: lanes[1:w] + down[:w])
+        finally:
+            gated.close()
+            for e in extra:
+                e.synchronize()
+                e.close()
+        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S)
+
+    def measure(self, iters: int | None, *, items: int | None = None,
+                streams: int = 1) -> SingleBatch:
+        """Time H2D and D2H alone, then the kernel at ``iters`` (None: calibrate to the slower
+        copy alone); with ``items``, the sustained times of that many back-to-back items too,
+        on one stream and on ``streams`` (`sustained`)."""
         self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
         t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
-        t_duplex = self.duplex_ms()
         if iters is None:
             iters, _ = calibrate_iters(self.kernel_ms, max(t_h2d, t_d2h))
         t_k = self.kernel_ms(iters)
-        return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, t_duplex)
+        sus = None
+        if items:
+            sus = self.sustained(items, iters, streams=streams)
+        return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, sus)
 
     def close(self) -> None:
         self.stream.synchronize()

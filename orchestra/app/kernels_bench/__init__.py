@@ -1,5 +1,5 @@
 """The kernel library's Python side: what each kernel in ``cuda_src/`` and ``ptx/`` needs to be
-launched, numpy references, the programmatic-dependent-launch check (case C12) and the two
+launched, numpy references, the programmatic-dependent-launch check and the two
 benchmarks behind ``orchestra bench``.
 
 Modules:

@@ -1,4 +1,4 @@
-"""Does a kernel wait on its grid dependency? (case C12: PDL on a consumer that never waits)
+"""Does a kernel wait on its grid dependency? (PDL on a consumer that never waits)
 
 A kernel launched with the programmatic-stream-serialization attribute (PDL) may start before the
 kernel ahead of it in the stream has finished, so it must execute ``griddepcontrol.wait``

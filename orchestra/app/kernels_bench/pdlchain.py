@@ -6,8 +6,8 @@ launch k - 1 wrote (y = x + 1, two buffers used in turn), so without PDL each la
 the previous one to finish and for its own launch latency; with PDL (launch attribute
 PROGRAMMATIC_STREAM_SERIALIZATION on every link but the first) link k + 1 may be launched while
 link k runs and only its griddepcontrol.wait waits for link k. PDL is applied only after the
-kernel's PTX has been checked to contain griddepcontrol.wait (case C12:
-`orchestra.app.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
+kernel's PTX has been checked to contain griddepcontrol.wait
+(`orchestra.app.kernels_bench.pdl`). Two links are timed: ``pdl_chain_step`` (trigger, then wait:
 the next link is launched as early as possible) and ``pdl_chain_step_after_wait`` (wait, then
 trigger).
 
@@ -25,13 +25,14 @@ and uploaded once; each timed replay is one ``cuGraphLaunch`` between the events
 host gaps to hide.
 
 GPU microseconds per kernel = elapsed / kernels, median over ``repeats`` chains (after one
-warm-up). Every chain's final output is compared with numpy. Goal (issue 5): <= 0.7 us per
+warm-up). Every chain's final output is compared with numpy. Goal: <= 0.7 us per
 kernel with PDL, judged on the stream chains.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -105,7 +106,7 @@ class _Chain:
 
         spec = cat.spec(kernel_key)
         ptx, entry = cat.ptx_text(spec, arch=dev.arch)
-        require_grid_dependency_wait(ptx, entry)  # C12: never PDL on a kernel that does not wait
+        require_grid_dependency_wait(ptx, entry)  # never PDL on a kernel that does not wait
         self.key = kernel_key
         self.step = cat.load(spec, dev)
         self.spin = cat.load("pdl_spin", dev)
@@ -258,26 +259,37 @@ def _programmatic_edges(graph) -> int | None:
 
 def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeats: int = 5,
                   gate_ms: float | None = None, graphs: bool = True, links=LINKS,
-                  device=None) -> PdlReport:
+                  device=None, progress: Callable[[str, int, int], None] | None = None
+                  ) -> PdlReport:
     """Measure (see the module doc). ``gate_ms`` None: scaled from the host's enqueue time.
-    ``graphs``: also time the chains as CUDA graph replays. ``links``: the link kernels."""
+    ``graphs``: also time the chains as CUDA graph replays. ``links``: the link kernels.
+    ``progress(stage, done, total)`` is called before each measured configuration."""
     from orchestra.driver import Device
 
     if kernels < 1 or n < 1 or repeats < 1 or (gate_ms is not None and gate_ms <= 0):
         raise BenchConfigError("need kernels >= 1, n >= 1, repeats >= 1, gate_ms > 0")
     dev = device if isinstance(device, Device) else Device.get(device or 0)
     dev.make_current()
-    results = []
+    results: list[ChainResult] = []
     grid = -(-n // block)
+    # without PDL the links behave alike: time one (the first) without, every one with PDL
+    total = (len(links) + 1) * (2 if graphs else 1)
+
+    def step(what: str) -> None:
+        if progress is not None:
+            progress(what, len(results), total)
+
     for key in links:
         chain = _Chain(dev, key, kernels, n, block)
         try:
             for pdl in (False, True):
-                if pdl or key == links[0]:  # without PDL the links behave alike: time one
+                if pdl or key == links[0]:
+                    step(f"{key} stream chain{' with PDL' if pdl else ''}")
                     results.append(chain.stream_result(pdl, repeats, gate_ms))
             if graphs:
                 for pdl in (False, True):
                     if pdl or key == links[0]:
+                        step(f"{key} graph chain{' with PDL' if pdl else ''}")
                         results.append(chain.graph_result(pdl, repeats))
         finally:
             chain.close()

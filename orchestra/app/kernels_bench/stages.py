@@ -10,10 +10,14 @@ the same memory state. The launch grid is persistent: SM count x occupancy block
 its tiles grid-stride. The output is checked bit for bit after the runs of each stage count.
 
 The CUDA Programming Guide asks for stage counts to be compared, not assumed: the table is that
-comparison. Goal (issue 5): the best stage count reaches >= 85% of the copy.
+comparison. Goal: the best stage count reaches >= 85% of the copy.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -72,8 +76,10 @@ class StagesReport:
 
 
 def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: int = 3,
-               device=None, stage_counts=cat.STAGE_COUNTS) -> StagesReport:
-    """Measure (see the module doc). ``mib``: MiB read (and as many written) per launch."""
+               device=None, stage_counts=cat.STAGE_COUNTS,
+               progress: Callable[[str, int, int], None] | None = None) -> StagesReport:
+    """Measure (see the module doc). ``mib``: MiB read (and as many written) per launch.
+    ``progress(stage, done, total)`` is called before each round (a progress bar)."""
     from cuda.bindings import driver
 
     from orchestra.driver import Device, DeviceBuffer, Event, Stream, cu
@@ -92,7 +98,7 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
     try:
         fill_pattern(x, n, stream, dev)
 
-        contenders = []  # (label, enqueue function, extra)
+        contenders: list[tuple[Any, Callable[[], Any]]] = []  # (label, enqueue function)
         copy = ("copy", lambda: cu(driver.cuMemcpyDtoDAsync, y.handle, x.handle, nbytes,
                                    stream.handle))
         contenders.append(copy)
@@ -108,12 +114,14 @@ def run_stages(*, mib: int = 1024, block: int = 256, repeats: int = 20, warmup: 
             grid = occ * dev.sm_count
             args = k.pack((x, y, n, A, B))
             configs[s] = (occ, grid, smem)
-            contenders.append((s, lambda k=k, grid=grid, smem=smem, args=args:
-                               k.launch(stream, grid, block, args, smem)))
+            contenders.append((s, functools.partial(k.launch, stream, grid, block, args, smem)))
 
         events = [(Event(dev, timing=True), Event(dev, timing=True)) for _ in contenders]
         times: dict = {label: [] for label, _ in contenders}
         for rnd in range(warmup + repeats):
+            if progress is not None:
+                progress("warm-up round" if rnd < warmup else "timed round", rnd,
+                         warmup + repeats)
             for (label, enqueue), (start, end) in zip(contenders, events):
                 start.record(stream)
                 enqueue()

@@ -5,7 +5,7 @@
         exe.launch(sync=True)
 
 `prepare_build` runs the checks (pure Python, before any CUDA call): the graph is valid
-(no cycle), the C05 graph-memory policy (`graph_spec.check_graph_memory`), and, unless
+(no cycle), the graph-memory policy (`graph_spec.check_graph_memory`), and, unless
 ``verify=False``, the hazard verifier over the very edges the CUDA graph gets
 (`schedule.verify_graph_edges` on the reduced edges). Then `graph_spec.translate` gives the
 nodes in creation order with their dependencies (``edges="plan"``, the default: the task
@@ -57,7 +57,7 @@ from orchestra.schedule import verify_graph_edges
 def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True,
                   plan=None, edges: str = "dag") -> tuple[GraphSpec, list]:
     """The pre-CUDA checks of a graph build, in order: ``graph.validate()`` (`GraphError`),
-    the C05 policy (`GraphMemoryError` unless ``auto_free``), the translation
+    the graph-memory policy (`GraphMemoryError` unless ``auto_free``), the translation
     (`graph_spec.translate` with ``edges`` and ``plan``), the hazard verifier on the edges the
     CUDA graph gets (`HazardError`; allocations left unfreed on purpose are not findings with
     ``auto_free``). Returns ``(spec, unfreed allocations)``."""

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import bisect
 import collections
+import logging
 import operator
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import attrs
 
@@ -46,6 +47,8 @@ from orchestra.execute.errors import (
     ExecutorArgumentTypeError,
     ExecutorArgumentValueError,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype) -> str:
@@ -283,10 +286,10 @@ class GraphCache:
         """
         return self._lookup(signature, build_fn, lease=False)
 
-    def lease(self, signature: Signature,
-              build_fn: Callable[[Signature], Any] | None = None) -> CacheLease:
-        """A `CacheLease` on the value for ``signature`` (built with ``build_fn`` on a miss,
-        as `get_or_build` does): the value stays open until the lease is released, even if it
+    def lease(self, signature: Hashable,
+              build_fn: Callable[[Any], Any] | None = None) -> CacheLease:
+        """A `CacheLease` on the value for ``signature`` (a `Signature`, or any hashable key, as
+        `GraphRunner` uses; built with ``build_fn`` on a miss, as `get_or_build` does): the value stays open until the lease is released, even if it
         is evicted meanwhile (then it is closed at the last lease's end).
 
         ``with cache.lease(sig, build_fn) as exe: exe.replay(...)``. Without ``build_fn`` a
@@ -303,6 +306,7 @@ class GraphCache:
                 if entry is not None:
                     self._entries.move_to_end(signature)
                     self.hits += 1
+                    log.debug("graph cache hit: %s", signature)
                     if not lease:
                         return entry.value
                     entry.leases += 1
@@ -314,6 +318,7 @@ class GraphCache:
                                             "to build one")
                     pending = self._building[signature] = threading.Event()
                     self.misses += 1
+                    log.debug("graph cache miss: %s (building)", signature)
                     break
             pending.wait()
         try:

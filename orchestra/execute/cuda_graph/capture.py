@@ -7,10 +7,10 @@
 How a plan is captured (`capture_plan.capture_steps`, checked by `check_capture_steps` before
 anything is enqueued):
 
-1. checks, all before the capture: graph and plan structure, hazards (``verify``), the C05
+1. checks, all before the capture: graph and plan structure, hazards (``verify``), the
    graph-memory policy, kernels compiled and arguments packed, bindings resolved, streams and
    sync-only events taken from the executor's pools, the default memory pool configured at
-   executor setup (C03: no pool attribute is touched during a capture), tracer events created;
+   executor setup (no pool attribute is touched during a capture), tracer events created;
 2. ``cuStreamBeginCapture(origin, mode)`` on the executor's origin stream (not a plan stream);
    ``mode`` is ``thread-local`` by default (another thread's CUDA calls cannot invalidate it),
    ``global`` or ``relaxed`` on request;
@@ -29,7 +29,7 @@ anything is enqueued):
    status is checked (ACTIVE, nothing added since its join), and ``cuStreamEndCapture(origin)``.
 
 If anything fails on the way (a driver call refused, an illegal call made during the capture
-such as a stream query or synchronize: case C01, the capture invalidated), the executor joins
+such as a stream query or synchronize, which invalidates the capture), the executor joins
 what it can, ends the capture on the origin, destroys whatever graph came back, checks that every
 stream has left capture mode, and raises `CaptureError` naming the failing call and the node
 being captured. Nothing leaks: streams and events are the executor's pooled ones, graph
@@ -44,7 +44,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 from cuda.bindings import driver as _d
 
@@ -75,7 +75,7 @@ from orchestra.driver.entry_points import launch_host_func
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.resources import MEMSET_ASYNC, StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import Node, TaskGraph
 from orchestra.schedule import RecordEvent, RunNode, verify
 
 _CS = _d.CUstreamCaptureStatus
@@ -123,11 +123,11 @@ class CaptureExecutor(GraphExecutorBase):
         mode: ``"thread-local"`` (default), ``"global"`` or ``"relaxed"``.
         verify: run the hazard verifier before capturing (`HazardError`).
         kernel_resolver: a shared `KernelResolver`.
-        auto_free: the C05 opt-in (see `GraphExecutorBase.build`).
+        auto_free: the opt-in to allocations the graph does not free (see `GraphExecutorBase.build`).
 
     ``build(graph, plan=None, bindings, *, policy, streams, trace, hook=None, ...)``:
     ``hook(stream, node)``, when given, is called right after each node is captured (a test
-    seam: C01 injects a stream query there). Streams (one per plan `StreamSpec`, by priority),
+    seam: a test injects an illegal stream query there). Streams (one per plan `StreamSpec`, by priority),
     the origin stream and sync-only events are pooled and reused by every capture; one capture
     at a time per executor.
     """
@@ -209,7 +209,7 @@ class CaptureExecutor(GraphExecutorBase):
         ordered = [(name, sm[name]) for name in plan.stream_names]
         names = [n for n, _ in ordered]
         session = CaptureSession(self._origin, mode, events=fork_join)
-        current = None
+        current: tuple[Node | None, Any] | None = None  # (node being captured, its stream)
         try:
             session.begin()
             session.fork(*(s for _, s in ordered), names=names)

@@ -13,7 +13,7 @@ after its last, by construction. `check_capture_steps` proves it for any step li
 the tests run against hand-made lists too): a stream that does work in the capture without
 having been forked (its work would run eagerly instead of being captured), or whose last work
 is not followed by a join before the end (``cuStreamEndCapture`` would fail with
-``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``, case C02), raises `UnjoinedStreamError` naming it.
+``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``), raises `UnjoinedStreamError` naming it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 import numpy as np
@@ -68,6 +68,10 @@ from orchestra.execute.bindings import (
 from orchestra.execute.closable import Closable
 from orchestra.execute.errors import BindingError, HostFunctionError
 from orchestra.schedule import verify
+
+if TYPE_CHECKING:  # imported lazily at run time: tracing and host nodes are optional
+    from orchestra.execute.hostfunc import HostCallbacks
+    from orchestra.trace import GraphTracer, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +145,8 @@ class BuiltGraph:
         self.external: dict[str, Any] = {}
         self.allocs: dict[str, int] = {}
         self.unfreed: list[int] = []
-        self.callbacks = None
-        self.tracer = None
+        self.callbacks: HostCallbacks | None = None
+        self.tracer: GraphTracer | None = None
         self.build_ms = 0.0
         self.meta: dict = {}
 
@@ -289,7 +293,7 @@ def _release(state: _State) -> None:
             if state.exec is not None:
                 _d.cuGraphExecDestroy(state.exec)
             if state.unfreed and state.launched:
-                # auto_free graphs: the last launch's allocations are live (C05 opt-in); a
+                # auto_free graphs: the last launch's allocations are live (the opt-in); a
                 # graph allocation may be freed with cuMemFree once its work is done.
                 for dptr in state.unfreed:
                     _d.cuMemFree(dptr)
@@ -350,7 +354,7 @@ class GraphExec(Closable):
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
         self.last_update: UpdateResult | None = None
-        self.timeline = None
+        self.timeline: Timeline | None = None
         device.make_current()
         self._ctx = device.context
         self._state.own_stream = stream if stream is not None else Stream(device)
@@ -518,9 +522,10 @@ class GraphExec(Closable):
             self._pending_timeline = False
             node, exc = errors[0]
             raise HostFunctionError(node, exc, errors[1:]) from exc
-        if self._pending_timeline:
+        tracer = self._tracer
+        if self._pending_timeline and tracer is not None:  # pending: only traced execs
             self._pending_timeline = False
-            self.timeline = self._tracer.finish()
+            self.timeline = tracer.finish()
             return self.timeline
         return None
 

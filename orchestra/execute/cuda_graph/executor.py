@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from cuda.bindings import driver as _d
 
@@ -37,7 +37,7 @@ from orchestra.execute.cuda_graph.exec import BuiltGraph, GraphExec, AUTO_FREE_O
 from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
-from orchestra.graph import TaskGraph
+from orchestra.graph import KernelNode, TaskGraph
 from orchestra.schedule import Plan, schedule
 
 _MT = _d.CUmemorytype
@@ -130,11 +130,13 @@ def kernel_node_attributes(cfg) -> list:
 
 class GraphExecutorBase(Closable):
     """Shared setup of the graph executors: device, default memory pool configured now (at
-    setup, never during a capture: case C03), kernel resolver, pinned-memory checks.
+    setup, never during a capture), kernel resolver, pinned-memory checks.
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
     costs, auto_free, **kw) -> BuiltGraph``.
     """
+
+    _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)
 
     executor_name = "graph"
 
@@ -166,7 +168,7 @@ class GraphExecutorBase(Closable):
         execs, so one exec's scalar replays cannot change another's)."""
         out = {}
         for node in graph.nodes:
-            if node.kind == "kernel":
+            if isinstance(node, KernelNode):
                 kernel = self.kernels.resolve(node.kernel, node.name)
                 out[node.name] = resolve_kernel_node(node, kernel)
         return out
@@ -193,7 +195,13 @@ class GraphExecutorBase(Closable):
                 raise ExecutorArgumentTypeError(
                     f"plan must be a schedule.Plan, got {type(plan).__name__}")
             return plan
-        return schedule(graph, policy, streams, costs) if need else None
+        if not need:
+            return None
+        from orchestra.execute.occupancy import capacity_for
+
+        capacity = capacity_for(policy, self.kernels, self.device)
+        return schedule(graph, policy, streams, costs,
+                        resident_blocks=capacity(graph) if capacity is not None else None)
 
     # -- public -------------------------------------------------------------------------------
 

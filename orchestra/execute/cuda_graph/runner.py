@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import collections
+import logging
 import threading
 import time
 from typing import Any, Mapping
@@ -24,10 +26,13 @@ from orchestra.errors import NotReadyError
 from orchestra.execute.closable import Closable
 from orchestra.execute.eager import RunResult
 from orchestra.execute.cuda_graph.cache import GraphCache
+from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.errors import ExecutorArgumentValueError
 from orchestra.execute.resources import PlanCache
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
+
+log = logging.getLogger(__name__)
 
 KINDS = {"capture": "capture", "graph": "graph-build", "graph-build": "graph-build"}
 
@@ -44,6 +49,7 @@ class GraphRunner(Closable):
             raise ExecutorArgumentValueError(
                 f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
         self.kind = KINDS[kind]
+        self.executor: GraphExecutorBase
         if self.kind == "capture":
             from orchestra.execute.cuda_graph.capture import CaptureExecutor
 
@@ -69,8 +75,12 @@ class GraphRunner(Closable):
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                  costs=None) -> Plan:
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object."""
-        return self._plans.get(graph, policy, streams, costs, self.cache_size)
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object
+        (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
+        from orchestra.execute.occupancy import capacity_for
+
+        return self._plans.get(graph, policy, streams, costs, self.cache_size,
+                               capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
                 streams: int = 3, costs=None) -> Plan:
@@ -95,12 +105,14 @@ class GraphRunner(Closable):
             trace = self.trace or trace or tracer is not None
             # the entry holds graph and plan, so their ids cannot be reused while it is cached
             key = (id(graph), len(graph), id(plan), trace)
-            prepare_ms = []
+            built_ms: list[float] = []
 
             def build(_key):
                 t0 = time.perf_counter_ns()
                 exe = self.executor.build(graph, plan, bindings, trace=trace)
-                prepare_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                built_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                log.debug("graph runner: built a %s exec of %d nodes in %.1f ms", self.kind,
+                          exe.node_count, built_ms[-1])
                 return _Cached(graph, plan, exe)
 
             with self._execs.lease(key, build) as cached:
@@ -114,7 +126,7 @@ class GraphRunner(Closable):
                 if sync:
                     timeline = exe.synchronize()
                     wall = (time.perf_counter_ns() - t0) / 1e6
-            prepare_ms = prepare_ms[0] if prepare_ms else 0.0
+            prepare_ms = built_ms[0] if built_ms else 0.0
             return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
                              steps=1, events=plan.event_count, waits=plan.wait_count,
                              streams=len(plan.streams), policy=plan.policy,

@@ -14,7 +14,7 @@ same order as the full edge set (a CUDA graph orders through paths), with the fe
     host             host                                cuGraphAddHostNode
     free             mem_free                            cuGraphAddMemFreeNode
 
-The graph-memory policy (case C05) lives here too, because it is a property of the task graph:
+The graph-memory policy lives here too, because it is a property of the task graph:
 every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the same graph, so a
 replayed graph never leaks its allocations; `check_graph_memory` refuses a graph that breaks
 this, unless the caller opted in to ``auto_free`` (the exec is then instantiated with
@@ -26,6 +26,7 @@ verifier's findings for both graph executors, leaving out NEVER_FREED under that
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import attrs
 
@@ -35,7 +36,7 @@ from orchestra.execute.errors import (
     ExecutorArgumentValueError,
     PlanMismatchError,
 )
-from orchestra.graph import TaskGraph
+from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.graph.taskgraph import kahn_order, transitive_reduction
 from orchestra.schedule import Plan
 
@@ -62,7 +63,7 @@ DRIVER_NODE_TYPE = {
 
 
 class GraphMemoryError(GraphError):
-    """A task graph that is to become a CUDA graph allocates memory it never frees (case C05).
+    """A task graph that is to become a CUDA graph allocates memory it never frees.
 
     ``unfreed`` lists ``(alloc node, buffer)`` pairs. Nothing was built or enqueued.
     """
@@ -149,7 +150,7 @@ EDGE_SOURCES = ("dag", "plan")
 def stream_order_edges(plan) -> set[tuple[str, str]]:
     """``(a, b)`` for every two nodes run one after the other on one stream of ``plan``: the
     ordering a capture of the plan records besides the task graph's own edges."""
-    out = set()
+    out: set[tuple[str, str]] = set()
     for name in plan.stream_names:
         nodes = plan.nodes(name)
         out.update(zip(nodes, nodes[1:]))
@@ -194,7 +195,7 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     ``TypeError`` for a plan that is not a `schedule.Plan`.
     """
     check_edge_source(edges)
-    order = graph.topological_order()  # validates
+    order: Sequence[str] = graph.topological_order()  # validates
     if edges == "plan":
         if plan is None:
             raise ExecutorArgumentValueError(
@@ -233,19 +234,19 @@ def unfreed_allocations(graph: TaskGraph) -> list[tuple[str, str]]:
     live: dict[str, str] = {}
     out: list[tuple[str, str]] = []
     for node in graph.nodes:
-        if node.kind == "alloc":
+        if isinstance(node, Alloc):
             b = node.buffer.name
             if b in live:
                 out.append((live[b], b))  # allocated again without a free in between
             live[b] = node.name
-        elif node.kind == "free":
+        elif isinstance(node, Free):
             live.pop(node.buffer.name, None)
     out.extend((a, b) for b, a in live.items())
     return sorted(out, key=lambda ab: graph.index(ab[0]))
 
 
 def check_graph_memory(graph: TaskGraph, *, auto_free: bool = False) -> list[tuple[str, str]]:
-    """The C05 policy: raise `GraphMemoryError` when an `Alloc` has no `Free` in ``graph``,
+    """The graph-memory policy: raise `GraphMemoryError` when an `Alloc` has no `Free` in ``graph``,
     unless ``auto_free`` (then return the unfreed allocations, which the exec frees on each
     relaunch and at close)."""
     unfreed = unfreed_allocations(graph)
@@ -256,7 +257,7 @@ def check_graph_memory(graph: TaskGraph, *, auto_free: bool = False) -> list[tup
 
 def check_findings(findings, *, auto_free: bool = False) -> None:
     """Raise `HazardError` for the verifier's ``findings`` on a graph that is to become a CUDA
-    graph; with ``auto_free`` (the C05 opt-in) NEVER_FREED findings are left out: those
+    graph; with ``auto_free`` (the opt-in) NEVER_FREED findings are left out: those
     allocations are left unfreed on purpose."""
     if auto_free:
         findings = [f for f in findings if f.kind != "NEVER_FREED"]

@@ -1,0 +1,203 @@
+"""orchestra's contenders: the eager executor, and the capture and graph-build executors'
+`GraphExec` replayed (needs a GPU).
+
+Pipelines (`OrchestraPipeline`): the job's task graph (``build_pipeline``: alloc -> H2D -> burn
+-> D2H -> free per batch, batch ``b``'s allocations after batch ``b - 6``'s frees), by-engine on
+3 streams. Requests (`OrchestraRequest`): one H2D -> burn -> D2H on external device buffers
+(allocated once), or with allocations in the graph; eager on one stream, or a graph replayed.
+Chains (`OrchestraChain`): ``kernels`` dependent ``pdl_chain_step`` nodes over two external
+buffers, optionally with the ``pdl`` launch attribute on every link but the first; eager on one
+stream, capture (PDL becomes programmatic edges), or graph-build (which builds full edges:
+PDL is left out there, and the row says so).
+
+``__call__()`` runs once and waits; ``host_us``: the enqueue time of the last eager run
+(`RunResult.enqueue_us`) or the host time of the replay's launch call.
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestra.app.job.graphs import IN_FLIGHT
+
+
+class _Ours:
+    family = "orchestra"
+    host_us: float | None = None
+    build_ms: float | None = None
+
+    def note(self) -> str:
+        return f"build {self.build_ms:.1f} ms" if self.build_ms is not None else ""
+
+
+def _executor(kind: str, dev, resolver):
+    from orchestra.execute import CaptureExecutor, EagerExecutor, GraphBuildExecutor
+
+    cls = {"eager": EagerExecutor, "capture": CaptureExecutor,
+           "graph-build": GraphBuildExecutor}[kind]
+    return cls(dev, kernel_resolver=resolver)
+
+
+class _Replay(_Ours):
+    """Shared by the graph rows: build once, ``replay(sync=False)`` timed, then wait."""
+
+    mode = "graph"
+
+    def _build(self, graph, plan, bindings, **kw):
+        t0 = time.perf_counter_ns()
+        self.exe = self.ex.build(graph, plan, bindings, **kw)
+        self.build_ms = (time.perf_counter_ns() - t0) / 1e6
+
+    def _run_graph(self):
+        t0 = time.perf_counter_ns()
+        self.exe.replay(sync=False)
+        self.host_us = (time.perf_counter_ns() - t0) / 1e3
+        self.exe.synchronize()
+
+    def close(self):
+        exe = getattr(self, "exe", None)
+        if exe is not None:
+            exe.close()
+        self.ex.close()
+
+
+class OrchestraPipeline(_Replay):
+    """``kind``: "eager", "capture" or "graph-build"; ``w`` as in `cuda_python`, plus
+    ``resolver`` (the shared `KernelResolver`)."""
+
+    def __init__(self, w, kind: str, policy: str = "by-engine", streams: int = 3):
+        from orchestra.app.job.graphs import burn_kernel_ref
+        from orchestra.app.peers.cuda_python import burn_st
+        from orchestra.graph import HostBuffer, build_pipeline
+
+        self.kind, self.mode = kind, ("eager" if kind == "eager" else "graph")
+        what = "eager" if kind == "eager" else f"{kind} replay"
+        self.name = f"orchestra {what} ({policy}, {streams} streams)"
+        total = w.batches * w.batch_bytes
+        s, t = burn_st(w)
+        self.graph, _ = build_pipeline(
+            w.batches, w.batch_bytes, burn_kernel_ref(), host_in=HostBuffer("host_in", total),
+            host_out=HostBuffer("host_out", total), grid=w.grid, block=w.block,
+            scalars=(w.iters, s, t), in_flight=IN_FLIGHT)
+        self.bindings = {"host_in": w.x, "host_out": w.y}
+        self.ex = _executor(kind, w.dev, w.resolver)
+        self.exe = None
+        if kind == "eager":
+            self.plan = self.ex.prepare(self.graph, policy=policy, streams=streams)
+        else:
+            self._build(self.graph, None, self.bindings, policy=policy, streams=streams)
+            self.plan = self.exe.plan
+
+    def __call__(self):
+        if self.kind == "eager":
+            res = self.ex.run(self.graph, self.plan, self.bindings)
+            self.host_us = res.enqueue_us
+        else:
+            self._run_graph()
+
+
+class OrchestraRequest(_Replay):
+    """One request (``r``: ``dev``, ``resolver``, ``x`` / ``y`` pinned of ``n`` floats, grid,
+    block, iters, burn_st). ``external``: device buffers allocated once and bound (else the
+    graph allocates and frees them per run)."""
+
+    def __init__(self, r, kind: str, external: bool = True):
+        from orchestra.app.job.graphs import burn_kernel_ref
+        from orchestra.app.peers.cuda_python import burn_st
+        from orchestra.driver import DeviceBuffer, Stream
+        from orchestra.graph import (Alloc, Buffer, DeviceToHost, Free, HostBuffer,
+                                     HostToDevice, In, KernelNode, Out, TaskGraph)
+
+        self.kind, self.mode = kind, ("eager" if kind == "eager" else "graph")
+        bufs = "external buffers" if external else "allocated in the graph"
+        what = "eager, 1 stream" if kind == "eager" else f"{kind} replay"
+        self.name = f"orchestra {what}, {bufs}"
+        nb = 4 * r.n
+        s, t = burn_st(r)
+        hin, hout = HostBuffer("host_in", nb), HostBuffer("host_out", nb)
+        din, dout = Buffer("d_in", nb), Buffer("d_out", nb)
+        g = TaskGraph()
+        if not external:
+            g.add(Alloc("alloc_in", din))
+            g.add(Alloc("alloc_out", dout))
+        g.add(HostToDevice("h2d", hin, din))
+        g.add(KernelNode("kernel", burn_kernel_ref(), r.grid, r.block,
+                         (In(din), Out(dout), r.n, r.iters, s, t)))
+        g.add(DeviceToHost("d2h", dout, hout))
+        if not external:
+            g.add(Free("free_in", din))
+            g.add(Free("free_out", dout))
+        self.graph = g
+        self.bindings = {"host_in": r.x, "host_out": r.y}
+        self._own, self._stream = [], None
+        if external:
+            self._stream = Stream(r.dev)
+            self._own = [DeviceBuffer.allocate(nb, self._stream),
+                         DeviceBuffer.allocate(nb, self._stream)]
+            self._stream.synchronize()
+            self.bindings.update(d_in=self._own[0], d_out=self._own[1])
+        self.ex = _executor(kind, r.dev, r.resolver)
+        self.exe = None
+        if kind == "eager":
+            self.plan = self.ex.prepare(g, policy="by-engine", streams=1)
+        else:
+            self._build(g, None, self.bindings)
+
+    def __call__(self):
+        if self.kind == "eager":
+            self.ex.run(self.graph, self.plan, self.bindings)
+        else:
+            self.exe.replay(sync=True)
+
+    def close(self):
+        super().close()
+        for b in self._own:
+            b.close()
+        if self._stream is not None:
+            self._stream.synchronize()
+            self._stream.close()
+
+
+class OrchestraChain(_Replay):
+    """The chain (``c``: ``dev``, ``resolver``, ``bufs`` (two `DeviceBuffer`), ``n``,
+    ``kernels``, ``step_ref`` (the link's `KernelRef`), ``grid``, ``block``)."""
+
+    def __init__(self, c, kind: str, pdl: bool):
+        from orchestra.graph import Buffer, In, KernelNode, Out, TaskGraph
+
+        self.kind, self.mode = kind, ("eager" if kind == "eager" else "graph")
+        self.pdl = bool(pdl) and kind != "graph-build"
+        what = "eager, 1 stream" if kind == "eager" else f"{kind} replay"
+        self.name = f"orchestra {what}" + (", PDL" if pdl else "")
+        nb = 4 * c.n
+        a, b = Buffer("a", nb), Buffer("b", nb)
+        g = TaskGraph()
+        for i in range(c.kernels):
+            src, dst = (a, b) if i % 2 == 0 else (b, a)
+            attributes = {"pdl": True} if (self.pdl and i > 0) else {}
+            g.add(KernelNode(f"k{i}", c.step_ref, c.grid, c.block, (In(src), Out(dst), c.n),
+                             attributes=attributes))
+        self.graph = g
+        self.bindings = {"a": c.bufs[0], "b": c.bufs[1]}
+        self.ex = _executor(kind, c.dev, c.resolver)
+        self.exe = None
+        self._note = ("graph-build builds full edges: PDL left out" if (pdl and not self.pdl)
+                      else "")
+        if kind == "eager":
+            self.plan = self.ex.prepare(g, policy="by-engine", streams=1)
+        else:
+            self._build(g, None, self.bindings)
+
+    def note(self) -> str:
+        parts = [p for p in (self._note, super().note()) if p]
+        return "; ".join(parts)
+
+    def __call__(self):
+        if self.kind == "eager":
+            res = self.ex.run(self.graph, self.plan, self.bindings)
+            self.host_us = res.enqueue_us
+        else:
+            self._run_graph()
+
+
+__all__ = ["OrchestraChain", "OrchestraPipeline", "OrchestraRequest"]

@@ -1,0 +1,817 @@
+"""``orchestra bench serve``: the serving engine under load, with its peers in the same run.
+
+Requests are float32 arrays of ``rows x row_floats`` (a row is 4 KiB by default), from a size
+mix (``64K`` or ``4K:1,64K:8,256K:1``), run through the demo graph (H2D, ``y = fmaf(x, 0.5, 1)``,
+D2H: `orchestra.serve.demo`); every output is compared bit for bit with numpy.
+
+Modes (``--mode``):
+
+- ``latency``: one thread, one request at a time: ``engine(x)`` (the blocking call),
+  ``engine.submit(x).result()``, bare cuda-python, PyTorch CUDA graph replay;
+- ``closed``: T threads in a closed loop (``--window`` requests in flight per thread), without
+  and with dynamic batching, with the caller-thread and the dispatcher-thread designs, and the
+  peers (one client per thread);
+- ``open``: Poisson arrivals at ``--rate`` requests/s from one generator thread; latency is
+  measured from each request's scheduled arrival (no coordinated omission);
+- ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run``; the event loop's lag is
+  measured by a probe task sleeping 0.5 ms in a loop;
+- ``soak``: T threads, ``--requests`` requests or ``--duration`` seconds, 1% bad requests (each
+  must fail only its own future with the specific error); RSS, pool bytes, graph memory and live
+  handles printed at the start and the end;
+- ``all`` (default): ``latency`` then ``closed``.
+
+Exit status 1 when an output is wrong or a bad request was not refused as it should be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import json
+import os
+import random
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from orchestra.errors import BenchConfigError, MissingExtraError
+from orchestra.serve.demo import demo_reference
+from orchestra.serve.engine import Batching, Engine
+from orchestra.serve.stats import percentiles
+
+_now = time.perf_counter_ns
+S, T = 0.5, 1.0  # the kernel's fmaf(v, s, t): bit-exact with numpy for these
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 bytes (K = KiB, M = MiB; a bare number is bytes)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    if t.endswith("K"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("M"):
+        mult, t = 1 << 20, t[:-1]
+    try:
+        n = int(float(t) * mult)
+    except ValueError:
+        raise BenchConfigError(f"request size {text!r}: give bytes, e.g. 4K, 64K, 1M") from None
+    if n <= 0:
+        raise BenchConfigError(f"request size {text!r} must be positive")
+    return n
+
+
+def parse_mix(text: str) -> list[tuple[int, float]]:
+    """``"4K:1,64K:8"`` -> ``[(4096, 1.0), (65536, 8.0)]`` (weights default to 1)."""
+    out = []
+    for part in text.split(","):
+        size, _, w = part.partition(":")
+        weight = float(w) if w else 1.0
+        if weight <= 0:
+            raise BenchConfigError(f"size mix {text!r}: weights must be > 0")
+        out.append((parse_size(size), weight))
+    if not out:
+        raise BenchConfigError("the size mix is empty")
+    return out
+
+
+class Workload:
+    """Pre-generated requests (``pool`` per size) and their expected outputs. Read-only once
+    made: threads share it; each thread makes its own `picker`."""
+
+    def __init__(self, mix: str = "64K", row_floats: int = 1024, iters: int = 1, pool: int = 16,
+                 seed: int = 0):
+        self.mix_text = mix
+        self.row_floats = row_floats
+        self.iters = iters
+        row_bytes = 4 * row_floats
+        self.sizes, self.weights = [], []
+        for nbytes, w in parse_mix(mix):
+            if nbytes % row_bytes:
+                raise BenchConfigError(f"request size {nbytes} bytes is not a whole number of "
+                                 f"{row_bytes}-byte rows; pick a multiple or change --row-kib")
+            self.sizes.append(nbytes // row_bytes)
+            self.weights.append(w)
+        rng = np.random.default_rng(seed)
+        self.requests = []  # per size: [(x, expected)]
+        for rows in self.sizes:
+            reqs = []
+            for _ in range(pool):
+                x = (rng.standard_normal((rows, row_floats)) * 10).astype(np.float32)
+                reqs.append((x, demo_reference(x, iters, S, T)))
+            self.requests.append(reqs)
+        cum = np.cumsum(self.weights)
+        self._cum = (cum / cum[-1]).tolist()
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.sizes)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(r, self.row_floats) for r in self.sizes]
+
+    def picker(self, seed: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        rnd = random.Random(seed)
+        cum, reqs = self._cum, self.requests
+        single = len(reqs) == 1
+
+        def pick():
+            i = 0
+            if not single:
+                u = rnd.random()
+                while cum[i] < u:
+                    i += 1
+            return reqs[i][rnd.randrange(len(reqs[i]))]
+
+        return pick
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@attrs.define
+class Result:
+    """One contender's row of a table (filled by one runner; its threads add under a lock)."""
+
+    mode: str
+    name: str
+    requests: int = 0
+    seconds: float = 0.0
+    wrong: int = 0
+    errors: int = 0
+    latency_us: list = attrs.field(factory=list, repr=False)
+    batch_fill: float | None = None
+    note: str = ""
+    extra: dict = attrs.field(factory=dict)
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    def pct(self) -> dict:
+        return percentiles(self.latency_us)
+
+    def as_dict(self) -> dict:
+        p = self.pct()
+        return {"mode": self.mode, "name": self.name, "requests": self.requests,
+                "seconds": self.seconds, "req_per_s": self.rps, "p50_us": p["p50"],
+                "p95_us": p["p95"], "p99_us": p["p99"], "wrong": self.wrong,
+                "errors": self.errors, "batch_fill": self.batch_fill, "note": self.note,
+                **self.extra}
+
+
+def _fmt(v, digits=1):
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def format_table(header, rows) -> str:
+    """Left-aligned text columns."""
+    table = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in table)
+
+
+def format_results(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        p = r.pct()
+        rows.append((r.name, f"{r.requests:,}", _fmt(r.rps, 0), _fmt(p["p50"]), _fmt(p["p95"]),
+                     _fmt(p["p99"]), "-" if r.batch_fill is None else f"{r.batch_fill:.2f}",
+                     "ok" if not r.wrong and not r.errors else f"{r.wrong} wrong, {r.errors} err",
+                     r.note))
+    return format_table(("contender", "requests", "req/s", "p50 us", "p95 us", "p99 us",
+                         "batch fill", "outputs", "note"), rows)
+
+
+# -- engines --------------------------------------------------------------------------------
+
+
+@attrs.define
+class EngineConfig:
+    """How the bench builds engines (everything but batching and dispatch). Plain data."""
+
+    executor: str = "graph"
+    instances: int = 2
+    memory: str = "external"
+    device: int = 0
+    max_batch: int | None = None
+    max_delay_us: float = 200.0
+    backend_factory: Callable | None = None  # tests: a CPU backend instead of CUDA
+
+
+def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
+                dispatch: str = "caller", instances: int | None = None) -> Engine:
+    from orchestra.serve.demo import demo_graph
+
+    max_batch = cfg.max_batch or 8 * w.max_rows
+    top = max(w.max_rows, max_batch if batching else 0)
+    spec = {"x": ((w.row_floats,), "float32")}
+    out = {"y": ((w.row_floats,), "float32")}
+    kw: dict[str, Any] = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=top,
+              instances=instances or cfg.instances, dispatch=dispatch, queue_limit=4096,
+              batching=Batching(max_batch=max_batch, max_delay_us=cfg.max_delay_us)
+              if batching else None)
+    if cfg.backend_factory is not None:
+        return Engine(backend=cfg.backend_factory(w), **kw)
+    build = functools.partial(demo_graph, iters=w.iters, s=S, t=T, memory=cfg.memory,
+                              device=cfg.device)
+    return Engine(build, executor=cfg.executor, device=cfg.device, **kw)
+
+
+def _warm(engine: Engine) -> dict:
+    t0 = _now()
+    report = engine.warmup()
+    return {"warmup_ms": (_now() - t0) / 1e6, "buckets": len(report),
+            "graph_bytes": sum(r["graph_bytes"] or 0 for r in report)}
+
+
+def _fill(engine: Engine) -> float | None:
+    st = engine.stats()["buckets"]
+    rows = sum(b["launches"] * b["rows"] for b in st.values())
+    used = sum((b["batch_fill"] or 0) * b["launches"] * b["rows"] for b in st.values())
+    return used / rows if rows else None
+
+
+# -- closed loop ----------------------------------------------------------------------------
+
+
+def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, duration: float,
+                window: int = 1, warm: int = 20) -> Result:
+    """``threads`` threads, each with ``make_client()`` (made in the thread) that is either a
+    callable ``client(x) -> y`` or a pair ``(submit(x) -> handle, wait(handle) -> y)``; a
+    window of ``window`` requests in flight per thread (pairs only)."""
+    res = Result(mode, name)
+    barrier = threading.Barrier(threads + 1)
+    stop = threading.Event()
+    lock = threading.Lock()
+    errors: list = []
+
+    def worker(k):
+        client = None
+        lat, wrong, n = [], 0, 0
+        try:
+            client = make_client()
+            pick = w.picker(1000 + k)
+            for _ in range(warm):
+                x, _ = pick()
+                _call(client, x)
+        except BaseException as exc:  # noqa: BLE001 - reported in the table
+            errors.append(exc)
+            barrier.abort()
+            return
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            return
+        try:
+            if isinstance(client, tuple) and window > 1:
+                submit, wait = client
+                inflight = []
+                while not stop.is_set():
+                    while len(inflight) < window:
+                        x, y_ref = pick()
+                        inflight.append((_now(), submit(x), y_ref))
+                    t0, h, y_ref = inflight.pop(0)
+                    y = wait(h)
+                    lat.append((_now() - t0) / 1e3)
+                    n += 1
+                    wrong += y.tobytes() != y_ref.tobytes()
+                for t0, h, y_ref in inflight:
+                    wait(h)
+            else:
+                while not stop.is_set():
+                    x, y_ref = pick()
+                    t0 = _now()
+                    y = _call(client, x)
+                    lat.append((_now() - t0) / 1e3)
+                    n += 1
+                    wrong += y.tobytes() != y_ref.tobytes()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            with lock:
+                res.latency_us.extend(lat)
+                res.requests += n
+                res.wrong += wrong
+            close = getattr(client, "close", None)  # a peer's per-thread resources
+            if close is not None and not isinstance(client, Engine):
+                close()
+
+    ts = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(threads)]
+    for t in ts:
+        t.start()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    t0 = time.perf_counter()
+    time.sleep(duration)
+    stop.set()
+    for t in ts:
+        t.join()
+    res.seconds = time.perf_counter() - t0
+    res.errors = len(errors)
+    if errors:
+        res.note = f"{type(errors[0]).__name__}: {errors[0]}"[:120]
+    return res
+
+
+def _call(client, x):
+    if isinstance(client, tuple):
+        submit, wait = client
+        return wait(submit(x))
+    return client(x)
+
+
+# -- modes ----------------------------------------------------------------------------------
+
+
+@attrs.define
+class BenchOptions:
+    """What `orchestra bench serve` runs (the CLI's options). Plain data."""
+
+    mode: str = "all"
+    mix: str = "64K"
+    row_kib: float = 4.0
+    iters: int = 1
+    threads: int = 8
+    window: int = 1
+    duration: float | None = None  # per contender; default 3 s (soak: 50 s)
+    requests: int | None = None
+    tasks: int = 1000
+    rate: float = 10_000.0
+    batching: str = "both"  # off | on | both
+    dispatch: str = "both"  # caller | thread | both
+    peers: bool = True
+    engine: EngineConfig = attrs.field(factory=EngineConfig)
+
+
+def _peer_results(mode, w: Workload, o: BenchOptions, threads: int, duration: float,
+                  window: int, out: list, notes: list) -> None:
+    if not o.peers or o.engine.backend_factory is not None:
+        return
+    from orchestra.driver import Device
+    from orchestra.serve.peers import BareClient, TorchClient, torch_available
+
+    dev = Device.get(o.engine.device)
+    max_elems = w.max_rows * w.row_floats
+    out.append(closed_loop("cuda-python (stream per thread)", mode, w,
+                           lambda: BareClient(dev, max_elems, w.iters, S, T), threads,
+                           duration))
+    why = torch_available()
+    if why is not None:
+        notes.append(f"PyTorch CUDA graph peer skipped: {why}")
+        return
+    out.append(closed_loop("PyTorch CUDA graph (per thread)", mode, w,
+                           lambda: TorchClient(w.shapes, w.iters, S, T, o.engine.device),
+                           threads, duration))
+
+
+def _dur(o: BenchOptions, default: float = 3.0) -> float:
+    return default if o.duration is None else o.duration
+
+
+def run_latency(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    """One thread, one request at a time; ``--requests`` per contender (default 2,000)."""
+    n = o.requests or 2000
+    out = []
+    with make_engine(w, o.engine, instances=max(1, o.engine.instances)) as e:
+        info = _warm(e)
+        out.append(_sequential("engine(x) [blocking]", w, e, n))
+        out[-1].extra.update(info)
+        out.append(_sequential("engine.submit(x).result()", w,
+                               lambda x: e.submit(x).result(), n))
+    if o.peers and o.engine.backend_factory is None:
+        from orchestra.driver import Device
+        from orchestra.serve.peers import BareClient, TorchClient, torch_available
+
+        dev = Device.get(o.engine.device)
+        c = BareClient(dev, w.max_rows * w.row_floats, w.iters, S, T)
+        try:
+            out.append(_sequential("cuda-python (bare)", w, c, n))
+        finally:
+            c.close()
+        why = torch_available()
+        if why is None:
+            result = []
+
+            def torch_run():  # its own thread: set_stream is per thread
+                tc = TorchClient(w.shapes, w.iters, S, T, o.engine.device)
+                result.append(_sequential("PyTorch CUDA graph", w, tc, n))
+
+            t = threading.Thread(target=torch_run)
+            t.start()
+            t.join()
+            out.extend(result)
+        else:
+            notes.append(f"PyTorch CUDA graph peer skipped: {why}")
+    for r in out:
+        r.mode = "latency"
+    return out
+
+
+def _sequential(name: str, w: Workload, fn, n: int) -> Result:
+    res = Result("latency", name)
+    pick = w.picker(7)
+    for _ in range(min(200, n)):
+        x, _ = pick()
+        fn(x)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x, y_ref = pick()
+        s = _now()
+        y = fn(x)
+        res.latency_us.append((_now() - s) / 1e3)
+        res.wrong += y.tobytes() != y_ref.tobytes()
+    res.seconds = time.perf_counter() - t0
+    res.requests = n
+    return res
+
+
+def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
+    out = []
+    if o.batching in ("off", "both"):
+        if o.dispatch in ("caller", "both"):
+            out.append(("engine, caller thread launches", False, "caller"))
+        if o.dispatch in ("thread", "both"):
+            out.append(("engine, dispatcher thread", False, "thread"))
+    if o.batching in ("on", "both"):
+        out.append(("engine, dynamic batching", True, "thread"))
+    return out
+
+
+def run_closed(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    out = []
+    for name, batching, dispatch in _engine_variants(o):
+        inst = o.engine.instances if batching else max(o.engine.instances, o.threads)
+        with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
+                         instances=inst) as e:
+            info = _warm(e)
+            if o.window > 1 or batching or dispatch == "thread":
+                client = (e.submit, lambda f: f.result())
+            else:
+                client = e.__call__
+            r = closed_loop(f"{name}, {inst} inst/bucket", "closed", w, lambda c=client: c,
+                            o.threads, _dur(o), o.window)
+            r.batch_fill = _fill(e)
+            r.extra.update(info)
+            if batching:
+                r.note = (f"max_batch {e._max_batch} rows, "
+                          f"{o.engine.max_delay_us:g} us")
+            out.append(r)
+    _peer_results("closed", w, o, o.threads, _dur(o), 1, out, notes)
+    return out
+
+
+def run_open(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    out = []
+    for name, batching, dispatch in _engine_variants(o):
+        with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
+                         instances=max(o.engine.instances, 4)) as e:
+            info = _warm(e)
+            r = _poisson(f"{name}, {o.rate:,.0f} req/s offered", w, e, o.rate, _dur(o))
+            r.batch_fill = _fill(e)
+            r.extra.update(info)
+            out.append(r)
+    return out
+
+
+def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Result:
+    res = Result("open", name)
+    pick = w.picker(11)
+    rng = np.random.default_rng(3)
+    lock = threading.Lock()
+    pending = [0]
+    done_all = threading.Event()
+
+    def on_done(t_arrival, y_ref, fut):
+        t = _now()
+        try:
+            y = fut.result()
+            wrong = y.tobytes() != y_ref.tobytes()
+            err = 0
+        except BaseException:  # noqa: BLE001
+            wrong, err = 0, 1
+        with lock:
+            res.latency_us.append((t - t_arrival) / 1e3)
+            res.wrong += wrong
+            res.errors += err
+            pending[0] -= 1
+            if pending[0] == 0 and stop[0]:
+                done_all.set()
+
+    stop = [False]
+    t_start = _now()
+    t_next = t_start
+    end = t_start + int(duration * 1e9)
+    n = 0
+    while t_next < end:
+        t_next += int(rng.exponential(1e9 / rate))
+        while _now() < t_next:  # spin: arrivals closer than a sleep's granularity
+            pass
+        x, y_ref = pick()
+        with lock:
+            pending[0] += 1
+        fut = e.submit(x)
+        fut.add_done_callback(functools.partial(on_done, t_next, y_ref))
+        n += 1
+    with lock:
+        stop[0] = True
+        if pending[0] == 0:
+            done_all.set()
+    done_all.wait(60)
+    res.seconds = (_now() - t_start) / 1e9
+    res.requests = n
+    res.extra["offered_req_per_s"] = rate
+    return res
+
+
+def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    out = []
+    total = o.requests or 20 * o.tasks
+    for name, batching, dispatch in _engine_variants(o):
+        if dispatch == "thread" and not batching and o.dispatch == "both":
+            continue  # asyncio: the caller design and batching
+        with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
+                         instances=max(o.engine.instances, 8)) as e:
+            info = _warm(e)
+            r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+            r.batch_fill = _fill(e)
+            r.extra.update(info)
+            out.append(r)
+    return out
+
+
+async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) -> Result:
+    res = Result("asyncio", f"{name}, {tasks:,} tasks")
+    lags = []
+    stop = False
+    period = 0.0005
+
+    async def probe():
+        while not stop:
+            t = time.perf_counter()
+            await asyncio.sleep(period)
+            lags.append((time.perf_counter() - t - period) * 1e3)
+
+    per = max(1, total // tasks)
+
+    async def task(k):
+        pick = w.picker(5000 + k)
+        for _ in range(per):
+            x, y_ref = pick()
+            t0 = _now()
+            y = await e.run(x)
+            res.latency_us.append((_now() - t0) / 1e3)
+            res.wrong += y.tobytes() != y_ref.tobytes()
+
+    p = asyncio.ensure_future(probe())
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(task(k) for k in range(tasks)), return_exceptions=True)
+    res.seconds = time.perf_counter() - t0
+    stop = True
+    await p
+    errs = [r for r in results if isinstance(r, BaseException)]
+    res.errors = len(errs)
+    if errs:
+        res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120]
+    res.requests = len(res.latency_us)
+    lag = np.array(lags) if lags else np.zeros(1)
+    res.extra.update({"loop_lag_max_ms": float(lag.max()),
+                      "loop_lag_p99_ms": float(np.percentile(lag, 99)),
+                      "loop_lag_samples": len(lags)})
+    res.note = (res.note or "") + (f"loop lag max {lag.max():.3f} ms, p99 "
+                                   f"{np.percentile(lag, 99):.3f} ms")
+    return res
+
+
+# -- soak -------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_snapshot(device: int | None) -> dict:
+    """RSS, the default pool's used bytes, graph memory in use, live handles."""
+    snap = {"rss_bytes": _rss_bytes(), "pool_used_bytes": None, "graph_used_bytes": None,
+            "live_handles": None}
+    if device is None:
+        return snap
+    from orchestra.driver import MemoryPool, live_handles
+    from orchestra.execute import graph_memory
+
+    snap["pool_used_bytes"] = MemoryPool.default(device).used_bytes
+    snap["graph_used_bytes"] = graph_memory(device).used
+    snap["live_handles"] = sum(live_handles().values())
+    return snap
+
+
+def _bad_request(k: int, w: Workload, largest: int):
+    """The k-th bad request and the error type it must fail with."""
+    from orchestra.serve.errors import InputTypeError, RequestTooLarge
+
+    rows = w.sizes[0]
+    kind = k % 3
+    if kind == 0:
+        return np.zeros((rows, w.row_floats), np.float64), InputTypeError
+    if kind == 1:
+        return np.zeros((largest + 1, w.row_floats), np.float32), RequestTooLarge
+    wide = np.zeros((rows, 2 * w.row_floats), np.float32)
+    return wide[:, ::2], InputTypeError
+
+
+def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    device = None if o.engine.backend_factory is not None else o.engine.device
+    total = o.requests or 1_000_000
+    threads = o.threads
+    res = Result("soak", f"engine, {threads} threads, 1% bad requests")
+    with make_engine(w, o.engine, instances=max(o.engine.instances, threads)) as e:
+        info = _warm(e)
+        largest = e.buckets.largest
+        # one pass first: allocator caches warm, then the first snapshot
+        pick = w.picker(1)
+        for _ in range(200):
+            e(pick()[0])
+        first = memory_snapshot(device)
+        lock = threading.Lock()
+        counter = [0]
+        bad_ok = [0]
+        bad_wrong = [0]
+        # whichever comes first: the requests or the duration
+        deadline = time.perf_counter() + _dur(o, 50.0)
+
+        def worker(k):
+            pk = w.picker(100 + k)
+            # bounded: the soak's own bookkeeping must not grow the RSS it reports
+            lat, wrong, n = collections.deque(maxlen=20_000), 0, 0
+            while True:
+                with lock:
+                    i = counter[0]
+                    counter[0] += 1
+                if i >= total or time.perf_counter() > deadline:
+                    break
+                if i % 100 == 99:
+                    x, err_type = _bad_request(i // 100, w, largest)
+                    fut = e.submit(x)
+                    exc = fut.exception()
+                    with lock:
+                        if isinstance(exc, err_type):
+                            bad_ok[0] += 1
+                        else:
+                            bad_wrong[0] += 1
+                    continue
+                x, y_ref = pk()
+                t0 = _now()
+                y = e(x)
+                lat.append((_now() - t0) / 1e3)
+                n += 1
+                wrong += y.tobytes() != y_ref.tobytes()
+            with lock:
+                res.latency_us.extend(lat)
+                res.requests += n
+                res.wrong += wrong
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        res.seconds = time.perf_counter() - t0
+        last = memory_snapshot(device)
+        res.errors = bad_wrong[0]
+        res.extra.update(info)
+        res.extra.update({"bad_requests": bad_ok[0] + bad_wrong[0], "bad_refused_ok": bad_ok[0],
+                          "first": first, "last": last,
+                          "engine_bad_requests": e.stats()["engine"]["bad_requests"]})
+        res.note = f"{bad_ok[0]:,} bad refused, each only its own future"
+    return [res]
+
+
+MODES = {"latency": run_latency, "closed": run_closed, "open": run_open,
+         "asyncio": run_asyncio, "soak": run_soak}
+
+
+def run(o: BenchOptions) -> tuple[list[Result], list[str], Workload]:
+    w = Workload(o.mix, int(o.row_kib * 256), o.iters)
+    notes: list[str] = []
+    modes = ("latency", "closed") if o.mode == "all" else (o.mode,)
+    results = []
+    for m in modes:
+        results += MODES[m](w, o, notes)
+    return results, notes, w
+
+
+def goal_lines(results: list[Result]) -> list[str]:
+    """The issue's goals, judged on this run."""
+    lines = []
+    lat = {r.name: r for r in results if r.mode == "latency"}
+    eng = lat.get("engine(x) [blocking]")
+    peers = [r for n, r in lat.items() if not n.startswith("engine")]
+    if eng is not None and peers:
+        best = min(peers, key=lambda r: r.pct()["p50"])
+        e50, b50 = eng.pct()["p50"], best.pct()["p50"]
+        e99 = eng.pct()["p99"]
+        lines.append(f"latency: engine p50 {e50:.1f} us = {e50 / b50:.2f}x the best peer "
+                     f"({best.name}, {b50:.1f} us; goal <= 1.1x); p99 = {e99 / e50:.2f}x p50 "
+                     "(goal <= 2x)")
+    for r in results:
+        if r.mode == "closed" and r.name.startswith("engine"):
+            goal = 50_000 if "batching" in r.name else 15_000
+            lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
+        if r.mode == "asyncio":
+            lag = r.extra.get("loop_lag_max_ms")
+            lines.append(f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)")
+        if "warmup_ms" in r.extra and r.extra.get("buckets", 0) >= 8 and r.mode == "closed":
+            lines.append(f"warmup: {r.extra['buckets']} buckets in {r.extra['warmup_ms']:.0f} ms"
+                         f" ({r.name}; goal <= 1,000 ms for 8)")
+    return lines
+
+
+def format_soak(r: Result) -> str:
+    first, last = r.extra["first"], r.extra["last"]
+
+    def mib(v):
+        return "-" if v is None else f"{v / 2**20:,.1f} MiB"
+
+    lines = [f"soak: {r.requests:,} good requests in {r.seconds:.1f} s ({r.rps:,.0f} req/s), "
+             f"{r.wrong} wrong; {r.extra['bad_requests']:,} bad requests, "
+             f"{r.extra['bad_refused_ok']:,} failed their own future with the expected error",
+             f"  {'':18}{'first':>16}{'last':>16}"]
+    for key, label, f in (("rss_bytes", "RSS", mib), ("pool_used_bytes", "pool used", mib),
+                          ("graph_used_bytes", "graph memory", mib),
+                          ("live_handles", "live handles", lambda v: "-" if v is None else str(v))):
+        lines.append(f"  {label:18}{f(first[key]):>16}{f(last[key]):>16}")
+    return "\n".join(lines)
+
+
+def plot_cdf(results: list[Result], path: str) -> str:
+    """The latency CDF of every contender (matplotlib, the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingExtraError("--plot needs matplotlib: pip install 'orchestra[plot]'") \
+            from exc
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        if not r.latency_us:
+            continue
+        a = np.sort(np.asarray(r.latency_us))
+        ax.plot(a, np.arange(1, a.size + 1) / a.size, label=f"{r.mode}: {r.name}")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (us, submit to result)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
+         device_name: str | None = None) -> int:
+    results, notes, w = run(o)
+    ok = all(not r.wrong and not (r.mode == "soak" and r.errors) for r in results)
+    if as_json:
+        print(json.dumps({"device": device_name, "mix": o.mix, "row_bytes": 4 * w.row_floats,
+                          "results": [r.as_dict() for r in results], "notes": notes,
+                          "goals": goal_lines(results), "verified": ok}, indent=2))
+    else:
+        print(f"orchestra bench serve: {device_name or 'CPU backend'}, requests {o.mix} "
+              f"({w.row_floats * 4 // 1024} KiB rows), executor {o.engine.executor}, "
+              f"{o.threads} threads, outputs checked bit for bit")
+        for mode in dict.fromkeys(r.mode for r in results):
+            rs = [r for r in results if r.mode == mode]
+            if mode == "soak":
+                print(format_soak(rs[0]))
+                continue
+            print(f"\n{mode}:")
+            print(format_results(rs))
+        for line in goal_lines(results) + notes:
+            print(line)
+    if plot:
+        plot_cdf(results, plot)
+        if not as_json:
+            print(f"latency CDF written to {plot}")
+    return 0 if ok else 1
+
+
+__all__ = ["BenchOptions", "EngineConfig", "Result", "Workload", "closed_loop", "main",
+           "make_engine", "memory_snapshot", "parse_mix", "parse_size", "run"]

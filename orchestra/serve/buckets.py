@@ -1,0 +1,106 @@
+"""Shape buckets: the row counts an engine builds executable graphs for (plain Python).
+
+A request of ``r`` rows runs on the smallest bucket of at least ``r`` rows: its inputs are
+padded to the bucket's rows, its outputs sliced back. Three ways to give the buckets:
+
+- ``"vllm"`` (the default): 1, 2, 4, then every multiple of 8 up to ``max_rows`` (the capture
+  sizes vLLM uses for decode batches; few rows waste little padding, many rows waste at most 7);
+- ``"pow2"``: powers of two up to ``max_rows`` (fewer graphs, up to 2x padding);
+- a sequence of row counts (``[1, 16, 64]``).
+
+``max_rows`` is always a bucket: a request above the largest bucket is refused with
+`RequestTooLarge` unless the engine may split it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from typing import Sequence
+
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
+DEFAULT_MAX_ROWS = 256
+
+
+def vllm_buckets(max_rows: int = DEFAULT_MAX_ROWS) -> tuple[int, ...]:
+    """``(1, 2, 4, 8, 16, 24, ..., max_rows)``: 1, 2, 4, then steps of 8, and ``max_rows``."""
+    m = _positive(max_rows, "max_rows")
+    sizes = {s for s in (1, 2, 4) if s <= m} | set(range(8, m + 1, 8)) | {m}
+    return tuple(sorted(sizes))
+
+
+def pow2_buckets(max_rows: int = DEFAULT_MAX_ROWS) -> tuple[int, ...]:
+    """``(1, 2, 4, ..., max_rows)``: powers of two below ``max_rows``, and ``max_rows``."""
+    m = _positive(max_rows, "max_rows")
+    sizes = {1 << k for k in range(m.bit_length()) if 1 << k <= m} | {m}
+    return tuple(sorted(sizes))
+
+
+def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
+    """The sorted, distinct bucket row counts of ``spec`` (see the module doc).
+
+    ``max_rows`` default: 256 for ``"vllm"`` and ``"pow2"``; with a sequence it is added to it
+    when given. Raises ``ValueError`` / ``TypeError`` for sizes that are not positive ints.
+    """
+    if isinstance(spec, str):
+        if spec == "vllm":
+            return vllm_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
+        if spec == "pow2":
+            return pow2_buckets(DEFAULT_MAX_ROWS if max_rows is None else max_rows)
+        raise ServeConfigValueError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts; "
+                                    f"got {spec!r}")
+    if isinstance(spec, int):
+        spec = [spec]
+    try:
+        sizes = {operator.index(s) for s in spec}
+    except TypeError:
+        raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts "
+                                   f"(ints); got {spec!r}") from None
+    if max_rows is not None:
+        sizes.add(operator.index(max_rows))
+    if not sizes or min(sizes) < 1:
+        raise ServeConfigValueError(f"bucket row counts must be positive ints; got {spec!r}")
+    return tuple(sorted(sizes))
+
+
+class Buckets:
+    """A sorted set of bucket row counts and the lookup ``pick(rows) -> bucket rows``.
+
+    Immutable; safe to share between threads.
+    """
+
+    __slots__ = ("sizes", "largest")
+
+    def __init__(self, sizes: Sequence[int]):
+        self.sizes = tuple(sorted(set(sizes)))
+        if not self.sizes:
+            raise ServeConfigValueError("at least one bucket is needed")
+        self.largest = self.sizes[-1]
+
+    def pick(self, rows: int) -> int | None:
+        """The smallest bucket of at least ``rows`` rows, or None when ``rows`` is above the
+        largest."""
+        i = bisect.bisect_left(self.sizes, rows)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"Buckets({list(self.sizes)})"
+
+
+def _positive(n, what: str) -> int:
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise ServeConfigTypeError(f"{what} must be an int; got {n!r}") from None
+    if n < 1:
+        raise ServeConfigValueError(f"{what} must be >= 1; got {n}")
+    return n
+
+
+__all__ = ["Buckets", "DEFAULT_MAX_ROWS", "bucket_sizes", "pow2_buckets", "vllm_buckets"]

@@ -1,0 +1,90 @@
+"""The ``orchestra bench serve`` subcommand's options (registered by `orchestra.cli.bench`)."""
+
+from __future__ import annotations
+
+MODES = ("all", "latency", "closed", "open", "asyncio", "soak")
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser(
+        "serve", help="the serving engine under load, with bare cuda-python and PyTorch peers",
+        description="Serve float32 requests through orchestra.serve.Engine (H2D, a kernel, D2H "
+                    "per request) and, in the same run, through bare cuda-python and PyTorch "
+                    "CUDA graph replay; every output is checked bit for bit. Exit status 1 when "
+                    "an output is wrong or a bad request was not refused.")
+    p.add_argument("--mode", choices=MODES, default="all",
+                   help="latency (one thread), closed (threads in a closed loop), open "
+                        "(Poisson arrivals), asyncio (many tasks, event-loop lag), soak "
+                        "(long run, 1%% bad requests, memory first/last), all = latency + "
+                        "closed (default)")
+    p.add_argument("--mix", "--size", dest="mix", default="64K",
+                   help="request sizes with weights, e.g. 64K or 4K:1,64K:8,256K:1 "
+                        "(default 64K)")
+    p.add_argument("--row-kib", type=float, default=4.0,
+                   help="KiB per row (axis 0 of a request; buckets and batches count rows; "
+                        "default 4)")
+    p.add_argument("--iters", type=int, default=1,
+                   help="kernel steps per element (default 1)")
+    p.add_argument("--threads", type=int, default=8, help="submitting threads (default 8)")
+    p.add_argument("--window", type=int, default=1,
+                   help="requests in flight per thread in the closed loop (default 1)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds per contender (closed, open; default 3) or the soak's limit "
+                        "(default 50)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per contender (latency, default 2,000), in all (asyncio, "
+                        "default 20 per task; soak, default 1,000,000, or --duration first)")
+    p.add_argument("--tasks", type=int, default=1000, help="asyncio tasks (default 1,000)")
+    p.add_argument("--rate", type=float, default=10_000.0,
+                   help="offered requests/s in the open loop (default 10,000)")
+    p.add_argument("--batching", choices=("off", "on", "both"), default="both",
+                   help="dynamic batching off, on, or both in turn (default both)")
+    p.add_argument("--dispatch", choices=("caller", "thread", "both"), default="both",
+                   help="without batching: the caller's thread launches, a dispatcher thread "
+                        "does, or both in turn (default both)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="rows per dynamic batch (default 8 of the largest request)")
+    p.add_argument("--max-delay-us", type=float, default=200.0,
+                   help="how long a batch waits for more requests, us (default 200)")
+    p.add_argument("--instances", type=int, default=2,
+                   help="instances per bucket (default 2; the closed loop without batching "
+                        "uses at least one per thread)")
+    p.add_argument("--executor", choices=("graph", "capture", "eager"), default="graph",
+                   help="how instances run (default graph: explicitly built CUDA graphs)")
+    p.add_argument("--memory", choices=("external", "graph"), default="external",
+                   help="device buffers per instance: allocated once (external, default) or "
+                        "graph allocations (alloc/free nodes)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip the bare cuda-python and PyTorch peers")
+    p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw the latency CDF of every contender (needs matplotlib)")
+    p.set_defaults(func=run_cmd,
+                   no_device_hint=" (orchestra bench serve runs kernels: it needs an NVIDIA GPU)")
+
+
+def options(args):
+    from orchestra.errors import BenchConfigError
+    from orchestra.serve.bench import BenchOptions, EngineConfig
+
+    for name in ("threads", "window", "tasks", "instances", "iters"):
+        if getattr(args, name) < 1:
+            raise BenchConfigError(f"--{name} must be >= 1")
+    return BenchOptions(
+        mode=args.mode, mix=args.mix, row_kib=args.row_kib, iters=args.iters,
+        threads=args.threads, window=args.window, duration=args.duration,
+        requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
+        dispatch=args.dispatch, peers=not args.no_peers,
+        engine=EngineConfig(executor=args.executor, instances=args.instances,
+                            memory=args.memory, device=args.device, max_batch=args.max_batch,
+                            max_delay_us=args.max_delay_us))
+
+
+def run_cmd(args) -> int:
+    from orchestra.driver import Device
+    from orchestra.serve.bench import main
+
+    o = options(args)
+    dev = Device.get(args.device)
+    return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)

@@ -1,0 +1,1233 @@
+"""`Engine`: many threads and asyncio tasks submit requests; each runs on a leased instance of
+the smallest shape bucket that fits it (docs/serving.md has the whole design).
+
+    with Engine(build, inputs={"x": ((1024,), "float32")},
+                outputs={"y": ((1024,), "float32")}, buckets="pow2", max_rows=64) as engine:
+        engine.warmup()
+        y = engine(x)                       # blocking, lowest latency
+        fut = engine.submit(x)              # concurrent.futures.Future, from any thread
+        y = await engine.run(x)             # asyncio
+
+The life of one request, in the default ``dispatch="caller"`` mode:
+
+1. ``submit`` checks it (dtype, shape, rows, contiguity) before anything is enqueued; a bad
+   request gets a future already failed with the specific error, and nothing else happens.
+2. Under the engine's lock it leases a free instance of its bucket, or joins the bucket's
+   bounded queue (backpressure: wait up to a timeout or raise `Overloaded`).
+3. With an instance, the *caller's thread* copies the input into the instance's pinned staging
+   (zeroing stale padding), launches, records a blocking-sync event and hands the launch to the
+   completion thread. No thread hop before the GPU starts.
+4. Whoever sees the completion first completes the future: ``future.result()`` in the caller's
+   thread waits on the instance's stream itself (the driver's default wait, as a bare
+   cuda-python program does), while the completion thread waits on the blocking-sync event
+   (the thread sleeps in the kernel: no busy polling, no Python code on a driver thread) for
+   futures nobody waits on (callbacks, asyncio). The finisher copies the outputs out (sliced to
+   the request's rows), returns the instance (starting the next queued request on it) and sets
+   the result.
+
+With ``dispatch="thread"`` or dynamic batching, one dispatcher thread per engine takes requests
+from a queue, forms batches (same-bucket requests arriving within ``max_delay_us``, up to
+``max_batch`` rows, concatenated along axis 0) and launches them; the rest is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import json
+import logging
+import threading
+import time
+from concurrent.futures import InvalidStateError
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+
+from orchestra.errors import CallOrderError, CudaError, OrchestraError
+from orchestra.serve.backend import Backend, Instance
+from orchestra.serve.buckets import Buckets, bucket_sizes
+from orchestra.serve.errors import (
+    EngineBroken,
+    EngineClosed,
+    Overloaded,
+    RequestTooLarge,
+    ServeConfigTypeError,
+    ServeConfigValueError,
+)
+from orchestra.serve.stats import BucketStats, percentiles
+from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
+
+log = logging.getLogger(__name__)
+
+_now = time.perf_counter_ns
+_STOP = object()
+
+
+@attrs.frozen
+class Batching:
+    """Dynamic batching: requests arriving within ``max_delay_us`` microseconds of the first
+    one waiting are concatenated along axis 0 into one launch of at most ``max_batch`` rows
+    (None: the largest bucket), on the smallest bucket that fits the batch. A request larger
+    than ``max_batch`` rows runs alone. Immutable: safe to share between threads and engines."""
+
+    max_batch: int | None = None
+    max_delay_us: float = 200.0
+
+    def __attrs_post_init__(self):
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ServeConfigValueError(f"max_batch must be >= 1 row; got {self.max_batch}")
+        if not self.max_delay_us >= 0:
+            raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
+
+
+# -- requests, launches, futures ---------------------------------------------------------------
+
+
+class _Group:
+    """A request split into chunks (``split=True``): one future, outputs assembled in place."""
+
+    __slots__ = ("fut", "remaining", "outputs", "error", "started", "cancelled", "lock")
+
+    def __init__(self, fut, chunks: int, outputs: dict):
+        self.fut = fut
+        self.remaining = chunks
+        self.outputs = outputs
+        self.error: BaseException | None = None
+        self.started = False
+        self.cancelled = False
+        self.lock = threading.Lock()
+
+
+class _Req:
+    __slots__ = ("arrays", "rows", "bucket", "out", "t0", "fut", "group", "pinned", "caller")
+
+    def __init__(self, arrays, rows, bucket, out, t0, fut, group=None, pinned=False):
+        self.caller = 0  # the blocking call's thread id: launched there, it waits there too
+        self.arrays = arrays
+        self.rows = rows
+        self.bucket = bucket
+        self.out = out
+        self.t0 = t0
+        self.fut = fut  # the ServeFuture (the group's for a chunk)
+        self.group = group
+        self.pinned = pinned
+
+
+class _Launch:
+    """One leased instance running one request or one batch. ``claim`` makes exactly one
+    thread finish it (or fail it)."""
+
+    __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_token", "done",
+                 "started")
+
+    def __init__(self, inst: Instance, bucket, reqs):
+        self.inst = inst
+        self.bucket = bucket
+        self.reqs = reqs
+        self.timed = False
+        self.waiter = False  # a caller is waiting in result(): the completion thread skips it
+        self.inline = False  # launched by the blocking call: no event, no completion thread
+        self._token = [True]
+        self.done = False
+        self.started = False  # the instance's work was enqueued
+
+    def claim(self) -> bool:
+        """True for exactly one caller (``list.pop`` is atomic: cheaper than a lock)."""
+        try:
+            self._token.pop()
+        except IndexError:
+            return False
+        self.done = True
+        return True
+
+
+class _Direct:
+    """The blocking call's stand-in for a future (no condition variable: the calling thread
+    itself completes it, or sees it completed)."""
+
+    __slots__ = ("state", "value", "_launches")
+
+    def __init__(self):
+        self.state = 0  # 0 pending, 1 result, 2 exception
+        self.value = None
+        self._launches: list = []
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def set_result(self, value) -> None:
+        if self.state:
+            raise InvalidStateError("already done")
+        self.value, self.state = value, 1
+
+    def set_exception(self, exc) -> None:
+        if self.state:
+            raise InvalidStateError("already done")
+        self.value, self.state = exc, 2
+
+    def done(self) -> bool:
+        return self.state != 0
+
+    def get(self):
+        while not self.state:  # another thread claimed the launch and is completing it
+            time.sleep(1e-4)
+        if self.state == 2:
+            raise self.value
+        return self.value
+
+
+class ServeFuture(concurrent.futures.Future):
+    """A `concurrent.futures.Future` for one request.
+
+    ``result()`` / ``exception()`` without a timeout, called once the request is launched, wait
+    in the calling thread on the request's own stream (and complete the future themselves when
+    they see the completion first): no thread hop on the way back. Everything else is the
+    standard Future (callbacks run on the thread that completes it: an engine thread or a
+    caller's; keep them short and never call `Engine.close` from one).
+
+    Thread-safety: as `concurrent.futures.Future` (any thread may wait, cancel or add callbacks).
+    """
+
+    def __init__(self, engine=None):
+        super().__init__()
+        self._engine = engine
+        self._launches: list = []
+
+    def result(self, timeout=None):
+        if timeout is None and self._launches and not self.done():
+            self._engine._wait_inline(self)
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        if timeout is None and self._launches and not self.done():
+            self._engine._wait_inline(self)
+        return super().exception(timeout)
+
+
+def _set_result(fut, value) -> None:
+    try:
+        fut.set_result(value)
+    except InvalidStateError:  # cancelled meanwhile (a queued request) or already failed
+        pass
+
+
+def _set_exception(fut, exc) -> None:
+    try:
+        fut.set_exception(exc)
+    except InvalidStateError:
+        pass
+
+
+class _Bucket:
+    __slots__ = ("rows", "instances", "free", "queue", "building", "stats", "ready", "error")
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.instances: list[Instance] = []
+        self.free: list[Instance] = []
+        self.queue: collections.deque = collections.deque()
+        self.building = False
+        self.ready = False
+        self.error: BaseException | None = None  # why the last build failed
+        self.stats = BucketStats(rows)
+
+
+# -- the engine ----------------------------------------------------------------------------
+
+
+class Engine:
+    """A serving engine over shape buckets of executable task graphs.
+
+    Args:
+        build: ``build(signature) -> ServeGraph``: the task graph (and its bindings) for one
+            instance of one bucket; ``signature`` is an `orchestra.execute.Signature` whose
+            ``shape(name)`` is ``(bucket rows, *row_shape)`` for every input and whose
+            ``get("instance")`` is the instance number. Called once per instance (a graph with
+            alloc/free nodes has one instantiation, so every instance builds its own): return
+            fresh device buffers each time. Not used with ``backend=``.
+        inputs, outputs: ``{name: (row_shape, dtype)}``: what a request sends and gets back,
+            any number of rows along axis 0 (outputs have the request's rows).
+        buckets: ``"vllm"`` (default: 1, 2, 4, then steps of 8), ``"pow2"`` or a list of row
+            counts; ``max_rows``: the largest bucket (default 256; with a list, added to it).
+        executor: ``"graph"`` (`GraphBuildExecutor`, default), ``"capture"``
+            (`CaptureExecutor`), ``"eager"`` (`EagerExecutor` per instance), or a graph
+            executor object to build with.
+        backend: a `Backend` instead of ``build`` / ``executor`` (e.g. `NumpyBackend`).
+        instances: instances per bucket (K): how many requests of one bucket run at once.
+        queue_limit: requests that may wait for an instance (or for the dispatcher) at once.
+        on_full: ``"block"`` (default: ``submit`` waits up to ``submit_timeout`` seconds,
+            None: forever, then raises `Overloaded`) or ``"raise"`` (`Overloaded` at once).
+        batching: None (default: one request per launch), a `Batching`, or True (its
+            defaults). Requires a kernel that works row by row.
+        split: allow requests above the largest bucket: they run as chunks of the largest
+            bucket, outputs concatenated (default False: `RequestTooLarge`).
+        dispatch: ``"caller"`` (default: the submitting thread launches when an instance is
+            free) or ``"thread"`` (one dispatcher thread launches everything). Batching always
+            uses the dispatcher thread.
+        completion_threads: threads that wait on blocking-sync events (default 1).
+        timing_every: measure GPU time on every n-th launch (timing events; 0: never).
+        zero_padding: zero the padding rows of input staging that a larger earlier request
+            left behind (default True: a request never sees another's data).
+        device, verify, streams: for the CUDA backends (the device; the hazard verifier; the
+            eager executor's stream count).
+
+    Thread-safety: every public method may be called from any thread at once, except that
+    `close` must not be called from a future's done-callback (it joins the engine's threads).
+    Instances are never shared: a launch holds its instance until its outputs are copied out.
+    """
+
+    def __init__(self, build: Callable | None = None, *, inputs, outputs, buckets="vllm",
+                 max_rows: int | None = None, executor="graph", backend: Backend | None = None,
+                 instances: int = 2, queue_limit: int = 1024, on_full: str = "block",
+                 submit_timeout: float | None = None, batching=None, split: bool = False,
+                 dispatch: str = "caller", completion_threads: int = 1, timing_every: int = 64,
+                 zero_padding: bool = True, device=None, verify: bool = True, streams: int = 1):
+        self._inputs = tensor_specs(inputs, "inputs")
+        self._outputs = tensor_specs(outputs, "outputs")
+        self.buckets = Buckets(bucket_sizes(buckets, max_rows))
+        if instances < 1:
+            raise ServeConfigValueError(f"instances must be >= 1; got {instances}")
+        if queue_limit < 1:
+            raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
+        if on_full not in ("block", "raise"):
+            raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
+        if dispatch not in ("caller", "thread"):
+            raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
+        if completion_threads < 1:
+            raise ServeConfigValueError(f"completion_threads must be >= 1; got "
+                                        f"{completion_threads}")
+        if batching is True:
+            batching = Batching()
+        if batching is not None and not isinstance(batching, Batching):
+            raise ServeConfigTypeError(f"batching must be None, True or a Batching; got "
+                                       f"{batching!r}")
+        if batching is not None:
+            mb = batching.max_batch if batching.max_batch is not None else self.buckets.largest
+            if mb > self.buckets.largest:
+                raise ServeConfigValueError(f"max_batch {mb} rows is above the largest bucket "
+                                            f"({self.buckets.largest} rows)")
+            self._max_batch = mb
+            self._max_delay_ns = int(batching.max_delay_us * 1000)
+        self.batching = batching
+        self.instances = int(instances)
+        self.queue_limit = int(queue_limit)
+        self.on_full = on_full
+        self.submit_timeout = submit_timeout
+        self.split = bool(split)
+        self.dispatch = "thread" if batching is not None else dispatch
+        self.timing_every = max(0, int(timing_every))
+        self.zero_padding = bool(zero_padding)
+        if backend is None:
+            if build is None:
+                raise ServeConfigTypeError("Engine needs build (a function returning a "
+                                           "ServeGraph) or backend=")
+            from orchestra.serve.cuda_backend import make_backend
+
+            backend = make_backend(build, executor, device=device, verify=verify,
+                                   streams=streams)
+        elif build is not None:
+            raise ServeConfigTypeError("give build or backend=, not both")
+        self.backend = backend
+        self.executor = backend.name
+        self._single_output = next(iter(self._outputs)) if len(self._outputs) == 1 else None
+
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)  # queue space (blocked submitters)
+        self._work = threading.Condition(self._lock)  # the dispatcher: requests, instances
+        self._idle = threading.Condition(self._lock)  # close(): nothing queued or running
+        self._built = threading.Condition(self._lock)  # warmup(): a bucket's build ended
+        self._buckets: dict[int, _Bucket] = {}
+        self._running: set[_Launch] = set()
+        self._queued = 0
+        self._batchq: collections.deque = collections.deque()
+        self._batch_rows = 0  # rows waiting in _batchq
+        self._state = "open"  # open | closing | closed
+        self._broken: BaseException | None = None
+        self._stopping = False
+        self._building = 0
+        self._dispatching = 0  # batches the dispatcher took and has not launched (or failed)
+        self._nlaunch = 0
+        self._bad = 0
+        self._overloaded = 0
+        self._cancelled = 0
+        self._threads: list[threading.Thread] = []
+        self._cq = __import__("queue").SimpleQueue()
+        for i in range(completion_threads):
+            self._start_thread(self._completion_loop, f"orchestra-serve-completion-{i}")
+        if self.dispatch == "thread":
+            self._start_thread(self._dispatch_loop, "orchestra-serve-dispatch")
+
+    def _start_thread(self, target, name) -> None:
+        t = threading.Thread(target=self._thread_main, args=(target,), name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _thread_main(self, target) -> None:
+        try:
+            self.backend.thread_init()
+        except Exception:  # noqa: BLE001 - the loop reports errors per launch
+            log.exception("serve: thread setup failed")
+        target()
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> dict:
+        return dict(self._inputs)
+
+    @property
+    def outputs(self) -> dict:
+        return dict(self._outputs)
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The sticky `CudaError` that broke the engine, or None."""
+        return self._broken
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed"
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def submit(self, inputs, *, out=None, pinned: bool = False,
+               timeout: Any = ...) -> ServeFuture:
+        """Submit one request; returns its `ServeFuture` (the outputs: one array for a
+        one-output engine, else ``{name: array}``).
+
+        Args:
+            inputs: ``{name: array}`` (one array for a one-input engine): C-contiguous, the
+                declared dtype, shape ``(rows, *row_shape)``. Copied into the instance's pinned
+                staging when the request launches (at once when an instance is free; keep the
+                arrays unchanged until the future is done).
+            out: arrays to write the outputs into (``(rows, *row_shape)``, the dtype,
+                C-contiguous, writable); default: new arrays the caller owns.
+            pinned: the inputs are page-locked (`PinnedBuffer` memory or `register_host`) and
+                the instance may read them directly (zero-copy) when the request fills its
+                bucket exactly and runs alone; the arrays must then stay unchanged and alive
+                until the future is done.
+            timeout: seconds to wait for queue space with ``on_full="block"`` (default: the
+                engine's ``submit_timeout``).
+
+        A bad request returns a future already failed with `BadRequest` / `InputTypeError` /
+        `RequestTooLarge` (or `PageableMemoryError` for ``pinned=True``); nothing is enqueued.
+        Raises `Overloaded` (queue full), `EngineBroken` (a sticky CUDA error), `EngineClosed`.
+        """
+        return self._submit(inputs, out, pinned, self.submit_timeout if timeout is ... else
+                            timeout, self.on_full == "block", False)
+
+    def __call__(self, inputs, *, out=None, pinned: bool = False):
+        """Run one request and wait for it in this thread: the lowest-latency path (no
+        future, no event, no completion thread when an instance is free). Returns the outputs;
+        raises what `submit` raises and what the request fails with (a bad request raises its
+        `BadRequest` here)."""
+        if self.dispatch == "caller":
+            d = _Direct()
+            try:
+                reqs = self._requests(inputs, out, pinned, d, _now())
+            except OrchestraError:
+                self._count_bad()
+                raise
+            if len(reqs) == 1:
+                r = reqs[0]
+                r.caller = threading.get_ident()
+                launch = None
+                with self._lock:
+                    b = self._buckets.get(r.bucket)
+                    if (b is not None and b.free and not b.queue and self._state == "open"
+                            and self._broken is None):
+                        b.stats.hits += 1
+                        launch = _Launch(b.free.pop(), b, reqs)
+                        self._running.add(launch)
+                if launch is not None:
+                    self._run(launch)
+                    if not launch.done:
+                        self._wait_launch(launch)
+                    return d.get()
+        # queued, being built, split or dispatched by the thread: the general path
+        fut = self._submit(inputs, out, pinned, self.submit_timeout, self.on_full == "block",
+                           True)
+        return fut.result()
+
+    async def run(self, inputs, *, out=None, pinned: bool = False):
+        """``await engine.run(x)``: the outputs, delivered on the caller's event loop through
+        ``call_soon_threadsafe``. The loop is never blocked: with a full queue and
+        ``on_full="block"`` the wait for space happens on a worker thread. Cancelling the
+        awaiting task cancels the request if it has not started. If the loop is closed before
+        the request completes, the result is dropped (nothing is raised on engine threads)."""
+        loop = asyncio.get_running_loop()
+        try:  # a bucket's first request builds it: on another thread, not on the loop
+            fut = self._submit(inputs, out, pinned, None, False, False, offload_builds=True)
+        except Overloaded:
+            if self.on_full != "block":
+                raise
+            fut = await loop.run_in_executor(None, functools.partial(
+                self._submit, inputs, out, pinned, self.submit_timeout, True, False))
+        aio = loop.create_future()
+        fut.add_done_callback(functools.partial(_to_loop, loop, aio))
+        try:
+            return await aio
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    def _submit(self, inputs, out, pinned, timeout, block, inline,
+                offload_builds: bool = False) -> ServeFuture:
+        t0 = _now()
+        fut = ServeFuture(self)
+        try:
+            reqs = self._requests(inputs, out, pinned, fut, t0)
+        except OrchestraError as exc:  # a bad request fails its own future, nothing enqueued
+            self._count_bad()
+            fut.set_exception(exc)
+            return fut
+        if inline:
+            reqs[0].caller = threading.get_ident()
+        launches, builds = self._admit(reqs, timeout, block)
+        for launch in launches:
+            self._run(launch)
+        for b in builds:
+            if offload_builds:
+                threading.Thread(target=self._build_quietly, args=(b,), daemon=True,
+                                 name=f"orchestra-serve-build-{b.rows}").start()
+            else:
+                self._build(b)
+        return fut
+
+    def _build_quietly(self, b) -> None:
+        try:
+            self.backend.thread_init()
+            self._build(b)
+        except BaseException:  # noqa: BLE001 - the waiting requests carry the error
+            log.debug("serve: background build of the %d-row bucket failed", b.rows,
+                      exc_info=True)
+
+    def _count_bad(self) -> None:
+        with self._lock:
+            self._bad += 1
+
+    def _requests(self, inputs, out, pinned, fut, t0) -> list[_Req]:
+        arrays, rows = check_inputs(self._inputs, inputs)
+        outs = check_out(self._outputs, out, rows) if out is not None else None
+        if pinned:
+            for name, a in arrays.items():
+                self.backend.check_pinned(name, a)
+        bucket = self.buckets.pick(rows)
+        if bucket is not None:
+            return [_Req(arrays, rows, bucket, outs, t0, fut, None, bool(pinned))]
+        if not self.split:
+            raise RequestTooLarge(rows, self.buckets.largest)
+        # split into chunks of the largest bucket; outputs assembled in place
+        if outs is None:
+            outs = {n: np.empty(s.shape(rows), s.dtype) for n, s in self._outputs.items()}
+        else:
+            for n, s in self._outputs.items():
+                outs.setdefault(n, np.empty(s.shape(rows), s.dtype))
+        step = self.buckets.largest
+        starts = range(0, rows, step)
+        group = _Group(fut, len(starts), outs)
+        reqs = []
+        for lo in starts:
+            hi = min(rows, lo + step)
+            reqs.append(_Req({n: a[lo:hi] for n, a in arrays.items()}, hi - lo,
+                             self.buckets.pick(hi - lo), {n: a[lo:hi] for n, a in outs.items()},
+                             t0, fut, group, False))
+        return reqs
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        if self._state != "open":
+            raise EngineClosed("the engine is closed; create a new Engine to serve again")
+
+    def _bucket(self, rows: int) -> _Bucket:
+        b = self._buckets.get(rows)
+        if b is None:
+            b = self._buckets[rows] = _Bucket(rows)
+        return b
+
+    def _admit(self, reqs: list[_Req], timeout, block) -> tuple[list, list]:
+        """Lease instances or queue (under the lock); returns (launches to start, buckets
+        this thread must build)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                self._check_open()
+                if self.dispatch == "thread":
+                    need = len(reqs)
+                else:
+                    need = sum(1 for r in reqs if not self._buckets.get(r.bucket)
+                               or not self._buckets[r.bucket].free
+                               or self._buckets[r.bucket].queue)
+                if not need or self._queued + need <= self.queue_limit or self._queued == 0:
+                    break
+                if not block:
+                    self._overloaded += 1
+                    raise Overloaded(f"the queue is full ({self._queued} requests waiting, "
+                                     f"queue_limit={self.queue_limit}); retry later")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._overloaded += 1
+                    raise Overloaded(f"no queue space within {timeout} s ({self._queued} "
+                                     f"requests waiting, queue_limit={self.queue_limit})")
+                self._space.wait(left)
+            if self.dispatch == "thread":
+                was_empty = not self._batchq
+                for r in reqs:
+                    self._batchq.append(r)
+                    self._batch_rows += r.rows
+                self._queued += len(reqs)
+                if (was_empty or self.batching is None
+                        or self._batch_rows >= self._max_batch):
+                    self._work.notify()
+                return [], []
+            launches, builds = [], []
+            for r in reqs:
+                b = self._bucket(r.bucket)
+                st = b.stats
+                if b.free and not b.queue:
+                    st.hits += 1
+                    launch = _Launch(b.free.pop(), b, [r])
+                    self._running.add(launch)
+                    launches.append(launch)
+                    continue
+                if b.ready:
+                    st.hits += 1
+                else:
+                    st.misses += 1
+                    if not b.building:
+                        b.building = True
+                        self._building += 1
+                        builds.append(b)
+                b.queue.append(r)
+                self._queued += 1
+                if len(b.queue) > st.queue_high:
+                    st.queue_high = len(b.queue)
+            return launches, builds
+
+    # -- launching ----------------------------------------------------------------------------
+
+    def _run(self, launch: _Launch | None) -> None:
+        while launch is not None:
+            launch = self._start(launch)
+
+    def _set_running(self, r: _Req) -> bool:
+        g = r.group
+        if g is None:
+            try:
+                return r.fut.set_running_or_notify_cancel()
+            except RuntimeError:  # failed meanwhile (engine broken)
+                return False
+        with g.lock:
+            if not g.started:
+                g.started = True
+                try:
+                    g.cancelled = not g.fut.set_running_or_notify_cancel()
+                except RuntimeError:
+                    g.cancelled = True
+            if g.cancelled:
+                g.remaining -= 1
+                return False
+            return True
+
+    def _start(self, launch: _Launch) -> _Launch | None:
+        """Copy the inputs in and launch; returns the next launch to start when this one had
+        nothing to run (every request cancelled) or failed."""
+        reqs = launch.reqs
+        if len(reqs) == 1:
+            r0 = reqs[0]
+            if not self._set_running(r0):
+                reqs = []
+        else:
+            reqs = [r for r in reqs if self._set_running(r)]
+            r0 = reqs[0] if reqs else None
+        if len(reqs) != len(launch.reqs):
+            with self._lock:
+                self._cancelled += len(launch.reqs) - len(reqs)
+            launch.reqs = reqs
+            if not reqs:
+                launch.claim()
+                return self._release(launch, None)
+        inst = launch.inst
+        # the blocking call launching its own request waits for it right here: no event, no
+        # completion thread
+        launch.inline = r0.caller != 0 and len(reqs) == 1 and r0.caller == threading.get_ident()
+        try:
+            bind = None
+            if len(reqs) == 1 and r0.pinned and r0.rows == inst.rows:
+                bind = r0.arrays
+            else:
+                row = 0
+                staging = inst.inputs
+                for r in reqs:
+                    n = r.rows
+                    if n == inst.rows:
+                        for name, a in r.arrays.items():
+                            np.copyto(staging[name], a)
+                    else:
+                        for name, a in r.arrays.items():
+                            staging[name][row:row + n] = a
+                    row += n
+                if inst.dirty > row and self.zero_padding:
+                    for a in staging.values():
+                        a[row:inst.dirty] = 0
+                inst.dirty = row
+            every = self.timing_every
+            if every:
+                self._nlaunch += 1
+                launch.timed = every == 1 or self._nlaunch % every == 1
+            inst.launch(notify=not launch.inline, timed=launch.timed, bind=bind)
+            launch.started = True
+        except BaseException as exc:  # noqa: BLE001 - fail this launch's requests, keep serving
+            return self._launch_failed(launch, exc)
+        # only now may a caller's result() wait on it (an unlaunched instance looks done)
+        for r in reqs:
+            r.fut._launches.append(launch)
+        if not launch.inline:
+            self._cq.put(launch)
+        return None
+
+    # -- completing -----------------------------------------------------------------------------
+
+    def _wait_inline(self, fut: ServeFuture) -> None:
+        """``result()`` in the caller's thread: wait on each launch of the request's own
+        instance, then complete it (unless another thread did first)."""
+        for launch in list(fut._launches):
+            if not launch.done:
+                self._wait_launch(launch)
+
+    def _wait_launch(self, launch: _Launch) -> None:
+        launch.waiter = True
+        try:
+            launch.inst.wait()
+        except BaseException as exc:  # noqa: BLE001 - the future carries it
+            self._run(self._launch_failed(launch, exc))
+            return
+        self._finish(launch)
+
+    def _completion_loop(self) -> None:
+        cq = self._cq
+        while True:
+            launch = cq.get()
+            if launch is _STOP:
+                return
+            try:
+                if launch.done or launch.waiter:
+                    continue  # completed already, or a caller waits on it and completes it
+                try:
+                    launch.inst.wait_blocking()
+                except BaseException as exc:  # noqa: BLE001
+                    self._run(self._launch_failed(launch, exc))
+                    continue
+                self._finish(launch)
+            except BaseException:  # noqa: BLE001 - never let an error end this thread
+                log.exception("serve: completion of a launch failed")
+
+    def _finish(self, launch: _Launch) -> None:
+        if not launch.claim():
+            return
+        inst = launch.inst
+        reqs = launch.reqs
+        try:
+            gpu_ms = inst.finish(launch.timed)
+            results = []
+            row = 0
+            for r in reqs:
+                outs = {}
+                n = r.rows
+                whole = n == inst.rows
+                for name, st in inst.outputs.items():
+                    src = st if whole else st[row:row + n]
+                    dst = None if r.out is None else r.out.get(name)
+                    if dst is None:
+                        outs[name] = src.copy()
+                    else:
+                        np.copyto(dst, src)
+                        outs[name] = dst
+                results.append(outs)
+                row += n
+        except BaseException as exc:  # noqa: BLE001
+            self._run(self._launch_failed(launch, exc, claimed=True))
+            return
+        nxt = self._release(launch, gpu_ms)
+        if nxt is not None:
+            self._run(nxt)  # the next queued request first: keep the GPU busy
+        stats = launch.bucket.stats
+        for r, outs in zip(reqs, results):
+            self._deliver(r, outs, stats)
+
+    def _deliver(self, r: _Req, outs: dict, stats: BucketStats) -> None:
+        g = r.group
+        if g is None:
+            stats.latency_us.append((_now() - r.t0) / 1e3)
+            _set_result(r.fut, outs[self._single_output] if self._single_output else outs)
+            return
+        with g.lock:
+            g.remaining -= 1
+            last = g.remaining == 0
+        if last:
+            stats.latency_us.append((_now() - r.t0) / 1e3)
+            if g.error is not None:
+                _set_exception(g.fut, g.error)
+            else:
+                o = g.outputs
+                _set_result(g.fut, o[self._single_output] if self._single_output else o)
+
+    def _fail(self, r: _Req, exc: BaseException) -> None:
+        g = r.group
+        if g is None:
+            _set_exception(r.fut, exc)
+            return
+        with g.lock:
+            if g.error is None:
+                g.error = exc
+            g.remaining -= 1
+            last = g.remaining <= 0
+        if last:
+            _set_exception(g.fut, g.error)
+
+    def _launch_failed(self, launch: _Launch, exc: BaseException, claimed: bool = False):
+        """Fail ``launch``'s requests with ``exc``; a sticky CUDA error breaks the engine.
+        Returns the next launch to start (None when broken)."""
+        if not claimed and not launch.claim():
+            return None  # someone else completed or failed it
+        if not isinstance(exc, Exception):  # KeyboardInterrupt and friends: fail, re-raise
+            for r in launch.reqs:
+                self._fail(r, EngineClosed(f"the request was interrupted: {exc!r}"))
+            self._release(launch, None, failed=len(launch.reqs))
+            raise exc
+        sticky = isinstance(exc, CudaError) and exc.sticky
+        for r in launch.reqs:
+            self._fail(r, exc)
+        if sticky:
+            self._break(exc)
+            with self._lock:
+                self._running.discard(launch)
+                launch.bucket.stats.failed += len(launch.reqs)
+                self._idle.notify_all()
+            return None
+        try:  # a launch that failed part-way may still run: never lease staging it reads
+            launch.inst.wait()
+        except BaseException:  # noqa: BLE001 - already failing this launch
+            pass
+        return self._release(launch, None, failed=len(launch.reqs))
+
+    def _release(self, launch: _Launch, gpu_ms, failed: int = 0) -> _Launch | None:
+        """Return the launch's instance (or hand it to the bucket's next queued request:
+        returned, to start outside the lock). Updates the counters."""
+        b = launch.bucket
+        st = b.stats
+        inst = launch.inst
+        nxt = None
+        with self._lock:
+            self._running.discard(launch)
+            n = len(launch.reqs)
+            if failed:
+                st.failed += failed
+            elif n:
+                st.requests += n
+                st.launches += 1
+                st.rows_served += launch.reqs[0].rows if n == 1 else sum(r.rows
+                                                                         for r in launch.reqs)
+                if gpu_ms is not None:
+                    st.gpu_ms.append(gpu_ms)
+            if self._broken is None:
+                if b.queue and self.dispatch == "caller":
+                    r = b.queue.popleft()
+                    self._queued -= 1
+                    self._space.notify()
+                    nxt = _Launch(inst, b, [r])
+                    self._running.add(nxt)
+                else:
+                    b.free.append(inst)
+                    if self.dispatch == "thread":
+                        self._work.notify()
+            if not self._running and not self._queued:
+                self._idle.notify_all()
+        return nxt
+
+    def _break(self, exc: BaseException) -> None:
+        """A sticky CUDA error: fail every pending request with it, refuse new work."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
+                log.error("serve: sticky CUDA error, the engine is broken: %s", exc)
+            queued = list(self._batchq)
+            self._batchq.clear()
+            self._batch_rows = 0
+            for b in self._buckets.values():
+                queued.extend(b.queue)
+                b.queue.clear()
+            self._queued = 0
+            running = list(self._running)
+            self._space.notify_all()
+            self._work.notify_all()
+            self._idle.notify_all()
+            self._built.notify_all()
+        for r in queued:
+            self._fail(r, exc)
+        for launch in running:
+            if launch.claim():
+                for r in launch.reqs:
+                    self._fail(r, exc)
+                with self._lock:
+                    self._running.discard(launch)
+                    launch.bucket.stats.failed += len(launch.reqs)
+        with self._lock:
+            self._idle.notify_all()
+
+    # -- the dispatcher thread (dispatch="thread", batching) -------------------------------------
+
+    def _take_batch(self) -> list[_Req] | None:
+        """Under the lock: wait for requests and form the next launch's list (one request, or a
+        dynamic batch); None when stopping with nothing left."""
+        q = self._batchq
+        while not q:
+            if self._stopping:
+                return None
+            self._work.wait()
+        if self.batching is None:
+            n = 1
+        else:
+            deadline = q[0].t0 + self._max_delay_ns
+            while True:
+                total, n, full = 0, 0, False
+                for r in q:
+                    if n and total + r.rows > self._max_batch:
+                        full = True
+                        break
+                    total += r.rows
+                    n += 1
+                if full or total >= self._max_batch or self._stopping:
+                    break
+                left = deadline - _now()
+                if left <= 0:
+                    break
+                self._work.wait(left / 1e9)
+                if not q:  # drained meanwhile (broken)
+                    return [] if not self._stopping else None
+        reqs = [q.popleft() for _ in range(n)]
+        for r in reqs:
+            self._batch_rows -= r.rows
+        self._queued -= n
+        self._dispatching += 1  # until _dispatch has it running: close() waits for it
+        self._space.notify(n)
+        return reqs
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            reqs = None
+            try:
+                with self._lock:
+                    reqs = self._take_batch()
+                if reqs is None:
+                    return
+                if reqs:
+                    try:
+                        self._dispatch(reqs)
+                    finally:
+                        with self._lock:
+                            self._dispatching -= 1
+                            if not self._running and not self._queued:
+                                self._idle.notify_all()
+            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
+                log.exception("serve: dispatch failed")
+                for r in reqs or ():
+                    if not r.fut.done():
+                        self._fail(r, exc)
+
+    def _dispatch(self, reqs: list[_Req]) -> None:
+        rows = sum(r.rows for r in reqs)
+        b_rows = self.buckets.pick(rows) or self.buckets.largest  # a batch fits max_batch
+        with self._lock:
+            b = self._bucket(b_rows)
+            need_build = not b.ready and not b.building
+            if need_build:
+                b.building = True
+                self._building += 1
+            if b.ready:
+                b.stats.hits += len(reqs)
+            else:
+                b.stats.misses += len(reqs)
+        if need_build:
+            self._build(b)
+        with self._lock:
+            while not b.free and self._broken is None and (b.ready or b.building):
+                self._work.wait()
+            broken = self._broken
+            if broken is None and b.free:
+                launch = _Launch(b.free.pop(), b, reqs)
+                self._running.add(launch)
+            else:
+                launch = None
+                b.stats.failed += len(reqs)
+            if not self._running and not self._queued:
+                self._idle.notify_all()
+        if launch is None:
+            err = broken or b.error or EngineClosed("the bucket could not be built")
+            for r in reqs:
+                self._fail(r, err)
+            return
+        self._run(launch)
+
+    # -- building -----------------------------------------------------------------------------
+
+    def _build(self, b: _Bucket, raise_errors: bool = False) -> None:
+        """Build bucket ``b``'s instances in this thread (``b.building`` was set by the caller
+        under the lock), then start what waits for them."""
+        t0 = _now()
+        insts: list[Instance] = []
+        err = None
+        try:
+            mem0 = self.backend.graph_memory()
+            for k in range(self.instances):
+                insts.append(self.backend.create(b.rows, k, self._inputs, self._outputs))
+            mem1 = self.backend.graph_memory()
+        except BaseException as exc:  # noqa: BLE001 - fails the requests waiting for it
+            err = exc
+            for inst in insts:
+                _close_quietly(inst)
+            insts = []
+        launches = []
+        with self._lock:
+            b.building = False
+            self._building -= 1
+            st = b.stats
+            if err is None:
+                st.builds += 1
+                st.build_ms = sum(i.build_ms for i in insts)
+                st.instantiate_ms = sum(i.instantiate_ms for i in insts)
+                st.graph_bytes = None if mem0 is None or mem1 is None else mem1 - mem0
+                st.wall_ms = (_now() - t0) / 1e6
+                b.error = None
+                b.instances = insts
+                b.free = list(insts)
+                b.ready = True
+                if self.dispatch == "caller":
+                    while b.free and b.queue and self._broken is None:
+                        r = b.queue.popleft()
+                        self._queued -= 1
+                        launch = _Launch(b.free.pop(), b, [r])
+                        self._running.add(launch)
+                        launches.append(launch)
+                    self._space.notify_all()
+            else:
+                b.error = err
+                failed = list(b.queue)
+                b.queue.clear()
+                self._queued -= len(failed)
+                st.failed += len(failed)
+                self._space.notify_all()
+            self._work.notify_all()
+            self._built.notify_all()
+            if not self._running and not self._queued:
+                self._idle.notify_all()
+        if err is not None:
+            log.warning("serve: building the %d-row bucket failed: %s", b.rows, err)
+            if isinstance(err, CudaError) and err.sticky:
+                self._break(err)
+            for r in failed:
+                self._fail(r, err)
+            if raise_errors or not isinstance(err, Exception):
+                raise err
+            return
+        for launch in launches:
+            self._run(launch)
+
+    def warmup(self, buckets: Sequence[int] | None = None) -> list[dict]:
+        """Build every bucket (or the given row counts) now, largest first, so that no request
+        pays for a build. Returns per bucket ``{"rows", "instances", "build_ms",
+        "instantiate_ms", "graph_bytes", "wall_ms"}`` (sums over the bucket's instances;
+        ``graph_bytes``: graph memory in use after minus before, None without a GPU). Raises
+        what a build raises (e.g. `CompileError`, `GraphError`)."""
+        sizes = sorted(self.buckets.sizes if buckets is None else
+                       {self._known_bucket(r) for r in buckets}, reverse=True)
+        out = []
+        for rows in sizes:
+            with self._lock:
+                self._check_open()
+                b = self._bucket(rows)
+                mine = not b.ready and not b.building
+                if mine:
+                    b.building = True
+                    self._building += 1
+            if mine:
+                self._build(b, raise_errors=True)
+            else:
+                with self._lock:
+                    while b.building:
+                        self._built.wait()
+                    if b.error is not None and not b.ready:
+                        raise b.error
+            st = b.stats
+            out.append({"rows": rows, "instances": len(b.instances), "build_ms": st.build_ms,
+                        "instantiate_ms": st.instantiate_ms, "graph_bytes": st.graph_bytes,
+                        "wall_ms": st.wall_ms})
+        return out
+
+    def _known_bucket(self, rows: int) -> int:
+        if rows not in self.buckets.sizes:
+            raise ServeConfigValueError(f"{rows} is not a bucket of this engine "
+                                        f"({list(self.buckets)})")
+        return rows
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """A snapshot: ``{"engine": {...}, "buckets": {rows: {...}}, "latency_us": {...}}``.
+
+        Per bucket: ``requests`` (completed), ``failed``, ``hits`` / ``misses`` (admitted to a
+        built bucket / waited for its build), ``launches``, ``requests_per_launch``,
+        ``batch_fill`` (request rows / bucket rows launched), ``queue_depth`` / ``queue_high``,
+        ``latency_us`` (submit to future done: p50/p95/p99 of the last 65,536), ``gpu_ms``
+        (sampled launches), ``build_ms`` / ``instantiate_ms`` / ``graph_bytes``. The engine
+        part: state, executor, dispatch, batching, queue, in flight, bad / overloaded /
+        cancelled request counts, the sticky error if broken."""
+        with self._lock:
+            buckets = {rows: b.stats.as_dict(len(b.queue), len(b.instances), len(b.free))
+                       for rows, b in sorted(self._buckets.items())}
+            all_lat = [x for b in self._buckets.values() for x in list(b.stats.latency_us)]
+            eng = {
+                "state": "broken" if self._broken is not None else self._state,
+                "executor": self.executor,
+                "dispatch": self.dispatch,
+                "batching": None if self.batching is None else {
+                    "max_batch": self._max_batch,
+                    "max_delay_us": self.batching.max_delay_us},
+                "buckets": list(self.buckets),
+                "instances_per_bucket": self.instances,
+                "queue_limit": self.queue_limit,
+                "queued": self._queued,
+                "in_flight": len(self._running),
+                "bad_requests": self._bad,
+                "overloaded": self._overloaded,
+                "cancelled": self._cancelled,
+                "broken_by": None if self._broken is None else str(self._broken),
+            }
+        return {"engine": eng, "buckets": buckets, "latency_us": percentiles(all_lat)}
+
+    def stats_json(self, **kw) -> str:
+        """`stats` as JSON text (``json.dumps`` keywords pass through)."""
+        return json.dumps(self.stats(), **kw)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop taking work, finish (or with ``cancel=True`` cancel) what is queued, wait for
+        what runs, join the engine's threads and release every instance (execs, pinned
+        staging, events, device buffers) and the backend. Idempotent; ``with`` calls it.
+
+        Queued requests that are cancelled get cancelled futures; running ones always complete
+        (GPU work cannot be taken back). A broken engine fails everything and releases what the
+        dead context allows."""
+        if threading.current_thread() in self._threads:
+            raise CallOrderError("Engine.close() called from an engine thread (a future's "
+                               "done-callback); close it from another thread")
+        with self._lock:
+            if self._state == "closed":
+                return
+            self._state = "closing"
+            dropped = []
+            if cancel:
+                dropped = list(self._batchq)
+                self._batchq.clear()
+                self._batch_rows = 0
+                for b in self._buckets.values():
+                    dropped.extend(b.queue)
+                    b.queue.clear()
+                self._queued = 0
+                self._cancelled += len(dropped)
+            self._space.notify_all()
+            self._work.notify_all()
+        for r in dropped:
+            if r.group is None:
+                if not r.fut.cancel():
+                    _set_exception(r.fut, EngineClosed("the engine closed with cancel=True"))
+            else:
+                g = r.group
+                if not g.fut.cancel():
+                    self._fail(r, EngineClosed("the engine closed with cancel=True"))
+        self._drain()
+        self._stopping = True
+        with self._lock:
+            self._work.notify_all()
+        for _ in range(sum(1 for t in self._threads if "completion" in t.name)):
+            self._cq.put(_STOP)
+        for t in self._threads:
+            t.join()
+        with self._lock:
+            insts = [i for b in self._buckets.values() for i in b.instances]
+            for b in self._buckets.values():
+                b.instances, b.free = [], []
+                b.ready = False
+            self._state = "closed"
+        for inst in insts:
+            _close_quietly(inst)
+        _close_quietly(self.backend)
+
+    def _drain(self) -> None:
+        """Wait until nothing is queued, building or running. Launches nobody completes (a
+        caller's wait interrupted) are completed here after a quiet period."""
+        while True:
+            with self._lock:
+                if self._broken is not None and not self._building:
+                    return
+                if not (self._queued or self._running or self._building or self._dispatching):
+                    return
+                progressed = self._idle.wait(0.2)
+                stuck = [] if progressed else [x for x in self._running
+                                               if x.started and not x.done]
+            for launch in stuck:
+                try:
+                    launch.inst.wait()  # not the event: a blocking call's launch records none
+                except BaseException as exc:  # noqa: BLE001
+                    self._run(self._launch_failed(launch, exc))
+                    continue
+                self._finish(launch)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken is not None else self._state
+        return (f"<Engine {self.executor} {state}: buckets {list(self.buckets)}, "
+                f"{self.instances} instances each, dispatch={self.dispatch}>")
+
+
+def _close_quietly(obj) -> None:
+    try:
+        obj.close()
+    except Exception:  # noqa: BLE001 - a dead context refuses releases; keep closing the rest
+        log.debug("serve: closing %r failed", obj, exc_info=True)
+
+
+def _to_loop(loop, aio, fut) -> None:
+    """Done-callback of an engine future (any thread): hand the outcome to ``aio`` on
+    ``loop``. A closed loop has nobody left to tell: drop it (case of a loop closed while
+    requests were in flight)."""
+    try:
+        loop.call_soon_threadsafe(_copy_outcome, fut, aio)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
+
+def _copy_outcome(fut, aio) -> None:
+    if aio.done():
+        return
+    if fut.cancelled():
+        aio.cancel()
+        return
+    exc = fut.exception()
+    if exc is not None:
+        aio.set_exception(exc)
+    else:
+        aio.set_result(fut.result())
+
+
+__all__ = ["Batching", "Engine", "ServeFuture"]

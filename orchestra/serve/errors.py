@@ -1,0 +1,87 @@
+"""The serving engine's errors (plain Python).
+
+A bad request fails its own future with a `BadRequest` (or one of its subclasses) and nothing
+is enqueued for it; the engine keeps serving. `Overloaded`, `EngineClosed` and `EngineBroken`
+are raised by ``submit`` itself: the engine refuses the work.
+"""
+
+from __future__ import annotations
+
+from orchestra.errors import ClosedError, OrchestraError, StateError
+
+
+class ServeError(OrchestraError):
+    """Base class of the serving engine's own errors."""
+
+
+class BadRequest(ServeError, ValueError):
+    """A request that cannot be served as given (missing or unknown input, wrong shape, rows
+    differing between inputs, a wrong ``out=`` array). The message says what to change."""
+
+
+class InputTypeError(BadRequest, TypeError):
+    """An input that is not a numpy array, has the wrong dtype, or is not C-contiguous."""
+
+
+class RequestTooLarge(BadRequest):
+    """A request with more rows than the largest bucket (and the engine may not split it).
+
+    Attributes: ``rows`` (what the request has), ``largest`` (the largest bucket).
+    """
+
+    def __init__(self, rows: int, largest: int, hint: str = ""):
+        self.rows = int(rows)
+        self.largest = int(largest)
+        msg = (f"the request has {rows} rows, more than the largest bucket ({largest} rows); "
+               "send at most that many rows per request, add a larger bucket, or create the "
+               "engine with split=True to split such requests")
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.rows, self.largest))
+
+
+class ServeConfigError(ServeError):
+    """An engine, bucket list, tensor declaration or `ServeGraph` that cannot be served (root of
+    the two below; never raised itself)."""
+
+
+class ServeConfigValueError(ServeConfigError, ValueError):
+    """A configuration value out of range or unknown (``instances=0``, a bucket of 0 rows, a
+    host buffer of the wrong size, ``max_batch`` above the largest bucket)."""
+
+
+class ServeConfigTypeError(ServeConfigError, TypeError):
+    """A configuration of the wrong kind (``inputs`` not a mapping, a build function that does
+    not return a `ServeGraph`)."""
+
+
+class Overloaded(ServeError):
+    """The engine's queue is full (``queue_limit`` requests waiting for an instance) and the
+    request was not admitted (``on_full="raise"``, or the ``timeout`` of a blocking submit
+    expired). Retry later, or raise ``queue_limit`` / ``instances``."""
+
+
+class EngineClosed(ServeError, ClosedError):
+    """The engine is closing or closed and takes no new work (a `ClosedError`)."""
+
+
+class EngineBroken(ServeError, StateError):
+    """A sticky CUDA error made the device context unusable: every pending request failed with
+    it and the engine refuses new work. ``cause`` is the `CudaError`. Only a new process can use
+    the GPU again."""
+
+    def __init__(self, cause):
+        self.cause = cause
+        super().__init__(f"the serving engine is broken by a sticky CUDA error ({cause}); the "
+                         "CUDA context is unusable: restart the process to serve again")
+
+    def __reduce__(self):
+        return (type(self), (self.cause,))
+
+
+__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "InputTypeError", "Overloaded",
+           "RequestTooLarge", "ServeConfigError", "ServeConfigTypeError",
+           "ServeConfigValueError", "ServeError"]

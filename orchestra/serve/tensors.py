@@ -1,0 +1,161 @@
+"""What an engine takes and returns: named tensors with a fixed row shape and dtype, any number
+of rows (axis 0), and the checks a request passes before anything is enqueued (plain Python).
+
+    inputs={"x": ((1024,), "float32")}    # requests send x of shape (rows, 1024), float32
+    inputs={"x": ((), "float32")}         # 1-D: x of shape (rows,)
+
+A request's arrays must be numpy arrays of exactly the declared dtype (no silent casts),
+C-contiguous, of shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same ``rows`` for
+every input. The checks raise `InputTypeError` / `BadRequest` naming the input and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
+from orchestra.serve.errors import BadRequest, InputTypeError
+
+
+def _row_shape(value) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (operator.index(value),)
+    return tuple(operator.index(d) for d in value)
+
+
+@attrs.frozen
+class TensorSpec:
+    """One named tensor: ``row_shape`` (the shape of one row: everything after axis 0) and
+    ``dtype``. ``row_nbytes``: bytes per row. Immutable."""
+
+    name: str
+    row_shape: tuple[int, ...] = attrs.field(converter=_row_shape)
+    dtype: np.dtype = attrs.field(converter=np.dtype)
+
+    def __attrs_post_init__(self):
+        if any(d < 1 for d in self.row_shape):
+            raise ServeConfigValueError(f"tensor {self.name}: row shape {self.row_shape} has a "
+                                        f"dimension < 1")
+        if self.dtype.hasobject:
+            raise ServeConfigTypeError(f"tensor {self.name}: dtype object cannot be served")
+
+    @property
+    def row_nbytes(self) -> int:
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+    def shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, *self.row_shape)
+
+    def describe(self) -> str:
+        dims = ", ".join(["rows", *map(str, self.row_shape)])
+        return f"({dims}) {self.dtype.name}"
+
+
+def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
+    """``{name: TensorSpec}`` from ``{name: (row_shape, dtype)}`` or ``{name: TensorSpec}``."""
+    if not isinstance(spec, Mapping) or not spec:
+        raise ServeConfigTypeError(f"{what} must be a non-empty mapping of name -> (row_shape, "
+                                   f"dtype); got {spec!r}")
+    out = {}
+    for name, v in spec.items():
+        if isinstance(v, TensorSpec):
+            out[name] = v if v.name == name else attrs.evolve(v, name=name)
+            continue
+        try:
+            row, dtype = v
+        except (TypeError, ValueError):
+            raise ServeConfigTypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. "
+                                       f"((1024,), 'float32'); got {v!r}") from None
+        out[name] = TensorSpec(name, row, dtype)
+    return out
+
+
+def check_inputs(specs: dict[str, TensorSpec], inputs) -> tuple[dict[str, np.ndarray], int]:
+    """The request's arrays by name and its row count, or `BadRequest` / `InputTypeError`.
+
+    ``inputs``: ``{name: array}``, or one array when the engine has one input.
+    """
+    if isinstance(inputs, np.ndarray):
+        if len(specs) != 1:
+            raise BadRequest(f"this engine takes {len(specs)} inputs ({', '.join(specs)}); pass "
+                             "a dict of name -> array")
+        ((name, spec),) = specs.items()
+        return {name: _check_array(spec, inputs, "input")}, inputs.shape[0]
+    if not isinstance(inputs, Mapping):
+        raise InputTypeError(f"inputs must be a numpy array or a dict of name -> numpy array; "
+                             f"got {type(inputs).__name__}")
+    if inputs.keys() != specs.keys():
+        missing = [n for n in specs if n not in inputs]
+        unknown = [str(n) for n in inputs if n not in specs]
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(missing))
+        if unknown:
+            parts.append("unknown " + ", ".join(unknown))
+        raise BadRequest(f"inputs: {'; '.join(parts)} (this engine takes "
+                         f"{', '.join(f'{n} {s.describe()}' for n, s in specs.items())})")
+    arrays = {}
+    rows = -1
+    for name, spec in specs.items():
+        a = _check_array(spec, inputs[name], "input")
+        if rows < 0:
+            rows = a.shape[0]
+        elif a.shape[0] != rows:
+            raise BadRequest(f"inputs have different row counts ({rows} and {a.shape[0]} for "
+                             f"{name}); every input of one request has the same rows")
+        arrays[name] = a
+    return arrays, rows
+
+
+def check_out(specs: dict[str, TensorSpec], out, rows: int) -> dict[str, np.ndarray]:
+    """``out=`` arrays (``{name: array}`` or one array for a one-output engine): the dtype and
+    ``(rows, *row_shape)`` of the output, C-contiguous and writable."""
+    if isinstance(out, np.ndarray):
+        if len(specs) != 1:
+            raise BadRequest(f"this engine has {len(specs)} outputs ({', '.join(specs)}); pass "
+                             "out= as a dict of name -> array")
+        out = {next(iter(specs)): out}
+    if not isinstance(out, Mapping):
+        raise InputTypeError(f"out must be a numpy array or a dict of name -> array; got "
+                             f"{type(out).__name__}")
+    unknown = [str(n) for n in out if n not in specs]
+    if unknown:
+        raise BadRequest(f"out: unknown output(s) {', '.join(unknown)} (outputs: "
+                         f"{', '.join(specs)})")
+    checked = {}
+    for name, a in out.items():
+        spec = specs[name]
+        a = _check_array(spec, a, "out")
+        if a.shape[0] != rows:
+            raise BadRequest(f"out {name}: {a.shape[0]} rows, the request has {rows}")
+        if not a.flags.writeable:
+            raise BadRequest(f"out {name} is read-only; pass a writable array")
+        checked[name] = a
+    return checked
+
+
+def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
+    name = spec.name
+    if not isinstance(a, np.ndarray):
+        raise InputTypeError(f"{what} {name}: expected a numpy array {spec.describe()}, got "
+                             f"{type(a).__name__}; convert it with np.asarray(..., "
+                             f"dtype=np.{spec.dtype.name})")
+    if a.dtype != spec.dtype:
+        raise InputTypeError(f"{what} {name}: dtype {a.dtype.name}, the engine takes "
+                             f"{spec.dtype.name}; convert it with .astype(np.{spec.dtype.name})")
+    if a.ndim != 1 + len(spec.row_shape) or a.shape[1:] != spec.row_shape:
+        raise BadRequest(f"{what} {name}: shape {a.shape}, expected {spec.describe()}")
+    if a.shape[0] < 1:
+        raise BadRequest(f"{what} {name}: 0 rows; a request needs at least one row")
+    if not a.flags.c_contiguous:
+        raise InputTypeError(f"{what} {name} is not C-contiguous (strides {a.strides}); pass "
+                             "np.ascontiguousarray(...)")
+    return a
+
+
+__all__ = ["TensorSpec", "check_inputs", "check_out", "tensor_specs"]

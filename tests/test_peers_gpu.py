@@ -1,0 +1,154 @@
+"""GPU tests of this work: the sustained times behind the bound are physical and the main job
+never beats its bound; the concurrent policy's plan on real occupancy gives exact outputs;
+short runs of `orchestra bench peers`, benchmarks/bench_fanout.py and
+benchmarks/probe_graph_launch.py (each in a child process with a timeout, every output
+checked by the programs themselves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(argv, timeout=180):
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+        pytest.fail(f"{' '.join(map(str, argv[1:]))} did not finish within {timeout} s\n{out}")
+
+
+def test_sustained_times_are_physical(dev):
+    from orchestra.app.job.graphs import burn_grid, burn_kernel_ref
+    from orchestra.app.job.timing import BatchTimer
+    from orchestra.driver import PinnedBuffer, Stream
+    from orchestra.execute import KernelResolver
+
+    n = 1 << 20  # 4 MiB
+    kernel = KernelResolver(dev).resolve(burn_kernel_ref())
+    with PinnedBuffer.empty(n, np.float32, dev) as pin_in, \
+            PinnedBuffer.empty(n, np.float32, dev) as pin_out, Stream(dev) as s:
+        pin_in.array[:] = 1.0
+        timer = BatchTimer(kernel, s, pin_in.array, pin_out.array,
+                           grid=burn_grid(n, 256, dev.sm_count), block=256)
+        try:
+            single = timer.measure(64, items=8, streams=3)
+        finally:
+            timer.close()
+    su = single.sustained
+    assert su.items == 8 and su.nbytes == 4 * n and su.streams in (1, 3)
+    for t in (su.h2d_ms, su.d2h_ms, su.kernel_ms, su.pair_ms):
+        assert 0.0 < t < 50.0
+    # back to back, the launch latency of a copy alone is hidden: never much slower per item
+    assert su.h2d_ms <= 1.25 * single.t_h2d_ms and su.d2h_ms <= 1.25 * single.t_d2h_ms
+    # a pair moves twice the bytes of one copy over a link that is no faster than one way
+    assert su.pair_ms >= 0.8 * max(su.h2d_ms, su.d2h_ms)
+    # 4 MiB over PCIe or NVLink-C2C: between 1 and 1000 GB/s
+    assert 1.0 < (4 * n) / (su.h2d_ms * 1e6) < 1000.0
+    b = single.bound(8)
+    assert b.bound_ms >= 8 * min(su.h2d_ms, su.pair_ms)
+
+
+@pytest.mark.parametrize("policy", ["by-engine", "round-robin", "concurrent"])
+def test_the_main_job_never_beats_its_bound(dev, policy):
+    from orchestra.app.job import MainJob
+
+    r = MainJob(batches=12, batch_mib=4, policy=policy, streams=5, repeat=3, device=dev).run()
+    assert r.verified, r.check
+    assert r.bound_warning is None, (r.efficiency, r.bound_terms, r.sustained)
+    assert r.sustained["items"] == 12 and r.bound_limiter in r.bound_terms
+    print(f"\n{policy}: wall {r.wall_ms:.3f} ms, bound {r.bound_ms:.3f} ms "
+          f"({r.bound_limiter}), efficiency {r.efficiency:.3f}; sustained {r.sustained}")
+
+
+def test_concurrent_policy_on_real_occupancy_spreads_small_kernels(dev):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_fanout
+    finally:
+        sys.path.pop(0)
+    from orchestra.app.job import burn_kernel_ref
+    from orchestra.driver import DeviceBuffer, PinnedBuffer, Stream
+    from orchestra.execute import EagerExecutor, KernelResolver
+
+    width, grid, iters = 6, 2, 101
+    n = grid * 256 * 4
+    g = bench_fanout.build_graph(width, n, grid, iters)
+    resolver = KernelResolver(dev)
+    big = resolver.resolve(burn_kernel_ref()).occupancy(256) * dev.sm_count
+    assert big > grid  # the kernels are small
+    x = np.random.default_rng(5).random(width * n, dtype=np.float32)
+    with Stream(dev) as s, EagerExecutor(dev, kernel_resolver=resolver) as ex, \
+            PinnedBuffer.empty(width * n, np.float32, dev) as pin, \
+            PinnedBuffer.empty(width * n, np.float32, dev) as out:
+        xin = DeviceBuffer.allocate(4 * width * n, s)
+        yout = DeviceBuffer.allocate(4 * width * n, s)
+        try:
+            pin.array[:] = x
+            xin.copy_from_host(pin, s, sync=True)
+            plan = ex.prepare(g, policy="concurrent", streams=width + 2)
+            lanes = {plan.stream_of(f"k{i}") for i in range(width)}
+            assert len(lanes) == width, plan.node_stream
+            out.array[:] = np.nan
+            ex.run(g, plan, {"x": xin, "y": yout, "host_out": out.array})
+            assert out.array.tobytes() == (x * np.float32(-1) + np.float32(0)).tobytes()
+        finally:
+            s.synchronize()
+            xin.close()
+            yout.close()
+            s.synchronize()
+
+
+def test_bench_peers_small_run_verifies_every_contender():
+    proc = _run([sys.executable, "-m", "orchestra.cli.main", "bench", "peers", "--workloads",
+                 "8x1MiB,request,chain", "--repeat", "1", "--json"], timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["verified"] is True, [r for r in rep["rows"] if not r["verified"]]
+    assert rep["bound_bugs"] == [], rep["bound_bugs"]
+    assert proc.returncode == 0
+    fams = {r["family"] for r in rep["rows"]}
+    assert {"orchestra", "cuda-python"} <= fams
+    for peer, fam in (("CuPy", "cupy"), ("PyTorch", "torch")):
+        assert fam in fams or any(s.startswith(peer) for s in rep["skipped"]), rep["skipped"]
+    labels = {w["label"] for w in rep["workloads"]}
+    assert labels == {"8 x 1 MiB", "(d) 1 x 64 KiB request", "(e) chain of 1000 kernels"}
+    for r in rep["rows"]:
+        if r["family"] == "orchestra" and r["workload"] == "8 x 1 MiB":
+            assert r["ratio"] >= 1.0
+    print("\n" + "\n".join(rep["skipped"]))
+
+
+def test_bench_fanout_small_run():
+    proc = _run([sys.executable, "benchmarks/bench_fanout.py", "--width", "4", "--iters",
+                 "1001", "--repeat", "2", "--json"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(proc.stdout)
+    assert not rep["failures"] and len(rep["rows"]) == 6
+    conc = [r for r in rep["rows"] if r["policy"] == "concurrent"]
+    assert all(r["compute_streams"] == 4 for r in conc)
+    assert all(r["compute_streams"] == 1 for r in rep["rows"] if r["policy"] == "by-engine")
+
+
+def test_probe_graph_launch_quick(tmp_path):
+    out = tmp_path / "probe.json"
+    proc = _run([sys.executable, "benchmarks/probe_graph_launch.py", "--quick", "--json",
+                 str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    kinds = {r["kind"] for r in rep["rows"]}
+    assert kinds == {"empty-kernel chain", "empty-kernel fan-out", "empty-kernel roots",
+                     "alloc/free", "memcpy", "copy-kernel"}
+    assert all(r["ok"] for r in rep["rows"] if "ok" in r)
+    assert set(rep["crossover"]) == {"h2d", "d2h"}
+    assert all(r["launches"] >= 30 for r in rep["rows"])
+    assert "crossover h2d" in proc.stdout and "crossover d2h" in proc.stdout

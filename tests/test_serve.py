@@ -1,0 +1,874 @@
+"""The serving engine on the CPU: a pure-Python backend drives the engine's core.
+
+- buckets (vllm / pow2 / lists), the smallest bucket that fits, padding zeroed, outputs sliced
+  back bit-exact; above the largest bucket a clear error, or a split (C14);
+- every bad request fails only its own future, before anything is launched, and the engine
+  keeps serving;
+- dynamic batching: concatenation along axis 0 and the split of outputs back per request;
+- the queue limit, `Overloaded` (raise / block with a timeout / unblocked by a release);
+- close() with pending futures: drain, cancel=True, refusal afterwards, every instance closed;
+- a sticky CUDA error fails every pending future and breaks the engine; a non-sticky one only
+  its request;
+- asyncio bridging, a cancelled task, and a loop closed while requests are in flight (C17);
+- many threads at once, every output checked, no instance ever shared;
+- the CUDA graph backend over the fake graph driver (staging bound, zero-copy rebind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from orchestra.errors import CudaError
+from orchestra.serve import (
+    BadRequest,
+    Backend,
+    Batching,
+    Engine,
+    EngineBroken,
+    EngineClosed,
+    Instance,
+    InputTypeError,
+    NumpyBackend,
+    Overloaded,
+    RequestTooLarge,
+    bucket_sizes,
+    pow2_buckets,
+    vllm_buckets,
+)
+
+ROW = 4
+SPEC_IN = {"x": ((ROW,), "float32")}
+SPEC_OUT = {"y": ((ROW,), "float32")}
+
+
+def f(x):
+    return x * np.float32(3) + np.float32(1)
+
+
+def rows(n, seed=0):
+    return np.random.default_rng(seed + n).standard_normal((n, ROW)).astype(np.float32)
+
+
+# -- a backend whose completions the test controls ---------------------------------------------
+
+
+class GatedInstance(Instance):
+    """Outputs are written only when the test opens the launch's gate (as a GPU writes them
+    asynchronously); outputs are NaN-poisoned at launch, so reading them early is visible. A
+    second launch before `finish` is recorded as a sharing violation."""
+
+    def __init__(self, backend, rows, index, inputs, outputs):
+        self.backend = backend
+        self.rows = rows
+        self.index = index
+        self.inputs = {n: np.zeros(s.shape(rows), s.dtype) for n, s in inputs.items()}
+        self.outputs = {n: np.zeros(s.shape(rows), s.dtype) for n, s in outputs.items()}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.busy = False
+        self.closed = False
+        self.launches = []  # (notify, rows seen, bind used)
+
+    def launch(self, *, notify, timed, bind=None):
+        b = self.backend
+        if b.fail_launch is not None:
+            raise b.fail_launch
+        if self.busy:
+            b.violations.append(f"instance {self.rows}/{self.index} launched while leased")
+        self.busy = True
+        src = {n: (bind[n] if bind and n in bind else a).copy() for n, a in self.inputs.items()}
+        self.launches.append((notify, src["x"].copy(), bind is not None))
+        for a in self.outputs.values():
+            a[...] = np.nan
+        self.gate = threading.Event()
+        with b.lock:
+            b.pending.append((self, src, self.gate))
+            b.launched += 1
+        if b.auto:
+            b.complete(self)
+
+    def wait(self):
+        self.gate.wait()
+        err = self.backend.wait_error
+        if err is not None:
+            raise err
+
+    def finish(self, timed):
+        self.busy = False
+        return 0.5 if timed else None
+
+    def close(self):
+        self.closed = True
+        self.backend.closed.append(self)
+
+
+class GatedBackend(Backend):
+    name = "gated"
+
+    def __init__(self, auto=False):
+        self.auto = auto
+        self.lock = threading.Lock()
+        self.pending = []
+        self.instances = []
+        self.created = []  # bucket rows in creation order
+        self.closed = []
+        self.violations = []
+        self.launched = 0
+        self.fail_launch = None
+        self.wait_error = None
+        self.create_error = None
+        self.backend_closed = False
+
+    def create(self, rows, index, inputs, outputs):
+        if self.create_error is not None:
+            raise self.create_error
+        inst = GatedInstance(self, rows, index, inputs, outputs)
+        with self.lock:
+            self.instances.append(inst)
+            self.created.append(rows)
+        return inst
+
+    def complete(self, inst=None):
+        """Run and open the gate of every pending launch (or of ``inst``'s)."""
+        with self.lock:
+            todo = [p for p in self.pending if inst is None or p[0] is inst]
+            for p in todo:
+                self.pending.remove(p)
+        for i, src, gate in todo:
+            out = f(src["x"])
+            i.outputs["y"][...] = out
+            gate.set()
+        return len(todo)
+
+    def close(self):
+        self.backend_closed = True
+
+
+def numpy_engine(**kw):
+    kw.setdefault("buckets", "pow2")
+    kw.setdefault("max_rows", 16)
+    return Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                  **kw)
+
+
+def gated_engine(backend=None, **kw):
+    kw.setdefault("buckets", [4, 16])
+    return Engine(backend=backend or GatedBackend(), inputs=SPEC_IN, outputs=SPEC_OUT, **kw)
+
+
+def wait_for(pred, timeout=5.0):
+    t = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > t:
+            raise AssertionError("condition not reached")
+        time.sleep(0.001)
+
+
+# -- buckets -------------------------------------------------------------------------------
+
+
+def test_bucket_sizes():
+    assert vllm_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert vllm_buckets(30) == (1, 2, 4, 8, 16, 24, 30)
+    assert pow2_buckets(16) == (1, 2, 4, 8, 16)
+    assert pow2_buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert bucket_sizes([8, 2, 2], 32) == (2, 8, 32)
+    assert bucket_sizes("vllm")[-1] == 256
+    with pytest.raises(ValueError, match="positive"):
+        bucket_sizes([0, 4])
+    with pytest.raises(ValueError, match="vllm"):
+        bucket_sizes("fibonacci")
+    with pytest.raises(TypeError):
+        bucket_sizes([1.5])
+
+
+def test_c14_smallest_bucket_padding_and_slicing_bit_exact():
+    seen = []
+
+    def fn(d):
+        seen.append(d["x"].copy())
+        return f(d["x"])
+
+    with Engine(backend=NumpyBackend(fn), inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[1, 4, 16],
+                instances=1) as e:
+        for n, bucket in ((1, 1), (4, 4), (3, 4), (16, 16), (5, 16), (2, 4)):
+            x = rows(n)
+            y = e(x)
+            assert y.shape == (n, ROW) and y.dtype == np.float32
+            assert y.tobytes() == f(x).tobytes()
+            assert seen[-1].shape == (bucket, ROW)
+            assert seen[-1][:n].tobytes() == x.tobytes()
+            # padding rows are zero: never a previous request's data
+            assert not seen[-1][n:].any()
+        # too large: a clear error on its own future, nothing launched
+        before = len(seen)
+        fut = e.submit(rows(17))
+        with pytest.raises(RequestTooLarge, match="17 rows.*largest bucket \\(16 rows\\)"):
+            fut.result()
+        assert len(seen) == before
+        st = e.stats()
+        assert st["buckets"][4]["requests"] == 3 and st["buckets"][16]["requests"] == 2
+        assert st["buckets"][1]["requests"] == 1
+        assert st["engine"]["bad_requests"] == 1
+
+
+def test_split_requests_above_the_largest_bucket():
+    with numpy_engine(buckets=[2, 8], split=True, instances=2) as e:
+        for n in (9, 16, 17, 30):
+            x = rows(n)
+            y = e.submit(x).result()
+            assert y.tobytes() == f(x).tobytes(), n
+        out = np.full((19, ROW), np.nan, np.float32)
+        x = rows(19)
+        assert e(x, out=out) is out
+        assert out.tobytes() == f(x).tobytes()
+
+
+# -- bad requests ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (np.zeros((2, ROW), np.float64), InputTypeError, "dtype float64.*float32.*astype"),
+    (np.zeros((2, ROW + 1), np.float32), BadRequest, r"shape \(2, 5\), expected \(rows, 4\)"),
+    (np.zeros(ROW, np.float32), BadRequest, "shape"),
+    (np.zeros((0, ROW), np.float32), BadRequest, "0 rows"),
+    (np.zeros((ROW, 4), np.float32).T[:, :4].T.T, InputTypeError, "C-contiguous"),
+    ([[1.0] * ROW], InputTypeError, "numpy array"),
+    ({"z": np.zeros((1, ROW), np.float32)}, BadRequest, "missing x; unknown z"),
+])
+def test_bad_request_fails_only_its_future(bad, err, match):
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend) as e:
+        ok = e.submit(rows(3))
+        fut = e.submit(bad)
+        assert fut.done()
+        with pytest.raises(err, match=match):
+            fut.result()
+        assert backend.launched == 1  # nothing launched for the bad one
+        y = e(rows(2))
+        assert y.tobytes() == f(rows(2)).tobytes()
+        assert ok.result().tobytes() == f(rows(3)).tobytes()
+        assert e.stats()["engine"]["bad_requests"] == 1
+
+
+def test_bad_out_and_multi_input_checks():
+    be = NumpyBackend(lambda d: {"s": d["a"] + d["b"], "p": d["a"] * d["b"]})
+    spec = {"a": ((2,), "float32"), "b": ((2,), "float32")}
+    with Engine(backend=be, inputs=spec, outputs={"s": ((2,), "float32"), "p": ((2,), "float32")},
+                buckets=[4]) as e:
+        a, b = rows(3)[:, :2].copy(), rows(5)[:3, :2].copy()
+        res = e({"a": a, "b": b})
+        assert set(res) == {"s", "p"}
+        assert res["s"].tobytes() == (a + b).tobytes() and res["p"].tobytes() == (a * b).tobytes()
+        with pytest.raises(BadRequest, match="different row counts"):
+            e({"a": a, "b": b[:2]})
+        with pytest.raises(BadRequest, match="dict of name"):
+            e(a)
+        with pytest.raises(BadRequest, match="out s: 2 rows"):
+            e({"a": a, "b": b}, out={"s": np.zeros((2, 2), np.float32)})
+        ro = np.zeros((3, 2), np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(BadRequest, match="read-only"):
+            e({"a": a, "b": b}, out={"p": ro})
+        out_s = np.zeros((3, 2), np.float32)
+        res = e({"a": a, "b": b}, out={"s": out_s})
+        assert res["s"] is out_s and out_s.tobytes() == (a + b).tobytes()
+
+
+# -- dynamic batching --------------------------------------------------------------------------
+
+
+def test_batching_concatenates_and_splits_back():
+    backend = GatedBackend(auto=True)
+    # a huge delay: the batch goes out when it is full (3 + 5 + 8 = 16 rows), deterministically
+    with gated_engine(backend, buckets=[4, 8, 16], batching=Batching(max_batch=16,
+                                                                     max_delay_us=5e6)) as e:
+        xs = [rows(n, seed=i) for i, n in enumerate((3, 5, 8))]
+        futs = [e.submit(x) for x in xs]
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=5).tobytes() == f(x).tobytes()
+        inst = [i for i in backend.instances if i.launches]
+        assert len(inst) == 1 and inst[0].rows == 16 and len(inst[0].launches) == 1
+        seen = inst[0].launches[0][1]
+        assert seen.tobytes() == np.concatenate(xs).tobytes()  # axis-0 concatenation
+        st = e.stats()["buckets"][16]
+        assert st["launches"] == 1 and st["requests"] == 3 and st["batch_fill"] == 1.0
+        assert st["requests_per_launch"] == 3
+
+
+def test_batching_delay_expires_and_next_request_does_not_fit():
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4, 8, 16],
+                      batching=Batching(max_batch=8, max_delay_us=20_000)) as e:
+        t0 = time.perf_counter()
+        y = e.submit(rows(3)).result(timeout=5)  # alone: goes out when the delay expires
+        assert time.perf_counter() - t0 >= 0.015
+        assert y.tobytes() == f(rows(3)).tobytes()
+        # 6 + 6 > 8: two launches; a request above max_batch (12 rows) runs alone on 16
+        xs = [rows(6, 1), rows(6, 2), rows(12, 3)]
+        futs = [e.submit(x) for x in xs]
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=5).tobytes() == f(x).tobytes()
+        st = e.stats()["buckets"]
+        assert st[8]["launches"] == 2 and st[16]["launches"] == 1
+        assert st[4]["batch_fill"] == 0.75
+    with pytest.raises(ValueError, match="above the largest bucket"):
+        gated_engine(buckets=[4], batching=Batching(max_batch=8))
+
+
+# -- backpressure ------------------------------------------------------------------------------
+
+
+def test_queue_limit_raises_overloaded():
+    backend = GatedBackend()
+    with gated_engine(backend, buckets=[4], instances=1, queue_limit=2, on_full="raise") as e:
+        first = e.submit(rows(1))  # takes the only instance
+        queued = [e.submit(rows(2)), e.submit(rows(3))]
+        with pytest.raises(Overloaded, match="queue is full.*queue_limit=2"):
+            e.submit(rows(4))
+        assert e.stats()["engine"]["queued"] == 2
+        assert e.stats()["buckets"][4]["queue_high"] == 2
+        for _ in range(3):
+            wait_for(lambda: backend.pending)
+            backend.complete()
+        assert first.result(timeout=5).tobytes() == f(rows(1)).tobytes()
+        for n, q in zip((2, 3), queued):
+            assert q.result(timeout=5).tobytes() == f(rows(n)).tobytes()
+        assert e.stats()["engine"]["overloaded"] == 1
+        assert not backend.violations
+
+
+def test_blocking_submit_times_out_then_unblocks_on_release():
+    backend = GatedBackend()
+    with gated_engine(backend, buckets=[4], instances=1, queue_limit=1, on_full="block") as e:
+        e.submit(rows(1))
+        e.submit(rows(2))  # queued: the queue is full now
+        t0 = time.perf_counter()
+        with pytest.raises(Overloaded, match="no queue space within 0.05 s"):
+            e.submit(rows(3), timeout=0.05)
+        assert time.perf_counter() - t0 >= 0.04
+        got = []
+        t = threading.Thread(target=lambda: got.append(e.submit(rows(3), timeout=5)))
+        t.start()
+        time.sleep(0.05)
+        assert not got  # still blocked
+        backend.complete()  # the first finishes: the queued one starts, space frees
+        t.join(5)
+        assert got
+        for _ in range(2):
+            wait_for(lambda: backend.pending)
+            backend.complete()
+        assert got[0].result(timeout=5).tobytes() == f(rows(3)).tobytes()
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+def test_close_drains_pending_futures_and_releases_every_instance():
+    backend = GatedBackend()
+    e = gated_engine(backend, buckets=[4], instances=2)
+    futs = [e.submit(rows(n)) for n in (1, 2, 3, 4)]  # two run, two queued
+    opener = threading.Timer(0.05, lambda: [backend.complete() for _ in range(50)
+                                            if not time.sleep(0.005)])
+    opener.start()
+    e.close()  # waits for all four
+    opener.join()
+    for n, fut in zip((1, 2, 3, 4), futs):
+        assert fut.result(timeout=0).tobytes() == f(rows(n)).tobytes()
+    assert len(backend.closed) == 2 and all(i.closed for i in backend.instances)
+    assert backend.backend_closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("orchestra-serve")]
+    with pytest.raises(EngineClosed):
+        e.submit(rows(1))
+    e.close()  # idempotent
+
+
+def test_close_cancel_cancels_queued_and_completes_running():
+    backend = GatedBackend()
+    e = gated_engine(backend, buckets=[4], instances=1)
+    running = e.submit(rows(1))
+    queued = [e.submit(rows(2)), e.submit(rows(3))]
+    threading.Timer(0.05, backend.complete).start()
+    e.close(cancel=True)
+    assert running.result(timeout=0).tobytes() == f(rows(1)).tobytes()
+    assert all(q.cancelled() for q in queued)
+    assert backend.launched == 1
+    assert e.stats()["engine"]["cancelled"] == 2
+
+
+def test_cancelled_queued_future_is_skipped():
+    backend = GatedBackend()
+    with gated_engine(backend, buckets=[4], instances=1) as e:
+        first = e.submit(rows(1))
+        victim = e.submit(rows(2))
+        last = e.submit(rows(3))
+        assert victim.cancel()
+        backend.complete()
+        wait_for(lambda: backend.pending)
+        backend.complete()
+        assert first.result(timeout=5) is not None
+        assert last.result(timeout=5).tobytes() == f(rows(3)).tobytes()
+        assert backend.launched == 2
+
+
+# -- CUDA errors ---------------------------------------------------------------------------
+
+
+def _sticky():
+    return CudaError("cuStreamSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS",
+                     "an illegal memory access was encountered")
+
+
+def test_sticky_error_fails_every_pending_future_and_breaks_the_engine():
+    backend = GatedBackend()
+    e = gated_engine(backend, buckets=[4], instances=2, queue_limit=8)
+    futs = [e.submit(rows(n)) for n in (1, 2, 3, 4)]  # two launched, two queued
+    backend.wait_error = _sticky()
+    backend.complete()
+    for fut in futs:
+        with pytest.raises(CudaError) as ei:
+            fut.result(timeout=5)
+        assert ei.value.sticky and ei.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert e.broken is not None
+    with pytest.raises(EngineBroken, match="restart the process"):
+        e.submit(rows(1))
+    with pytest.raises(EngineBroken):
+        e(rows(1))
+    assert e.stats()["engine"]["state"] == "broken"
+    e.close()
+    assert all(i.closed for i in backend.instances)
+
+
+def test_non_sticky_error_fails_only_its_request():
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4]) as e:
+        backend.fail_launch = CudaError("cuGraphLaunch", 1, "CUDA_ERROR_INVALID_VALUE")
+        with pytest.raises(CudaError, match="INVALID_VALUE"):
+            e(rows(1))
+        backend.fail_launch = None
+        assert e(rows(2)).tobytes() == f(rows(2)).tobytes()
+        assert e.broken is None
+        assert e.stats()["buckets"][4]["failed"] == 1
+
+
+def test_build_failure_fails_waiting_requests_and_warmup_raises():
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4, 16]) as e:
+        backend.create_error = RuntimeError("nvrtc: the kernel does not compile")
+        fut = e.submit(rows(2))
+        with pytest.raises(RuntimeError, match="does not compile"):
+            fut.result(timeout=5)
+        with pytest.raises(RuntimeError, match="does not compile"):
+            e.warmup()
+        backend.create_error = None
+        report = e.warmup()  # builds 16, then 4: largest first
+        assert [r["rows"] for r in report] == [16, 4]
+        assert backend.created == [16, 16, 4, 4]
+        assert all(r["instances"] == 2 for r in report)
+        assert e(rows(2)).tobytes() == f(rows(2)).tobytes()
+
+
+# -- asyncio -------------------------------------------------------------------------------
+
+
+def test_asyncio_many_tasks_every_output_checked():
+    async def main(e):
+        xs = [rows(1 + i % 7, seed=i) for i in range(200)]
+        ys = await asyncio.gather(*(e.run(x) for x in xs))
+        for x, y in zip(xs, ys):
+            assert y.tobytes() == f(x).tobytes()
+        with pytest.raises(InputTypeError):
+            await e.run(np.zeros((1, ROW), np.int32))
+
+    with numpy_engine(instances=2) as e:
+        asyncio.run(main(e))
+        assert sum(b["requests"] for b in e.stats()["buckets"].values()) == 200
+
+
+def test_asyncio_cancelled_task_cancels_its_queued_request():
+    backend = GatedBackend()
+
+    async def main(e):
+        first = asyncio.ensure_future(e.run(rows(1)))
+        second = asyncio.ensure_future(e.run(rows(2)))
+        await asyncio.sleep(0.01)
+        second.cancel()
+        await asyncio.sleep(0.01)
+        backend.complete()
+        assert (await first).tobytes() == f(rows(1)).tobytes()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+
+    with gated_engine(backend, buckets=[4], instances=1) as e:
+        asyncio.run(main(e))
+        assert backend.launched == 1
+
+
+def test_c17_loop_closed_while_requests_in_flight(caplog):
+    """The loop is closed while its requests wait on the GPU: completing them later raises
+    nothing on the engine's threads, and close() still releases everything."""
+    backend = GatedBackend()
+    errors = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args)
+    try:
+        e = gated_engine(backend, buckets=[4], instances=2)
+        loop = asyncio.new_event_loop()
+
+        async def start():
+            return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2, 3)]
+
+        tasks = loop.run_until_complete(start())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        for t in tasks:
+            t.cancel()  # what asyncio.run does before closing
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+        with caplog.at_level(logging.DEBUG):
+            wait_for(lambda: len(backend.pending) == 2)
+            backend.complete()
+            e.close()
+    finally:
+        threading.excepthook = old_hook
+    assert not errors
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert all(i.closed for i in backend.instances)
+    # the queued third was cancelled with its task; the two running ones completed
+    assert backend.launched == 2
+
+
+def test_c17_loop_closed_without_cancelling(caplog):
+    backend = GatedBackend()
+    e = gated_engine(backend, buckets=[4], instances=2)
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2)]
+
+    tasks = loop.run_until_complete(start())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()  # tasks still pending: their futures will never be completed by the loop
+    with caplog.at_level(logging.DEBUG):
+        backend.complete()
+        e.close()
+    assert not [r for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("orchestra")]
+    assert not any(t.done() for t in tasks)  # the closed loop never ran them again
+    assert all(i.closed for i in backend.instances)
+
+
+# -- threads -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["caller", "thread", "batching"])
+def test_many_threads_every_output_checked_and_no_instance_shared(mode):
+    backend = GatedBackend(auto=True)
+    kw = {"dispatch": "thread"} if mode == "thread" else {}
+    if mode == "batching":
+        kw["batching"] = Batching(max_batch=16, max_delay_us=100)
+    wrong = []
+    with gated_engine(backend, buckets=[1, 2, 4, 8, 16], instances=2, **kw) as e:
+        def worker(k):
+            for i in range(60):
+                x = rows(1 + (k + i) % 8, seed=1000 * k + i)
+                y = e.submit(x).result(timeout=10) if i % 2 else e(x)
+                if y.tobytes() != f(x).tobytes():
+                    wrong.append((k, i))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(worker, range(8)))
+        st = e.stats()
+        assert sum(b["requests"] for b in st["buckets"].values()) == 8 * 60
+    assert not wrong
+    assert not backend.violations
+
+
+def test_inline_call_skips_the_completion_thread_and_futures_use_it():
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4], instances=1) as e:
+        e(rows(1))
+        inst = backend.instances[0]
+        assert inst.launches[-1][0] is False  # no completion event for the blocking call
+        fut = e.submit(rows(2))
+        assert inst.launches[-1][0] is True
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        assert done.wait(5)  # completed by the completion thread: nobody called result()
+        assert fut.result().tobytes() == f(rows(2)).tobytes()
+
+
+def test_zero_copy_binding_when_the_request_fills_its_bucket():
+    class PinnedCheckBackend(GatedBackend):
+        def check_pinned(self, name, array):
+            if not getattr(array, "_pinned", True):
+                raise TypeError(f"input {name} is pageable")
+
+    backend = PinnedCheckBackend(auto=True)
+    with gated_engine(backend, buckets=[4], instances=1) as e:
+        x = rows(4)
+        assert e(x, pinned=True).tobytes() == f(x).tobytes()
+        assert backend.instances[0].launches[-1][2] is True  # bound, not copied
+        x3 = rows(3)
+        assert e(x3, pinned=True).tobytes() == f(x3).tobytes()
+        assert backend.instances[0].launches[-1][2] is False  # padding needed: copied
+
+
+def test_stats_and_json():
+    with numpy_engine(instances=1, timing_every=1) as e:
+        for n in (1, 3, 3, 9):
+            e(rows(n))
+        st = json.loads(e.stats_json())
+        b4 = st["buckets"]["4"]
+        assert b4["requests"] == 2 and b4["launches"] == 2 and b4["batch_fill"] == 0.75
+        assert b4["latency_us"]["count"] == 2 and b4["latency_us"]["p50"] > 0
+        assert b4["gpu_ms"]["count"] == 2
+        assert st["buckets"]["16"]["requests"] == 1
+        assert st["latency_us"]["count"] == 4
+        assert st["engine"]["executor"] == "numpy" and st["engine"]["state"] == "open"
+        assert b4["misses"] == 1 and b4["hits"] == 1  # the first one waited for the build
+
+
+def test_engine_arguments_are_checked():
+    be = NumpyBackend(f)
+    with pytest.raises(ValueError, match="instances"):
+        Engine(backend=be, inputs=SPEC_IN, outputs=SPEC_OUT, instances=0)
+    with pytest.raises(ValueError, match="on_full"):
+        Engine(backend=be, inputs=SPEC_IN, outputs=SPEC_OUT, on_full="drop")
+    with pytest.raises(TypeError, match="row_shape, dtype"):
+        Engine(backend=be, inputs={"x": "float32"}, outputs=SPEC_OUT)
+    with pytest.raises(TypeError, match="build"):
+        Engine(inputs=SPEC_IN, outputs=SPEC_OUT)
+
+
+def test_serve_core_does_not_need_the_cuda_backend():
+    import subprocess
+    import sys
+
+    code = ("import sys, orchestra.serve as s; import numpy as np\n"
+            "e = s.Engine(backend=s.NumpyBackend(lambda d: d['x']), inputs={'x': ((), 'f4')},"
+            " outputs={'y': ((), 'f4')}, buckets=[4])\n"
+            "assert (e(np.ones(3, 'f4')) == 1).all(); e.close()\n"
+            "assert 'orchestra.serve.cuda_backend' not in sys.modules\n"
+            "assert 'orchestra.execute' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the CUDA graph backend over the fake graph driver -------------------------------------
+
+
+class _FakePinned:
+    def __init__(self, nbytes, device=None):
+        self._mem = np.zeros(nbytes + 64, np.uint8)
+        off = (-self._mem.ctypes.data) % 64
+        self._a = self._mem[off:off + nbytes]
+        self.closed = False
+
+    def view(self, dtype=np.uint8, shape=None):
+        return self._a.view(dtype)
+
+    def close(self):
+        self.closed = True
+
+
+class _FakeEvent:
+    made = []
+
+    def __init__(self, device=None, timing=False, *, blocking=False):
+        from tests.fake_graph_cuda import _handle
+
+        self.handle = _handle()
+        self.timing, self.blocking, self.closed = timing, blocking, False
+        self.syncs = 0
+        _FakeEvent.made.append(self)
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def record(self, stream):
+        pass
+
+    @staticmethod
+    def elapsed_ms(a, b):
+        return 0.25
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("kind", ["graph-build", "capture"])
+@pytest.mark.parametrize("memory", ["external", "graph"])
+def test_graph_backend_over_the_fake_driver(monkeypatch, memory, kind):
+    from tests import fake_graph_cuda as fg
+
+    from orchestra.execute import CaptureExecutor, GraphBuildExecutor
+    from orchestra.serve import cuda_backend as cb
+    from orchestra.serve import demo
+
+    fake = fg.install(monkeypatch)
+    monkeypatch.setattr(cb, "_d", fake)
+    fake.cuStreamSynchronize = lambda stream: (fg.OK,)
+    monkeypatch.setattr(cb, "PinnedBuffer", _FakePinned)
+    monkeypatch.setattr(cb, "Event", _FakeEvent)
+    monkeypatch.setattr(cb, "is_pinned", lambda a: True)
+    _FakeEvent.made = []
+
+    class _Buf:  # an external device buffer in the fake's device memory
+        def __init__(self, nbytes):
+            self.ptr = fake._new_memory(nbytes, fake.mem)
+            self.nbytes = nbytes
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    bufs = []
+
+    def build(sig):
+        sg = demo.demo_graph(sig, memory="graph", iters=2)
+        if memory == "graph":
+            return sg
+        # the same graph without its memory nodes, bound to external buffers the instance owns
+        from orchestra.graph import TaskGraph
+
+        n = 4 * int(np.prod(sig.shape("x")))
+        x, y = _Buf(n), _Buf(n)
+        bufs.extend([x, y])
+        ext = TaskGraph()
+        for node in sg.graph.nodes:
+            if node.kind not in ("alloc", "free"):
+                ext.add(node)
+        return cb.ServeGraph(ext, inputs={"x": "x_host"}, outputs={"y": "y_host"},
+                             bindings={"x_dev": x, "y_dev": y}, owned=(x, y))
+
+    cls = GraphBuildExecutor if kind == "graph-build" else CaptureExecutor
+    ex = cls(kernel_resolver=fg.resolver(fake))
+    backend = cb.CudaBackend(build, ex, device=fake.device)
+    backend.graph_memory = lambda: sum(int(a.nbytes) for a in fake.vas.values())
+    e = Engine(backend=backend, inputs={"x": ((8,), "float32")},
+               outputs={"y": ((8,), "float32")}, buckets=[2, 4], instances=2, timing_every=1)
+    try:
+        report = e.warmup()
+        assert [r["rows"] for r in report] == [4, 2]
+        assert fake.counts["cuGraphInstantiate"] == 4  # one exec per instance
+        for n in (1, 2, 3, 4):
+            x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+            assert e(x).tobytes() == demo.demo_reference(x, 2).tobytes()
+            assert e.submit(x).result(timeout=5).tobytes() == demo.demo_reference(x, 2).tobytes()
+        # zero-copy: the exec reads the caller's array (rebound with one SetParams), then the
+        # next copied request rebinds the staging array
+        sets = fake.counts["cuGraphExecMemcpyNodeSetParams"]
+        x4 = np.random.default_rng(9).standard_normal((4, 8)).astype(np.float32)
+        assert e(x4, pinned=True).tobytes() == demo.demo_reference(x4, 2).tobytes()
+        assert fake.counts["cuGraphExecMemcpyNodeSetParams"] == sets + 1
+        x4b = x4 + 1
+        assert e(x4b).tobytes() == demo.demo_reference(x4b, 2).tobytes()
+        st = e.stats()
+        assert st["engine"]["executor"] == kind
+        assert st["buckets"][4]["gpu_ms"]["mean"] == 0.25
+        blocking = [ev for ev in _FakeEvent.made if ev.blocking]
+        assert len(blocking) == 4 and sum(ev.syncs for ev in blocking) >= 0
+    finally:
+        e.close()
+    assert all(ev.closed for ev in _FakeEvent.made)
+    assert all(b.closed for b in bufs)
+    live = [x for x in fake.execs.values() if x.graph is not None]
+    assert not live  # every exec destroyed
+
+
+@pytest.mark.parametrize("memory", ["external", "graph"])
+def test_eager_backend_over_the_fake_driver(monkeypatch, memory):
+    from tests.fake_cuda import FakeCuda, FakeKernel
+
+    from orchestra.execute import KernelResolver
+    from orchestra.execute import bindings as bindings_mod
+    from orchestra.serve import cuda_backend as cb
+    from orchestra.serve import demo
+
+    fake = FakeCuda(monkeypatch)
+    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
+    monkeypatch.setattr(cb, "is_pinned", lambda a: True)
+    monkeypatch.setattr(cb, "PinnedBuffer", _FakePinned)
+    monkeypatch.setattr(cb, "Event", _FakeEvent)
+    _FakeEvent.made = []
+
+    class _Buf:
+        def __init__(self, nbytes):
+            self._a = np.zeros(nbytes, np.uint8)
+            self.ptr = self._a.ctypes.data
+            fake.mem[self.ptr] = self._a
+            self.nbytes = nbytes
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    def build(sig):
+        sg = demo.demo_graph(sig, memory="graph", iters=2)
+        if memory == "graph":
+            return sg
+        from orchestra.graph import TaskGraph
+
+        n = 4 * int(np.prod(sig.shape("x")))
+        x, y = _Buf(n), _Buf(n)
+        ext = TaskGraph()
+        for node in sg.graph.nodes:
+            if node.kind not in ("alloc", "free"):
+                ext.add(node)
+        return cb.ServeGraph(ext, inputs={"x": "x_host"}, outputs={"y": "y_host"},
+                             bindings={"x_dev": x, "y_dev": y}, owned=(x, y))
+
+    backend = cb.CudaBackend(build, "eager", device=fake.device)
+    backend.kernels = KernelResolver(fake.device, lambda ref, d: FakeKernel())
+    backend.graph_memory = lambda: None
+    backend.trim = lambda: None
+    e = Engine(backend=backend, inputs={"x": ((8,), "float32")},
+               outputs={"y": ((8,), "float32")}, buckets=[2, 4], instances=2)
+    try:
+        e.warmup()
+        for n in (1, 2, 3, 4):
+            x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+            assert e(x).tobytes() == demo.demo_reference(x, 2).tobytes()
+            assert e.submit(x).result(timeout=5).tobytes() == demo.demo_reference(x, 2).tobytes()
+        x4 = np.random.default_rng(9).standard_normal((4, 8)).astype(np.float32)
+        assert e(x4, pinned=True).tobytes() == demo.demo_reference(x4, 2).tobytes()
+        assert e(x4 + 1).tobytes() == demo.demo_reference(x4 + 1, 2).tobytes()
+        assert e.stats()["engine"]["executor"] == "eager"
+    finally:
+        e.close()
+    assert all(ev.closed for ev in _FakeEvent.made)
+
+
+def test_asyncio_first_request_builds_off_the_loop():
+    class SlowBuild(GatedBackend):
+        def create(self, *a):
+            time.sleep(0.3)  # a bucket's build (compile, instantiate) takes a while
+            return super().create(*a)
+
+    backend = SlowBuild(auto=True)
+
+    async def main(e):
+        lags = []
+
+        async def probe():
+            for _ in range(40):
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append(time.perf_counter() - t - 0.005)
+
+        p = asyncio.ensure_future(probe())
+        y = await e.run(rows(3))
+        await p
+        return y, max(lags)
+
+    with gated_engine(backend, buckets=[4], instances=2) as e:
+        y, lag = asyncio.run(main(e))
+    assert y.tobytes() == f(rows(3)).tobytes()
+    assert lag < 0.2  # the 0.6 s of building happened on another thread

@@ -1,0 +1,113 @@
+"""`orchestra bench serve`'s harness on the CPU: every mode runs through a numpy backend (the
+same engine code, no GPU), outputs verified, bad requests of the soak refused one by one; the
+option parsing and the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestra.serve import NumpyBackend
+from orchestra.serve.bench import (
+    S,
+    T,
+    BenchOptions,
+    EngineConfig,
+    Workload,
+    main,
+    parse_mix,
+    parse_size,
+    run,
+)
+from orchestra.serve.demo import demo_reference
+
+
+def cpu_config(**kw) -> EngineConfig:
+    return EngineConfig(backend_factory=lambda w: NumpyBackend(
+        lambda d: demo_reference(d["x"], w.iters, S, T)), **kw)
+
+
+def test_sizes_and_mixes():
+    assert parse_size("64K") == 65536 and parse_size("1M") == 1 << 20
+    assert parse_size("4KiB") == 4096 and parse_size("512") == 512
+    assert parse_mix("4K:1,64K:8") == [(4096, 1.0), (65536, 8.0)]
+    assert parse_mix("64K") == [(65536, 1.0)]
+    with pytest.raises(ValueError, match="give bytes"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="weights"):
+        parse_mix("4K:0")
+    with pytest.raises(ValueError, match="whole number of 4096-byte rows"):
+        Workload("6K")
+    w = Workload("4K:1,16K:3", iters=2)
+    assert w.sizes == [1, 4] and w.max_rows == 4
+    x, y = w.requests[1][0]
+    assert x.shape == (4, 1024) and y.tobytes() == demo_reference(x, 2).tobytes()
+    pick = w.picker(0)
+    counts = {1: 0, 4: 0}
+    for _ in range(4000):
+        counts[pick()[0].shape[0]] += 1
+    assert 0.2 < counts[1] / 4000 < 0.3  # weights 1:3
+
+
+@pytest.mark.parametrize("mode", ["latency", "closed", "open", "asyncio", "soak"])
+def test_every_mode_on_the_cpu_backend(mode, capsys):
+    o = BenchOptions(mode=mode, mix="4K:1,16K:2", duration=0.2, threads=3, tasks=20,
+                     requests={"latency": 100, "soak": 1500, "asyncio": 200}.get(mode),
+                     rate=1000, engine=cpu_config())
+    assert main(o, as_json=True) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["verified"] is True
+    res = rep["results"]
+    assert res and all(r["wrong"] == 0 for r in res)
+    assert all(r["requests"] > 0 and r["p50_us"] > 0 for r in res)
+    if mode == "closed":
+        names = [r["name"] for r in res]
+        assert any("batching" in n for n in names) and any("dispatcher" in n for n in names)
+        batched = next(r for r in res if "batching" in r["name"])
+        assert 0 < batched["batch_fill"] <= 1
+    if mode == "asyncio":
+        assert all("loop_lag_max_ms" in r for r in res)
+    if mode == "soak":
+        (r,) = res
+        assert r["bad_requests"] == 15 and r["bad_refused_ok"] == 15 and r["errors"] == 0
+        assert r["engine_bad_requests"] == 15
+        assert r["first"]["rss_bytes"] > 0 and r["last"]["rss_bytes"] > 0
+
+
+def test_text_tables_and_goal_lines(capsys):
+    o = BenchOptions(mode="all", mix="16K", duration=0.2, threads=2, requests=50,
+                     batching="on", engine=cpu_config())
+    assert main(o) == 0
+    text = capsys.readouterr().out
+    assert "latency:" in text and "closed:" in text
+    assert "engine(x) [blocking]" in text and "dynamic batching" in text
+    assert "closed loop:" in text and "goal >= 50,000" in text
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
+    o = BenchOptions(mode="latency", mix="4K", requests=50, engine=cpu_config())
+    path = tmp_path / "cdf.png"
+    assert main(o, as_json=True, plot=str(path)) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_count_every_request():
+    o = BenchOptions(mode="latency", mix="4K", requests=123, engine=cpu_config())
+    results, notes, w = run(o)
+    assert [r.requests for r in results] == [123, 123]
+    assert all(len(r.latency_us) == 123 for r in results)
+
+
+def test_cli_refusals(capsys):
+    from orchestra.cli.main import main as cli
+
+    assert cli(["bench", "serve", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    code = cli(["bench", "serve", "--mix", "6K", "--no-peers", "--mode", "latency"])
+    err = capsys.readouterr().err
+    # a size that is no whole number of rows (usage, 2); without a GPU, no device (3) first
+    usage = (code, "4096-byte rows" in err) == (2, True)
+    no_gpu = (code, "no CUDA device" in err) == (3, True)
+    assert usage or no_gpu, (code, err)

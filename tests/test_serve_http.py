@@ -1,0 +1,134 @@
+"""The HTTP example (examples/serve_http.py) started on 127.0.0.1 with a free port and driven by
+aiohttp's client from many concurrent connections; every response is checked against numpy.
+On the CPU with ``--cpu`` (numpy instead of CUDA), on the GPU as shipped. Skipped without
+aiohttp (the ``serve-http`` extra)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="the HTTP example needs aiohttp "
+                                                "(pip install 'orchestra[serve-http]')")
+
+from orchestra.serve.demo import demo_reference  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "serve_http.py"
+ROW = 256
+MAX_ROWS = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--row",
+                             str(ROW), "--max-rows", str(MAX_ROWS), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+async def _wait_ready(session, base: str, proc, timeout: float = 90.0) -> None:
+    t = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n"
+                                 f"{proc.stdout.read()}")
+        try:
+            async with session.get(f"{base}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > t:
+            raise AssertionError("the server did not come up")
+        await asyncio.sleep(0.1)
+
+
+async def _drive(port: int, proc, connections: int = 32, requests: int = 400) -> dict:
+    base = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(0)
+    wrong = []
+    async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections)) as session:
+        await _wait_ready(session, base, proc)
+
+        async def one(i):
+            rows = 1 + i % MAX_ROWS
+            x = (rng.standard_normal((rows, ROW)) * 10).astype(np.float32)
+            async with session.post(f"{base}/infer", data=x.tobytes(),
+                                    headers={"Content-Type": "application/octet-stream"}) as r:
+                assert r.status == 200, await r.text()
+                y = np.frombuffer(await r.read(), dtype="<f4").reshape(rows, ROW)
+            if y.tobytes() != demo_reference(x).tobytes():
+                wrong.append(i)
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        # JSON in, JSON out
+        x = [[1.0] * ROW, [2.0] * ROW]
+        async with session.post(f"{base}/infer", json={"x": x}) as r:
+            assert r.status == 200
+            got = np.asarray((await r.json())["y"], np.float32)
+        assert got.tobytes() == demo_reference(np.asarray(x, np.float32)).tobytes()
+        # bad requests: 400 with the engine's message, the server keeps serving
+        async with session.post(f"{base}/infer", data=b"\0" * 6,
+                                headers={"Content-Type": "application/octet-stream"}) as r:
+            assert r.status == 400 and "whole rows" in await r.text()
+        too_big = np.zeros((MAX_ROWS + 1, ROW), np.float32).tobytes()
+        async with session.post(f"{base}/infer", data=too_big,
+                                headers={"Content-Type": "application/octet-stream"}) as r:
+            assert r.status == 400 and "largest bucket" in await r.text()
+        async with session.get(f"{base}/stats") as r:
+            stats = await r.json()
+    assert not wrong, f"{len(wrong)} wrong responses"
+    return stats
+
+
+def _run(*extra: str) -> None:
+    port = _free_port()
+    proc = _start(port, *extra)
+    try:
+        stats = asyncio.run(_drive(port, proc))
+        served = sum(b["requests"] for b in stats["buckets"].values())
+        assert served == 400 + 1
+        assert stats["engine"]["bad_requests"] == 1  # the too-large one reached the engine
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # aiohttp's graceful exit: the engine closes
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+def test_http_example_on_the_cpu_backend():
+    _run("--cpu")
+
+
+def test_http_example_with_batching_on_the_cpu_backend():
+    _run("--cpu", "--batching")
+
+
+@pytest.mark.gpu
+def test_http_example_on_the_gpu():
+    _run()
+
+
+@pytest.mark.gpu
+def test_http_example_on_the_gpu_with_batching():
+    _run("--batching")
