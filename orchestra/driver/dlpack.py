@@ -27,6 +27,7 @@ import ctypes
 import enum
 import itertools
 import threading
+from typing import Any
 
 from orchestra.errors import InteropTypeError, InteropValueError
 
@@ -188,7 +189,7 @@ class DLPackHolder:
 
     def __init__(self, capsule, managed: int, deleter):
         self._capsule = capsule
-        self._managed = managed
+        self._managed: int | None = managed
         self._deleter = deleter
         self._lock = threading.Lock()
 
@@ -221,9 +222,12 @@ class DLTensorInfo:
     __slots__ = ("ptr", "device", "shape", "strides", "dtype", "itemsize", "readonly",
                  "version", "holder")
 
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, *, ptr: int, device: tuple[int, int], shape: tuple[int, ...],
+                 strides: tuple[int, ...] | None, dtype: Any, itemsize: int, readonly: bool,
+                 version: tuple[int, int] | None, holder: DLPackHolder):
+        self.ptr, self.device, self.shape, self.strides = ptr, device, shape, strides
+        self.dtype, self.itemsize, self.readonly = dtype, itemsize, readonly
+        self.version, self.holder = version, holder
 
 
 def consume(capsule, what: str = "the object") -> DLTensorInfo:
@@ -233,6 +237,7 @@ def consume(capsule, what: str = "the object") -> DLTensorInfo:
     unsupported dtype; `InteropValueError` for a DLPack major version other than 1. On every
     error after the rename the deleter has been called already (nothing leaks).
     """
+    mt: Any  # DLManagedTensorVersioned or DLManagedTensor: both have .dl_tensor
     if _is_valid(capsule, _VERSIONED):
         managed = _get_pointer(capsule, _VERSIONED)
         _set_name(capsule, _USED_VERSIONED)
@@ -316,8 +321,9 @@ def _key_of(managed: int) -> int:
     for offset in (DLManagedTensorVersioned.manager_ctx.offset,
                    DLManagedTensor.manager_ctx.offset):
         key = ctypes.c_void_p.from_address(managed + offset).value
-        export = _exports.get(key)
-        if export is not None and ctypes.addressof(export.managed) == managed:
+        export = _exports.get(key) if key is not None else None
+        if key is not None and export is not None and \
+                ctypes.addressof(export.managed) == managed:
             return key
     return -1
 
@@ -359,6 +365,7 @@ def make_capsule(ptr: int, shape, strides_elements, dtype, device: tuple[int, in
                       strides=ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64)),
                       byte_offset=0)
     key = next(_keys)
+    managed: Any
     if versioned:
         managed = DLManagedTensorVersioned(
             version=DLPackVersion(DLPACK_MAJOR, DLPACK_MINOR), manager_ctx=key,

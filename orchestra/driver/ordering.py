@@ -50,7 +50,7 @@ def resolve_pair(a, b, device=None) -> tuple:
     """Wrap two streams for ordering: orchestra streams as they are, non-default handles with
     `Stream.from_handle` (``device`` or the driver's answer), and a default stream given as a raw
     handle on ``device``, else on the other stream's device, else device 0."""
-    out = [None, None]
+    out: list[Stream | DefaultStream | None] = [None, None]
     for i, x in enumerate((a, b)):
         if isinstance(x, (Stream, DefaultStream)):
             out[i] = x
@@ -59,10 +59,9 @@ def resolve_pair(a, b, device=None) -> tuple:
     known = device
     if known is None:
         known = next((s.device for s in out if s is not None), None)
-    for i, x in enumerate((a, b)):
-        if out[i] is None:
-            out[i] = DefaultStream(stream_value(x), known)
-    return out[0], out[1]
+    first, second = (o if o is not None else DefaultStream(stream_value(x), known)
+                     for o, x in zip(out, (a, b)))
+    return first, second
 
 
 def order_after(stream, other, *, device=None) -> None:

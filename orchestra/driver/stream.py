@@ -114,7 +114,7 @@ class Stream(Resource):
         self.priority = int(cu(driver.cuStreamGetPriority, handle))
         self.external = True
         self.source = stream
-        self._own = _Borrowed(handle, "Stream")
+        self._own = _Borrowed(handle, "Stream")  # type: ignore[assignment]  # Owner's interface
         return self
 
     def __cuda_stream__(self) -> tuple[int, int]:
