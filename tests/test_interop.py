@@ -547,7 +547,7 @@ def test_cai_v3_with_a_stream_records_there_and_waits_on_ours(fake):
     a = CAIArray(ptr, (8, 32), "<f4", stream=producer)
     fake.log.clear()
     view = device_view(a, stream=s, dtype="float32", writable=True, nbytes=1024)
-    assert view.protocol == "cuda_array_interface" and view.keepalive is a
+    assert view.protocol == "cuda_array_interface" and view.keepalive == (a,)
     assert (view.ptr, view.nbytes, view.shape, view.strides) == (ptr, 1024, (8, 32), (128, 4))
     (ev,) = fake.calls("cuEventCreate")
     assert fake.calls("cuEventRecord") == [(ev[0], producer)]
@@ -638,6 +638,17 @@ def test_cai_producer_failure_and_empty_arrays(fake):
         device_view(Broken())
     empty = device_view(CAIArray(0, (0, 4)))  # a null pointer is fine for 0 bytes
     assert empty.nbytes == 0 and empty.device == 0
+
+
+def test_releasing_a_cai_record_never_calls_the_objects_own_release(fake):
+    class Pooled(CAIArray):
+        def release(self):
+            raise AssertionError("the producer's own release() was called")
+
+    a = Pooled(fake.device_memory(64), (16,))
+    view = device_view(a)
+    view.release()
+    assert view.released and view.obj is None
 
 
 def test_a_size_one_dimension_with_any_stride_is_still_contiguous(fake):

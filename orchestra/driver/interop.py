@@ -85,8 +85,8 @@ class ExternalArray:
         itemsize: bytes per element.
         readonly: True when the producer marked the memory read-only.
         obj: the object that was passed in.
-        keepalive: what keeps the memory alive: a consumed DLPack capsule's holder, the object
-            itself (CUDA Array Interface), or a `Lease` (orchestra buffers).
+        keepalive: what keeps the memory alive: a consumed DLPack capsule's holder, a 1-tuple
+            holding the object (CUDA Array Interface), or a `Lease` (orchestra buffers).
         protocol: ``"dlpack"``, ``"cuda_array_interface"`` or ``"orchestra"``.
         ordering: what was done to order the producer's work before the consumer stream, in
             words (``"dlpack: producer ordered before stream 0x..."``, ``"event: ..."``,
@@ -513,8 +513,9 @@ def _from_cai(obj, consumer, want: int, what: str, need_dtype, nbytes, writable,
     rec = ExternalArray(
         ptr=ptr, nbytes=total, device=device, shape=shape,
         strides=_c_strides(shape, dt.itemsize) if strides is None else strides, dtype=dt,
-        itemsize=dt.itemsize, readonly=bool(readonly), obj=obj, keepalive=obj,
-        protocol="cuda_array_interface", ordering="")
+        itemsize=dt.itemsize, readonly=bool(readonly), obj=obj, keepalive=(obj,),
+        protocol="cuda_array_interface", ordering="")  # a tuple: the object's own .release()
+                                                       # (if it has one) is never called
     _check(rec, want, need_dtype, nbytes, writable, layout, what,
            strides_given=rec.strides, unit="bytes")
     if stream_value is None:
