@@ -408,7 +408,8 @@ def test_dlpack_view_passes_our_stream_and_reads_the_tensor(fake):
     assert (view.ptr, view.nbytes, view.device) == (ptr, 512, 0)
     assert view.shape == (16, 8) and view.strides == (32, 4)
     assert view.dtype == np.float32 and view.itemsize == 4 and not view.readonly
-    assert view.ordering == f"dlpack: the producer ordered its work before stream {int(s.handle):#x}"
+    assert view.ordering == ("dlpack: the producer ordered its work before stream "
+                             f"{int(s.handle):#x}")
     assert "cuEventRecord" not in fake.names()  # the producer orders, orchestra does not
     assert t.released == 0
     view.release()
