@@ -142,7 +142,8 @@ def _fill_random(a: np.ndarray, rng) -> None:
 class Workload:
     def __init__(self, dev, pins: Pins, resolver, batches: int, mib: float, iters: int,
                  block: int = 256):
-        from orchestra.app.job import batch_bytes_from_mib, build_job_graph, burn_grid, burn_kernel_ref
+        from orchestra.app.job import (batch_bytes_from_mib, build_job_graph, burn_grid,
+                                       burn_kernel_ref)
 
         self.dev, self.batches, self.mib, self.iters, self.block = dev, batches, mib, iters, block
         self.batch_bytes = batch_bytes_from_mib(mib)

@@ -1,4 +1,9 @@
-"""A stand-in for the driver calls the eager executor makes, for CPU tests.
+"""A stand-in driver API for the eager executor, for CPU tests.
+
+`FakeCuda` is a `DriverAPI` look-alike (the one object executors reach the driver through):
+the driver calls the eager executor makes, plus the driver layer's objects (device, streams,
+events, the memory pool, pinned checks). Installing it swaps the process's default driver API
+for the test (one monkeypatch); an executor can also be given it with ``driver=``.
 
 "Device memory" is real host memory (numpy arrays), so copies are ``ctypes.memmove`` and the
 fake ``burn`` kernel reads its packed arguments exactly as the driver would (the ``void**`` array
@@ -17,9 +22,9 @@ from cuda.bindings import driver
 from orchestra.compiler.args import ArgLayout
 from orchestra.compiler.launch import LaunchConfig, check_launch
 from orchestra.compiler.params import normalize_params
-from orchestra.driver.device import DeviceLimits
-from orchestra.execute import eager
 from orchestra.app.job.graphs import BURN_PARAMS
+from orchestra.driver import api as api_mod
+from orchestra.driver.device import DeviceLimits
 
 OK = driver.CUresult.CUDA_SUCCESS
 LIMITS = DeviceLimits(
@@ -57,6 +62,7 @@ class FakeStream:
         self.handle = FakeHandle(1000 + FakeStream.count)
         self.closed = False
         self.syncs = 0
+        self.fake = fake
 
     def synchronize(self):
         self.syncs += 1
@@ -65,8 +71,6 @@ class FakeStream:
 
     def close(self):
         self.closed = True
-
-    fake = None
 
 
 class FakeEvent:
@@ -105,34 +109,61 @@ class FakeKernel:
         return cfg
 
 
-class FakeCuda:
-    """Patches `orchestra.execute.eager` so executors run on this fake."""
+class FakeAPI:
+    """What both fakes share of the `DriverAPI` surface: the driver layer's objects. Driver
+    calls a fake does not implement raise ``AttributeError`` naming them."""
 
-    def __init__(self, monkeypatch):
+    stream_type = FakeStream
+    event_type = FakeEvent
+
+    def __init__(self, device=None, pinned=True):
+        self.device = device if device is not None else FakeDevice()
+        self.pinned = pinned  # is_pinned's answer: a bool, or a function of the array
+        self.pinned_asked: list[int] = []  # the address of every array is_pinned was asked
+
+    def install(self, monkeypatch):
+        """Make this fake the process's default driver API for the test (and return it)."""
+        monkeypatch.setattr(api_mod, "_default", self)
+        return self
+
+    def as_device(self, device=None):
+        return self.device
+
+    def context_alive(self, ordinal):
+        return True
+
+    def stream(self, device=None, priority=0):
+        return self.stream_type(device, priority, fake=self)
+
+    def event(self, device=None):
+        return self.event_type(device)
+
+    def default_pool(self, device=None):
+        return FakePool()
+
+    def check_stream(self, stream, what="this call"):
+        return stream
+
+    def is_pinned(self, array):
+        self.pinned_asked.append(array.ctypes.data)
+        return self.pinned(array) if callable(self.pinned) else bool(self.pinned)
+
+
+class FakeCuda(FakeAPI):
+    """The eager executor's driver calls on host memory. ``FakeCuda(monkeypatch)`` installs
+    it as the default driver API for the test."""
+
+    def __init__(self, monkeypatch=None, *, pinned=True):
+        super().__init__(FakeDevice(), pinned)
         self.log: list = []
         self.mem: dict[int, np.ndarray] = {}
         self.used = 0
         self.used_high = 0
         self.counts: Counter = Counter()
         self.fail: dict[str, int] = {}  # call name -> fail on this (1-based) call
-        self.device = FakeDevice()
-        FakeStream.fake = self
-        m = monkeypatch
-        m.setattr(eager, "as_device", lambda d=None: self.device)
-        m.setattr(eager, "context_alive", lambda ordinal: True)
-        m.setattr(eager, "Stream", FakeStream)
-        m.setattr(eager, "Event", FakeEvent)
-        m.setattr(eager.MemoryPool, "default", classmethod(lambda cls, d=None, r=None: FakePool()))
-        m.setattr(eager, "_alloc", self.cuMemAllocFromPoolAsync)
-        m.setattr(eager, "_free", self.cuMemFreeAsync)
-        m.setattr(eager, "_htod", self.cuMemcpyHtoDAsync)
-        m.setattr(eager, "_dtoh", self.cuMemcpyDtoHAsync)
-        m.setattr(eager, "_launch", self.cuLaunchKernel)
-        m.setattr(eager, "_record", self.cuEventRecord)
-        m.setattr(eager, "_wait", self.cuStreamWaitEvent)
-        m.setattr(eager, "_hostfn", self.cuLaunchHostFunc)
-        m.setattr(eager, "_memset", {1: self.cuMemsetD8Async, 2: self.cuMemsetD16Async,
-                                     4: self.cuMemsetD32Async})
+        self.launch_configs: list = []  # every CUlaunchConfig cuLaunchKernelEx was given
+        if monkeypatch is not None:
+            self.install(monkeypatch)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -216,10 +247,7 @@ class FakeCuda:
     def cuMemsetD32Async(self, dst, value, count, stream):
         return self._memset("cuMemsetD32Async", np.uint32, dst, value, count, stream)
 
-    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        err = self._call("cuLaunchKernel", stream, func.name)
-        if err:
-            return (err,)
+    def _burn(self, func, params):
         func.launches += 1
         base = ctypes.c_void_p.from_address(params).value  # kernelParams[0] = &field 0
         s = func.layout.struct_type.from_address(base)
@@ -230,18 +258,32 @@ class FakeCuda:
         self._floats(y, n)[:] = v
         return (OK,)
 
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        err = self._call("cuLaunchKernel", stream, func.name)
+        if err:
+            return (err,)
+        return self._burn(func, params)
+
+    def cuLaunchKernelEx(self, config, func, params, extra):
+        err = self._call("cuLaunchKernelEx", config.hStream, func.name)
+        if err:
+            return (err,)
+        self.launch_configs.append(config)
+        return self._burn(func, params)
+
     def cuEventRecord(self, event, stream):
         return (self._call("cuEventRecord", stream, int(event)),)
 
     def cuStreamWaitEvent(self, stream, event, flags):
         return (self._call("cuStreamWaitEvent", stream, int(event)),)
 
-    def cuLaunchHostFunc(self, stream, fn, token):
+    def launch_host_func(self, stream, fn_address, token):
+        """`DriverAPI.launch_host_func`: the driver's cuLaunchHostFunc entry point."""
         err = self._call("cuLaunchHostFunc", stream, token)
         if err:
-            return (err,)
-        _HOSTFN(int(fn))(token)  # through the real C trampoline
-        return (OK,)
+            return int(err)
+        _HOSTFN(int(fn_address))(token)  # through the real C trampoline
+        return 0
 
 
 class FakeTimingEvent:

@@ -1,5 +1,8 @@
-"""A stand-in for the CUDA graph and stream-capture driver calls, for CPU tests of the graph
-executors (`capture`, `graph_build`, `graph_exec`).
+"""A stand-in driver API for the CUDA graph and stream-capture calls, for CPU tests of the
+graph executors (`cuda_graph.capture`, `cuda_graph.build`, `cuda_graph.exec`).
+
+`FakeGraphDriver` is a `DriverAPI` look-alike: `install` makes it the process's default driver
+API for the test (one monkeypatch); executors can also be given it with ``driver=``.
 
 "Device memory" is host memory (numpy arrays); a launched graph runs its nodes at once, in
 creation order (a valid topological order: every node is created after its dependencies).
@@ -34,15 +37,9 @@ from collections import Counter
 import numpy as np
 from cuda.bindings import driver
 
-from orchestra.driver import capture as session_mod
-from orchestra.execute import bindings as bindings_mod
-from orchestra.execute.cuda_graph import capture as capture_mod
-from orchestra.execute.cuda_graph import build as build_mod
-from orchestra.execute.cuda_graph import exec as exec_mod
-from orchestra.execute.cuda_graph import executor as nodes_mod
 from orchestra.execute.kernels import KernelResolver
 from tests import fake_cuda
-from tests.fake_cuda import FakeHandle, FakeKernel
+from tests.fake_cuda import FakeAPI, FakeHandle, FakeKernel
 
 R = driver.CUresult
 OK = R.CUDA_SUCCESS
@@ -135,11 +132,13 @@ class Seq:
         self.streams: set[int] = {origin}
 
 
-class FakeGraphDriver:
-    """The fake: the graph/capture calls as methods; other names (struct classes, enums) come
-    from the real bindings, so parameter records are the real cuda-bindings structs."""
+class FakeGraphDriver(FakeAPI):
+    """The fake: the graph/capture calls as methods, and the driver layer's objects (streams
+    whose ``query`` goes through the fake, events, the device); parameter records are the real
+    cuda-bindings structs."""
 
     def __init__(self):
+        super().__init__(FakeDevice())
         self.graphs: dict[int, FGraph] = {}
         self.execs: dict[int, FExec] = {}
         self.mem: dict[int, np.ndarray] = {}  # base -> bytes (pool allocations)
@@ -153,10 +152,26 @@ class FakeGraphDriver:
         self.attributes: list = []
         self.dot_files: list = []
 
-    def __getattr__(self, name):
-        if name.startswith("cu") and not name.startswith("cuda"):
-            raise AttributeError(f"the fake driver has no {name}")
-        return getattr(driver, name)
+    def stream(self, device=None, priority=0):
+        return FakeStream(device, priority, fake=self)
+
+    def event(self, device=None):
+        return FakeEvent(device)
+
+    def launch_host_func(self, stream, fn_address, token):
+        """`DriverAPI.launch_host_func`: the driver's own cuLaunchHostFunc entry point."""
+        err = self._call("cuLaunchHostFunc")
+        if err:
+            return int(err)
+        (err,) = self._enqueue(stream, "host", {"fn": int(fn_address), "user": int(token)})
+        return int(err)
+
+    def exec_update(self, exec_, graph):
+        """`DriverAPI.exec_update`: ``(CUresult, result, errorNode, errorFromNode)`` ints."""
+        err, info = self.cuGraphExecUpdate(exec_, graph)
+        en, ef = info.errorNode, info.errorFromNode
+        return (int(err), int(info.result), None if en is None else int(en),
+                None if ef is None else int(ef))
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -593,19 +608,16 @@ class FakeGraphDriver:
     def cuMemsetD32Async(self, dst, value, count, stream):
         return self._memset("cuMemsetD32Async", 4, dst, value, count, stream)
 
-    def cuLaunchHostFunc(self, stream, fn, token):
-        err = self._call("cuLaunchHostFunc")
-        if err:
-            return (err,)
-        return self._enqueue(stream, "host", {"fn": int(fn), "user": int(token)})
 
 
 class FakeStream:
-    """An orchestra-Stream look-alike whose ``query`` goes through the fake driver."""
+    """An orchestra-Stream look-alike whose ``query`` goes through the fake driver (``fake``:
+    the driver given, else the last one installed)."""
 
-    fake: FakeGraphDriver | None = None
+    installed: FakeGraphDriver | None = None
 
-    def __init__(self, device=None, priority=0):
+    def __init__(self, device=None, priority=0, fake=None):
+        self.fake = fake if fake is not None else FakeStream.installed
         self.device = device
         self.priority = priority
         self.handle = _handle()
@@ -641,30 +653,10 @@ class FakePool:
 
 
 def install(monkeypatch) -> FakeGraphDriver:
-    """Patch the graph executor modules onto a new fake; returns it."""
+    """A new fake, made the process's default driver API for the test; returns it."""
     fake = FakeGraphDriver()
-    FakeStream.fake = fake
-    dev = FakeDevice()
-    m = monkeypatch
-    for mod in (exec_mod, nodes_mod, build_mod, capture_mod, session_mod):
-        m.setattr(mod, "_d", fake)
-    m.setattr(exec_mod, "_graph_launch", fake.cuGraphLaunch)
-    m.setattr(exec_mod, "_set_memcpy", fake.cuGraphExecMemcpyNodeSetParams)
-    m.setattr(exec_mod, "_set_kernel", fake.cuGraphExecKernelNodeSetParams)
-    m.setattr(exec_mod, "Stream", FakeStream)
-    m.setattr(exec_mod, "context_alive", lambda ordinal: True)
-    m.setattr(exec_mod, "check_stream", lambda s, what="": s)
-    m.setattr(nodes_mod, "as_device", lambda d=None: dev)
-    m.setattr(nodes_mod.MemoryPool, "default", classmethod(lambda cls, d=None, r=None: FakePool()))
-    m.setattr(capture_mod, "Stream", FakeStream)
-    m.setattr(capture_mod, "Event", FakeEvent)
-    m.setattr(session_mod, "Event", FakeEvent)
-    m.setattr(capture_mod, "context_alive", lambda ordinal: True)
-    m.setattr(capture_mod, "_memset", {1: fake.cuMemsetD8Async, 2: fake.cuMemsetD16Async,
-                                       4: fake.cuMemsetD32Async})
-    m.setattr(bindings_mod, "is_pinned", lambda a: True)
-    fake.device = dev
-    return fake
+    FakeStream.installed = fake
+    return fake.install(monkeypatch)
 
 
 def resolver(fake) -> KernelResolver:

@@ -17,7 +17,7 @@ Variants (N = number of graph launches; "raise": the host function raises every 
     env                 versions: Python, cuda-bindings, driver, GPU, where the driver's
                         cuLaunchHostFunc entry point is found
     eager-1, eager-5, eager-raise
-                        orchestra EagerExecutor: cuLaunchHostFunc per run (cuda-bindings' call)
+                        orchestra EagerExecutor: cuLaunchHostFunc per run (the driver's entry point)
     capture-1, capture-5, capture-raise
                         orchestra CaptureExecutor: host function captured into a graph
     build-1, build-5, build-raise

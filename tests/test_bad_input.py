@@ -20,7 +20,6 @@ from orchestra.compiler import KernelNotFoundError
 from orchestra.compiler import compile as nvrtc_compile
 from orchestra.errors import CompileError, GraphError
 from orchestra.execute import BindingError, EagerExecutor, KernelResolver
-from orchestra.execute import bindings as bindings_mod
 from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
     Buffer, In, KernelNode, KernelRef, Memset, Out, TaskGraph, build_pipeline,
@@ -33,7 +32,6 @@ K = KernelRef("cuda_src/burn.cu", "burn", params=BURN_PARAMS)
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
     return FakeCuda(monkeypatch)
 
 

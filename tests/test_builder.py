@@ -617,11 +617,9 @@ def bound(batches):
 
 def test_eager_run_on_the_fake_driver_traces_generated_names(monkeypatch):
     from orchestra.execute import EagerExecutor, KernelResolver
-    from orchestra.execute import bindings as bindings_mod
     from orchestra.trace import to_chrome_trace
     from tests.fake_cuda import FakeCuda, FakeKernel, patch_eager_tracer
 
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
     fake = FakeCuda(monkeypatch)
     patch_eager_tracer(monkeypatch)
     graph = pipeline(3, poison=False).build()

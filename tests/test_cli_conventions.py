@@ -249,7 +249,7 @@ def test_compile_error_exits_4(tmp_path, capsys):
 
 def test_a_failed_verification_exits_1(fake_job, monkeypatch, capsys):  # noqa: F811
     # the kernel writes nothing: the output keeps its NaN poison and fails the check
-    monkeypatch.setattr("orchestra.execute.eager._launch",
+    monkeypatch.setattr(fake_job, "cuLaunchKernel",
                         lambda func, *a: (fake_job._call("cuLaunchKernel", a[7]),))
     monkeypatch.setattr(od.Device, "get", classmethod(lambda cls, ordinal=0: fake_job.device))
     assert main(["run", "--batches", "2", "--batch-mib", "0.01", "--compute-iters", "3",

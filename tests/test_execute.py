@@ -25,7 +25,6 @@ from orchestra.execute import (
     make_executor,
     resolve_kernel_node,
 )
-from orchestra.execute import bindings as bindings_mod
 from orchestra.execute.errors import ExecutorUnavailable
 from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
@@ -59,20 +58,16 @@ def burn_ref(x, iters=ITERS):
 
 
 @pytest.fixture
-def pinned(monkeypatch):
-    """Every array counts as pinned (the driver's answer is faked); returns the call log."""
-    asked = []
-
-    def fake(a):
-        asked.append(a.ctypes.data)
-        return True
-    monkeypatch.setattr(bindings_mod, "is_pinned", fake)
-    return asked
+def fake(monkeypatch):
+    """The fake driver API, installed as the process's for the test; every array counts as
+    pinned."""
+    return FakeCuda(monkeypatch)
 
 
 @pytest.fixture
-def fake(monkeypatch, pinned):
-    return FakeCuda(monkeypatch)
+def pinned(fake):
+    """The address of every array the (fake) driver was asked "is it pinned?" about."""
+    return fake.pinned_asked
 
 
 def executor(fake, **kw):
@@ -144,7 +139,7 @@ def test_bindings_non_contiguous_and_readonly_and_type(pinned):
 
 
 def test_bindings_pageable_is_a_type_error_that_says_how_to_pin(monkeypatch):
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: False)
+    FakeCuda(monkeypatch, pinned=False)
     spec = BindingSpec(small_graph())
     arrays = {n: np.zeros(1024, np.float32) for n in spec.host}
     with pytest.raises(PageableMemoryError) as info:
@@ -168,21 +163,21 @@ def test_pinned_check_asks_the_driver_once_per_array(monkeypatch, pinned):
 
 def test_pinned_check_forgets_a_freed_owner(monkeypatch):
     answers = iter([True, False])
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: next(answers))
+    FakeCuda(monkeypatch, pinned=lambda a: next(answers))
     check = PinnedCheck()
     a = np.zeros(4096, np.uint8)
-    key = (a.ctypes.data, a.ctypes.data + a.nbytes)
-    assert check(a)
+    assert check(a) and check(a) and check.driver_queries == 1  # remembered while a lives
     del a
     gc.collect()
-    ref = check._known[key]
-    assert ref() is None  # the cached answer is dead with its owner: asked again next time
+    b = np.zeros(4096, np.uint8)  # may sit where a was
+    # the answer died with its owner: b is asked about (and is not pinned)
+    assert not check(b) and check.driver_queries == 2
 
 
 def test_pinned_check_uses_the_registry_without_driver_queries(monkeypatch):
     from orchestra.driver import pinned_ranges
 
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: pytest.fail("driver asked"))
+    FakeCuda(monkeypatch, pinned=lambda a: pytest.fail("driver asked"))
     a = np.zeros(8192, np.uint8)
     reg = pinned_ranges()
     reg.add(a.ctypes.data, a.nbytes)
@@ -387,8 +382,7 @@ def test_eager_enqueues_in_issue_order_with_one_call_per_step(fake):
     ex.run(g, plan, b)
     kinds = {"alloc": "cuMemAllocFromPoolAsync", "free": "cuMemFreeAsync",
              "h2d": "cuMemcpyHtoDAsync", "d2h": "cuMemcpyDtoHAsync", "kernel": "cuLaunchKernel"}
-    stream_of = {name: int(s.handle) for name, s in ex._prepared[next(iter(ex._prepared))]
-                 .streams.items()}
+    stream_of = {name: int(s.handle) for name, s in ex._prepared.values()[0].streams.items()}
     expected = []
     for sname, st in plan.issue_order():
         if isinstance(st, RunNode):
@@ -408,13 +402,13 @@ def test_eager_prepares_once_and_reuses_streams_and_events(fake):
     plan = ex.prepare(g, policy="by-engine", streams=3)
     first = ex.run(g, plan, b)
     assert first.prepare_ms == 0.0  # prepared above
-    prep = next(iter(ex._prepared.values()))
+    prep = ex._prepared.values()[0]
     steps = list(prep.steps)
     n_streams, n_events = len(ex.streams), ex.event_count
     for _ in range(5):
         again = ex.run(g, plan, b)
         assert again.prepare_ms == 0.0
-    assert next(iter(ex._prepared.values())).steps == steps  # the same closures
+    assert ex._prepared.values()[0].steps == steps  # the same closures
     assert (len(ex.streams), ex.event_count) == (n_streams, n_events)
     assert ex.event_count <= 8 < plan.event_count
     # a second graph with another plan of the same shape reuses the pooled streams
@@ -424,8 +418,9 @@ def test_eager_prepares_once_and_reuses_streams_and_events(fake):
     # plan=None is scheduled once per graph, not per run
     r1 = ex.run(g2, bindings=b2, policy="round-robin", streams=3)
     assert r1.prepare_ms == 0.0
+    streams = ex.streams
     ex.close()
-    assert all(s.closed for s in ex._pool.by_priority[0]) and ex.closed
+    assert streams and all(s.closed for s in streams) and ex.closed
     with pytest.raises(ValueError, match="closed"):
         ex.run(g, plan, b)
 
@@ -466,10 +461,10 @@ def test_eager_alloc_failure(fake):
     assert fake.used == 0
 
 
-def test_eager_refuses_before_enqueueing_anything(fake, monkeypatch):
+def test_eager_refuses_before_enqueueing_anything(fake):
     g, b = pipeline([4096] * 2)
     ex = executor(fake)
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: False)
+    fake.pinned = False
     with pytest.raises(PageableMemoryError):
         ex.run(g, bindings=b)
     with pytest.raises(BindingError):

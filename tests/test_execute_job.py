@@ -8,7 +8,6 @@ import pytest
 import orchestra.driver as od
 import orchestra.execute as oe
 from orchestra.execute import EagerExecutor, KernelResolver
-from orchestra.execute import bindings as bindings_mod
 from orchestra.execute import staging as staging_mod
 from orchestra.app.job import (
     MainJob,
@@ -154,7 +153,6 @@ class FakePinned:
 
 @pytest.fixture
 def fake_job(monkeypatch):
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
     fake = FakeCuda(monkeypatch)
     made = []
 
@@ -220,7 +218,7 @@ def test_main_job_generated_data_on_the_fake(fake_job, policy):
 
 def test_main_job_detects_a_wrong_kernel(fake_job, monkeypatch):
     # the kernel writes nothing: the D2H copies whatever the output allocation held
-    monkeypatch.setattr("orchestra.execute.eager._launch",
+    monkeypatch.setattr(fake_job, "cuLaunchKernel",
                         lambda func, *a: (fake_job._call("cuLaunchKernel", a[7]),))
     r = MainJob(batches=2, batch_mib=0.01, compute_iters=5, repeat=1).run()
     assert not r.verified and r.routing_check is False

@@ -1,6 +1,6 @@
 """CPU tests of the CUDA Graph executors' pure parts (no GPU needed).
 
-- the graph-build translation (`graph_spec.translate`): node kinds and edges equal the
+- the graph-build translation (`cuda_graph.spec.translate`): node kinds and edges equal the
   TaskGraph's own DAG for chain, diamond and batch pipelines;
 - the C05 graph-memory policy: an Alloc without its Free is refused (unless auto_free);
 - the capture plan: fork/join around the plan's steps never leaves a stream unjoined, and the
@@ -20,7 +20,6 @@ from orchestra.errors import GraphError
 from orchestra.execute.cuda_graph.capture_plan import CaptureStep, capture_steps, check_capture_steps
 from orchestra.execute.cuda_graph.cache import BucketPolicy, GraphCache, Signature, pad_to
 from orchestra.execute.cuda_graph.spec import (
-    CUDA_KIND,
     GraphMemoryError,
     check_graph_memory,
     translate,
@@ -106,7 +105,11 @@ def closure(nodes, edges) -> set:
     return out
 
 
-# -- graph_spec ------------------------------------------------------------------------------
+# -- cuda_graph.spec ------------------------------------------------------------------------
+
+# orchestra node kind -> the CUDA graph node it becomes (cuGraphAdd*Node)
+CUDA_KIND = {"alloc": "mem_alloc", "free": "mem_free", "h2d": "memcpy", "d2h": "memcpy",
+             "kernel": "kernel", "memset": "memset", "host": "host"}
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))
@@ -293,7 +296,7 @@ def test_c05_realloc_without_free_in_between_counts():
 
 def test_c05_graph_executors_check_before_building():
     # The executors call check_graph_memory before any CUDA call: the same function, so the
-    # CPU check is the executors' check (see graph_build.prepare_build).
+    # CPU check is the executors' check (see cuda_graph.build.prepare_build).
     from orchestra.execute.cuda_graph.build import prepare_build
 
     g = TaskGraph()
@@ -527,7 +530,7 @@ def fake(monkeypatch):
 
 def make_executor(kind, fake, **kw):
     cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
-    return cls(fake.device, kernel_resolver=fg.resolver(fake), **kw)
+    return cls(fake.device, kernel_resolver=fg.resolver(fake), driver=fake, **kw)
 
 
 def reference(x, iters):
@@ -631,24 +634,24 @@ def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
     """A pool of arrays bound in turn is checked once each; writability is checked every
     time; a removed pinned range or an update makes every array be checked again."""
     from orchestra.driver import host as H
-    from orchestra.execute.cuda_graph import exec as ge
+    from orchestra.execute import bindings as bindings_mod
 
     g, bs, bind = job(2)
     sets = [bind, {k: v.copy() for k, v in bind.items()}]
     calls = []
-    real = ge.GraphExec._check_binding
+    real = bindings_mod.check_host_array  # every check of a new array (the slow path)
 
-    def counting(self, name, value, ranges):
+    def counting(name, value, nbytes, writer, pinned):
         calls.append(name)
-        return real(self, name, value, ranges)
+        return real(name, value, nbytes, writer, pinned)
 
-    monkeypatch.setattr(ge.GraphExec, "_check_binding", counting)
+    monkeypatch.setattr(bindings_mod, "check_host_array", counting)
     with make_executor(kind, fake) as ex:
         exe = ex.build(g, None, bind)
         for i in range(1, 8):
             exe.replay(sets[i % 2])
             check(bs, sets[i % 2], 3)
-        assert len(calls) == 2 * len(bind)  # each array checked once (the build checks its own)
+        assert len(calls) == 2 * len(bind)  # each array checked once (the build its own set)
         out = bs[0].host_out.buffer.name
         exe.replay(sets[0])
         sets[1][out].flags.writeable = False
@@ -776,7 +779,7 @@ def test_fake_scalar_update_takes_effect(fake, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fake_replay_refuses_bad_bindings_before_launching(fake, kind, monkeypatch):
+def test_fake_replay_refuses_bad_bindings_before_launching(fake, kind):
     g, bs, bind = job(2)
     with make_executor(kind, fake) as ex:
         exe = ex.build(g, None, bind)
@@ -795,7 +798,7 @@ def test_fake_replay_refuses_bad_bindings_before_launching(fake, kind, monkeypat
         with pytest.raises(BindingError, match="read-only"):
             exe.replay({bs[0].host_out.buffer.name: ro})
         exe.replay({name: ro})  # a read-only input is fine
-        monkeypatch.setattr(fg.bindings_mod, "is_pinned", lambda a: False)
+        fake.pinned = False  # the driver says: pageable
         with pytest.raises(PageableMemoryError, match="PinnedBuffer"):
             exe.replay({name: np.zeros(N // 4, np.float32)})
         assert fake.counts["cuGraphLaunch"] == launches + 1

@@ -587,10 +587,13 @@ def test_dot_dump(dev, gx, tmp_path):
         p.close()
 
 
-@pytest.mark.parametrize("variant", ["capture-5", "capture-raise", "build-5", "build-raise"])
+@pytest.mark.parametrize("variant", ["capture-5", "capture-raise", "build-5", "build-raise",
+                                     "eager-5", "eager-raise"])
 def test_host_nodes_run_every_launch_and_errors_surface(variant):
     """Host nodes run on every launch (fill -> H2D -> D2H, output checked after each of 5
-    launches) and a raising host function surfaces as `HostFunctionError` on every launch.
+    launches) and a raising host function surfaces as `HostFunctionError` on every launch;
+    likewise on every eager run, whose host-function step is the capture executor's (the
+    driver's own cuLaunchHostFunc entry point).
     Each case runs tests/graph_host_probe.py in a child process with a timeout, so a crash on
     a driver thread (a captured host node calling freed memory was one: cuda-bindings'
     cuLaunchHostFunc wrapper) or a hang fails this test instead of killing the session; the

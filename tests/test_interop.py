@@ -783,14 +783,15 @@ def test_host_view_refuses_device_memory_and_strangers():
     assert "is not host memory orchestra can read" in _error(info, InteropTypeError, TypeError)
 
 
-def test_host_view_result_passes_the_binding_checks(monkeypatch):
+def test_host_view_result_passes_the_binding_checks():
     from orchestra.execute import bindings
 
     base = np.arange(64, dtype=np.float32)
     a = host_view(HostTensor(base))
-    checker = bindings.PinnedCheck()
-    monkeypatch.setattr(bindings, "is_pinned", lambda arr: True)  # pinned, as torch would
+    asked = []
+    checker = bindings.PinnedCheck(lambda arr: asked.append(arr) or True)  # pinned, as torch's
     assert bindings.check_host_array("x", a, 256, "writer", checker) is a
+    assert len(asked) == 1 and asked[0] is a
 
 
 # -- streams ------------------------------------------------------------------------------------

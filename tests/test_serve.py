@@ -788,12 +788,10 @@ def test_eager_backend_over_the_fake_driver(monkeypatch, memory):
     from tests.fake_cuda import FakeCuda, FakeKernel
 
     from orchestra.execute import KernelResolver
-    from orchestra.execute import bindings as bindings_mod
     from orchestra.serve import cuda_backend as cb
     from orchestra.serve import demo
 
     fake = FakeCuda(monkeypatch)
-    monkeypatch.setattr(bindings_mod, "is_pinned", lambda a: True)
     monkeypatch.setattr(cb, "is_pinned", lambda a: True)
     monkeypatch.setattr(cb, "PinnedBuffer", _FakePinned)
     monkeypatch.setattr(cb, "Event", _FakeEvent)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from cuda.bindings import driver as _d
 
+from orchestra.driver.api import default_api
 from orchestra.driver.check import cu, error_from_result
-from orchestra.driver.event import Event
 from orchestra.driver.stream import Stream
 from orchestra.errors import CudaError, DriverArgumentValueError, OrchestraError
 
@@ -75,11 +75,13 @@ class UnjoinedStreamError(OrchestraError):
         return (type(self), (self.streams, self.detail))
 
 
-def capture_status(stream) -> tuple[object, tuple]:
+def capture_status(stream, api=None) -> tuple[object, tuple]:
     """``(CUstreamCaptureStatus, dependency nodes)`` of ``stream`` (``cuStreamGetCaptureInfo``;
     the dependencies are meaningful only while ACTIVE). Indexing the result as (status at 1,
-    dependencies at 4) fits both the CUDA 12 and the CUDA 13 form of the call."""
-    out = _d.cuStreamGetCaptureInfo(stream.handle if hasattr(stream, "handle") else stream)
+    dependencies at 4) fits both the CUDA 12 and the CUDA 13 form of the call. ``api``: the
+    `DriverAPI` to ask (default: the process's)."""
+    api = api if api is not None else default_api()
+    out = api.cuStreamGetCaptureInfo(stream.handle if hasattr(stream, "handle") else stream)
     if out[0]:
         raise error_from_result("cuStreamGetCaptureInfo", out[0])
     status = out[1]
@@ -87,10 +89,11 @@ def capture_status(stream) -> tuple[object, tuple]:
     return status, deps
 
 
-def is_capturing(stream) -> bool:
+def is_capturing(stream, api=None) -> bool:
     """True unless ``cuStreamIsCapturing`` reports NONE (ACTIVE or INVALIDATED)."""
+    api = api if api is not None else default_api()
     h = stream.handle if hasattr(stream, "handle") else stream
-    return cu(_d.cuStreamIsCapturing, h) != _NONE
+    return cu(api.cuStreamIsCapturing, h) != _NONE
 
 
 def _key(deps) -> tuple[int, ...]:
@@ -112,14 +115,16 @@ class CaptureSession:
     the capture, destroys the graph and raises `UnjoinedStreamError` naming it. An exception
     inside the block ends the capture (`abort`) and propagates. ``events``: two sync-only
     events to use for fork and join (created here when not given: before the capture, since
-    creating objects during a capture is best avoided).
+    creating objects during a capture is best avoided). ``api``: the `DriverAPI` every call
+    goes through (default: the process's). One session per capture; not thread-safe.
     """
 
-    def __init__(self, origin: Stream, mode="thread-local", *, events=None):
+    def __init__(self, origin: Stream, mode="thread-local", *, events=None, api=None):
         self.origin = origin
         self.mode = capture_mode(mode)
+        self.api = api = api if api is not None else default_api()
         if events is None:
-            events = (Event(origin.device), Event(origin.device))
+            events = (api.event(origin.device), api.event(origin.device))
             self._own_events = True
         else:
             self._own_events = False
@@ -132,9 +137,9 @@ class CaptureSession:
     # -- the sequence -------------------------------------------------------------------------
 
     def begin(self) -> "CaptureSession":
-        if is_capturing(self.origin):
+        if is_capturing(self.origin, self.api):
             raise OrchestraError("CaptureSession.begin: the origin stream is already capturing")
-        cu(_d.cuStreamBeginCapture, self.origin.handle, self.mode)
+        cu(self.api.cuStreamBeginCapture, self.origin.handle, self.mode)
         self._active = True
         return self
 
@@ -143,34 +148,34 @@ class CaptureSession:
 
     def fork(self, *streams: Stream, names=None) -> None:
         """Bring ``streams`` into the capture: one event recorded on the origin, each waits."""
-        cu(_d.cuEventRecord, self.fork_event.handle, self.origin.handle)
+        cu(self.api.cuEventRecord, self.fork_event.handle, self.origin.handle)
         for i, s in enumerate(streams):
-            cu(_d.cuStreamWaitEvent, s.handle, self.fork_event.handle, 0)
+            cu(self.api.cuStreamWaitEvent, s.handle, self.fork_event.handle, 0)
             self.streams[id(s)] = (self._name(s, names[i] if names else None), s)
-            self._mark[id(s)] = _key(capture_status(s)[1])
+            self._mark[id(s)] = _key(capture_status(s, self.api)[1])
 
     def join(self, *streams: Stream, names=None) -> None:
         """Join ``streams`` back: each records an event the origin waits for."""
         for i, s in enumerate(streams):
-            cu(_d.cuEventRecord, self.join_event.handle, s.handle)
-            cu(_d.cuStreamWaitEvent, self.origin.handle, self.join_event.handle, 0)
+            cu(self.api.cuEventRecord, self.join_event.handle, s.handle)
+            cu(self.api.cuStreamWaitEvent, self.origin.handle, self.join_event.handle, 0)
             if id(s) not in self.streams:
                 self.streams[id(s)] = (self._name(s, names[i] if names else None), s)
-            self._mark[id(s)] = _key(capture_status(s)[1])
+            self._mark[id(s)] = _key(capture_status(s, self.api)[1])
 
     def unjoined(self) -> list[tuple[str, Stream]]:
         """Streams with work added since their fork or last join (or no longer capturing
         normally), by the capture status the driver reports now."""
         out = []
         for sid, (name, s) in self.streams.items():
-            status, deps = capture_status(s)
+            status, deps = capture_status(s, self.api)
             if status == _ACTIVE and _key(deps) != self._mark.get(sid):
                 out.append((name, s))
         return out
 
     def end(self):
         """Check the joins, then ``cuStreamEndCapture``; returns the ``CUgraph``."""
-        status, _ = capture_status(self.origin)
+        status, _ = capture_status(self.origin, self.api)
         if status != _ACTIVE:
             self.abort()
             raise error_from_result("cuStreamEndCapture", int(
@@ -184,7 +189,7 @@ class CaptureSession:
             raise UnjoinedStreamError(names, "the session joined them and ended the capture; "
                                       "the graph was discarded")
         self._active = False
-        self.graph = cu(_d.cuStreamEndCapture, self.origin.handle)
+        self.graph = cu(self.api.cuStreamEndCapture, self.origin.handle)
         return self.graph
 
     def abort(self) -> list[tuple[str, Stream]]:
@@ -193,16 +198,17 @@ class CaptureSession:
         (normally none)."""
         if self._active:
             self._active = False
+            api = self.api
             for name, s in self.streams.values():
-                _d.cuEventRecord(self.join_event.handle, s.handle)
-                _d.cuStreamWaitEvent(self.origin.handle, self.join_event.handle, 0)
-            err, graph = _d.cuStreamEndCapture(self.origin.handle)
+                api.cuEventRecord(self.join_event.handle, s.handle)
+                api.cuStreamWaitEvent(self.origin.handle, self.join_event.handle, 0)
+            err, graph = api.cuStreamEndCapture(self.origin.handle)
             if graph is not None and int(graph):
-                _d.cuGraphDestroy(graph)
+                api.cuGraphDestroy(graph)
         left = []
         for name, s in [("origin", self.origin)] + list(self.streams.values()):
             try:
-                if is_capturing(s):
+                if is_capturing(s, self.api):
                     left.append((name, s))
             except CudaError:
                 left.append((name, s))

@@ -69,29 +69,22 @@ def driver_launch_host_func_source() -> str:
 
 def launch_host_func(driver, stream, fn_address: int, token: int) -> int:
     """Enqueue ``fn_address(token)`` on ``stream`` (a ``CUstream`` or its int) with the
-    driver's ``cuLaunchHostFunc``; returns the ``CUresult`` as an int. Safe inside a stream
+    driver's ``cuLaunchHostFunc``, found through ``driver`` (the bindings module,
+    `driver_launch_host_func`); returns the ``CUresult`` as an int. Safe inside a stream
     capture: the host node gets exactly ``fn_address`` and ``token`` (see the module doc).
+    Raises `OrchestraError` when the entry point cannot be found (cuda-bindings'
+    ``cuLaunchHostFunc`` is not used as a fallback: in a capture it would crash the second
+    launch)."""
+    fn = driver_launch_host_func(driver)
+    if fn is None:
+        from orchestra.errors import OrchestraError
 
-    ``driver`` is the module the caller uses (``cuda.bindings.driver``); a stand-in driver
-    (tests) without ``cuGetProcAddress`` gets its own ``cuLaunchHostFunc(stream, CUhostFn,
-    token)`` called instead. Raises `OrchestraError` when the real driver's entry point cannot
-    be found (cuda-bindings' ``cuLaunchHostFunc`` is not used as a fallback: in a capture it
-    would crash the second launch)."""
-    from cuda.bindings import driver as real
-
-    if driver is real or hasattr(driver, "cuGetProcAddress"):
-        fn = driver_launch_host_func(driver)
-        if fn is None:
-            from orchestra.errors import OrchestraError
-
-            raise OrchestraError(
-                "cannot enqueue a host function for capture: the driver's cuLaunchHostFunc "
-                "entry point was found neither by cuGetProcAddress nor in libcuda.so.1 "
-                "(cuda-bindings' own cuLaunchHostFunc frees its callback record after the "
-                "first call, so a captured host node would crash the second launch)")
-        return int(fn(int(stream), int(fn_address), int(token)))
-    (err,) = driver.cuLaunchHostFunc(stream, driver.CUhostFn(int(fn_address)), int(token))
-    return int(err)
+        raise OrchestraError(
+            "cannot enqueue a host function: the driver's cuLaunchHostFunc entry point was "
+            "found neither by cuGetProcAddress nor in libcuda.so.1 (cuda-bindings' own "
+            "cuLaunchHostFunc frees its callback record after the first call, so a captured "
+            "host node would crash the second launch)")
+    return int(fn(int(stream), int(fn_address), int(token)))
 
 
 # -- cuGraphExecUpdate with its result info ------------------------------------------------

@@ -4,22 +4,26 @@
 - CUDA Graphs (the `cuda_graph` sub-package): `CaptureExecutor`, `GraphBuildExecutor`, both
   giving a `GraphExec` (launch, replay with new inputs and scalars, update); `GraphCache`;
   `GraphRunner` (the eager interface over a graph executor).
-- Shared resolution every executor uses before enqueueing anything: checks and issue order
-  (`prepare`), host bindings and pinned checks (`bindings`), kernels (`kernels`) and packed
-  arguments (`kernel_args`), host-function trampolines (`hostfunc`), pinned staging (`staging`),
-  pooled streams and sync-only events, the plan cache of ``plan_for`` (`resources`).
+- The lowering table (`lowering`): per node kind, how it is enqueued on a stream (eager and
+  capture share it), added to a CUDA graph, and which parameter record a replay rewrites.
+- What every executor shares (`base.ExecutorBase`): the driver API it calls through, device
+  checks, the pre-run checks (`prepare`), kernel resolution (`kernels`, `kernel_args`), the
+  binding table and pinned checks (`bindings`), host-function trampolines (`hostfunc`),
+  pooled streams and sync-only events and the plan cache (`resources`), closing; pinned
+  staging for callers (`staging`); `RunResult` (`result`); `IdentityLRU` (`lru`).
 
 ``make_executor(name)`` builds an executor by the name ``orchestra run --executor`` takes.
 """
 
 from orchestra.execute.bindings import (
     BindingSpec,
+    BindingTable,
     DeviceBinding,
     HostBinding,
     PinnedCheck,
     ResolvedBindings,
 )
-from orchestra.execute.eager import EagerExecutor, RunResult
+from orchestra.execute.eager import EagerExecutor
 from orchestra.execute.errors import (
     BindingError,
     BucketOverflowError,
@@ -34,7 +38,9 @@ from orchestra.execute.errors import (
 from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import KernelArgs, PointerArg, resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.lowering import Lowering, NoLoweringError, lowering_for
 from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.execute.result import RunResult
 from orchestra.execute.staging import StagingPool
 
 from orchestra.driver.capture import CaptureSession  # noqa: E402  (documented here too)
@@ -54,16 +60,15 @@ EXECUTORS = ("eager", "capture", "graph")
 AVAILABLE_EXECUTORS = ("eager", "capture", "graph")
 
 
-def make_executor(name: str = "eager", device=None, *, verify: bool = True):
+def make_executor(name: str = "eager", device=None, *, verify: bool = True, driver=None):
     """The executor called ``name`` on ``device``: "eager" (`EagerExecutor`), "capture" or
     "graph" (a `GraphRunner` over `CaptureExecutor` / `GraphBuildExecutor`: the same
-    prepare / run / kernels / close interface). Unknown names raise `ExecutorUnavailable`."""
+    prepare / run / kernels / close interface). ``driver``: the `DriverAPI` (default: the
+    process's). Unknown names raise `ExecutorUnavailable`."""
     if name == "eager":
-        return EagerExecutor(device, verify=verify)
+        return EagerExecutor(device, verify=verify, driver=driver)
     if name in ("capture", "graph"):
-        from orchestra.execute.cuda_graph.runner import GraphRunner
-
-        return GraphRunner(name, device, verify=verify)
+        return GraphRunner(name, device, verify=verify, driver=driver)
     if name in EXECUTORS:
         raise ExecutorUnavailable(f"the {name!r} executor is not available yet; use "
                                   f"{', '.join(AVAILABLE_EXECUTORS)}")
@@ -73,11 +78,11 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True):
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BucketOverflowError",
-    "ExecutorArgumentError", "ExecutorArgumentTypeError", "ExecutorArgumentValueError",
-    "DeviceBinding", "EXECUTORS",
-    "EagerExecutor", "ExecutorUnavailable", "HostBinding", "HostCallbacks",
-    "HostFunctionError", "KernelArgs", "KernelResolver", "PageableMemoryError", "PinnedCheck",
-    "PlanMismatchError", "PointerArg", "ResolvedBindings", "RunResult", "StagingPool",
-    "assign_event_slots", "check_run", "make_executor", "resolve_kernel_node",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
+    "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
+    "HostBinding", "HostCallbacks", "HostFunctionError", "KernelArgs", "KernelResolver",
+    "Lowering", "NoLoweringError", "PageableMemoryError", "PinnedCheck", "PlanMismatchError",
+    "PointerArg", "ResolvedBindings", "RunResult", "StagingPool", "assign_event_slots",
+    "check_run", "lowering_for", "make_executor", "resolve_kernel_node",
 ]

@@ -1,7 +1,8 @@
 """Run-time bindings: which host array (and which external device buffer) each graph buffer is.
 
 A `HostBuffer` of a graph is a named slot; every run binds it to a numpy array with
-``bindings={"name": array}``. All executors resolve bindings here, before anything is enqueued:
+``bindings={"name": array}``. Every executor and every graph exec keeps one `BindingTable`
+per graph and checks bindings through it, before anything is enqueued:
 
 - every host buffer of the graph must be bound, and every name in ``bindings`` must be one of
   the graph's buffers (one `BindingError` lists all missing and unknown names);
@@ -14,6 +15,16 @@ A `HostBuffer` of a graph is a named slot; every run binds it to a numpy array w
 - a device `Buffer` that no `Alloc` node creates is *external*: bind it to a `DeviceBuffer`
   (anything with ``.ptr`` and ``.nbytes``) of at least ``Buffer.nbytes`` bytes.
 
+The table is the fast path of eager runs and graph replays alike: a buffer bound to the very
+object it was bound to before costs an identity test while orchestra's pinned ranges are
+unchanged (`orchestra.driver.PinnedRanges.version`); an array checked before (a pool of staging
+arrays bound in turn) is remembered by weak reference and skips the layout, size and pinned
+checks; only writability is checked every time. Each `Binding` lists its *users*: where its
+address is written (an eager run's address slot; a graph node's parameter record, field and
+byte offset, with a ctypes cell over the field when its offset in the struct is known), so a
+rebinding rewrites exactly those fields. Each also holds what keeps the bound memory alive
+(``keep``) while it is bound.
+
 Pinned checks are cached (`PinnedCheck`): memory from `PinnedBuffer` / `register_host` is found in
 the driver layer's registry of pinned ranges without a driver call; other memory (pinned by
 another library) is asked of the driver once and remembered while the array's memory owner lives.
@@ -22,21 +33,22 @@ another library) is asked of the driver once and remembered while the array's me
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import Any, Callable, Mapping
 
 import attrs
 import numpy as np
 
 from orchestra.driver import host as _host
+from orchestra.driver.owner import Lease
 from orchestra.errors import NotFoundError
 from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
-from orchestra.graph import Alloc, Buffer, Free, HostBuffer, TaskGraph
-
+from orchestra.execute.lru import IdentityLRU
+from orchestra.graph import Alloc, Buffer, Free, TaskGraph
 
 # any object with the writable buffer protocol (a TypeError otherwise, caught by the caller)
 _from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
+_RANGES = _host.pinned_ranges()  # the process-wide registry of orchestra's pinned ranges
 
 
 def host_address(a: np.ndarray) -> int:
@@ -46,11 +58,6 @@ def host_address(a: np.ndarray) -> int:
         return _addressof(_from_buffer(a))
     except (TypeError, ValueError, BufferError):
         return a.ctypes.data
-
-
-def is_pinned(array: np.ndarray) -> bool:
-    """The driver's answer (``cuPointerGetAttribute``); a module-level seam tests replace."""
-    return _host.is_pinned(array)
 
 
 def _memory_owner(a):
@@ -66,37 +73,42 @@ class PinnedCheck:
     1. orchestra's own pinned memory (`orchestra.driver.pinned_ranges`): a bisect, no driver call;
     2. an earlier positive driver answer for the same address range and the same memory owner
        (kept by weak reference, so a freed array's address reused later is asked again);
-    3. the driver (`is_pinned`: two ``cuPointerGetAttribute`` queries); positive answers are
-       remembered. Negative answers are not (the user may pin the array next).
+    3. the driver: ``query(array)`` (default: the process driver API's ``is_pinned``, two
+       ``cuPointerGetAttribute`` queries); positive answers are remembered (the most recent
+       `MAX_REMEMBERED`). Negative answers are not (the user may pin the array next).
 
     ``driver_queries`` counts step 3 (tests and benchmarks read it).
     """
 
     MAX_REMEMBERED = 1024
 
-    def __init__(self):
-        self._known: dict[tuple[int, int], Any] = {}
+    def __init__(self, query: Callable[[np.ndarray], bool] | None = None):
+        if query is None:
+            from orchestra.driver.api import default_api
+
+            query = default_api().is_pinned
+        self._query = query
+        self._known = IdentityLRU(self.MAX_REMEMBERED, weak=True)  # (owner,), (lo, hi)
         self.driver_queries = 0
 
     def __call__(self, array: np.ndarray) -> bool:
         lo = host_address(array)
         hi = lo + array.nbytes
-        if _host.pinned_ranges().covers(lo, hi):
+        if _RANGES.covers(lo, hi):
             return True
         owner = _memory_owner(array)
-        ref = self._known.get((lo, hi))
-        if ref is not None and ref() is owner:
-            return True
+        try:
+            if self._known.get((owner,), (lo, hi)) is not None:
+                return True
+        except TypeError:  # an owner without weak references: never remembered
+            pass
         self.driver_queries += 1
-        if not is_pinned(array):
+        if not self._query(array):
             return False
         try:
-            ref = weakref.ref(owner)
-        except TypeError:  # an owner without weak references: never cached
-            return True
-        if len(self._known) >= self.MAX_REMEMBERED:
-            self._known.clear()
-        self._known[(lo, hi)] = ref
+            self._known.put((owner,), (lo, hi), True)
+        except TypeError:
+            pass
         return True
 
 
@@ -132,6 +144,9 @@ class ResolvedBindings:
         if b is None:
             raise NotFoundError(f"no binding named {name!r}")
         return b.address
+
+
+# -- the checks ------------------------------------------------------------------------------
 
 
 def _describe(a: np.ndarray) -> str:
@@ -188,15 +203,147 @@ def check_host_array(name: str, value, nbytes: int, writer: str | None,
     return a
 
 
-class BindingSpec:
-    """What a graph needs bound: its host buffers (and which of them it writes) and its external
-    device buffers. Computed once per graph; `resolve` checks one run's ``bindings``."""
+def check_device_buffer(name: str, value, buf: Buffer) -> int:
+    """The address of ``value``, an external device buffer for graph buffer ``buf``: anything
+    with int ``.ptr`` and ``.nbytes`` (a `DeviceBuffer`), at least ``buf.nbytes`` bytes, on
+    ``buf``'s device when it says. `BindingError` otherwise."""
+    ptr, nbytes = getattr(value, "ptr", None), getattr(value, "nbytes", None)
+    if not isinstance(ptr, int) or not isinstance(nbytes, int):
+        raise BindingError(
+            f"binding {name}: external device buffer {name} needs a DeviceBuffer (anything "
+            f"with int .ptr and .nbytes); got {type(value).__name__}")
+    if nbytes < buf.nbytes:
+        raise BindingError(f"binding {name}: the device buffer has {nbytes} bytes but buffer "
+                           f"{name} needs {buf.nbytes}")
+    dev = getattr(value, "device", None)
+    ordinal = getattr(dev, "ordinal", dev)
+    if isinstance(ordinal, int) and ordinal != buf.device:
+        raise BindingError(f"binding {name}: the device buffer is on device {ordinal} but "
+                           f"buffer {name} is on device {buf.device}")
+    return ptr
 
-    def __init__(self, graph: TaskGraph):
-        self.host: dict[str, HostBuffer] = {b.name: b for b in graph.host_buffers}
+
+# -- users: where a bound address is written -------------------------------------------------
+
+
+# Byte offsets of the address fields in the cuda-bindings parameter structs (the C ABI:
+# CUDA_MEMCPY3D has four 8-byte source fields, then the memory type, srcHost at 40,
+# srcDevice at 48, ..., dstHost at 128, dstDevice at 136; CUDA_MEMSET_NODE_PARAMS starts with
+# dst). A rebinding writes the address straight into the struct through a ctypes cell (0.1 µs
+# instead of 0.5 µs for the cuda-bindings property); `field_cell` checks the offset against
+# the property first and returns None (use the property) if it does not match, so a field of
+# another struct that has one of these names is safe.
+FIELD_OFFSETS = {"srcHost": 40, "srcDevice": 48, "dstHost": 128, "dstDevice": 136, "dst": 0}
+_PROBE = 0x0123456789ABCDEF
+
+
+def field_cell(params, field: str):
+    """A ``ctypes.c_uint64`` over ``params.<field>`` inside the cuda-bindings struct, or None."""
+    try:
+        offset = FIELD_OFFSETS[field]
+        cell = ctypes.c_uint64.from_address(int(params.getPtr()) + offset)
+        old = int(getattr(params, field))
+        setattr(params, field, _PROBE)
+        hit = cell.value == _PROBE
+        setattr(params, field, old)
+        return cell if hit and cell.value == old else None
+    except Exception:  # noqa: BLE001 - the property path always works
+        return None
+
+
+class BindingUser:
+    """One place a binding's address is written: ``record`` (the graph's `NodeRecord`, whose
+    ``kind`` says which ``cuGraphExec*NodeSetParams`` applies it, and ``gnode`` the node),
+    ``params`` (the struct the field lives in: the record's parameter struct, or a kernel's
+    packed argument struct), ``field`` and ``offset`` (bytes into the buffer: the field holds
+    address + offset). ``cell``: a ctypes cell over the field (None: set the attribute)."""
+
+    __slots__ = ("record", "params", "field", "offset", "cell", "gnode")
+
+    def __init__(self, record, params, field: str, offset: int):
+        self.record = record
+        self.params = params
+        self.field = field
+        self.offset = int(offset)
+        self.cell = field_cell(params, field)
+        self.gnode = None  # the record's CUgraphNode, copied by the exec that applies it
+
+    def set(self, address: int) -> None:
+        if self.cell is not None:
+            self.cell.value = address + self.offset
+        else:
+            setattr(self.params, self.field, address + self.offset)
+
+    def __repr__(self) -> str:
+        where = getattr(self.record, "name", "?")
+        return f"<BindingUser {where}.{self.field} +{self.offset}>"
+
+
+class SlotUser:
+    """An address slot of an eager run's address table: ``slots[index]`` holds the address."""
+
+    __slots__ = ("slots", "index")
+    record = None
+
+    def __init__(self, slots: list, index: int):
+        self.slots = slots
+        self.index = index
+
+    def set(self, address: int) -> None:
+        self.slots[self.index] = address
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+class Binding:
+    """One bindable buffer of a graph and what is bound to it now.
+
+    ``name``; ``kind`` (``"host"`` or ``"device"``: an external device buffer); ``buffer``
+    (the graph's `HostBuffer` / `Buffer`); ``nbytes``; ``writer`` (the node that writes a host
+    buffer, else None); ``value`` (the object given in ``bindings``, None before the first
+    bind), ``array`` (the numpy array behind a host value), ``address``; ``keep`` (what keeps
+    the bound memory alive while it is bound: the value itself); ``version`` (of the pinned
+    ranges when the value was checked); ``users`` (`BindingUser` / `SlotUser` list).
+    """
+
+    __slots__ = ("name", "kind", "buffer", "nbytes", "writer", "value", "array", "address",
+                 "keep", "version", "users")
+
+    def __init__(self, name: str, kind: str, buffer, writer: str | None = None):
+        self.name = name
+        self.kind = kind
+        self.buffer = buffer
+        self.nbytes = buffer.nbytes
+        self.writer = writer
+        self.value: Any = None
+        self.array: Any = None  # np.ndarray once a host value is bound
+        self.address = 0
+        self.keep: Any = None
+        self.version = -1
+        self.users: list = []
+
+    def __repr__(self) -> str:
+        state = "unbound" if self.value is None else f"{self.address:#x}"
+        return f"<Binding {self.kind} {self.name}: {state}, {len(self.users)} users>"
+
+
+class BindingTable:
+    """What a graph needs bound, and what is bound: one `Binding` per host buffer (`host`) and
+    per external device buffer (`external`), computed once per graph.
+
+    `resolve` checks a whole ``bindings`` mapping (a run, a build); `check` one value (a
+    replay); `commit` records a checked value. ``pinned``: the `PinnedCheck` to use (default:
+    a new one). Not thread-safe: its owner (an executor, a graph exec) holds its own lock.
+
+    Also importable as ``BindingSpec`` (its earlier name).
+    """
+
+    CHECKED_MAX = 64  # remembered checked arrays (a pool of staging arrays bound in turn)
+
+    def __init__(self, graph: TaskGraph, pinned: PinnedCheck | None = None):
+        self.pinned = pinned if pinned is not None else PinnedCheck()
         allocated = {n.buffer.name for n in graph.nodes if isinstance(n, (Alloc, Free))}
-        self.external: dict[str, Buffer] = {b.name: b for b in graph.buffers
-                                            if b.name not in allocated}
         self.allocated = frozenset(allocated)
         written: dict[str, str] = {}
         for node in graph.nodes:
@@ -206,10 +353,117 @@ class BindingSpec:
                 if acc.buffer.is_host and acc.mode.writes:
                     written.setdefault(acc.buffer.name, node.name)
         self.written = written
+        self.host: dict[str, Binding] = {
+            b.name: Binding(b.name, "host", b, written.get(b.name)) for b in graph.host_buffers}
+        self.external: dict[str, Binding] = {
+            b.name: Binding(b.name, "device", b) for b in graph.buffers
+            if b.name not in allocated}
+        self._checked = IdentityLRU(self.CHECKED_MAX, weak=True)  # (value,), (name,)
 
-    def resolve(self, bindings: Mapping[str, Any] | None,
-                pinned: PinnedCheck | None = None) -> ResolvedBindings:
-        """Check ``bindings`` (name -> array / DeviceBuffer) and return the addresses.
+    # -- lookups ------------------------------------------------------------------------------
+
+    def get(self, name: str) -> Binding | None:
+        return self.host.get(name) or self.external.get(name)
+
+    def values(self) -> dict:
+        """buffer name -> the bound object, external device buffers first."""
+        return {**{n: b.value for n, b in self.external.items()},
+                **{n: b.value for n, b in self.host.items()}}
+
+    def use(self, name: str, user) -> None:
+        """Register ``user`` as a place binding ``name``'s address is written; names that are
+        not bindings (buffers the graph allocates) are ignored."""
+        b = self.host.get(name) or self.external.get(name)
+        if b is not None:
+            b.users.append(user)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check(self, b: Binding, value, version: int) -> tuple:
+        """Every check of ``value`` for binding ``b`` (``version``: the pinned ranges' version
+        read before): ``(array or None, address)``. The fast paths: the very object bound now,
+        or an array checked before, while the pinned ranges are unchanged (writability is
+        checked every time). Raises `BindingError` / `PageableMemoryError`."""
+        if b.kind == "device":
+            if value is b.value and b.version >= 0:  # bound before (and not released since)
+                return None, b.address
+            return None, check_device_buffer(b.name, value, b.buffer)
+        if value is b.value and version == b.version:
+            check_writable(b.name, b.array, b.writer)
+            return b.array, b.address
+        try:
+            hit = self._checked.get((value,), (b.name,))
+        except TypeError:  # no weak references: checked every time
+            hit = None
+        if hit is not None and hit[1] == version:
+            a = value if type(value) is np.ndarray else as_host_array(b.name, value)
+            check_writable(b.name, a, b.writer)
+            return a, hit[0]
+        a = check_host_array(b.name, value, b.nbytes, b.writer, self.pinned)
+        address = host_address(a)
+        try:
+            self._checked.put((value,), (b.name,), (address, version))
+        except TypeError:
+            pass
+        return a, address
+
+    def commit(self, b: Binding, value, array, address: int, version: int):
+        """Record ``value`` (checked with `check`) as bound to ``b``; returns what kept the
+        previous value alive (to `release_keep` once the work queued with it is done)."""
+        old = b.keep
+        b.value = value
+        b.array = array
+        b.address = address
+        b.version = version
+        b.keep = self.keep_alive(b, value, array)
+        return old
+
+    def keep_alive(self, b: Binding, value, array):
+        """What keeps ``value``'s memory alive while it is bound to ``b``: the value itself
+        (the one place a reference-counted lease on the memory behind it would be taken)."""
+        return value
+
+    def release(self) -> None:
+        """Unbind everything: release what kept the bound memory alive (only once no queued
+        work uses it); the table binds again from scratch."""
+        for b in (*self.host.values(), *self.external.values()):
+            keep, b.keep, b.value, b.array, b.version = b.keep, None, None, None, -1
+            release_keep(keep)
+
+    def unknown(self, bindings: Mapping) -> None:
+        """`BindingError` listing every buffer ``bindings`` leaves unbound and every name that
+        is not a binding of the graph (what an all-buffers bind needs)."""
+        missing = [n for n in self.host if n not in bindings]
+        missing += [n for n in self.external if n not in bindings]
+        unknown = [n for n in bindings if n not in self.host and n not in self.external]
+        if not missing and not unknown:
+            return
+        parts = []
+        if missing:
+            parts.append("unbound: " + ", ".join(
+                f"{n} ({self._kind(n)}, {(self.host.get(n) or self.external[n]).nbytes} bytes)"
+                for n in missing))
+        if unknown:
+            allocated = [n for n in unknown if n in self.allocated]
+            other = [n for n in unknown if n not in self.allocated]
+            if other:
+                known = sorted(self.host) + sorted(self.external)
+                parts.append("not buffers of the graph: " + ", ".join(map(repr, other))
+                             + f" (it binds: {', '.join(known) if known else 'nothing'})")
+            if allocated:
+                parts.append("allocated by the graph's own Alloc nodes, so they cannot be "
+                             "bound: " + ", ".join(map(repr, allocated)))
+        raise BindingError("bindings do not match the graph; " + "; ".join(parts))
+
+    def _kind(self, name):
+        return "host buffer" if name in self.host else "external device buffer"
+
+    # -- whole runs ---------------------------------------------------------------------------
+
+    def bind(self, bindings: Mapping[str, Any] | None) -> list:
+        """Check ``bindings`` (name -> array / DeviceBuffer: every buffer of the graph, nothing
+        else), all before changing anything, then commit them and write the addresses of the
+        changed ones to their users. Returns what kept the replaced values alive.
 
         Raises `BindingError` (a ``ValueError``) or `PageableMemoryError` (a ``TypeError``);
         both say what to change.
@@ -218,56 +472,67 @@ class BindingSpec:
         if not isinstance(bindings, Mapping):
             raise BindingError(f"bindings must be a mapping of buffer name -> array; got "
                                f"{type(bindings).__name__}")
-        pinned = pinned if pinned is not None else PinnedCheck()
-        missing = [n for n in self.host if n not in bindings]
-        missing += [n for n in self.external if n not in bindings]
-        unknown = [n for n in bindings if n not in self.host and n not in self.external]
-        if missing or unknown:
-            parts = []
-            if missing:
-                parts.append("unbound: " + ", ".join(
-                    f"{n} ({self._kind(n)}, {self._size(n)} bytes)" for n in missing))
-            if unknown:
-                allocated = [n for n in unknown if n in self.allocated]
-                other = [n for n in unknown if n not in self.allocated]
-                if other:
-                    known = sorted(self.host) + sorted(self.external)
-                    parts.append("not buffers of the graph: " + ", ".join(map(repr, other))
-                                 + f" (it binds: {', '.join(known) if known else 'nothing'})")
-                if allocated:
-                    parts.append("allocated by the graph's own Alloc nodes, so they cannot be "
-                                 "bound: " + ", ".join(map(repr, allocated)))
-            raise BindingError("bindings do not match the graph; " + "; ".join(parts))
-        host = {}
-        for name, buf in self.host.items():
-            host[name] = self._host(name, buf, bindings[name], pinned)
-        device = {}
-        for name, dbuf in self.external.items():
-            device[name] = self._device(name, dbuf, bindings[name])
-        return ResolvedBindings(host, device)
+        host, external = self.host, self.external
+        if len(bindings) != len(host) + len(external):
+            self.unknown(bindings)
+        version = _RANGES.version
+        checked: list[tuple[Any, ...]] = []
+        try:
+            for name, b in host.items():
+                value = bindings[name]
+                if value is b.value and version == b.version:
+                    if b.writer is not None and not b.array.flags.writeable:
+                        check_writable(name, b.array, b.writer)  # raises
+                    continue
+                checked.append((b, value) + self.check(b, value, version))
+            for name, b in external.items():
+                value = bindings[name]
+                if value is not b.value or b.version < 0:
+                    checked.append((b, value) + self.check(b, value, version))
+        except KeyError:
+            self.unknown(bindings)
+            raise
+        except Exception:
+            self.unknown(bindings)  # a missing or unknown name is reported before a bad value
+            raise
+        released = []
+        for b, value, array, address in checked:
+            released.append(self.commit(b, value, array, address, version))
+            for u in b.users:
+                u.set(address)
+        return released
 
-    def _kind(self, name):
-        return "host buffer" if name in self.host else "external device buffer"
+    def resolve(self, bindings: Mapping[str, Any] | None,
+                pinned: PinnedCheck | None = None) -> ResolvedBindings:
+        """`bind` ``bindings`` and return the addresses as `ResolvedBindings` (``pinned``
+        replaces the table's `PinnedCheck`)."""
+        if pinned is not None:
+            self.pinned = pinned
+        self.bind(bindings)
+        return ResolvedBindings(
+            {n: HostBinding(n, b.array, b.address, b.nbytes) for n, b in self.host.items()},
+            {n: DeviceBinding(n, b.value, b.address, b.value.nbytes)
+             for n, b in self.external.items()})
 
-    def _size(self, name):
-        return (self.host.get(name) or self.external[name]).nbytes
 
-    def _host(self, name: str, buf: HostBuffer, value, pinned: PinnedCheck) -> HostBinding:
-        a = check_host_array(name, value, buf.nbytes, self.written.get(name), pinned)
-        return HostBinding(name, a, host_address(a), a.nbytes)
+BindingSpec = BindingTable  # its earlier name
 
-    def _device(self, name: str, buf: Buffer, value) -> DeviceBinding:
-        ptr, nbytes = getattr(value, "ptr", None), getattr(value, "nbytes", None)
-        if not isinstance(ptr, int) or not isinstance(nbytes, int):
-            raise BindingError(
-                f"binding {name}: external device buffer {name} needs a DeviceBuffer (anything "
-                f"with int .ptr and .nbytes); got {type(value).__name__}")
-        if nbytes < buf.nbytes:
-            raise BindingError(f"binding {name}: the device buffer has {nbytes} bytes but buffer "
-                               f"{name} needs {buf.nbytes}")
-        dev = getattr(value, "device", None)
-        ordinal = getattr(dev, "ordinal", dev)
-        if isinstance(ordinal, int) and ordinal != buf.device:
-            raise BindingError(f"binding {name}: the device buffer is on device {ordinal} but "
-                               f"buffer {name} is on device {buf.device}")
-        return DeviceBinding(name, value, ptr, nbytes)
+
+def release_keep(keep) -> None:
+    """End what `BindingTable.keep_alive` (or `commit`) handed out: a `BindingTable`'s keeps,
+    a lease (``release()``), each item of a list or tuple; a plain object needs nothing."""
+    if keep is None:
+        return
+    if isinstance(keep, BindingTable):
+        keep.release()
+    elif isinstance(keep, (list, tuple)):
+        for k in keep:
+            release_keep(k)
+    elif isinstance(keep, Lease):
+        keep.release()
+
+
+__all__ = ["Binding", "BindingSpec", "BindingTable", "BindingUser", "DeviceBinding",
+           "FIELD_OFFSETS", "HostBinding", "PinnedCheck", "ResolvedBindings", "SlotUser",
+           "as_host_array", "check_device_buffer", "check_host_array", "check_writable",
+           "field_cell", "host_address", "release_keep"]

@@ -3,9 +3,12 @@
     with EagerExecutor() as ex:
         result = ex.run(graph, bindings={"host_in": pinned_in, "host_out": pinned_out})
 
-For each (graph, plan) the executor *prepares* once (cached by identity): checks (`prepare`),
-kernel resolution and argument packing (`kernels`, `kernel_args`), streams and events from its
-pools, and one small closure per step that makes exactly one driver call:
+For each (graph, plan) the executor *prepares* once (cached by identity): the checks every
+executor makes (`ExecutorBase._checked`: plan structure, issue order, hazards, allocation
+order, devices, kernels resolved and arguments packed), streams and events from its pools, a
+`BindingTable`, and the plan lowered onto streams (`lowering.stream.lower_plan`): one small
+closure per step, made by the node's entry in the lowering table, that makes exactly one
+driver call:
 
     Alloc       cuMemAllocFromPoolAsync   (device's default pool, release threshold UINT64_MAX)
     HostToDevice cuMemcpyHtoDAsync        (pinned host memory only, see `bindings`)
@@ -13,10 +16,12 @@ pools, and one small closure per step that makes exactly one driver call:
     DeviceToHost cuMemcpyDtoHAsync
     Free        cuMemFreeAsync
     Memset      cuMemsetD8/D16/D32Async
-    HostFunc    cuLaunchHostFunc          (one C trampoline per executor, see `hostfunc`)
+    HostFunc    cuLaunchHostFunc          (the driver's entry point; one C trampoline per
+                                           executor, see `hostfunc`)
     RecordEvent cuEventRecord / WaitEvent cuStreamWaitEvent (sync-only events)
 
-A run then resolves its bindings, fills the address tables the closures read, and calls the
+A run then binds its arrays through the binding table (checks; the identity and remembered
+fast paths; the changed addresses written to the slots the closures read) and calls the
 closures in ``plan.issue_order()``. Nothing goes to the legacy default stream. Streams (one per
 plan `StreamSpec`, with its priority) and events (``CU_EVENT_DISABLE_TIMING``) are pooled by the
 executor and reused by every run and every plan; `close()` (or ``with``, or the finalizer)
@@ -28,134 +33,66 @@ allocation the run made, and re-raises the `CudaError` naming the node (``err.co
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
-import weakref
 from typing import Any, Mapping
 
 import attrs
-from cuda.bindings import driver as _d
 
-from orchestra.driver import Device, Event, MemoryPool, Stream
-from orchestra.driver.check import error_from_result
-from orchestra.driver.device import as_device, context_alive
-from orchestra.errors import CallOrderError, CudaError, OrchestraError
-from orchestra.execute.bindings import BindingSpec, PinnedCheck
-from orchestra.execute.closable import Closable
+from orchestra.driver import Device
+from orchestra.errors import CallOrderError, CudaError
+from orchestra.execute.base import ExecutorBase
+from orchestra.execute.bindings import BindingTable, release_keep
 from orchestra.execute.errors import ExecutorArgumentTypeError, HostFunctionError
 from orchestra.execute.hostfunc import HostCallbacks
-from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
+from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
+from orchestra.execute.lru import IdentityLRU
 from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.prepare import assign_event_slots, check_run
-from orchestra.execute.resources import MEMSET_ASYNC, PlanCache, StreamPool
-from orchestra.graph import KernelNode, TaskGraph
-from orchestra.schedule import Plan, RecordEvent, RunNode
+from orchestra.execute.resources import PlanCache
+from orchestra.execute.result import RunResult
+from orchestra.graph import TaskGraph
+from orchestra.schedule import Plan
 
 log = logging.getLogger(__name__)
 
-_alloc = _d.cuMemAllocFromPoolAsync
-_free = _d.cuMemFreeAsync
-_htod = _d.cuMemcpyHtoDAsync
-_dtoh = _d.cuMemcpyDtoHAsync
-_launch = _d.cuLaunchKernel
-_record = _d.cuEventRecord
-_wait = _d.cuStreamWaitEvent
-_hostfn = _d.cuLaunchHostFunc
-_memset = MEMSET_ASYNC
-
-
-@attrs.frozen
-class RunResult:
-    """What one run measured.
-
-    Attributes:
-        wall_ms: host clock (``perf_counter``) from the first enqueue to the end of the final
-            synchronize; None for a run with ``sync=False`` until `EagerExecutor.synchronize`.
-        enqueue_us: host time spent enqueueing every step (µs).
-        nodes: graph nodes run. steps: driver calls made (nodes + event records + waits).
-        events: event records; waits: stream waits; streams: streams used.
-        policy: the plan's policy. prepare_ms: time spent preparing this (graph, plan) in this
-            call (checks, kernel resolution, closures); 0.0 when it came from the cache.
-        timeline: what the tracer's ``finish()`` returned (None without a tracer).
-    """
-
-    wall_ms: float | None
-    enqueue_us: float
-    nodes: int
-    steps: int
-    events: int
-    waits: int
-    streams: int
-    policy: str
-    prepare_ms: float = 0.0
-    timeline: Any = None
-
-    @property
-    def host_us_per_node(self) -> float:
-        """Host enqueue time per graph node (µs): the executor's overhead per node."""
-        return self.enqueue_us / self.nodes if self.nodes else 0.0
-
-    def as_dict(self) -> dict:
-        d = attrs.asdict(self, filter=lambda a, v: a.name != "timeline")
-        d["host_us_per_node"] = self.host_us_per_node
-        return d
-
 
 class _Prepared:
-    """One (graph, plan), ready to run: closures, address tables, streams, bookkeeping."""
+    """One (graph, plan), ready to run: the lowered program, its address slots and binding
+    table, the streams it enqueues on, the host-function tokens it registered."""
 
-    def __init__(self, graph, plan):
-        self.graph = graph  # strong references keep the cache key's ids unique
+    __slots__ = ("graph", "plan", "bindings", "addresses", "program", "streams", "tokens",
+                 "resolved", "unfreed", "prepare_ms")
+
+    def __init__(self, graph, plan, bindings: BindingTable, addresses: Addresses, program,
+                 streams: dict, tokens: list, resolved: dict):
+        self.graph = graph
         self.plan = plan
-        self.spec = BindingSpec(graph)
-        self.steps: list = []
-        self.labels: list[str] = []
-        self.trace_nodes: list = []  # per step: (stream name, node) for RunNode steps, else None
-        self.streams: dict[str, Stream] = {}
-        self.ptrs: list[int] = []  # device address per buffer slot
-        self.objs: list = []  # CUdeviceptr per allocation slot (None when not allocated)
-        self.alloc_stream: list = []  # per slot: CUstream handle that allocated it (None: external)
-        self.alloc_slots: list[int] = []
-        self.external: dict[str, int] = {}  # external device buffer name -> slot
-        self.hptrs: list[int] = []
-        self.host_slots: dict[str, int] = {}
-        self.tokens: list[int] = []
-        self.kernel_args: dict[str, Any] = {}
-        self.live_at_end: dict[int, str] = {}  # alloc slots no Free of the plan releases
-        self.unfreed = False
-        self.nodes = 0
-        self.events = 0
-        self.waits = 0
+        self.bindings = bindings
+        self.resolved = resolved  # packed kernel arguments: the steps launch with their memory
+        self.addresses = addresses
+        self.program = program
+        self.streams = streams
+        self.tokens = tokens
+        self.unfreed = bool(addresses.live_at_end)  # verify=False: an Alloc without a Free
         self.prepare_ms = 0.0
+
+    @property
+    def steps(self) -> list:
+        return self.program.steps
 
 
 @attrs.define
 class _Pending:
     prepared: _Prepared
-    keep: Any  # the resolved bindings: host arrays stay alive until the run is synchronized
     tracer: Any
     t0: int
     enqueue_us: float
     prepare_ms: float
 
 
-def _shutdown(pool: StreamPool, callbacks: HostCallbacks, tracers: list) -> None:
-    """Finalizer / close(): wait for pending work (host functions may still call the
-    trampoline), then release the pooled streams, events and the ``trace=True`` tracer's
-    timing events."""
-    if context_alive(pool.device.ordinal):
-        pool.synchronize()
-    for t in tracers:
-        t.close()
-    tracers.clear()
-    pool.release()
-    del callbacks  # the trampoline may go only after the synchronize above
-
-
-class EagerExecutor(Closable):
+class EagerExecutor(ExecutorBase):
     """Runs task graphs by enqueueing their plans onto pooled non-blocking streams.
 
     Args:
@@ -164,45 +101,27 @@ class EagerExecutor(Closable):
             with hazards raises `HazardError` and nothing is enqueued.
         kernel_resolver: a shared `KernelResolver` (default: a new one for ``device``).
         cache_size: how many prepared (graph, plan) pairs to keep.
+        driver: the `DriverAPI` every driver call goes through (default: the process's).
 
     One run at a time per executor (``run`` holds a lock); create one executor per host thread
     for concurrent submission.
     """
 
+    executor_name = "eager"
+
     def __init__(self, device: Device | int | None = None, *, verify: bool = True,
-                 kernel_resolver: KernelResolver | None = None, cache_size: int = 16):
-        self.device = as_device(device)
-        self.verify = bool(verify)
-        self.kernels = (kernel_resolver if kernel_resolver is not None
-                        else KernelResolver(self.device))
+                 kernel_resolver: KernelResolver | None = None, cache_size: int = 16,
+                 driver=None):
+        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver)
         self.cache_size = max(1, int(cache_size))
-        self.device.make_current()
-        self.pool = MemoryPool.default(self.device)  # release threshold set once, at setup
-        self._pinned = PinnedCheck()
         self._callbacks = HostCallbacks()
-        self._hostfn_ptr = _d.CUhostFn(self._callbacks.address)
-        self._pool = StreamPool(self.device, Stream, Event)
-        self._tracers: list = []  # the EagerTracer trace=True uses (created on first use)
-        self._prepared: collections.OrderedDict = collections.OrderedDict()
-        self._plans = PlanCache()
+        self._keep.append(self._callbacks)  # the trampoline goes only after the final sync
+        self._prepared = IdentityLRU(self.cache_size, on_evict=self._evicted)
+        self._plans = PlanCache(self.cache_size)
         self._pending: list[_Pending] = []
-        self._lock = threading.RLock()
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._callbacks,
-                                           self._tracers)
-        self._finalizer.atexit = False
+        self._retired: list = []  # what kept memory alive that pending runs may still use
 
     # -- pools ------------------------------------------------------------------------------
-
-    @property
-    def streams(self) -> tuple[Stream, ...]:
-        """Every stream the executor has created (pooled, reused by every plan)."""
-        return tuple(self._pool.streams)
-
-    @property
-    def event_count(self) -> int:
-        """Sync-only events the executor has created (pooled)."""
-        return len(self._pool.events)
 
     @property
     def tracer(self):
@@ -221,7 +140,7 @@ class EagerExecutor(Closable):
                  costs=None) -> Plan:
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object
         (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
-        return self._plans.get(graph, policy, streams, costs, self.cache_size,
+        return self._plans.get(graph, policy, streams, costs,
                                capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",
@@ -235,121 +154,53 @@ class EagerExecutor(Closable):
             return plan
 
     def _get_prepared(self, graph, plan) -> tuple[_Prepared, float]:
-        key = (id(graph), len(graph), id(plan))
-        prep = self._prepared.get(key)
-        if prep is not None and prep.graph is graph and prep.plan is plan:
-            self._prepared.move_to_end(key)
+        prep = self._prepared.get((graph, plan), (len(graph),))
+        if prep is not None:
             return prep, 0.0
         t0 = time.perf_counter_ns()
         prep = self._build(graph, plan)
         prep.prepare_ms = (time.perf_counter_ns() - t0) / 1e6
-        self._prepared[key] = prep
-        while len(self._prepared) > self.cache_size:
-            _, old = self._prepared.popitem(last=False)
-            if not self._pending:
-                for t in old.tokens:
-                    self._callbacks.remove(t)
+        self._prepared.put((graph, plan), (len(graph),), prep)
         return prep, prep.prepare_ms
 
-    def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
-        if not isinstance(graph, TaskGraph):
-            raise ExecutorArgumentTypeError(
-                f"run() takes a TaskGraph, got {type(graph).__name__}")
+    def _evicted(self, prep: _Prepared) -> None:
+        if not self._pending:  # queued work may still call the trampoline with its tokens
+            for t in prep.tokens:
+                self._callbacks.remove(t)
+        self._retire(prep.bindings)
+
+    def _retire(self, keep) -> None:
+        """Release ``keep`` (what kept bound memory alive) once no queued run can use it."""
+        if self._pending:
+            self._retired.append(keep)
+        else:
+            release_keep(keep)
+
+    def _plan_checks(self, graph, plan):
+        """Checks 1-4 of `prepare.check_run`: the issue order."""
         if not isinstance(plan, Plan):
             raise ExecutorArgumentTypeError(
                 f"plan must be a schedule.Plan, got {type(plan).__name__}")
-        issue = check_run(plan, graph, verify=self.verify)
-        ordinal = self.device.ordinal
-        for node in graph.nodes:
-            if node.kind != "host" and node.device != ordinal:
-                raise OrchestraError(
-                    f"node {node.name} is on device {node.device}, but this EagerExecutor runs on "
-                    f"device {ordinal}; use one executor per device")
-        prep = _Prepared(graph, plan)
-        # Kernels first: compile errors, argument and launch-limit errors surface before any
-        # stream or event is created.
-        for node in graph.nodes:
-            if isinstance(node, KernelNode):
-                kernel = self.kernels.resolve(node.kernel, node.name)
-                prep.kernel_args[node.name] = resolve_kernel_node(node, kernel)
-        prep.streams = self._pool.take_streams(plan)
-        for name in prep.spec.host:
-            prep.host_slots[name] = len(prep.hptrs)
-            prep.hptrs.append(0)
-        current: dict[str, int] = {}
-        for name in prep.spec.external:
-            current[name] = prep.external[name] = len(prep.ptrs)
-            prep.ptrs.append(0)
-            prep.objs.append(None)
-            prep.alloc_stream.append(None)
-        slots, nslots = assign_event_slots(issue)
-        events = [self._pool.event(i).handle for i in range(nslots)]
-        for i, (sname, step) in enumerate(issue):
-            stream = prep.streams[sname]
-            if isinstance(step, RunNode):
-                node = graph.node(step.node)
-                fn = self._node_step(prep, node, stream, current)
-                prep.trace_nodes.append((sname, node))
-                prep.labels.append(f"node {node.name} ({node.kind}) on stream {sname}")
-                prep.nodes += 1
-            elif i in slots:
-                ev = events[slots[i]]
-                if isinstance(step, RecordEvent):
-                    fn = _record_step(ev, stream.handle)
-                    prep.events += 1
-                    what = "record"
-                else:
-                    fn = _wait_step(stream.handle, ev)
-                    prep.waits += 1
-                    what = "wait for"
-                prep.trace_nodes.append(None)
-                prep.labels.append(f"{what} event {step.event} on stream {sname}")
-            else:
-                continue  # a wait for an event nothing records orders nothing
-            prep.steps.append(fn)
-        prep.unfreed = bool(prep.live_at_end)
-        return prep
+        return check_run(plan, graph, verify=self.verify)
 
-    def _node_step(self, prep: _Prepared, node, stream: Stream, current: dict[str, int]):
-        sh = stream.handle
-        ptrs, objs = prep.ptrs, prep.objs
-        kind = node.kind
-        if kind == "alloc":
-            slot = current[node.buffer.name] = len(ptrs)
-            ptrs.append(0)
-            objs.append(None)
-            prep.alloc_stream.append(sh)
-            prep.alloc_slots.append(slot)
-            prep.live_at_end[slot] = node.name
-            return _alloc_step(node.buffer.nbytes, self.pool.handle, sh, slot, ptrs, objs)
-        if kind == "free":
-            slot = current[node.buffer.name]
-            prep.live_at_end.pop(slot, None)
-            return _free_step(sh, slot, ptrs, objs)
-        if kind == "h2d":
-            return _h2d_step(sh, current[node.dst.buffer.name], node.dst.offset,
-                             prep.host_slots[node.src.buffer.name], node.src.offset, node.nbytes,
-                             ptrs, prep.hptrs)
-        if kind == "d2h":
-            return _d2h_step(sh, prep.host_slots[node.dst.buffer.name], node.dst.offset,
-                             current[node.src.buffer.name], node.src.offset, node.nbytes,
-                             ptrs, prep.hptrs)
-        if kind == "memset":
-            es = node.element_size
-            return _memset_step(_memset[es], sh, current[node.dst.buffer.name], node.dst.offset,
-                                node.unsigned_value, node.dst.nbytes // es, ptrs)
-        if kind == "kernel":
-            ka = prep.kernel_args[node.name]
-            patches = tuple((p.field, current[p.buffer], p.offset) for p in ka.pointers)
-            if ka.needs_ex:
-                return _kernel_ex_step(ka, stream, patches, ptrs)
-            return _kernel_step(ka, sh, patches, ptrs)
-        if kind == "host":
-            token = self._callbacks.add(node.fn, node.name)
-            prep.tokens.append(token)
-            return _hostfn_step(sh, self._hostfn_ptr, token)
-        raise OrchestraError(f"node {node.name}: the eager executor cannot run node kind "
-                             f"{kind!r} ({type(node).__name__})")
+    def _build(self, graph: TaskGraph, plan: Plan) -> _Prepared:
+        # Every check and kernel resolution first: compile errors, argument and launch-limit
+        # errors surface before any stream or event is created.
+        issue, resolved = self._checked(graph, plan)
+        table = BindingTable(graph, self._pinned)
+        addresses = Addresses(table, slot_users=True)
+        streams = self._stream_pool.take_streams(plan)
+        slots, nslots = assign_event_slots(issue)
+        events = [self._stream_pool.event(i).handle for i in range(nslots)]
+        ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
+                            self.device, callbacks=self._callbacks)
+        try:
+            program = lower_plan(issue, graph, ctx, streams, events, slots)
+        except BaseException:
+            for t in ctx.tokens:
+                self._callbacks.remove(t)
+            raise
+        return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -377,17 +228,15 @@ class EagerExecutor(Closable):
             self._check_open()
             plan = plan if plan is not None else self.plan_for(graph, policy, streams, costs)
             prep, prepare_ms = self._get_prepared(graph, plan)
-            resolved = prep.spec.resolve(bindings, self._pinned)
+            retired = prep.bindings.bind(bindings)
+            if retired:
+                self._retire(retired)
             if trace and tracer is None:
                 tracer = self.tracer
                 if any(p.tracer is tracer for p in self._pending):
                     raise CallOrderError(
                         "a run traced with trace=True is still pending (sync=False); call "
                         "synchronize() before the next traced run, or pass tracer=EagerTracer()")
-            for name, slot in prep.host_slots.items():
-                prep.hptrs[slot] = resolved.host[name].address
-            for name, slot in prep.external.items():
-                prep.ptrs[slot] = resolved.device[name].address
             self.device.make_current()
             if tracer is not None:
                 tracer.begin(prep.streams, policy=plan.policy,
@@ -395,23 +244,23 @@ class EagerExecutor(Closable):
             t0 = time.perf_counter_ns()
             self._enqueue(prep, tracer)
             t1 = time.perf_counter_ns()
-            self._pending.append(_Pending(prep, resolved, tracer, t0, (t1 - t0) / 1e3,
-                                          prepare_ms))
+            self._pending.append(_Pending(prep, tracer, t0, (t1 - t0) / 1e3, prepare_ms))
             if not sync:
                 return self._result(prep, None, (t1 - t0) / 1e3, prepare_ms, None)
             return self._sync_pending()
 
     def _enqueue(self, prep: _Prepared, tracer) -> None:
-        steps = prep.steps
+        program = prep.program
+        steps = program.steps
         i = -1
         try:
             if tracer is None:
                 for i, step in enumerate(steps):  # noqa: B007 - i names the failing step
                     step()
             else:
-                trace_nodes = prep.trace_nodes
+                nodes = program.nodes
                 for i, step in enumerate(steps):
-                    tn = trace_nodes[i]
+                    tn = nodes[i]
                     if tn is None:
                         step()
                     else:
@@ -420,10 +269,11 @@ class EagerExecutor(Closable):
                         tracer.after(tn[0], tn[1])
         except BaseException as exc:
             self._abort(prep, tracer)
-            if isinstance(exc, CudaError) and 0 <= i < len(prep.labels):
-                raise exc.with_context(prep.labels[i]) from exc
-            if 0 <= i < len(prep.labels) and isinstance(exc, Exception):
-                exc.add_note(f"while enqueueing {prep.labels[i]}")
+            labels = program.labels
+            if isinstance(exc, CudaError) and 0 <= i < len(labels):
+                raise exc.with_context(labels[i]) from exc
+            if 0 <= i < len(labels) and isinstance(exc, Exception):
+                exc.add_note(f"while enqueueing {labels[i]}")
             raise
 
     def _abort(self, prep: _Prepared, tracer) -> None:
@@ -442,15 +292,17 @@ class EagerExecutor(Closable):
         self._callbacks.take_errors()
 
     def _free_live(self, prep: _Prepared) -> None:
+        a = prep.addresses
+        free = self.api.cuMemFreeAsync
         touched = set()
-        for slot in prep.alloc_slots:
-            obj = prep.objs[slot]
+        for slot in a.alloc_slots:
+            obj = a.objs[slot]
             if obj is None:
                 continue
-            sh = prep.alloc_stream[slot]
-            (err,) = _free(obj, sh)
-            prep.objs[slot] = None
-            prep.ptrs[slot] = 0
+            sh = a.alloc_stream[slot]
+            (err,) = free(obj, sh)
+            a.objs[slot] = None
+            a.ptrs[slot] = 0
             if not err:
                 touched.add(sh)
         for s in prep.streams.values():
@@ -485,6 +337,9 @@ class EagerExecutor(Closable):
                     p.tracer.abort()
             self._callbacks.take_errors()
             raise
+        finally:
+            retired, self._retired = self._retired, []
+            release_keep(retired)
         t2 = time.perf_counter_ns()
         for p in pending:
             if p.prepared.unfreed:
@@ -505,135 +360,32 @@ class EagerExecutor(Closable):
                             last.prepare_ms, timelines[-1] if last.tracer is not None else None)
 
     def _result(self, prep, wall_ms, enqueue_us, prepare_ms, timeline) -> RunResult:
+        program = prep.program
         log.debug("eager run: %d nodes on %d streams, %d events, %d waits: %d driver calls "
-                  "enqueued (one per step), in %.0f us; wall %s ms", prep.nodes,
-                  len(prep.streams), prep.events, prep.waits, len(prep.steps), enqueue_us,
-                  "-" if wall_ms is None else f"{wall_ms:.3f}")
-        return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=prep.nodes,
-                         steps=len(prep.steps), events=prep.events, waits=prep.waits,
-                         streams=len(prep.streams), policy=prep.plan.policy,
-                         prepare_ms=prepare_ms, timeline=timeline)
+                  "enqueued (one per step), in %.0f us; wall %s ms", program.node_count,
+                  len(prep.streams), program.event_count, program.wait_count,
+                  len(program.steps), enqueue_us, "-" if wall_ms is None else f"{wall_ms:.3f}")
+        return RunResult(wall_ms=wall_ms, enqueue_us=enqueue_us, nodes=program.node_count,
+                         steps=len(program.steps), events=program.event_count,
+                         waits=program.wait_count, streams=len(prep.streams),
+                         policy=prep.plan.policy, prepare_ms=prepare_ms, timeline=timeline)
 
     # -- lifetime ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Wait for pending work, then release the pooled streams and events (idempotent)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._pending.clear()
-            self._prepared.clear()
-            self._plans.clear()
-            self._finalizer()
+    def _on_close(self) -> None:
+        # bound memory is released only after the final synchronize (the finalizer's)
+        self._keep.extend(self._retired)
+        self._keep.extend(p.bindings for p in self._prepared.values())
+        self._retired.clear()
+        self._pending.clear()
+        self._prepared.clear()
+        self._plans.clear()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (
-            f"{len(self._pool.streams)} streams, {len(self._pool.events)} events, "
-            f"{len(self._prepared)} prepared plans")
+            f"{len(self._stream_pool.streams)} streams, {len(self._stream_pool.events)} "
+            f"events, {len(self._prepared)} prepared plans")
         return f"<EagerExecutor on device {self.device.ordinal}: {state}>"
 
 
-# -- step closures: one driver call each ------------------------------------------------------
-
-
-def _raise(call: str, err) -> None:
-    raise error_from_result(call, err)
-
-
-def _alloc_step(nbytes, pool, sh, slot, ptrs, objs):
-    def step():
-        err, dptr = _alloc(nbytes, pool, sh)
-        if err:
-            _raise("cuMemAllocFromPoolAsync", err)
-        objs[slot] = dptr
-        ptrs[slot] = int(dptr)
-    return step
-
-
-def _free_step(sh, slot, ptrs, objs):
-    def step():
-        (err,) = _free(objs[slot], sh)
-        if err:
-            _raise("cuMemFreeAsync", err)
-        objs[slot] = None
-        ptrs[slot] = 0
-    return step
-
-
-def _h2d_step(sh, dslot, doff, hslot, hoff, nbytes, ptrs, hptrs):
-    def step():
-        (err,) = _htod(ptrs[dslot] + doff, hptrs[hslot] + hoff, nbytes, sh)
-        if err:
-            _raise("cuMemcpyHtoDAsync", err)
-    return step
-
-
-def _d2h_step(sh, hslot, hoff, sslot, soff, nbytes, ptrs, hptrs):
-    def step():
-        (err,) = _dtoh(hptrs[hslot] + hoff, ptrs[sslot] + soff, nbytes, sh)
-        if err:
-            _raise("cuMemcpyDtoHAsync", err)
-    return step
-
-
-def _memset_step(fn, sh, slot, off, value, count, ptrs):
-    name = fn.__name__
-
-    def step():
-        (err,) = fn(ptrs[slot] + off, value, count, sh)
-        if err:
-            _raise(name, err)
-    return step
-
-
-def _kernel_step(ka, sh, patches, ptrs):
-    struct = ka.packed.struct
-    address = ka.packed.address
-    func = ka.kernel.function
-    (gx, gy, gz), (bx, by, bz) = ka.config.grid, ka.config.block
-    smem = ka.config.shared_mem
-    name = ka.node.name
-
-    def step():
-        for field, slot, off in patches:
-            setattr(struct, field, ptrs[slot] + off)
-        (err,) = _launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
-        if err:
-            raise error_from_result("cuLaunchKernel", err, context=f"kernel {name}")
-    return step
-
-
-def _kernel_ex_step(ka, stream, patches, ptrs):
-    struct = ka.packed.struct
-    kernel, packed, cfg, attributes = ka.kernel, ka.packed, ka.config, ka.attributes
-
-    def step():
-        for field, slot, off in patches:
-            setattr(struct, field, ptrs[slot] + off)
-        kernel.launch(stream, cfg.grid, cfg.block, packed, cfg.shared_mem, **attributes)
-    return step
-
-
-def _hostfn_step(sh, fnptr, token):
-    def step():
-        (err,) = _hostfn(sh, fnptr, token)
-        if err:
-            _raise("cuLaunchHostFunc", err)
-    return step
-
-
-def _record_step(ev, sh):
-    def step():
-        (err,) = _record(ev, sh)
-        if err:
-            _raise("cuEventRecord", err)
-    return step
-
-
-def _wait_step(sh, ev):
-    def step():
-        (err,) = _wait(sh, ev, 0)
-        if err:
-            _raise("cuStreamWaitEvent", err)
-    return step
+__all__ = ["EagerExecutor", "RunResult"]

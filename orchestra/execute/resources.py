@@ -1,40 +1,28 @@
-"""What the stream executors (eager, capture) pool and reuse across runs and plans.
+"""What the executors pool and reuse across runs and plans.
 
 `StreamPool`: non-blocking streams by priority (one per plan `StreamSpec`) and sync-only events
-(``CU_EVENT_DISABLE_TIMING``), created on first need and reused by every later plan; the
-executor's finalizer / ``close()`` synchronizes them, then releases them. The pool holds no
-reference to its executor, so a finalizer may hold the pool.
+(``CU_EVENT_DISABLE_TIMING``), created on first need (through the executor's `DriverAPI`) and
+reused by every later plan; the executor's finalizer / ``close()`` synchronizes them, then
+releases them. The pool holds no reference to its executor, so a finalizer may hold the pool.
 
-`PlanCache`: ``schedule(graph, policy, streams, costs)`` results, LRU, for the eager executor
-and `GraphRunner` (``plan_for``).
-
-`MEMSET_ASYNC`: element size (1, 2, 4) -> the ``cuMemsetD8/D16/D32Async`` entry point both
-executors call for a `Memset` node.
+`PlanCache`: ``schedule(graph, policy, streams, costs)`` results by the identity of the graph
+and costs objects (an `IdentityLRU`), for the eager executor and `GraphRunner` (``plan_for``).
 """
 
 from __future__ import annotations
 
-import collections
-
-from cuda.bindings import driver as _d
-
 from orchestra.errors import CudaError
+from orchestra.execute.lru import IdentityLRU
 from orchestra.schedule import schedule
-
-MEMSET_ASYNC = {1: _d.cuMemsetD8Async, 2: _d.cuMemsetD16Async, 4: _d.cuMemsetD32Async}
 
 
 class StreamPool:
-    """Streams by priority and sync-only events of one executor on ``device``.
+    """Streams by priority and sync-only events of one executor on ``device``, made with
+    ``api.stream(device, priority)`` / ``api.event(device)`` (``api``: a `DriverAPI`)."""
 
-    ``stream_type`` / ``event_type``: what to create them with (``Stream(device, priority)``,
-    ``Event(device)``): the executor passes the classes its own module names.
-    """
-
-    def __init__(self, device, stream_type, event_type):
+    def __init__(self, device, api):
         self.device = device
-        self._stream_type = stream_type
-        self._event_type = event_type
+        self.api = api
         self.streams: list = []  # every stream the pool holds, in creation order
         self.by_priority: dict[int, list] = {}
         self.events: list = []
@@ -49,7 +37,7 @@ class StreamPool:
             used[spec.priority] = k + 1
             pool = self.by_priority.setdefault(spec.priority, [])
             while len(pool) <= k:
-                s = self._stream_type(self.device, spec.priority)
+                s = self.api.stream(self.device, spec.priority)
                 pool.append(s)
                 self.streams.append(s)
             out[spec.name] = pool[k]
@@ -58,8 +46,15 @@ class StreamPool:
     def event(self, slot: int):
         """The sync-only event of ``slot`` (created, with every slot below it, when missing)."""
         while len(self.events) <= slot:
-            self.events.append(self._event_type(self.device))  # sync-only: CU_EVENT_DISABLE_TIMING
+            self.events.append(self.api.event(self.device))
         return self.events[slot]
+
+    def drop(self, stream) -> None:
+        """Never hand ``stream`` out again (the driver still reports it capturing after a
+        failed capture); it is still synchronized and released with the pool."""
+        for pool in self.by_priority.values():
+            if stream in pool:
+                pool.remove(stream)
 
     def synchronize(self) -> None:
         """Wait for every stream (a `CudaError` from one is ignored: shutdown goes on)."""
@@ -76,30 +71,28 @@ class StreamPool:
         for s in self.streams:
             s.close()
         self.streams.clear()
+        self.by_priority.clear()
         self.events.clear()
 
 
 class PlanCache:
-    """Plans by (graph object, node count, policy, streams, costs object), least recently used
-    dropped first. Holds the graph and costs it keyed by, so their ids stay unique."""
+    """Plans by (graph object, node count, policy, streams, costs object), at most ``size``,
+    least recently used dropped first. Holds the graph and costs it keyed by, so their ids
+    stay unique."""
 
-    def __init__(self):
-        self._plans: collections.OrderedDict = collections.OrderedDict()
+    def __init__(self, size: int = 16):
+        self._plans = IdentityLRU(max(1, int(size)))
 
-    def get(self, graph, policy: str, streams: int, costs, size: int, capacity=None):
-        """``schedule(graph, policy, streams, costs)``, cached for the same graph object;
-        keeps at most ``size`` plans. ``capacity``: ``graph -> resident_blocks`` for the
-        policies that need it (`occupancy.capacity_for`), called on a miss only."""
-        key = (id(graph), len(graph), policy, streams, id(costs) if costs is not None else None)
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] is graph and hit[2] is costs:
-            self._plans.move_to_end(key)
-            return hit[1]
-        blocks = capacity(graph) if capacity is not None else None
-        plan = schedule(graph, policy, streams, costs, resident_blocks=blocks)
-        self._plans[key] = (graph, plan, costs)
-        while len(self._plans) > size:
-            self._plans.popitem(last=False)
+    def get(self, graph, policy: str, streams: int, costs, capacity=None):
+        """``schedule(graph, policy, streams, costs)``, cached for the same graph object.
+        ``capacity``: ``graph -> resident_blocks`` for the policies that need it
+        (`occupancy.capacity_for`), called on a miss only."""
+
+        def make():
+            blocks = capacity(graph) if capacity is not None else None
+            return schedule(graph, policy, streams, costs, resident_blocks=blocks)
+
+        plan, _ = self._plans.get_or_make((graph, costs), (len(graph), policy, streams), make)
         return plan
 
     def clear(self) -> None:
@@ -109,4 +102,4 @@ class PlanCache:
         return len(self._plans)
 
 
-__all__ = ["MEMSET_ASYNC", "PlanCache", "StreamPool"]
+__all__ = ["PlanCache", "StreamPool"]

@@ -5,8 +5,11 @@
 - `capture_plan`: the pure fork / join step list of a stream capture and its check;
 - `capture`: `CaptureExecutor` (a plan enqueued inside one stream capture);
 - `build`: `GraphBuildExecutor` (the graph built node by node);
-- `executor`: what both graph executors share;
-- `exec`: `GraphExec` (launch, replay with new inputs and scalars, update);
+- `executor`: what both graph executors share (on top of `execute.base.ExecutorBase`);
+- `built`: `BuiltGraph` and `NodeRecord`, what a build made (replays and updates work from it);
+- `exec`: `GraphExec` (instantiate, launch, synchronize, close), with its parts `replay` (new
+  host arrays and scalars), `update` (exec update, else re-instantiate) and `state` (what it
+  holds and releases);
 - `runner`: `GraphRunner` (the eager executor's interface over a graph executor);
 - `cache`: `GraphCache` (execs by input-shape signature, pure Python).
 """

@@ -24,11 +24,12 @@ from typing import Any, Mapping
 
 from orchestra.errors import NotReadyError
 from orchestra.execute.closable import Closable
-from orchestra.execute.eager import RunResult
 from orchestra.execute.cuda_graph.cache import GraphCache
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.errors import ExecutorArgumentValueError
+from orchestra.execute.occupancy import capacity_for
 from orchestra.execute.resources import PlanCache
+from orchestra.execute.result import RunResult
 from orchestra.graph import TaskGraph
 from orchestra.schedule import Plan
 
@@ -44,7 +45,7 @@ class GraphRunner(Closable):
 
     def __init__(self, kind: str = "capture", device=None, *, verify: bool = True,
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,
-                 mode="thread-local", trace: bool = False):
+                 mode="thread-local", trace: bool = False, driver=None):
         if kind not in KINDS:
             raise ExecutorArgumentValueError(
                 f"GraphRunner kind must be one of {', '.join(KINDS)}; got {kind!r}")
@@ -54,18 +55,19 @@ class GraphRunner(Closable):
             from orchestra.execute.cuda_graph.capture import CaptureExecutor
 
             self.executor = CaptureExecutor(device, mode=mode, verify=verify,
-                                            kernel_resolver=kernel_resolver, auto_free=auto_free)
+                                            kernel_resolver=kernel_resolver, auto_free=auto_free,
+                                            driver=driver)
         else:
             from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 
             self.executor = GraphBuildExecutor(device, verify=verify,
                                                kernel_resolver=kernel_resolver,
-                                               auto_free=auto_free)
+                                               auto_free=auto_free, driver=driver)
         self.device = self.executor.device
         self.kernels = self.executor.kernels
         self.trace = bool(trace)
         self.cache_size = max(1, int(cache_size))
-        self._plans = PlanCache()
+        self._plans = PlanCache(self.cache_size)
         self._execs = GraphCache(max_entries=self.cache_size)  # key -> _Cached
         self._lock = threading.RLock()
         self.last_exec = None
@@ -77,9 +79,7 @@ class GraphRunner(Closable):
                  costs=None) -> Plan:
         """``schedule(graph, policy, streams, costs)``, cached for the same graph object
         (``concurrent``: with each kernel's resident capacity, `occupancy`)."""
-        from orchestra.execute.occupancy import capacity_for
-
-        return self._plans.get(graph, policy, streams, costs, self.cache_size,
+        return self._plans.get(graph, policy, streams, costs,
                                capacity_for(policy, self.kernels, self.device))
 
     def prepare(self, graph: TaskGraph, plan: Plan | None = None, *, policy: str = "by-engine",

@@ -14,6 +14,10 @@ same order as the full edge set (a CUDA graph orders through paths), with the fe
     host             host                                cuGraphAddHostNode
     free             mem_free                            cuGraphAddMemFreeNode
 
+Each node's CUDA graph node kind comes from its entry in the lowering table
+(`orchestra.execute.lowering`, ``Lowering.graph_node``); the translation itself makes no driver
+call.
+
 The graph-memory policy lives here too, because it is a property of the task graph:
 every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the same graph, so a
 replayed graph never leaks its allocations; `check_graph_memory` refuses a graph that breaks
@@ -36,31 +40,10 @@ from orchestra.execute.errors import (
     ExecutorArgumentValueError,
     PlanMismatchError,
 )
+from orchestra.execute.lowering import lowering_for
 from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.graph.taskgraph import kahn_order, transitive_reduction
 from orchestra.schedule import Plan
-
-# orchestra node kind -> CUDA graph node kind
-CUDA_KIND = {
-    "alloc": "mem_alloc",
-    "free": "mem_free",
-    "h2d": "memcpy",
-    "d2h": "memcpy",
-    "kernel": "kernel",
-    "memset": "memset",
-    "host": "host",
-}
-
-# CUDA graph node kind -> the CUgraphNodeType member name the driver reports for it
-DRIVER_NODE_TYPE = {
-    "mem_alloc": "CU_GRAPH_NODE_TYPE_MEM_ALLOC",
-    "mem_free": "CU_GRAPH_NODE_TYPE_MEM_FREE",
-    "memcpy": "CU_GRAPH_NODE_TYPE_MEMCPY",
-    "kernel": "CU_GRAPH_NODE_TYPE_KERNEL",
-    "memset": "CU_GRAPH_NODE_TYPE_MEMSET",
-    "host": "CU_GRAPH_NODE_TYPE_HOST",
-}
-
 
 class GraphMemoryError(GraphError):
     """A task graph that is to become a CUDA graph allocates memory it never frees.
@@ -86,7 +69,7 @@ class GraphMemoryError(GraphError):
 @attrs.frozen
 class SpecNode:
     """One CUDA graph node to create: ``name`` (the orchestra node), ``kind`` (CUDA node kind,
-    see `CUDA_KIND`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
+    see `cuda_kind`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
     depends on, in creation order), ``direction`` ("h2d" / "d2h" for memcpy nodes, else None)."""
 
     name: str
@@ -134,14 +117,18 @@ class GraphSpec:
 
 
 def cuda_kind(node) -> str:
-    """The CUDA graph node kind an orchestra node becomes; `GraphError` for a kind no CUDA graph
-    node exists for yet."""
+    """The CUDA graph node kind an orchestra node becomes (its lowering's ``graph_node``);
+    `GraphError` for a kind no CUDA graph node exists for."""
     try:
-        return CUDA_KIND[node.kind]
-    except KeyError:
+        kind = lowering_for(node).graph_node
+    except GraphError:
         raise GraphError(f"node {node.name}: node kind {node.kind!r} ({type(node).__name__}) "
-                         "has no CUDA graph node translation; run it with the eager "
-                         "executor") from None
+                         "has no CUDA graph node translation (no entry in the lowering "
+                         "table)") from None
+    if kind is None:
+        raise GraphError(f"node {node.name}: node kind {node.kind!r} ({type(node).__name__}) "
+                         "has no CUDA graph node translation; run it with the eager executor")
+    return kind
 
 
 EDGE_SOURCES = ("dag", "plan")
@@ -265,6 +252,6 @@ def check_findings(findings, *, auto_free: bool = False) -> None:
         raise HazardError(findings)
 
 
-__all__ = ["CUDA_KIND", "DRIVER_NODE_TYPE", "EDGE_SOURCES", "GraphMemoryError", "GraphSpec",
+__all__ = ["EDGE_SOURCES", "GraphMemoryError", "GraphSpec",
            "SpecNode", "check_edge_source", "check_findings", "check_graph_memory", "cuda_kind",
            "stream_order_edges", "translate", "unfreed_allocations"]

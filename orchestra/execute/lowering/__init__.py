@@ -1,0 +1,28 @@
+"""orchestra.execute.lowering: per node kind, one entry that knows how the node runs on CUDA.
+
+- `table`: `Lowering` (the entry's interface), `register`, `lowering_for`;
+- `stream`: a plan lowered onto streams (`lower_plan`: the steps the eager and the capture
+  executor both run), `StreamContext`, `Addresses`;
+- `graph`: `GraphContext`, what an entry fills while a CUDA graph is built node by node;
+- one module per node kind: `memory` (`Alloc`, `Free`), `copy` (`HostToDevice`,
+  `DeviceToHost`), `kernel` (`KernelNode`), `memset` (`Memset`), `host` (`HostFunc`), each
+  with its parameter records.
+
+A new node kind: its record class in `orchestra.graph.nodes`, its module here (a `Lowering`
+subclass under `register`), and its import below. No executor names a node kind.
+"""
+
+from orchestra.execute.lowering.table import (
+    LOWERINGS,
+    Lowering,
+    NoLoweringError,
+    lowering_for,
+    missing_lowerings,
+    register,
+)
+
+# the entries: importing a module registers its node kinds
+from orchestra.execute.lowering import copy, host, kernel, memory, memset  # noqa: E402, F401
+
+__all__ = ["LOWERINGS", "Lowering", "NoLoweringError", "lowering_for", "missing_lowerings",
+           "register"]

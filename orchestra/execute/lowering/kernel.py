@@ -1,0 +1,124 @@
+"""Lowering of `KernelNode`: a kernel launch with its packed arguments.
+
+    resolve     compile (cached), load and look the kernel up (`KernelResolver`), check and
+                pack the arguments and the launch configuration (`resolve_kernel_node`), all
+                before any CUDA call
+    stream      cuLaunchKernel; cuLaunchKernelEx with a CUlaunchConfig built once per node
+                and stream when launch attributes are set (cooperative, cluster, pdl,
+                priority); buffer arguments are written into the packed struct from the
+                address slots right before the call
+    graph       cuGraphAddKernelNode (CUDA_KERNEL_NODE_PARAMS) + cuGraphKernelNodeSetAttribute
+                per launch attribute
+    replay      CUDA_KERNEL_NODE_PARAMS, whose kernelParams points into the packed struct: a
+                rewritten scalar field (or an external buffer's pointer field) plus one
+                cuGraphExecKernelNodeSetParams
+
+The record: ``func`` (the ``CUfunction``), grid, block, ``sharedMemBytes``, ``kernelParams``
+(the address of the packed ``void*`` array, `PackedArgs.address`), ``extra`` 0; ``kern`` /
+``ctx`` left NULL (ignored when ``func`` is set).
+"""
+
+from __future__ import annotations
+
+from cuda.bindings import driver as _d
+
+from orchestra.compiler.launch import build_launch_config, launch_attribute_values
+from orchestra.driver.check import cu, error_from_result
+from orchestra.execute.kernel_args import resolve_kernel_node
+from orchestra.execute.lowering.table import Lowering, register
+from orchestra.graph import KernelNode
+
+
+def kernel_params(ka):
+    """``CUDA_KERNEL_NODE_PARAMS`` for a resolved kernel node (`KernelArgs`): its
+    ``kernelParams`` points into ``ka.packed``, so a rewritten packed field plus one
+    ``cuGraphExecKernelNodeSetParams`` replays a new scalar."""
+    p = _d.CUDA_KERNEL_NODE_PARAMS()
+    cfg = ka.config
+    p.func = ka.kernel.function
+    p.gridDimX, p.gridDimY, p.gridDimZ = cfg.grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = cfg.block
+    p.sharedMemBytes = cfg.shared_mem
+    p.kernelParams = ka.packed.address
+    p.extra = 0
+    return p
+
+
+def kernel_node_attributes(cfg) -> list:
+    """``[(CUkernelNodeAttrID, CUkernelNodeAttrValue)]`` for ``cfg``'s launch attributes, for
+    ``cuGraphKernelNodeSetAttribute`` (which takes ``CUkernelNodeAttrValue``, a subclass of the
+    ``CUlaunchAttributeValue`` that `launch_attribute_values` builds). ``pdl`` is left out:
+    in an explicitly built graph the dependency is a full edge (programmatic edges are future
+    work), which is always correct."""
+    return launch_attribute_values(cfg, id_type=_d.CUkernelNodeAttrID,
+                                   value_type=_d.CUkernelNodeAttrValue, pdl=False)
+
+
+@register
+class KernelLowering(Lowering):
+    node_type = KernelNode
+    graph_node = "kernel"
+    driver_node_type = "CU_GRAPH_NODE_TYPE_KERNEL"
+    replay_params = "CUDA_KERNEL_NODE_PARAMS"
+
+    def resolve(self, node, executor):
+        """`KernelArgs`: fresh packed arguments per resolution, never shared between execs
+        or prepared plans (one exec's scalar replays cannot change another's)."""
+        kernel = executor.kernels.resolve(node.kernel, node.name)
+        return resolve_kernel_node(node, kernel)
+
+    def stream(self, node, ctx, stream):
+        # the step launches with ka.packed's memory: its owner keeps ctx.resolved (eager: the
+        # prepared plan; capture: the built graph's kernels)
+        ka = ctx.resolved[node.name]
+        a = ctx.addresses
+        patches = tuple((p.field, a.device_slot(p.buffer), p.offset) for p in ka.pointers)
+        ptrs, sh = a.ptrs, stream.handle
+        struct, address, func = ka.packed.struct, ka.packed.address, ka.kernel.function
+        name = node.name
+        if ctx.capture:
+            params = kernel_params(ka)
+            rec = ctx.record(node, params)
+            ctx.built.kernels[node.name] = ka
+            for p in ka.pointers:
+                ctx.use(p.buffer, rec, struct, p.field, p.offset)
+        if ka.needs_ex:
+            config = build_launch_config(ka.config, sh)
+            launch_ex = ctx.api.cuLaunchKernelEx
+
+            def step():
+                for field, slot, off in patches:
+                    setattr(struct, field, ptrs[slot] + off)
+                (err,) = launch_ex(config, func, address, 0)
+                if err:
+                    raise error_from_result("cuLaunchKernelEx", err, context=f"kernel {name}")
+            return step
+        launch = ctx.api.cuLaunchKernel
+        cfg = ka.config
+        (gx, gy, gz), (bx, by, bz), smem = cfg.grid, cfg.block, cfg.shared_mem
+
+        def step():
+            for field, slot, off in patches:
+                setattr(struct, field, ptrs[slot] + off)
+            (err,) = launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
+            if err:
+                raise error_from_result("cuLaunchKernel", err, context=f"kernel {name}")
+        return step
+
+    def graph(self, node, ctx, deps):
+        ka = ctx.resolved[node.name]
+        struct = ka.packed.struct
+        for p in ka.pointers:
+            setattr(struct, p.field, ctx.device_address(p.buffer) + p.offset)
+        params = kernel_params(ka)
+        gnode = ctx.add("cuGraphAddKernelNode", deps, params)
+        for attr_id, value in kernel_node_attributes(ka.config):
+            cu(ctx.api.cuGraphKernelNodeSetAttribute, gnode, attr_id, value)
+        ctx.built.kernels[node.name] = ka
+        rec = ctx.record(node, gnode, params)
+        for p in ka.pointers:
+            ctx.use(p.buffer, rec, struct, p.field, p.offset)
+        return rec
+
+
+__all__ = ["KernelLowering", "kernel_node_attributes", "kernel_params"]
