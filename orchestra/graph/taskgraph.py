@@ -122,9 +122,11 @@ class TaskGraph:
         """Node ``name``'s ``accesses()``, computed once when it was added (nodes are
         immutable): what the scheduler and the verifier read instead of building them again."""
         try:
-            return self._nodes[name]._accesses
+            accesses = self._nodes[name]._accesses
         except KeyError:
             raise GraphError(f"no node named {name!r} in the graph") from None
+        assert accesses is not None  # add() filled it
+        return accesses
 
     def index(self, name: str) -> int:
         """Insertion (program-order) position of node ``name``."""
