@@ -133,6 +133,7 @@ class EagerExecutor(ExecutorBase):
         self._plans = PlanCache(self.cache_size)
         self._pending: list[_Pending] = []
         self._last: _Prepared | None = None  # the last run's (graph, plan): no lookup
+        self._copies = None  # the executor's own CopyPolicy, once asked for
         self._retired: list = []  # what kept memory alive that pending runs may still use
 
     # -- pools ------------------------------------------------------------------------------
@@ -251,7 +252,8 @@ class EagerExecutor(ExecutorBase):
                 self._check_open()
             if plan is None:
                 plan = self.plan_for(graph, policy, streams, costs)
-            copies = self.copy_policy(copy_lowering)
+            copies = (self._copies if copy_lowering is None and self._copies is not None
+                      else self._run_policy(copy_lowering))
             prep = self._last  # the (graph, plan) run last: no cache lookup
             if (prep is not None and prep.graph is graph and prep.plan is plan
                     and prep.copies is copies and prep.size == len(graph)):
@@ -283,6 +285,12 @@ class EagerExecutor(ExecutorBase):
             if not sync:
                 return self._result(prep, None, (t1 - t0) / 1e3, prepare_ms, None)
             return self._sync_pending()
+
+    def _run_policy(self, copy_lowering):
+        policy = self.copy_policy(copy_lowering)
+        if copy_lowering is None:
+            self._copies = policy
+        return policy
 
     def _run_now(self, prep: _Prepared, prepare_ms: float) -> RunResult:
         """The common run: untraced, waited for, nothing else pending. The same steps as the
