@@ -289,7 +289,8 @@ def test_compile_a_directory_or_a_missing_file_or_a_bad_arch(tmp_path, capsys):
 @pytest.mark.parametrize("script", ["examples/three_way_overlap.py",
                                     "benchmarks/bench_pipeline.py", "benchmarks/bench_graphs.py",
                                     "benchmarks/bench_launch.py", "benchmarks/bench_fanout.py",
-                                    "benchmarks/probe_graph_launch.py"])
+                                    "benchmarks/probe_graph_launch.py",
+                                    "benchmarks/bench_copy_lowering.py"])
 def test_scripts_without_gpu_print_one_line_and_exit_2(script):
     from pathlib import Path
 

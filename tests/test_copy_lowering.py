@@ -587,3 +587,28 @@ def test_eager_runs_on_three_streams_count_their_events(fakes):
     n = len(eager.driver_calls())
     assert n == res.steps == len(g) + res.events + res.waits
     assert res.events == plan.event_count
+
+
+def test_the_benchmarks_goal_lines():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_copy_lowering.py"
+    spec = importlib.util.spec_from_file_location("bench_copy_lowering", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def rows(bare, auto):
+        return [{"contender": "bare", **bare}, {"contender": "graph auto", **auto}]
+
+    lines = bench.goals({
+        "1024x64KiB@1": rows({"host_us": 4000, "gpu_ms": 5.0, "wall_ms": 5.2},
+                             {"host_us": 40, "gpu_ms": 4.0, "wall_ms": 4.1}),
+        "4096x4KiB@1": rows({"host_us": 26000, "gpu_ms": 26.0, "wall_ms": 26.0},
+                            {"host_us": 70, "gpu_ms": 11.0, "wall_ms": 11.0}),
+        "64x16MiB": rows({"host_us": 500, "gpu_ms": 21.9, "wall_ms": 22.0},
+                         {"host_us": 500, "gpu_ms": 22.6, "wall_ms": 22.6}),
+    })
+    assert "goal host <= 100 µs and GPU <= 0.85x: met" in lines[0]
+    assert "2.36x faster" in lines[1] and "goal >= 2.5x: NOT met" in lines[1]
+    assert "goal within 2% of bare: NOT met" in lines[2]
