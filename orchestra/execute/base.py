@@ -1,7 +1,8 @@
 """`ExecutorBase`: what the eager, the capture and the graph-build executor share.
 
 - setup: the `DriverAPI` every driver call goes through (``driver=``, default: the process's),
-  the `Device`, the copy lowering (``copy_lowering=``, `copy_policy`), the default memory pool configured now (at setup, never during a capture), a
+  the `Device`, the copy lowering (``copy_lowering=``, `copy_policy`), the default memory pool
+  configured now (at setup, never during a capture), a
   `KernelResolver`, a `PinnedCheck`, the stream / event pool, one lock;
 - the pre-run checks, composed one way for every executor (`_checked`): the graph's type,
   then the executor's own plan and graph checks (`_plan_checks`: plan structure, issue order

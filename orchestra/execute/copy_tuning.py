@@ -167,8 +167,8 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
     total = len(sizes) * len(modes) * len(VARIANTS)
     done = 0
     rng = np.random.default_rng(0)
-    executors = {"graph": GraphBuildExecutor(dev, kernel_resolver=resolver),
-                 "eager": EagerExecutor(dev, kernel_resolver=resolver)}
+    graph_ex = GraphBuildExecutor(dev, kernel_resolver=resolver)
+    eager_ex = EagerExecutor(dev, kernel_resolver=resolver)
     try:
         for size in sizes:
             batches = batches_for(size)
@@ -186,9 +186,8 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
                     for variant in VARIANTS:
                         h2d, d2h = _LOWERINGS[variant]
                         g = with_lowering(base, h2d, d2h)
-                        ex = executors[mode]
                         if mode == "graph":
-                            exe = ex.build(g, bindings=bind)
+                            exe = graph_ex.build(g, bindings=bind)
                             try:
                                 ms[variant] = _median_ms(lambda: exe.launch(sync=True), repeats)
                                 y[:] = np.nan
@@ -196,10 +195,11 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
                             finally:
                                 exe.close()
                         else:
-                            plan = ex.prepare(g, policy="by-engine", streams=3)
-                            ms[variant] = _median_ms(lambda: ex.run(g, plan, bind), repeats)
+                            plan = eager_ex.prepare(g, policy="by-engine", streams=3)
+                            ms[variant] = _median_ms(lambda: eager_ex.run(g, plan, bind),
+                                                     repeats)
                             y[:] = np.nan
-                            ex.run(g, plan, bind)
+                            eager_ex.run(g, plan, bind)
                         ok = ok and bool(np.array_equal(y, want))
                         done += 1
                         if progress is not None:
@@ -209,8 +209,8 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
                 pin_in.close()
                 pin_out.close()
     finally:
-        for ex in executors.values():
-            ex.close()
+        graph_ex.close()
+        eager_ex.close()
     old = load_crossover(dev)
     values = old.as_dict()
     for mode in modes:

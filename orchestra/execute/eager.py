@@ -324,8 +324,8 @@ class EagerExecutor(ExecutorBase):
             self._free_live(prep)  # only with verify=False: an Alloc without a Free
         if self._callbacks.errors:
             errors = self._callbacks.take_errors()
-            node, exc = errors[0]
-            raise HostFunctionError(node, exc, errors[1:]) from exc
+            node, raised = errors[0]
+            raise HostFunctionError(node, raised, errors[1:]) from raised
         program = prep.program
         if _debug():
             self._log_run(prep, (t1 - t0) / 1e3, (t2 - t0) / 1e6)

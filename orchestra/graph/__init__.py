@@ -37,8 +37,8 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
-    "COPY_LOWERINGS", "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "GraphBuilder",
-    "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel", "KernelNode", "KernelRef",
-    "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch",
-    "build_pipeline", "elementwise_args",
+    "COPY_LOWERINGS", "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free",
+    "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel",
+    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker",
+    "TaskGraph", "add_batch", "build_pipeline", "elementwise_args",
 ]

@@ -9,7 +9,7 @@ and verify every element; ``in_place=True`` uses one buffer ``b{i}.buf`` instead
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -81,7 +81,7 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
     if grid is None:
         bx = block if isinstance(block, int) else block[0]
         grid = max(1, -(-n // bx))
-    kw = dict(batch=index, device=device)
+    kw: dict[str, Any] = dict(batch=index, device=device)
     after = tuple(alloc_after)
     alloc_in = graph.add(Alloc(p + ("alloc" if in_place else "alloc_in"), inp, after=after, **kw))
     alloc_out = None if in_place else graph.add(Alloc(p + "alloc_out", out, after=after, **kw))

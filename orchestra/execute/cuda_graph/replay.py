@@ -13,7 +13,8 @@ bound to the very object it is bound to costs an identity test (while orchestra'
 are unchanged; its writability is not checked again); a new array is checked (C-contiguous, same byte size, writable if the graph
 writes it, page-locked: orchestra's own pinned ranges first, the driver only for memory pinned
 elsewhere); a host copy lowered to the copy kernel holds the address in its packed argument
-struct (the user's ``params``), applied with ``cuGraphExecKernelNodeSetParams``; an array checked before (a pool of staging arrays bound in turn) is remembered by
+struct (the user's ``params``), applied with ``cuGraphExecKernelNodeSetParams``; an array
+checked before (a pool of staging arrays bound in turn) is remembered by
 weak reference and skips those checks, except writability, until the pinned ranges lose a
 range (a `PinnedBuffer` closed, a registration undone) or an `update` changes the build. Each
 binding lists the fields its address is written to (`BindingUser`), so a rebinding rewrites

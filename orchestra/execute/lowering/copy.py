@@ -274,5 +274,8 @@ class DeviceToHostLowering(_HostCopyLowering):
     call = "cuMemcpyDtoHAsync"
 
 
-__all__ = ["COPY_KERNEL_NAME", "COPY_PARAMS", "CopyKernelArgs", "DeviceToHostLowering",
-           "HostToDeviceLowering", "copy_kernel_nodes", "copy_kernel_ref", "memcpy_params", "resolve_copy_kernel"]
+__all__ = [
+    "COPY_KERNEL_NAME", "COPY_PARAMS", "CopyKernelArgs", "DeviceToHostLowering",
+    "HostToDeviceLowering", "copy_kernel_nodes", "copy_kernel_ref", "memcpy_params",
+    "resolve_copy_kernel",
+]
