@@ -77,7 +77,8 @@ class ExecutorBase(Closable):
         self.verify = bool(verify)
         self.kernels = (kernel_resolver if kernel_resolver is not None
                         else KernelResolver(self.device))  # an empty resolver is falsy
-        self._resolvers = {d.ordinal: KernelResolver(d) for d in self.devices[1:]}
+        loader = getattr(self.kernels, "loader", None)  # the other devices load the same way
+        self._resolvers = {d.ordinal: KernelResolver(d, loader) for d in self.devices[1:]}
         self.pools = {}
         for d in reversed(self.devices):  # the executor's own device ends current
             d.make_current()
