@@ -71,9 +71,11 @@ class ExecutorBase(Closable):
         self.api = api = driver if driver is not None else default_api()
         self.device = api.as_device(device)
         others = [] if devices is None else [api.as_device(d) for d in devices]
-        seen = {self.device.ordinal}
-        self.devices = (self.device,) + tuple(
-            d for d in others if not (d.ordinal in seen or seen.add(d.ordinal)))
+        extra: dict = {}  # ordinal -> Device, first mention kept, the own device left out
+        for d in others:
+            if d.ordinal != self.device.ordinal:
+                extra.setdefault(d.ordinal, d)
+        self.devices = (self.device,) + tuple(extra.values())
         self.verify = bool(verify)
         self.kernels = (kernel_resolver if kernel_resolver is not None
                         else KernelResolver(self.device))  # an empty resolver is falsy

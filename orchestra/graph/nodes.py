@@ -234,7 +234,8 @@ class PeerCopy(Node):
     def peer(self) -> int:
         """The other device of the copy (``device`` itself for a copy within one device)."""
         a, b = self.src.buffer.device, self.dst.buffer.device
-        return b if self.device == a else a
+        other = b if self.device == a else a
+        return int(other) if other is not None else int(self.device or 0)
 
     def accesses(self):
         return (Access(self.src, Mode.READ), Access(self.dst, Mode.WRITE))

@@ -35,7 +35,8 @@ _CALLS = {"all_reduce": "ncclAllReduce", "all_gather": "ncclAllGather",
           "reduce_scatter": "ncclReduceScatter", "broadcast": "ncclBroadcast",
           "send": "ncclSend", "recv": "ncclRecv", "group_start": "ncclGroupStart",
           "group_end": "ncclGroupEnd", "comm_init_rank": "ncclCommInitRank",
-          "comm_init_all": "ncclCommInitAll", "comm_destroy": "ncclCommDestroy",
+          "comm_init_all": "ncclCommInitAll",
+          "comm_init_rank_scalable": "ncclCommInitRankScalable", "comm_destroy": "ncclCommDestroy",
           "get_unique_id": "ncclGetUniqueId", "get_version": "ncclGetVersion",
           "comm_abort": "ncclCommAbort"}
 
@@ -125,13 +126,15 @@ class NcclAPI:
         return bytes(self._call("get_unique_id"))
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int):
-        """``ncclCommInitRank`` on the current device: the communicator handle. Blocks until
-        every rank has called it."""
+        """``ncclCommInitRank`` on the current device (through ``ncclCommInitRankScalable``
+        with one id): the communicator handle. Blocks until every rank has called it."""
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise NcclUsageError(f"a NCCL unique id has {UNIQUE_ID_BYTES} bytes; got "
                                  f"{len(unique_id)}")
-        uid = self.module.UniqueId.from_buffer(bytearray(unique_id))
-        return self._call("comm_init_rank", int(nranks), uid, int(rank))
+        # ncclCommInitRankScalable with one id: ncclCommInitRank's semantics, and the entry
+        # nccl4py's own Communicator.init uses (a bytes-like array of ids, no config)
+        return self._call("comm_init_rank_scalable", int(nranks), int(rank), 1,
+                          bytearray(unique_id), 0)
 
     def comm_init_all(self, devices) -> list:
         """``ncclCommInitAll``: one communicator per device of ``devices`` (rank i on

@@ -206,7 +206,7 @@ def unique_id_from_torch(rank: int, *, group=None, api=None) -> bytes:
     """The id broadcast from rank 0 through an initialized ``torch.distributed`` group."""
     import torch.distributed as dist
 
-    box = [unique_id(api=api) if rank == 0 else None]
+    box: list = [unique_id(api=api) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return bytes(box[0])
 
@@ -226,8 +226,12 @@ def init_process(rank: int, nranks: int, device=None, *, store=None, unique_id_b
         if isinstance(store, str):
             store = store_from_url(store)
         unique_id_bytes = store.exchange(rank, nranks, lambda: unique_id(api=api))
-    return Communicator.init_rank(unique_id_bytes, rank, nranks,
+    comm = Communicator.init_rank(unique_id_bytes, rank, nranks,
                                   rank if device is None else device, api=api, driver=driver)
+    wait = getattr(store, "wait_served", None)
+    if rank == 0 and wait is not None:
+        wait()  # every rank has its id once NCCL's init returns; the server thread ends
+    return comm
 
 
 def env_rank() -> tuple[int, int, int, str]:

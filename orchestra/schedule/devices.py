@@ -33,7 +33,7 @@ from orchestra.schedule.plan import StreamSpec
 
 def graph_devices(graph: TaskGraph) -> tuple[int, ...]:
     """The devices the graph's device-bound nodes run on, ascending (``(0,)`` when none does)."""
-    devs = {n.device for n in graph.nodes if n.device_bound}
+    devs = {int(n.device) for n in graph.nodes if n.device_bound and n.device is not None}
     return tuple(sorted(devs)) or (0,)
 
 
@@ -51,14 +51,15 @@ def node_devices(graph: TaskGraph, order: Sequence[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in order:
         node = graph.node(n)
-        if node.device_bound:
-            out[n] = node.device
+        if node.device_bound and node.device is not None:
+            out[n] = int(node.device)
             continue
         preds = graph.predecessors(n)
         if preds:
             out[n] = out[max(preds, key=pos.__getitem__)]
         else:
-            out[n] = node.device if node.device in devs else devs[0]
+            out[n] = node.device if node.device is not None and node.device in devs \
+                else devs[0]
     return out
 
 

@@ -213,14 +213,14 @@ class CaptureExecutor(GraphExecutorBase):
                         "cuStreamGetCaptureInfo",
                         int(_d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
                         context="the capture was invalidated")
-                if len(deps) == 1:
+                if lowering_for(node).captures_one_node:
+                    if len(deps) != 1:
+                        raise OrchestraError(
+                            f"capture of node {node.name}: expected the stream's dependency "
+                            f"set to be the one node just captured, found {len(deps)} nodes")
                     records[node.name].gnode = deps[0]
-                elif lowering_for(node).captures_one_node:
-                    raise OrchestraError(
-                        f"capture of node {node.name}: expected the stream's dependency set to "
-                        f"be the one node just captured, found {len(deps)} nodes")
-                # else: a library call (NCCL) that captured several nodes; replays never
-                # rewrite them, so no graph node is recorded
+                # else: a library call (NCCL) that captured any number of nodes (none for a
+                # one-rank all-reduce in place); replays never rewrite them: no node recorded
                 if tracer is not None:
                     tracer.after(sname, node)
                 if hook is not None:
