@@ -346,3 +346,45 @@ def test_communicators_count_as_live_handles():
         Communicator.init_all([0, 0], driver=fake, api=fn)
     with pytest.raises(NcclUsageError, match="rank 2 of 2"):
         Communicator.init_rank(bytes(128), 2, 2, 0, driver=fake, api=fn)
+
+
+# -- the benchmark's pure parts ----------------------------------------------------------------
+
+
+def test_bench_sizes_and_goals():
+    from orchestra.app.multigpu.bench import MultiGpuReport, Row
+    from orchestra.app.multigpu.cli import goal_met, parse_sizes
+    from orchestra.errors import BenchConfigError
+
+    mib = 1 << 20
+    assert parse_sizes("1-8") == (mib, 2 * mib, 4 * mib, 8 * mib)
+    assert parse_sizes("3,64") == (3 * mib, 64 * mib)
+    with pytest.raises(BenchConfigError, match="LO-HI or a comma list"):
+        parse_sizes("a-b")
+    rep = MultiGpuReport(devices=[0], ranks=1)
+    assert goal_met(rep) is None  # one GPU: the goals are about two
+    rep = MultiGpuReport(devices=[0, 1], ranks=2, rows=[
+        Row("peer copy both ways", "orchestra PeerCopy", mib, 1.0, 98.0),
+        Row("peer copy both ways", "cuda-python cuMemcpyPeerAsync", mib, 1.0, 100.0),
+        Row("all-reduce", "orchestra eager", 64 * mib, 1.0, 97.5),
+        Row("all-reduce", "NCCL direct (nccl4py)", 64 * mib, 1.0, 100.0),
+        Row("data-parallel step", "orchestra eager", mib, 0.3, 1.0),
+        Row("data-parallel step", "orchestra graph (captured)", mib, 0.1, 1.0)])
+    assert goal_met(rep) is True
+    rep.rows[2].gbps = 90.0
+    assert goal_met(rep) is False
+    assert rep.ratio("all-reduce", "orchestra eager", "NCCL direct (nccl4py)", 64 * mib) == 0.9
+
+
+def test_the_step_graph_is_hazard_free_and_its_reference_is_the_all_reduce():
+    from orchestra.app.multigpu.step import reference, step_graph
+    from orchestra.schedule import verify
+
+    class C:
+        rank, nranks, device = 1, 2, 1
+
+    g = step_graph(C(), 1024)
+    plan = schedule(g, "by-engine", 3)
+    assert verify(plan, g) == [] and plan.devices == (1,)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    assert np.array_equal(reference(x), 0.5 * ((2 * x + 1).sum(0)))
