@@ -145,8 +145,9 @@ class _HostCopyLowering(Lowering):
         policy = copies if copies is not None else _DEFAULT_POLICY
         if policy.choose(node) != "kernel":
             return None
-        kernel = executor.kernels.resolve(copy_kernel_ref(), node.name)
-        return resolve_copy_kernel(node, kernel, executor.device.sm_count)
+        resolver = executor.kernel_resolver(node.device)  # the node's device's kernels
+        kernel = resolver.resolve(copy_kernel_ref(), node.name)
+        return resolve_copy_kernel(node, kernel, resolver.device.sm_count)
 
     def graph_node_of(self, node, copies=None):
         policy = copies if copies is not None else _DEFAULT_POLICY
