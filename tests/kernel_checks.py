@@ -447,6 +447,8 @@ def _copy_kernel(ctx: Ctx) -> None:
     reg = register_host(reg_array, dev)
     dbuf = DeviceBuffer.allocate(cap, ctx.stream)
     scratch = PinnedBuffer(cap, dev)
+    pattern = ctx.rng.integers(0, 256, cap, dtype=np.uint8)  # what the sources hold
+    backwards = pattern[::-1].copy()
     try:
         for name, host, hptr in (("PinnedBuffer", pin.view(np.uint8), pin.ptr),
                                  ("register_host", reg_array, reg.ptr)):
@@ -460,7 +462,7 @@ def _copy_kernel(ctx: Ctx) -> None:
                 for ho, do in _COPY_OFFSETS:
                     for grid in sorted({1, copy_grid(n, dev.sm_count)}):
                         # H2D: host[ho, ho+n) -> device[do, do+n)
-                        host[:] = ctx.rng.integers(0, 256, cap, dtype=np.uint8)
+                        host[:] = pattern
                         dbuf.memset(0xAB, ctx.stream)
                         k.launch(ctx.stream, grid, COPY_BLOCK, (dbuf.ptr + do, hptr + ho, n, 0))
                         dbuf.copy_to_host(scratch, ctx.stream, sync=True)
@@ -469,7 +471,7 @@ def _copy_kernel(ctx: Ctx) -> None:
                                 and (got[:do] == 0xAB).all() and (got[do + n:] == 0xAB).all()):
                             raise CheckFailed(f"{name} H2D n={n} host+{ho} dev+{do} grid={grid}")
                         # D2H: device[do, do+n) -> host[ho, ho+n)
-                        src = ctx.rng.integers(0, 256, cap, dtype=np.uint8)
+                        src = backwards
                         scratch.view(np.uint8)[:] = src
                         dbuf.copy_from_host(scratch, ctx.stream, sync=True)
                         host[:] = 0xCD
