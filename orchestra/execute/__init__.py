@@ -27,6 +27,7 @@ from orchestra.execute.eager import EagerExecutor
 from orchestra.execute.errors import (
     BindingError,
     BucketOverflowError,
+    ClosedBindingError,
     ExecutorArgumentError,
     ExecutorArgumentTypeError,
     ExecutorArgumentValueError,
@@ -79,7 +80,7 @@ __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
     "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
-    "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "ClosedBindingError", "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
     "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
     "HostBinding", "HostCallbacks", "HostFunctionError", "KernelArgs", "KernelResolver",
     "Lowering", "NoLoweringError", "PageableMemoryError", "PinnedCheck", "PlanMismatchError",

@@ -40,6 +40,7 @@ from typing import Any, Mapping
 import attrs
 
 from orchestra.driver import Device
+from orchestra.driver.owner import CLOSE_EPOCH
 from orchestra.errors import CallOrderError, CudaError
 from orchestra.execute.base import ExecutorBase
 from orchestra.execute.bindings import BindingTable, release_keep
@@ -62,14 +63,15 @@ class _Prepared:
     """One (graph, plan), ready to run: the lowered program, its address slots and binding
     table, the streams it enqueues on, the host-function tokens it registered."""
 
-    __slots__ = ("graph", "plan", "bindings", "addresses", "program", "streams", "tokens",
-                 "resolved", "unfreed", "prepare_ms")
+    __slots__ = ("graph", "plan", "bindings", "modules", "addresses", "program", "streams",
+                 "tokens", "resolved", "unfreed", "prepare_ms")
 
     def __init__(self, graph, plan, bindings: BindingTable, addresses: Addresses, program,
-                 streams: dict, tokens: list, resolved: dict):
+                 streams: dict, tokens: list, resolved: dict, modules: list):
         self.graph = graph
         self.plan = plan
         self.bindings = bindings
+        self.modules = modules  # leases on the Modules of its kernels
         self.resolved = resolved  # packed kernel arguments: the steps launch with their memory
         self.addresses = addresses
         self.program = program
@@ -81,6 +83,11 @@ class _Prepared:
     @property
     def steps(self) -> list:
         return self.program.steps
+
+    @property
+    def keeps(self) -> tuple:
+        """What keeps the memory and code its runs use alive: ``(bindings, module leases)``."""
+        return (self.bindings, self.modules)
 
 
 @attrs.define
@@ -103,6 +110,14 @@ class EagerExecutor(ExecutorBase):
         cache_size: how many prepared (graph, plan) pairs to keep.
         driver: the `DriverAPI` every driver call goes through (default: the process's).
 
+    Lifetimes (docs/errors.md, "Lifetimes"): a run leases every bound external device
+    buffer and the `PinnedBuffer` / `HostRegistration` / staging slot behind every bound host
+    array, and a prepared plan the `Module` of each kernel it launches. A lease is released
+    once no queued run can use it: a rebound value's at the next synchronize (at once when
+    nothing is queued), a value whose owner was closed at the synchronize after the close (its
+    memory goes then; binding it again is refused with `ClosedBindingError`), the rest when the
+    prepared plan is evicted or the executor closes.
+
     One run at a time per executor (``run`` holds a lock); create one executor per host thread
     for concurrent submission.
     """
@@ -120,6 +135,7 @@ class EagerExecutor(ExecutorBase):
         self._plans = PlanCache(self.cache_size)
         self._pending: list[_Pending] = []
         self._retired: list = []  # what kept memory alive that pending runs may still use
+        self._close_epoch = CLOSE_EPOCH[0]  # leased closes seen by the last synchronize
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -167,7 +183,7 @@ class EagerExecutor(ExecutorBase):
         if not self._pending:  # queued work may still call the trampoline with its tokens
             for t in prep.tokens:
                 self._callbacks.remove(t)
-        self._retire(prep.bindings)
+        self._retire(prep.keeps)
 
     def _retire(self, keep) -> None:
         """Release ``keep`` (what kept bound memory alive) once no queued run can use it."""
@@ -187,20 +203,24 @@ class EagerExecutor(ExecutorBase):
         # Every check and kernel resolution first: compile errors, argument and launch-limit
         # errors surface before any stream or event is created.
         issue, resolved = self._checked(graph, plan)
-        table = BindingTable(graph, self._pinned)
+        table = BindingTable(graph, self._pinned, where="the eager executor's run")
         addresses = Addresses(table, slot_users=True)
-        streams = self._stream_pool.take_streams(plan)
-        slots, nslots = assign_event_slots(issue)
-        events = [self._stream_pool.event(i).handle for i in range(nslots)]
-        ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            self.device, callbacks=self._callbacks)
+        modules = self._lease_modules(resolved)
+        ctx = None
         try:
+            streams = self._stream_pool.take_streams(plan)
+            slots, nslots = assign_event_slots(issue)
+            events = [self._stream_pool.event(i).handle for i in range(nslots)]
+            ctx = StreamContext(self.api, self.executor_name, addresses, resolved,
+                                self.pool.handle, self.device, callbacks=self._callbacks)
             program = lower_plan(issue, graph, ctx, streams, events, slots)
         except BaseException:
-            for t in ctx.tokens:
+            for t in (ctx.tokens if ctx is not None else ()):
                 self._callbacks.remove(t)
+            release_keep(modules)
             raise
-        return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved)
+        return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved,
+                         modules)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -341,6 +361,10 @@ class EagerExecutor(ExecutorBase):
             retired, self._retired = self._retired, []
             release_keep(retired)
         t2 = time.perf_counter_ns()
+        if CLOSE_EPOCH[0] != self._close_epoch:  # a leased object was closed somewhere
+            self._close_epoch = CLOSE_EPOCH[0]
+            for prep in self._prepared.values():  # nothing queued: closed memory can go now
+                prep.bindings.drop_closed()
         for p in pending:
             if p.prepared.unfreed:
                 self._free_live(p.prepared)  # only with verify=False: an Alloc without a Free
@@ -375,7 +399,7 @@ class EagerExecutor(ExecutorBase):
     def _on_close(self) -> None:
         # bound memory is released only after the final synchronize (the finalizer's)
         self._keep.extend(self._retired)
-        self._keep.extend(p.bindings for p in self._prepared.values())
+        self._keep.extend(p.keeps for p in self._prepared.values())
         self._retired.clear()
         self._pending.clear()
         self._prepared.clear()

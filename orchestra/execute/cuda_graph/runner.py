@@ -126,8 +126,9 @@ class GraphRunner(Closable):
                 if sync:
                     timeline = exe.synchronize()
                     wall = (time.perf_counter_ns() - t0) / 1e6
+                nodes = exe.node_count  # while leased: an evicted exec closes at the lease's end
             prepare_ms = built_ms[0] if built_ms else 0.0
-            return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=exe.node_count,
+            return RunResult(wall_ms=wall, enqueue_us=(t1 - t0) / 1e3, nodes=nodes,
                              steps=1, events=plan.event_count, waits=plan.wait_count,
                              streams=len(plan.streams), policy=plan.policy,
                              prepare_ms=prepare_ms, timeline=timeline)
