@@ -19,8 +19,8 @@ rounds of ``--replays`` calls):
 and the bare equivalent: the same null driver calls made from a plain loop with prebuilt
 parameter structs (one launch; two SetParams + one launch). "over bare" is orchestra's part.
 The host arrays sit in orchestra's pinned ranges with an owner (as `register_host` makes them),
-so a rebinding leases and releases them as it would real pinned memory. Each time is the
-fastest of ``--repeat`` rounds.
+so a rebinding leases and releases them as it would real pinned memory. Each time is this
+thread's CPU time per call, the fastest of ``--repeat`` rounds (robust to a busy machine).
 The GPU version of the same question (real driver calls) is ``benchmarks/bench_graphs.py
 --workloads 1x0.0625``.
 """
@@ -105,14 +105,14 @@ class FakeDeviceBuffer:
 
 
 def timed(fn, replays: int, repeat: int) -> float:
-    """µs per call: the fastest of ``repeat`` rounds of ``replays`` calls (the least
-    disturbed by other work on the machine)."""
+    """µs of this thread's CPU time per call (``time.thread_time_ns``: time other processes
+    take the core for does not count), the fastest of ``repeat`` rounds of ``replays``."""
     rounds = []
     for _ in range(repeat):
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         for _ in range(replays):
             fn()
-        rounds.append((time.perf_counter_ns() - t0) / 1e3 / replays)
+        rounds.append((time.thread_time_ns() - t0) / 1e3 / replays)
     return min(rounds)
 
 

@@ -56,6 +56,7 @@ _from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 _RANGES = _host.pinned_ranges()  # the process-wide registry of orchestra's pinned ranges
 _CLOSES = CLOSE_EPOCH  # bumped when a leased object is closed
+_SELF = object()  # a remembered keep that is the value itself
 
 
 def host_address(a: np.ndarray) -> int:
@@ -328,8 +329,9 @@ class Binding:
     else the value itself); ``leaser`` (the callable that made the lease, None for a kept object);
     ``version`` (`bind_version` when the value was checked, -1 while unbound); ``users``
     (`BindingUser` / `SlotUser` list); ``known``: values checked for this binding before,
-    ``id(value) -> (weak reference, address, version, leaser)`` (a few staging arrays bound
-    in turn skip their checks).
+    ``id(value) -> (weak reference, address, version, leaser, keep or None)`` (a few staging
+    arrays or device buffers bound in turn skip their checks and their lease lookup:
+    `BindingTable.remembered`).
     """
 
     __slots__ = ("name", "kind", "buffer", "nbytes", "writer", "value", "array", "address",
@@ -466,7 +468,8 @@ class BindingTable:
         known = b.known.get(id(value))
         if known is not None and known[2] == version and known[0]() is value:
             a = value if type(value) is np.ndarray else as_host_array(b.name, value)
-            check_writable(b.name, a, b.writer)
+            if b.writer is not None and not a.flags.writeable:
+                check_writable(b.name, a, b.writer)  # raises
             return a, known[1], known[3]
         try:
             hit = self._checked.get((value,), (b.name,))
@@ -496,10 +499,33 @@ class BindingTable:
         if len(known) >= b.KNOWN_MAX:
             known.clear()
         try:
-            known[id(value)] = (weakref.ref(value), address, version, leaser)
+            known[id(value)] = (weakref.ref(value), address, version, leaser, None)
         except TypeError:  # no weak references
             pass
 
+    @staticmethod
+    def remembered(b: Binding, value, version: int):
+        """The fast path of `check` + `acquire` in one step, for a numpy array or an external
+        device buffer checked and leased for ``b`` before, with nothing unpinned or closed
+        since (``version``) and writability unchanged: ``(address, keep, leaser)`` with the
+        use of its `Held` lease counted, else None (take `check` and `acquire`)."""
+        known = b.known.get(id(value))
+        if known is None or known[2] != version or known[0]() is not value:
+            return None
+        keep = known[4]
+        if keep is None:
+            return None
+        if keep is _SELF:  # the value keeps itself (memory pinned outside orchestra)
+            keep = value
+        if b.kind == "host":
+            if type(value) is not np.ndarray or (b.writer is not None
+                                                 and not value.flags.writeable):
+                return None
+        if type(keep) is Held:
+            if not keep.lease._claim:  # ended by a sweep (an owner beyond HELD_MAX)
+                return None
+            keep.count += 1
+        return known[1], keep, known[3]
     def acquire(self, b: Binding, value, leaser):
         """What keeps ``value`` (checked for ``b``) alive while it is bound: the binding's own
         keep when ``value`` is bound already; else the table's `Held` lease on the value's
@@ -513,7 +539,10 @@ class BindingTable:
         source = getattr(leaser, "__self__", leaser)
         held = self._held.get(id(source))  # the entry holds source: its id is not reused
         if held is not None:
-            if held.lease.owner_closed:
+            # `check` found the owner open at this version, and a lease of the table ends only
+            # under its owner's lock (here held): the lease is still out unless it ended
+            # before a close that `check` would have seen
+            if held.lease.released:
                 raise self.closed_error(b.name, held.lease.what)
             held.count += 1
             return held
@@ -523,6 +552,15 @@ class BindingTable:
             raise self.closed_error(b.name, exc.what) from None
         held = self._held[id(source)] = Held(lease, source)
         return held
+
+    @staticmethod
+    def kept(b: Binding, value, keep) -> None:
+        """Note ``keep`` (from `acquire`) in ``b``'s entry for ``value``, for `remembered`."""
+        known = b.known.get(id(value))
+        if keep is value:
+            keep = _SELF  # never the value itself: the entry must not keep it alive
+        if known is not None and known[4] is not keep and known[0]() is value:
+            b.known[id(value)] = known[:4] + (keep,)
 
     def commit(self, b: Binding, value, array, address: int, version: int, keep, leaser=None):
         """Record ``value`` (checked with `check`, kept by ``keep`` from `acquire`) as bound
@@ -553,6 +591,8 @@ class BindingTable:
         for h in held.values():
             h.count = 0
             h.lease.release()
+        for b in self.all.values():
+            b.known.clear()
 
     def sweep(self) -> int:
         """End the leases no binding uses any more (``count`` 0: every value bound to them was
@@ -633,7 +673,8 @@ class BindingTable:
         if len(bindings) != len(host) + len(external):
             self.unknown(bindings)
         version = bind_version()
-        checked: list[tuple[Any, ...]] = []
+        checked: list[tuple[Any, ...]] = []  # (binding, value, array, address, leaser, keep)
+        remember = self.remembered
         try:
             for name, b in host.items():
                 value = bindings[name]
@@ -641,28 +682,45 @@ class BindingTable:
                     if b.writer is not None and not b.array.flags.writeable:
                         check_writable(name, b.array, b.writer)  # raises
                     continue
-                checked.append((b, value) + self.check(b, value, version))
+                fast = remember(b, value, version)
+                if fast is not None:  # checked and leased for this binding before
+                    checked.append((b, value, value, fast[0], fast[2], fast[1]))
+                else:
+                    checked.append((b, value) + self.check(b, value, version) + (None,))
             for name, b in external.items():
                 value = bindings[name]
                 if value is not b.value or version != b.version:
-                    checked.append((b, value) + self.check(b, value, version))
-        except KeyError:
-            self.unknown(bindings)
-            raise
-        except Exception:
-            self.unknown(bindings)  # a missing or unknown name is reported before a bad value
+                    fast = remember(b, value, version)
+                    if fast is not None:
+                        checked.append((b, value, None, fast[0], fast[2], fast[1]))
+                    else:
+                        checked.append((b, value) + self.check(b, value, version) + (None,))
+        except BaseException as exc:
+            for entry in checked:  # uses counted by `remembered` end again
+                if entry[5] is not None:
+                    release_keep(entry[5])
+            if isinstance(exc, Exception):
+                self.unknown(bindings)  # a missing or unknown name before a bad value
             raise
         keeps: list = []
         try:
-            for b, value, _array, _address, leaser in checked:
-                keeps.append(self.acquire(b, value, leaser))
+            for b, value, _array, address, leaser, keep in checked:
+                if keep is None:
+                    keep = self.acquire(b, value, leaser)
+                    if b.kind == "device":
+                        self._know(b, value, address, version, leaser)
+                    self.kept(b, value, keep)
+                keeps.append(keep)
         except BaseException:
-            for (b, *_), keep in zip(checked, keeps):
-                if keep is not b.keep:
+            for entry, keep in zip(checked, keeps):
+                if keep is not entry[0].keep:
                     release_keep(keep)
+            for entry in checked[len(keeps):]:
+                if entry[5] is not None:
+                    release_keep(entry[5])
             raise
         released = []
-        for (b, value, array, address, leaser), keep in zip(checked, keeps):
+        for (b, value, array, address, leaser, _), keep in zip(checked, keeps):
             old = self.commit(b, value, array, address, version, keep, leaser)
             if old is not None:
                 released.append(old)
@@ -693,12 +751,13 @@ class Held:
     rebinding to the same memory costs no new lease) until `BindingTable.sweep` or `release`
     ends it."""
 
-    __slots__ = ("lease", "count", "source")
+    __slots__ = ("lease", "count", "source", "epoch")
 
     def __init__(self, lease: Lease, source):
         self.lease = lease
         self.count = 1
         self.source = source
+        self.epoch = _CLOSES[0]  # a close of its owner (leased: deferred) moves the epoch on
 
     def __repr__(self) -> str:
         return f"<Held {self.lease!r} x{self.count}>"
@@ -710,8 +769,8 @@ def release_keep(keep) -> None:
     a lease (``release()``), each item of a list or tuple; a plain object needs nothing."""
     if type(keep) is Held:
         keep.count -= 1
-        if keep.count <= 0 and keep.lease.owner_closed:  # nobody may bind it again: end it
-            keep.lease.release()
+        if keep.count <= 0 and _CLOSES[0] != keep.epoch and keep.lease.owner_closed:
+            keep.lease.release()  # unused and closed: nobody may bind it again
         return
     if keep is None:
         return

@@ -43,11 +43,14 @@ from orchestra.errors import (
     KernelArgumentValueError,
     prefixed,
 )
+from orchestra.driver import host as _host
+from orchestra.driver.owner import CLOSE_EPOCH as _CLOSES
 from orchestra.execute.bindings import bind_version, release_keep
 from orchestra.execute.cuda_graph.state import ExecParts
 from orchestra.execute.errors import BindingError, ClosedBindingError
 
 log = logging.getLogger(__name__)
+_RANGES = _host.pinned_ranges()
 
 #: CUDA graph node kind -> the per-node update that applies a rewritten parameter struct
 SET_PARAMS = {"memcpy": "cuGraphExecMemcpyNodeSetParams",
@@ -199,7 +202,7 @@ class Replay(ExecParts):
                     raise BindingError(f"bindings must be a mapping of buffer name -> array; "
                                        f"got {type(bindings).__name__}") from None
                 plans = self._rebinds
-                version = bind_version()
+                version = _RANGES.version + _CLOSES[0]  # bind_version(), inlined
                 for name, value in items:
                     p = plans.get(name)
                     if p is None:
@@ -234,16 +237,24 @@ class Replay(ExecParts):
         instead of re-pointed in place (its bindings and plans are new)."""
         b = p.binding
         table = self._table
-        try:
-            a, addr, leaser = table.check(b, value, version)
-        except ClosedBindingError:
-            raise
-        except BindingError as exc:
-            if b.kind == "device":  # say how the replay would have applied it
-                exc.add_note(f"a replay re-points external device buffer {b.name} in place "
-                             f"({p.calls})")
-            raise
-        keep = table.acquire(b, value, leaser)
+        fast = table.remembered(b, value, version)
+        if fast is not None:  # checked and leased before: no checks, no new lease
+            addr, keep, leaser = fast
+            a = value if b.kind == "host" else None
+        else:
+            try:
+                a, addr, leaser = table.check(b, value, version)
+            except ClosedBindingError:
+                raise
+            except BindingError as exc:
+                if b.kind == "device":  # say how the replay would have applied it
+                    exc.add_note(f"a replay re-points external device buffer {b.name} in "
+                                 f"place ({p.calls})")
+                raise
+            keep = table.acquire(b, value, leaser)
+            if b.kind == "device":
+                table._know(b, value, addr, version, leaser)
+            table.kept(b, value, keep)
         if addr != b.address:
             try:
                 refused = self._apply(p, addr)
@@ -269,24 +280,34 @@ class Replay(ExecParts):
         on a refusal put the nodes changed so far back on the bound address and return why
         (the exec is updated instead), or raise the `CudaError` when the exec cannot update
         itself."""
-        b = p.binding
         if p.unsupported:
             return (f"node {p.unsupported[0].name} ({p.unsupported[0].kind}) has no per-node "
                     "parameter update")
-        p.write(addr)
-        for i, (apply, rec, call) in enumerate(p.nodes):
-            (err,) = apply()
+        for cell, off in p.cells:  # Rebind.write, inlined
+            cell.value = addr + off
+        for struct, field, off in p.fields:
+            setattr(struct, field, addr + off)
+        for node in p.nodes:
+            (err,) = node[0]()
             if err:
-                p.write(b.address)  # back on the bound address: the exec stays consistent
-                for undo, _, _ in p.nodes[:i]:
-                    undo()
-                what = "external device buffer" if b.kind == "device" else "host buffer"
-                error = error_from_result(call, err,
-                                          context=f"node {rec.name}, re-pointing {what} {b.name}")
-                if self._rebuild is None:
-                    raise error
-                return f"{call} refused node {rec.name} ({error.name})"
+                return self._refused(p, node, err)
         return None
+
+    def _refused(self, p, node, err) -> str:
+        """A node's SetParams refused: put the nodes changed so far back on the bound address
+        (the exec stays consistent) and return why, or raise the `CudaError` when the exec
+        cannot update itself."""
+        b = p.binding
+        _, rec, call = node
+        p.write(b.address)
+        for undo in p.nodes[:p.nodes.index(node)]:
+            undo[0]()
+        what = "external device buffer" if b.kind == "device" else "host buffer"
+        error = error_from_result(call, err, context=f"node {rec.name}, re-pointing {what} "
+                                  f"{b.name}")
+        if self._rebuild is None:
+            raise error
+        return f"{call} refused node {rec.name} ({error.name})"
 
     def _update_for(self, b, value, reason: str) -> None:
         """Re-point binding ``b`` to ``value`` by updating the whole exec (a rebuild with the
