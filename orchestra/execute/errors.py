@@ -9,9 +9,9 @@ from __future__ import annotations
 from orchestra.errors import ClosedError, OrchestraError, PageableMemoryError
 
 __all__ = [
-    "BindingError", "ClosedBindingError", "BucketOverflowError", "ExecutorArgumentError", "ExecutorArgumentTypeError",
-    "ExecutorArgumentValueError", "ExecutorUnavailable", "HostFunctionError",
-    "PageableMemoryError", "PlanMismatchError",
+    "BindingError", "ClosedBindingError", "BucketOverflowError", "ExecutorArgumentError",
+    "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
+    "HostFunctionError", "PageableMemoryError", "PlanMismatchError",
 ]
 
 PIN_HOWTO = ("allocate it pinned with orchestra.driver.PinnedBuffer.empty(shape, dtype).array, "

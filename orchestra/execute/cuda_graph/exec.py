@@ -43,6 +43,7 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Stream, cu
 from orchestra.driver.api import default_api
 from orchestra.driver.check import error_from_result
+from orchestra.driver.device import _tls
 from orchestra.driver.owner import CLOSE_EPOCH
 from orchestra.errors import CudaError
 from orchestra.execute.bindings import release_keep
@@ -83,7 +84,9 @@ class GraphExec(Replay, Update, Closable):
     updating the whole exec instead (see `replay`).
 
     Thread-safe: every method holds the exec's lock (one launch/replay at a time; a replay
-    with ``sync=True`` keeps it until its launch is done).
+    with ``sync=True`` keeps it until its launch is done), and `launch`, `replay`,
+    `synchronize` make the exec's device current on a host thread that does not have it yet
+    (``cuCtxSetCurrent``, once per thread).
     """
 
     def __init__(self, built: BuiltGraph, device: Device, *, flags: int = 0, upload: bool = True,
@@ -113,6 +116,7 @@ class GraphExec(Replay, Update, Closable):
         self.timeline: Timeline | None = None
         device.make_current()
         self._ctx = device.context
+        self._ctx_key = getattr(device, "_ctx_int", None)  # what make_current caches per thread
         self._state.own_stream = stream if stream is not None else api.stream(device)
         self._state.owns_stream = stream is None
         self.stream = self._state.own_stream
@@ -218,6 +222,7 @@ class GraphExec(Replay, Update, Closable):
         """``cuGraphUpload`` on ``stream`` (default: the exec's own)."""
         with self._lock:
             self._check_open()
+            self.device.make_current()
             self._upload(stream)
 
     def _upload(self, stream) -> None:
@@ -237,6 +242,8 @@ class GraphExec(Replay, Update, Closable):
         """
         with self._lock:
             self._check_open()
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread
+                self.device.make_current()
             return self._launch(stream, sync)
 
     def _launch(self, stream, sync):
@@ -282,6 +289,8 @@ class GraphExec(Replay, Update, Closable):
         """
         with self._lock:
             self._check_open()
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread
+                self.device.make_current()
             return self._synchronize()
 
     def _synchronize(self, raise_host_errors: bool = True):

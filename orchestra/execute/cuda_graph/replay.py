@@ -44,6 +44,7 @@ from orchestra.errors import (
     prefixed,
 )
 from orchestra.driver import host as _host
+from orchestra.driver.device import _tls
 from orchestra.driver.owner import CLOSE_EPOCH as _CLOSES
 from orchestra.execute.bindings import bind_version, release_keep
 from orchestra.execute.cuda_graph.state import ExecParts
@@ -132,7 +133,9 @@ def plan_rebinds(table, setters: dict, exec_, ctx) -> dict:
     bound to (a new instantiation needs a new plan)."""
     plans = {}
     for name, b in table.all.items():
-        cells, fields, records = [], [], {}
+        cells: list = []
+        fields: list = []
+        records: dict = {}
         for u in b.users:
             rec = u.record
             if rec is None:
@@ -195,6 +198,8 @@ class Replay(ExecParts):
         with self._lock:
             if self._closed:
                 raise ClosedError("this GraphExec is closed")
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread: its context
+                self.device.make_current()
             if bindings:
                 try:
                     items = bindings.items()

@@ -99,6 +99,7 @@ class ExecParts:
     _exec: Any  # the CUgraphExec
     _sh: Any  # the exec's own stream's CUstream
     _ctx: Any  # the CUcontext memcpy updates name
+    _ctx_key: Any  # the context's int, as `Device.make_current` caches it per thread
     _built: BuiltGraph
     _records: dict[str, NodeRecord]
     _table: BindingTable
