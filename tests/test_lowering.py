@@ -551,6 +551,32 @@ def test_an_exec_leases_bound_memory_until_no_launch_needs_it(fakes, kind, owned
         assert owned.released[reg2.name] == 1 and owned.leased() == []
 
 
+@pytest.mark.parametrize("kind", ["eager", "capture", "graph-build"])
+def test_leases_kept_for_rebinding_are_bounded(fakes, kind, owned, monkeypatch):
+    """A table keeps the leases of owners bound before (a staging pool bound in turn costs no
+    new lease), but no more than HELD_MAX unused ones past a synchronize: many distinct
+    owners bound in turn do not pile up."""
+    monkeypatch.setattr(BindingTable, "HELD_MAX", 4)
+    g, bs, bind = pipeline(1)
+    name = bs[0].host_in.buffer.name
+    owned.pin(bind)
+    arrays = [np.ones(N // 4, np.float32) * i for i in range(12)]
+    regs = [next(iter(owned.pin({name: a}).values())) for a in arrays]
+    with executor(kind, fakes) as ex:
+        exe = None if kind == "eager" else ex.build(g, None, bind)
+        for a in arrays:
+            if kind == "eager":
+                ex.run(g, bindings={**bind, name: a})
+            else:
+                exe.replay({name: a})
+            check(bs, {**bind, name: a})
+        leased = [r.leases for r in regs]
+        assert leased[-1] == 1 and sum(leased) <= 4 + 2, leased  # bound + at most HELD_MAX
+        if exe is not None:
+            exe.close()
+    assert sum(r.leases for r in regs) == 0
+
+
 def test_an_eager_run_leases_bound_memory_until_queued_runs_are_done(fakes, owned):
     g, bs, bind = pipeline(1)
     other = {k: v.copy() for k, v in bind.items()}

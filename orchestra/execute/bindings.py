@@ -594,6 +594,11 @@ class BindingTable:
         for b in self.all.values():
             b.known.clear()
 
+    @property
+    def held(self) -> int:
+        """How many leases the table holds now (bound or kept for a rebinding)."""
+        return len(self._held)
+
     def sweep(self) -> int:
         """End the leases no binding uses any more (``count`` 0: every value bound to them was
         replaced and the work queued with it is done) whose owner was closed, and, beyond

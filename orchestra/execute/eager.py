@@ -365,6 +365,8 @@ class EagerExecutor(ExecutorBase):
             self._close_epoch = CLOSE_EPOCH[0]
             for prep in self._prepared.values():  # nothing queued: closed memory can go now
                 prep.bindings.drop_closed()
+        elif pending[-1].prepared.bindings.held > BindingTable.HELD_MAX:
+            pending[-1].prepared.bindings.sweep()  # many owners bound in turn: the oldest go
         for p in pending:
             if p.prepared.unfreed:
                 self._free_live(p.prepared)  # only with verify=False: an Alloc without a Free

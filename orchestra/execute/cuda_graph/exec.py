@@ -311,9 +311,10 @@ class GraphExec(Replay, Update, Closable):
             release_keep([b.keeps for b in state.keep[:-1]] + state.retired)
             del state.keep[:-1]
             state.retired.clear()
-        if CLOSE_EPOCH[0] != self._close_epoch:  # a leased object was closed somewhere
-            self._close_epoch = CLOSE_EPOCH[0]
-            self._table.sweep()  # unused leases on closed owners end (nothing is pending)
+        table = self._table
+        if CLOSE_EPOCH[0] != self._close_epoch or table.held > table.HELD_MAX:
+            self._close_epoch = CLOSE_EPOCH[0]  # a leased object was closed somewhere
+            table.sweep()  # unused leases on closed owners end (nothing is pending)
         if self._host_errors and raise_host_errors:
             errors, self._host_errors = self._host_errors, []
             self._pending_timeline = False

@@ -366,8 +366,15 @@ class Replay(ExecParts):
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")
 
     def scalars(self, node: str) -> dict:
-        """The current packed arguments of kernel node ``node``: {parameter name: value}."""
-        packed = self._kernels[node].ka.packed
+        """The current packed arguments of kernel node ``node``: {parameter name: value}.
+        `ClosedError` once the exec is closed, `KernelArgumentValueError` for a node that is not
+        one of its kernel nodes."""
+        if self._closed:
+            raise ClosedError("this GraphExec is closed")
+        entry = self._kernels.get(node)
+        if entry is None:
+            raise KernelArgumentValueError(f"scalars: {node!r} is not a kernel node of this graph")
+        packed = entry.ka.packed
         return {p.name: v for p, v in zip(packed.layout.params, packed.values())}
 
 
