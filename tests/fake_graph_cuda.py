@@ -597,6 +597,13 @@ class FakeGraphDriver(FakeAPI):
             return (err,)
         return self._enqueue(stream, "memcpy", self._memcpy_snapshot(p))
 
+    def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
+        err = self._call("cuMemcpyDtoDAsync")
+        if err:
+            return (err,)
+        return self._enqueue(stream, "memcpy", {"src": int(src), "dst": int(dst), "src_host": False,
+                                                "dst_host": False, "n": int(nbytes)})
+
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         err = self._call("cuLaunchKernel")
         if err:

@@ -404,6 +404,36 @@ def test_replay_repoints_external_buffers_in_place_and_leases_them(env, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_device_to_device_copy_is_repointed_one_side_at_a_time(env, kind):
+    """A `PeerCopy` within one device between two external buffers: re-pointing its source
+    rewrites only the source field; captured, the record holds what the captured call used,
+    so the destination stays right."""
+    from orchestra.graph import PeerCopy
+
+    g = TaskGraph()
+    a, b = Buffer("a", NB), Buffer("b", NB)
+    g.add(HostToDevice("up", HostBuffer("hin", NB), a))
+    g.add(PeerCopy("copy", a, b))
+    g.add(DeviceToHost("down", b, HostBuffer("hout", NB)))
+    a1, a2, b1 = env.device_buffer(), env.device_buffer(), env.device_buffer()
+    hin, hout = np.arange(N, dtype=np.float32), np.zeros(N, np.float32)
+    with env.executor(kind) as ex:
+        exe = ex.build(g, None, {"a": a1, "b": b1, "hin": hin, "hout": hout})
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(hout, hin)
+        hout[:] = 0
+        exe.replay({"a": a2})
+        fe = env.fake.execs[int(exe.handle)]
+        copy = fe.slots[fe.index[int(exe._records["copy"].gnode)]]
+        assert (copy["src"], copy["dst"]) == (a2.ptr, b1.ptr)
+        np.testing.assert_array_equal(hout, hin)
+        assert env.fake.mem[a2.ptr].view(np.float32).tolist() == hin.tolist()
+        exe.close()
+    for buf in (a1, a2, b1):
+        buf.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_refused_node_update_updates_the_exec_for_the_caller(env, kind, caplog):
     g = io_graph()
     x, y, x2 = env.device_buffer(), env.device_buffer(), env.device_buffer()

@@ -53,6 +53,11 @@ class KernelResolver:
                 self._memo[ref] = k
         return k
 
+    @property
+    def loader(self) -> Callable:
+        """The ``loader(ref, device)`` this resolver loads kernels with."""
+        return self._loader
+
     def __len__(self) -> int:
         return len(self._memo)
 

@@ -72,6 +72,7 @@ class BuiltGraph:
         self.tracer: GraphTracer | None = None
         self.build_ms = 0.0
         self.meta: dict = {}
+        self.keep_alive: list = []  # what the graph's nodes use: communicators' leases
 
     @property
     def keeps(self) -> tuple:

@@ -5,8 +5,8 @@
   executor both run), `StreamContext`, `Addresses`;
 - `graph`: `GraphContext`, what an entry fills while a CUDA graph is built node by node;
 - one module per node kind: `memory` (`Alloc`, `Free`), `copy` (`HostToDevice`,
-  `DeviceToHost`), `kernel` (`KernelNode`), `memset` (`Memset`), `host` (`HostFunc`), each
-  with its parameter records.
+  `DeviceToHost`), `kernel` (`KernelNode`), `memset` (`Memset`), `host` (`HostFunc`), `peer`
+  (`PeerCopy`), `collective` (the NCCL kinds), each with its parameter records.
 
 A new node kind: its record class in `orchestra.graph.nodes`, its module here (a `Lowering`
 subclass under `register`), and its import below. No executor names a node kind.
@@ -23,6 +23,7 @@ from orchestra.execute.lowering.table import (
 
 # the entries: importing a module registers its node kinds
 from orchestra.execute.lowering import copy, host, kernel, memory, memset  # noqa: E402, F401
+from orchestra.execute.lowering import collective, peer  # noqa: E402, F401
 
 __all__ = ["LOWERINGS", "Lowering", "NoLoweringError", "lowering_for", "missing_lowerings",
            "register"]

@@ -64,7 +64,7 @@ class KernelLowering(Lowering):
     def resolve(self, node, executor):
         """`KernelArgs`: fresh packed arguments per resolution, never shared between execs
         or prepared plans (one exec's scalar replays cannot change another's)."""
-        kernel = executor.kernels.resolve(node.kernel, node.name)
+        kernel = executor.kernel_resolver(node.device).resolve(node.kernel, node.name)
         return resolve_kernel_node(node, kernel)
 
     def stream(self, node, ctx, stream):

@@ -102,16 +102,21 @@ class StreamContext:
     returned), ``pool`` (the ``CUmemoryPool`` handle allocations come from), ``device`` (the
     `Device`), ``tokens`` (host-function tokens added for this program), ``allocations``
     (capture: Alloc node name -> address, filled when the step runs), ``built`` (capture: the
-    `BuiltGraph` being captured; else None).
+    `BuiltGraph` being captured; else None), ``pools`` (device ordinal -> its pool handle;
+    `pool_for`), ``stream_devices`` (plan stream name -> `Device`, for plans over several
+    devices; None for one).
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
-                 device, *, callbacks=None, built=None, bindings=None):
+                 device, *, callbacks=None, built=None, bindings=None, pools=None,
+                 stream_devices=None):
         self.api = api
         self.executor_name = executor_name
         self.addresses = addresses
         self.resolved = resolved
         self.pool = pool
+        self.pools = pools if pools is not None else {device.ordinal: pool}
+        self.stream_devices = stream_devices
         self.device = device
         self.built = built
         self.capture = built is not None
@@ -119,6 +124,10 @@ class StreamContext:
         self.tokens: list[int] = []
         self.allocations: dict[str, tuple[str, int]] = {}
         self._callbacks = callbacks
+
+    def pool_for(self, ordinal: int):
+        """The memory pool handle allocations on device ``ordinal`` come from."""
+        return self.pools.get(ordinal, self.pool)
 
     @property
     def callbacks(self):
@@ -176,8 +185,21 @@ def lower_plan(issue, graph, ctx: StreamContext, streams: dict, events: list,
     out."""
     program = StreamProgram()
     record, wait = ctx.api.cuEventRecord, ctx.api.cuStreamWaitEvent
+    sdev = ctx.stream_devices
+    if sdev is not None and len({d.ordinal for d in sdev.values()}) < 2:
+        sdev = None  # one device: its context is made current once per run
+    current = None
     for i, (sname, step) in enumerate(issue):
         stream = streams[sname]
+        if sdev is not None and sdev[sname] is not current:
+            # several devices: the driver calls that read the current context (launches of a
+            # device's function, its allocations) run with their stream's device current
+            current = sdev[sname]
+            program.steps.append(current.make_current)
+            program.streams.append(stream)
+            program.nodes.append(None)
+            program.sites.append((sname, None))
+            program.labels.append(f"make device {current.ordinal} current")
         if isinstance(step, RunNode):
             node = graph.node(step.node)
             entry = lowering_for(node)
