@@ -406,7 +406,10 @@ class FakeGraphDriver(FakeAPI):
             i = self._slot(e, node)
         except KeyError:
             return (R.CUDA_ERROR_INVALID_VALUE,)  # not a node of the instantiation graph
-        e.slots[i] = self._memcpy_snapshot(p)
+        new, old = self._memcpy_snapshot(p), e.slots[i]
+        if any(new[k] != old[k] for k in ("src_host", "dst_host", "n")):
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # memory types and extent may not change
+        e.slots[i] = new
         return (OK,)
 
     def cuGraphExecKernelNodeSetParams(self, h, node, p):
@@ -421,6 +424,24 @@ class FakeGraphDriver(FakeAPI):
         e.slots[i] = self._kernel_snapshot(p.func, (p.gridDimX, p.gridDimY, p.gridDimZ),
                                            (p.blockDimX, p.blockDimY, p.blockDimZ),
                                            p.sharedMemBytes, int(p.kernelParams))
+        return (OK,)
+
+    def cuGraphExecMemsetNodeSetParams(self, h, node, p, ctx):
+        err = self._call("cuGraphExecMemsetNodeSetParams")
+        if err:
+            return (err,)
+        assert ctx == FakeDevice.context
+        e = self._exec(h)
+        try:
+            i = self._slot(e, node)
+        except KeyError:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        old = e.slots[i]
+        new = {"dst": int(p.dst), "value": int(p.value), "es": int(p.elementSize),
+               "count": int(p.width)}
+        if (new["es"], new["count"]) != (old["es"], old["count"]):
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # only the pointer and value may change
+        e.slots[i] = new
         return (OK,)
 
     def cuGraphExecUpdate(self, h, hgraph):
@@ -590,6 +611,13 @@ class FakeGraphDriver(FakeAPI):
         if err:
             return (err,)
         return self._enqueue(stream, "memcpy", self._memcpy_snapshot(p))
+
+    def cuMemcpyDtoDAsync(self, dst, src, nbytes, stream):
+        err = self._call("cuMemcpyDtoDAsync")
+        if err:
+            return (err,)
+        return self._enqueue(stream, "memcpy", {"src": int(src), "dst": int(dst), "src_host": False,
+                                                "dst_host": False, "n": int(nbytes)})
 
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         err = self._call("cuLaunchKernel")

@@ -65,6 +65,7 @@ from orchestra.graph import (
 from orchestra.graph import nodes as nodes_mod
 from orchestra.graph.buffers import as_range
 from tests import fake_graph_cuda as fg
+from tests.fake_pinned import Owned
 from tests.fake_cuda import FakeCuda, FakeKernel
 
 BURN = KernelRef("burn.cu", "burn", params=BURN_PARAMS)
@@ -447,7 +448,7 @@ def test_bindings_list_every_field_their_address_is_written_to(fakes, kind):
         assert kernel_user.params is exe._kernels["k"].struct  # the packed argument struct
         assert kernel_user.record.kind == "kernel" and kernel_user.cell is None
         assert kernel_user.params.a0 == xb.ptr
-        assert table.get("x").value is xb and table.get("x").keep is xb
+        assert table.get("x").value is xb and table.get("x").keep is xb  # no lease(): kept
         ref = reference(np.concatenate([np.zeros(n // 2, np.float32), hin[:n // 2]]))
         np.testing.assert_array_equal(hout, ref)
         # the same external buffers again (what GraphRunner passes every run): no change
@@ -455,8 +456,27 @@ def test_bindings_list_every_field_their_address_is_written_to(fakes, kind):
         exe.replay({"x": xb, "y": yb, "hin": hin, "hout": hout})
         assert graph.counts["cuGraphLaunch"] == launches + 1
         assert graph.counts["cuGraphExecMemcpyNodeSetParams"] == 0
-        with pytest.raises(orchestra.execute.BindingError, match="baked into the graph"):
-            exe.replay({"x": _FakeBuf(graph, N)})
+        # another buffer for x: re-pointed in place, one SetParams per node it reaches, at
+        # each use's byte offset (the kernel's pointer field in its packed struct too)
+        x2 = _FakeBuf(graph, N)
+        before = Counter(graph.counts)
+        hout[:] = np.nan
+        exe.replay({"x": x2})
+        delta = graph.counts - before
+        assert delta == Counter({"cuGraphExecKernelNodeSetParams": 1,
+                                 "cuGraphExecMemcpyNodeSetParams": 1,
+                                 "cuGraphExecMemsetNodeSetParams": 1, "cuGraphLaunch": 1})
+        fe = graph.execs[int(exe.handle)]
+        slot = {name: fe.slots[fe.index[int(r.gnode)]] for name, r in exe._records.items()}
+        assert slot["up"]["dst"] == x2.ptr + N // 2 and slot["zero"]["dst"] == x2.ptr
+        kernel_args = exe._kernels["k"].struct
+        assert kernel_args.a0 == x2.ptr and kernel_args.a1 == yb.ptr
+        np.testing.assert_array_equal(hout, ref)  # the same result, through the new buffer
+        graph.mem[xb.ptr][:] = 0xDD  # the old buffer is no longer read
+        hout[:] = np.nan
+        exe.replay()
+        np.testing.assert_array_equal(hout, ref)
+        assert exe.device_bindings == {"x": x2, "y": yb} and exe.repoint_updates == 0
         exe.close()
 
 
@@ -486,70 +506,121 @@ def test_eager_runs_take_the_replay_fast_path(fakes, monkeypatch):
         assert fakes[0].counts["cuLaunchKernel"] == launches
 
 
-class _Leased(od.Resource):
-    def __init__(self, released, device):
-        self._own = od.Owner(self, object(), released.append, device, "PinnedBuffer")
-
-
 @pytest.fixture
-def leases(monkeypatch):
-    """Make every binding keep its memory alive with a `Lease`: ``(held, released)``."""
+def owned(monkeypatch):
+    """Owned pinned arrays and device buffers whose leases and releases the tests count
+    (`tests.fake_pinned`); at the end every one was released exactly once."""
     monkeypatch.setattr(owner_mod, "context_alive", lambda ordinal: True)
-    dev = types.SimpleNamespace(ordinal=0, pushed=contextlib.nullcontext)
-    held, released = {}, []
-
-    def keep_alive(self, b, value, array):
-        thing = _Leased(released, dev)
-        lease = thing.lease()
-        thing.close()  # the owner lets go: the lease alone keeps it
-        held[id(lease)] = (b.name, lease)
-        return lease
-
-    monkeypatch.setattr(BindingTable, "keep_alive", keep_alive)
-    return held, released
-
-
-def _out(held):
-    return sorted(name for name, lease in held.values() if not lease.released)
+    o = Owned()
+    yield o
+    o.check_once()
 
 
 @pytest.mark.parametrize("kind", ["capture", "graph-build"])
-def test_an_exec_holds_what_keeps_bound_memory_alive_until_no_launch_needs_it(fakes, kind,
-                                                                              leases):
-    held, released = leases
+def test_an_exec_leases_bound_memory_until_no_launch_needs_it(fakes, kind, owned):
+    """The exec leases the registration behind every bound array; a rebinding's old lease
+    ends at the next synchronize (launches may read it until then), an update's old build's
+    at the synchronize after it, everything at close; each release runs once."""
     g, bs, bind = pipeline(1)
     name = bs[0].host_in.buffer.name
+    regs = owned.pin(bind)
     with executor(kind, fakes) as ex:
         exe = ex.build(g, None, bind)
-        assert _out(held) == sorted(bind)
+        assert owned.leased() == sorted(r.name for r in regs.values())
         exe.launch()  # pending
-        exe.replay({name: np.ones(N // 4, np.float32)}, sync=False)
-        assert _out(held) == sorted(list(bind) + [name])  # the old one: launches may read it
+        new = np.ones(N // 4, np.float32)
+        (reg2,) = owned.pin({name: new}).values()
+        exe.replay({name: new}, sync=False)
+        assert regs[name].leases == 1 and reg2.leases == 1  # the old one: a launch may read it
+        regs[name].close()  # no longer bound, but a launch may still read it
+        assert owned.released[regs[name].name] == 0
         exe.synchronize()
-        assert _out(held) == sorted(bind) and len(released) == 1
-        exe.update(g)  # a new build binds the same arrays; the old build's keeps go at sync
+        assert owned.released[regs[name].name] == 1 and reg2.leases == 1
+        exe.update(g)  # a new build leases the same arrays; the old build's leases end at sync
+        assert reg2.leases == 2
         exe.synchronize()
-        assert _out(held) == sorted(bind)
+        assert reg2.leases == 1
+        reg2.close()  # closed under the exec: kept until the exec closes
+        assert owned.released[reg2.name] == 0
+        exe.replay()
+        check(bs, {**bind, name: new})
+        with pytest.raises(orchestra.execute.ClosedBindingError,
+                           match=f"binding {name} .a {kind} GraphExec.: the HostRegistration"):
+            exe.replay({name: new})  # bound again after the close: refused
         exe.close()
-    assert _out(held) == [] and len(released) == len(held)
+        assert owned.released[reg2.name] == 1 and owned.leased() == []
 
 
-def test_an_eager_run_holds_bound_memory_until_queued_runs_are_done(fakes, leases):
-    held, released = leases
+@pytest.mark.parametrize("kind", ["eager", "capture", "graph-build"])
+def test_leases_kept_for_rebinding_are_bounded(fakes, kind, owned, monkeypatch):
+    """A table keeps the leases of owners bound before (a staging pool bound in turn costs no
+    new lease), but no more than HELD_MAX unused ones past a synchronize: many distinct
+    owners bound in turn do not pile up."""
+    monkeypatch.setattr(BindingTable, "HELD_MAX", 4)
+    g, bs, bind = pipeline(1)
+    name = bs[0].host_in.buffer.name
+    owned.pin(bind)
+    arrays = [np.ones(N // 4, np.float32) * i for i in range(12)]
+    regs = [next(iter(owned.pin({name: a}).values())) for a in arrays]
+    with executor(kind, fakes) as ex:
+        exe = None if kind == "eager" else ex.build(g, None, bind)
+        for a in arrays:
+            if kind == "eager":
+                ex.run(g, bindings={**bind, name: a})
+            else:
+                exe.replay({name: a})
+            check(bs, {**bind, name: a})
+        leased = [r.leases for r in regs]
+        assert leased[-1] == 1 and sum(leased) <= 4 + 2, leased  # bound + at most HELD_MAX
+        if exe is not None:
+            exe.close()
+    assert sum(r.leases for r in regs) == 0
+
+
+def test_an_eager_run_leases_bound_memory_until_queued_runs_are_done(fakes, owned):
     g, bs, bind = pipeline(1)
     other = {k: v.copy() for k, v in bind.items()}
+    first, second = owned.pin(bind), owned.pin(other)
     with executor("eager", fakes) as ex:
         ex.run(g, bindings=bind, sync=False)
-        assert _out(held) == sorted(bind)
+        assert owned.leased() == sorted(r.name for r in first.values())
         ex.run(g, bindings=other, sync=False)
-        assert len(_out(held)) == 2 * len(bind)  # the first set: its run is still queued
+        assert len(owned.leased()) == 2 * len(bind)  # the first set: its run is still queued
         ex.synchronize()
-        assert _out(held) == sorted(bind) and len(released) == len(bind)
+        # the first set is not bound now; its leases stay with the plan for a rebinding to
+        # come, until their owners close them
+        assert len(owned.leased()) == 2 * len(bind)
         ex.run(g, bindings=other, sync=False)  # the same arrays: nothing taken or released
-        assert len(held) == 2 * len(bind)
-        ex.run(g, bindings=bind)  # nothing queued: the replaced arrays go at once
-        assert len(released) == 2 * len(bind) and _out(held) == sorted(bind)
-    assert _out(held) == [] and len(released) == len(held)  # closed: after its last sync
+        assert {r.leases for r in second.values()} == {1}
+        ex.run(g, bindings=bind)
+        assert {r.leases for r in first.values()} == {1}  # the same lease, bound again
+        for r in second.values():  # unused now: released at the next synchronize
+            r.close()
+        assert all(owned.released[r.name] == 0 for r in second.values())
+        ex.run(g, bindings=bind)
+        assert all(owned.released[r.name] == 1 for r in second.values())
+        other = {k: v.copy() for k, v in bind.items()}
+        second = owned.pin(other)
+        # an owner closed while bound: its memory goes at the next synchronize, binding the
+        # closed array again is refused before anything is enqueued
+        reg = first[bs[0].host_in.buffer.name]
+        ex.run(g, bindings=bind, sync=False)
+        reg.close()
+        assert owned.released[reg.name] == 0  # a queued run reads it
+        launches = fakes[0].counts["cuLaunchKernel"]
+        with pytest.raises(orchestra.execute.ClosedBindingError,
+                           match="the eager executor's run.: the HostRegistration bound to it "
+                                 "is closed"):
+            ex.run(g, bindings=bind)
+        assert fakes[0].counts["cuLaunchKernel"] == launches
+        ex.synchronize()
+        assert owned.released[reg.name] == 1  # the queued run is done: the memory goes
+        fakes[0].pinned = lambda a: a.ctypes.data != reg.array.ctypes.data  # unpinned now
+        with pytest.raises(orchestra.execute.PageableMemoryError):
+            ex.run(g, bindings=bind)
+        ex.run(g, bindings=other)
+        check(bs, other)
+    assert owned.leased() == []  # closed: after its last sync
 
 
 # -- IdentityLRU --------------------------------------------------------------------------------

@@ -108,6 +108,13 @@ class PinnedRanges:
             return hit[1]._what
         return None
 
+    def owner(self, lo: int, hi: int) -> Owner | None:
+        """The `Owner` of the orchestra memory that holds all of ``[lo, hi)`` (open or closed),
+        or None (memory pinned outside orchestra, or not pinned). Its ``lease()`` is what
+        `lease` takes; callers that bind the same memory again keep it to skip the lookup."""
+        hit = self._find(lo, hi)
+        return None if hit is None else hit[1]
+
     def lease(self, lo: int, hi: int) -> Lease | None:
         """A `Lease` on the owner of the orchestra memory that holds all of ``[lo, hi)``, so
         an executor that binds a plain numpy view of it keeps the memory pinned and allocated

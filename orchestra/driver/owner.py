@@ -39,6 +39,13 @@ from orchestra.driver import live
 from orchestra.driver.device import context_alive
 from orchestra.errors import ClosedError
 
+#: ``[n]``: bumped every time a leased handle is closed (its release deferred). Holders of
+#: leases that skip re-checking an object bound before (the executors' identity fast paths)
+#: compare it with the value they saw: a change means some leased object was closed since, so
+#: they look again. One list cell, read without a call; the bump follows the object reading as
+#: closed, so a reader that sees the old value after the bump has begun still sees the close.
+CLOSE_EPOCH = [0]
+
 
 class ResourceClosedError(ClosedError):
     """A closed resource was used: its handle read, or a lease asked for (binding it to new
@@ -92,6 +99,13 @@ class Lease:
     @property
     def released(self) -> bool:
         return not self._claim
+
+    @property
+    def owner_closed(self) -> bool:
+        """True once the leased object was closed (its handle stays valid for this lease, but
+        it may not be bound to new work), or once this lease was released."""
+        claim = self._claim
+        return not claim or claim[0].closed
 
     def release(self) -> None:
         """End the lease; a no-op if it already ended. See the class doc."""
@@ -219,6 +233,7 @@ class Owner:
             self._release_now()  # the un-leased path: released now, as without leases
             return
         live.deferring(self._kind)
+        CLOSE_EPOCH[0] += 1  # after the finalizer died: the object reads as closed already
         self._deferred.append(True)
         if not self._leases:  # the last lease ended while this was being marked
             self._release_now()

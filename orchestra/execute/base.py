@@ -21,6 +21,7 @@ import weakref
 from typing import Any, Callable, ClassVar
 
 from orchestra.driver.api import default_api
+from orchestra.driver.owner import ResourceClosedError
 from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
 from orchestra.execute.closable import Closable
 from orchestra.execute.copy_table import copy_policy
@@ -234,10 +235,42 @@ class ExecutorBase(Closable):
 
     def _bindings(self, graph: TaskGraph, bindings=None) -> BindingTable:
         """A `BindingTable` for ``graph`` (the executor's pinned checks) bound to ``bindings``
-        (all checks: `BindingError`, `PageableMemoryError`)."""
-        table = BindingTable(graph, self._pinned)
+        (all checks: `BindingError`, `ClosedBindingError`, `PageableMemoryError`), each value
+        leased (docs/errors.md, "Lifetimes"); release it (`release_keep`) once no work of the
+        graph can run."""
+        table = BindingTable(graph, self._pinned, where=f"the {self.executor_name} "
+                             "executor's build")
         table.bind(bindings)
         return table
+
+    def _lease_modules(self, resolved: dict) -> list:
+        """A `Lease` on the `Module` of every kernel in ``resolved`` (node name -> its
+        lowering's resolve result), once per module: the code a prepared plan or a built graph
+        launches stays loaded until it is released (docs/errors.md, "Lifetimes"). Kernels
+        without a leasable module (test fakes) need none. Raises `ResourceClosedError` naming
+        the node when a module was closed since it was resolved, leasing nothing."""
+        leases: list = []
+        seen: set[int] = set()
+        try:
+            for name, r in resolved.items():
+                kernel = getattr(r, "kernel", None)
+                module = getattr(kernel, "module", None)
+                lease = getattr(module, "lease", None)
+                if not callable(lease) or id(module) in seen:
+                    continue
+                seen.add(id(module))
+                try:
+                    leases.append(lease())
+                except ResourceClosedError:
+                    raise ResourceClosedError(
+                        f"kernel node {name}: kernel {getattr(kernel, 'name', '?')!r} belongs "
+                        f"to a Module that was closed while the {self.executor_name} "
+                        "executor prepared it; run or build again (its resolver loads a "
+                        "closed module again)", "Module") from None
+        except BaseException:
+            release_keep(leases)
+            raise
+        return leases
 
     # -- lifetime -----------------------------------------------------------------------------
 

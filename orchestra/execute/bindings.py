@@ -33,15 +33,21 @@ another library) is asked of the driver once and remembered while the array's me
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any, Callable, Mapping
 
 import attrs
 import numpy as np
 
 from orchestra.driver import host as _host
-from orchestra.driver.owner import Lease
+from orchestra.driver.owner import CLOSE_EPOCH, Lease, ResourceClosedError
 from orchestra.errors import NotFoundError
-from orchestra.execute.errors import PIN_HOWTO, BindingError, PageableMemoryError
+from orchestra.execute.errors import (
+    PIN_HOWTO,
+    BindingError,
+    ClosedBindingError,
+    PageableMemoryError,
+)
 from orchestra.execute.lru import IdentityLRU
 from orchestra.graph import Alloc, Buffer, Free, TaskGraph
 
@@ -49,6 +55,8 @@ from orchestra.graph import Alloc, Buffer, Free, TaskGraph
 _from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 _RANGES = _host.pinned_ranges()  # the process-wide registry of orchestra's pinned ranges
+_CLOSES = CLOSE_EPOCH  # bumped when a leased object is closed
+_SELF = object()  # a remembered keep that is the value itself
 
 
 def host_address(a: np.ndarray) -> int:
@@ -196,6 +204,12 @@ def check_host_array(name: str, value, nbytes: int, writer: str | None,
             f"binding {name}: the array has {a.nbytes} bytes ({_describe(a)}) but host "
             f"buffer {name} has {nbytes} bytes; the sizes must match exactly")
     check_writable(name, a, writer)
+    lo = host_address(a)
+    closed = _RANGES.closed_owner(lo, lo + a.nbytes)
+    if closed is not None:  # pinned only until the work bound to it before is done
+        raise ResourceClosedError(
+            f"binding {name}: the host memory [{lo:#x}, {lo + a.nbytes:#x}) belongs to a "
+            f"{closed} that is closed", closed)
     if not pinned(a):
         raise PageableMemoryError(
             f"binding {name}: the array ({_describe(a)}) is in pageable memory; orchestra "
@@ -296,6 +310,14 @@ class SlotUser:
 # -- the table -------------------------------------------------------------------------------
 
 
+def bind_version() -> int:
+    """What a checked binding's validity depends on, as one int that only grows: the pinned
+    ranges' version (a range removed or its owner closed) plus the close epoch (a leased
+    object closed, `orchestra.driver.owner.CLOSE_EPOCH`). An identity fast path is valid while
+    it is unchanged."""
+    return _RANGES.version + _CLOSES[0]
+
+
 class Binding:
     """One bindable buffer of a graph and what is bound to it now.
 
@@ -303,12 +325,19 @@ class Binding:
     (the graph's `HostBuffer` / `Buffer`); ``nbytes``; ``writer`` (the node that writes a host
     buffer, else None); ``value`` (the object given in ``bindings``, None before the first
     bind), ``array`` (the numpy array behind a host value), ``address``; ``keep`` (what keeps
-    the bound memory alive while it is bound: the value itself); ``version`` (of the pinned
-    ranges when the value was checked); ``users`` (`BindingUser` / `SlotUser` list).
+    the bound memory alive while it is bound: the table's `Held` lease on the memory's owner,
+    else the value itself); ``leaser`` (the callable that made the lease, None for a kept object);
+    ``version`` (`bind_version` when the value was checked, -1 while unbound); ``users``
+    (`BindingUser` / `SlotUser` list); ``known``: values checked for this binding before,
+    ``id(value) -> (weak reference, address, version, leaser, keep or None)`` (a few staging
+    arrays or device buffers bound in turn skip their checks and their lease lookup:
+    `BindingTable.remembered`).
     """
 
     __slots__ = ("name", "kind", "buffer", "nbytes", "writer", "value", "array", "address",
-                 "keep", "version", "users")
+                 "keep", "leaser", "version", "users", "known")
+
+    KNOWN_MAX = 8
 
     def __init__(self, name: str, kind: str, buffer, writer: str | None = None):
         self.name = name
@@ -320,29 +349,59 @@ class Binding:
         self.array: Any = None  # np.ndarray once a host value is bound
         self.address = 0
         self.keep: Any = None
+        self.leaser: Any = None
         self.version = -1
         self.users: list = []
+        self.known: dict = {}
 
     def __repr__(self) -> str:
         state = "unbound" if self.value is None else f"{self.address:#x}"
         return f"<Binding {self.kind} {self.name}: {state}, {len(self.users)} users>"
 
 
+def _leaser_of(value, array):
+    """The callable that leases the memory behind a checked binding value, or None (the value
+    itself is kept): ``value.lease`` for anything that has one (`DeviceBuffer`, `PinnedBuffer`,
+    `HostRegistration`, another library's buffer with a ``lease()``), else, for a numpy array,
+    the ``lease`` of the `PinnedBuffer` / `HostRegistration` whose pinned range holds it
+    (`orchestra.driver.pinned_ranges`); None for memory pinned outside orchestra."""
+    lease = getattr(value, "lease", None)
+    if callable(lease) and not isinstance(value, np.ndarray):
+        return lease
+    if array is None:
+        return None
+    lo = host_address(array)
+    owner = _RANGES.owner(lo, lo + array.nbytes)
+    return owner.lease if owner is not None else None
+
+
 class BindingTable:
     """What a graph needs bound, and what is bound: one `Binding` per host buffer (`host`) and
     per external device buffer (`external`), computed once per graph.
 
-    `resolve` checks a whole ``bindings`` mapping (a run, a build); `check` one value (a
-    replay); `commit` records a checked value. ``pinned``: the `PinnedCheck` to use (default:
-    a new one). Not thread-safe: its owner (an executor, a graph exec) holds its own lock.
+    `bind` checks a whole ``bindings`` mapping (a run, a build); `check` one value (a
+    replay), `acquire` what keeps it alive, `commit` records it. ``pinned``: the `PinnedCheck`
+    to use (default: a new one). ``where`` names what the table binds for (``"the eager
+    executor's run"``, ``"a capture GraphExec"``): the closed-resource errors say it.
 
-    Also importable as ``BindingSpec`` (its earlier name).
+    Lifetimes (docs/errors.md, "Lifetimes"): every bound value is held by a lease on the memory
+    behind it (`acquire`: one `Held` lease per owner, shared) while it is bound; a value
+    replaced by a rebinding is returned by `commit` / `bind` for its owner to `release_keep`
+    once no queued run or launch can read it; the table keeps a lease no binding uses (a pool
+    of staging arrays is bound again soon) until its owner closes (`sweep`, run by the table's
+    owner when nothing is queued) or the table is released (`release`). A value whose owner is
+    closed is refused with `ClosedBindingError` before anything changes.
+
+    Not thread-safe: its owner (an executor, a graph exec) holds its own lock. Also importable
+    as ``BindingSpec`` (its earlier name).
     """
 
     CHECKED_MAX = 64  # remembered checked arrays (a pool of staging arrays bound in turn)
+    HELD_MAX = 64  # leases kept for owners no binding uses now (bound again soon, often)
 
-    def __init__(self, graph: TaskGraph, pinned: PinnedCheck | None = None):
+    def __init__(self, graph: TaskGraph, pinned: PinnedCheck | None = None, where: str = ""):
         self.pinned = pinned if pinned is not None else PinnedCheck()
+        self.where = where
         allocated = {n.buffer.name for n in graph.nodes if isinstance(n, (Alloc, Free))}
         self.allocated = frozenset(allocated)
         written: dict[str, str] = {}
@@ -358,12 +417,14 @@ class BindingTable:
         self.external: dict[str, Binding] = {
             b.name: Binding(b.name, "device", b) for b in graph.buffers
             if b.name not in allocated}
+        self.all: dict[str, Binding] = {**self.host, **self.external}
         self._checked = IdentityLRU(self.CHECKED_MAX, weak=True)  # (value,), (name,)
+        self._held: dict[int, Held] = {}  # id(lease source) -> its Held lease
 
     # -- lookups ------------------------------------------------------------------------------
 
     def get(self, name: str) -> Binding | None:
-        return self.host.get(name) or self.external.get(name)
+        return self.all.get(name)
 
     def values(self) -> dict:
         """buffer name -> the bound object, external device buffers first."""
@@ -373,24 +434,43 @@ class BindingTable:
     def use(self, name: str, user) -> None:
         """Register ``user`` as a place binding ``name``'s address is written; names that are
         not bindings (buffers the graph allocates) are ignored."""
-        b = self.host.get(name) or self.external.get(name)
+        b = self.all.get(name)
         if b is not None:
             b.users.append(user)
 
     # -- checks -------------------------------------------------------------------------------
 
+    def closed_error(self, name: str, what: str, detail: str = "") -> ClosedBindingError:
+        """The `ClosedBindingError` for binding ``name`` whose ``what`` was closed."""
+        where = f" ({self.where})" if self.where else ""
+        return ClosedBindingError(
+            f"binding {name}{where}: the {what or 'object'} bound to it is closed{detail}; it "
+            f"cannot be bound to new work (work bound to it before the close keeps its memory "
+            f"until that work is done); bind an open one", name, what)
+
     def check(self, b: Binding, value, version: int) -> tuple:
-        """Every check of ``value`` for binding ``b`` (``version``: the pinned ranges' version
-        read before): ``(array or None, address)``. The fast paths: the very object bound now,
-        or an array checked before, while the pinned ranges are unchanged (writability is
-        checked every time). Raises `BindingError` / `PageableMemoryError`."""
+        """Every check of ``value`` for binding ``b`` (``version``: `bind_version` read
+        before): ``(array or None, address, leaser)``. The fast paths: the very object bound
+        now, or an array checked before for this binding (or any binding of the table), while
+        ``version`` is unchanged (writability is checked every time). Raises `BindingError`,
+        `ClosedBindingError` (its owner closed), `PageableMemoryError`."""
         if b.kind == "device":
-            if value is b.value and b.version >= 0:  # bound before (and not released since)
-                return None, b.address
-            return None, check_device_buffer(b.name, value, b.buffer)
+            if value is b.value and version == b.version:  # bound before, nothing closed since
+                return None, b.address, b.leaser
+            try:
+                ptr = check_device_buffer(b.name, value, b.buffer)
+            except ResourceClosedError as exc:
+                raise self.closed_error(b.name, exc.what or type(value).__name__) from None
+            return None, ptr, _leaser_of(value, None)
         if value is b.value and version == b.version:
             check_writable(b.name, b.array, b.writer)
-            return b.array, b.address
+            return b.array, b.address, b.leaser
+        known = b.known.get(id(value))
+        if known is not None and known[2] == version and known[0]() is value:
+            a = value if type(value) is np.ndarray else as_host_array(b.name, value)
+            if b.writer is not None and not a.flags.writeable:
+                check_writable(b.name, a, b.writer)  # raises
+            return a, known[1], known[3]
         try:
             hit = self._checked.get((value,), (b.name,))
         except TypeError:  # no weak references: checked every time
@@ -398,37 +478,158 @@ class BindingTable:
         if hit is not None and hit[1] == version:
             a = value if type(value) is np.ndarray else as_host_array(b.name, value)
             check_writable(b.name, a, b.writer)
-            return a, hit[0]
-        a = check_host_array(b.name, value, b.nbytes, b.writer, self.pinned)
-        address = host_address(a)
+            self._know(b, value, hit[0], version, hit[2])
+            return a, hit[0], hit[2]
         try:
-            self._checked.put((value,), (b.name,), (address, version))
+            a = check_host_array(b.name, value, b.nbytes, b.writer, self.pinned)
+        except ResourceClosedError as exc:  # a closed PinnedBuffer / HostRegistration given
+            raise self.closed_error(b.name, exc.what or type(value).__name__) from None
+        address = host_address(a)
+        leaser = _leaser_of(value, a)
+        try:
+            self._checked.put((value,), (b.name,), (address, version, leaser))
         except TypeError:
             pass
-        return a, address
+        self._know(b, value, address, version, leaser)
+        return a, address, leaser
 
-    def commit(self, b: Binding, value, array, address: int, version: int):
-        """Record ``value`` (checked with `check`) as bound to ``b``; returns what kept the
-        previous value alive (to `release_keep` once the work queued with it is done)."""
+    @staticmethod
+    def _know(b: Binding, value, address: int, version: int, leaser) -> None:
+        known = b.known
+        if len(known) >= b.KNOWN_MAX:
+            known.clear()
+        try:
+            known[id(value)] = (weakref.ref(value), address, version, leaser, None)
+        except TypeError:  # no weak references
+            pass
+
+    @staticmethod
+    def remembered(b: Binding, value, version: int):
+        """The fast path of `check` + `acquire` in one step, for a numpy array or an external
+        device buffer checked and leased for ``b`` before, with nothing unpinned or closed
+        since (``version``) and writability unchanged: ``(address, keep, leaser)`` with the
+        use of its `Held` lease counted, else None (take `check` and `acquire`)."""
+        known = b.known.get(id(value))
+        if known is None or known[2] != version or known[0]() is not value:
+            return None
+        keep = known[4]
+        if keep is None:
+            return None
+        if keep is _SELF:  # the value keeps itself (memory pinned outside orchestra)
+            keep = value
+        if b.kind == "host":
+            if type(value) is not np.ndarray or (b.writer is not None
+                                                 and not value.flags.writeable):
+                return None
+        if type(keep) is Held:
+            if not keep.lease._claim:  # ended by a sweep (an owner beyond HELD_MAX)
+                return None
+            keep.count += 1
+        return known[1], keep, known[3]
+    def acquire(self, b: Binding, value, leaser):
+        """What keeps ``value`` (checked for ``b``) alive while it is bound: the binding's own
+        keep when ``value`` is bound already; else the table's `Held` lease on the value's
+        owner (``leaser.__self__``), taken from ``leaser`` the first time and shared by every
+        binding of that owner's memory; None ``leaser``: the value itself.
+        `ClosedBindingError` when the owner was closed since the check."""
+        if value is b.value and b.keep is not None:  # re-checked after some close elsewhere
+            return b.keep
+        if leaser is None:
+            return value
+        source = getattr(leaser, "__self__", leaser)
+        held = self._held.get(id(source))  # the entry holds source: its id is not reused
+        if held is not None:
+            # `check` found the owner open at this version, and a lease of the table ends only
+            # under its owner's lock (here held): the lease is still out unless it ended
+            # before a close that `check` would have seen
+            if held.lease.released:
+                raise self.closed_error(b.name, held.lease.what)
+            held.count += 1
+            return held
+        try:
+            lease = leaser()
+        except ResourceClosedError as exc:
+            raise self.closed_error(b.name, exc.what) from None
+        held = self._held[id(source)] = Held(lease, source)
+        return held
+
+    @staticmethod
+    def kept(b: Binding, value, keep) -> None:
+        """Note ``keep`` (from `acquire`) in ``b``'s entry for ``value``, for `remembered`."""
+        known = b.known.get(id(value))
+        if keep is value:
+            keep = _SELF  # never the value itself: the entry must not keep it alive
+        if known is not None and known[4] is not keep and known[0]() is value:
+            b.known[id(value)] = known[:4] + (keep,)
+
+    def commit(self, b: Binding, value, array, address: int, version: int, keep, leaser=None):
+        """Record ``value`` (checked with `check`, kept by ``keep`` from `acquire`) as bound
+        to ``b``; returns what kept the previous value alive (None when ``keep`` is the same),
+        for its owner to `release_keep` once the work queued with it is done."""
         old = b.keep
         b.value = value
         b.array = array
         b.address = address
         b.version = version
-        b.keep = self.keep_alive(b, value, array)
-        return old
+        b.keep = keep
+        b.leaser = leaser
+        return None if old is keep else old
 
     def keep_alive(self, b: Binding, value, array):
-        """What keeps ``value``'s memory alive while it is bound to ``b``: the value itself
-        (the one place a reference-counted lease on the memory behind it would be taken)."""
-        return value
+        """What keeps ``value``'s memory alive while it is bound to ``b``: a lease on its
+        owner (see `acquire`), else the value itself."""
+        return self.acquire(b, value, _leaser_of(value, array))
 
     def release(self) -> None:
-        """Unbind everything: release what kept the bound memory alive (only once no queued
-        work uses it); the table binds again from scratch."""
-        for b in (*self.host.values(), *self.external.values()):
-            keep, b.keep, b.value, b.array, b.version = b.keep, None, None, None, -1
+        """Unbind everything and end every lease the table holds (call it only once no queued
+        work uses them); the table binds again from scratch."""
+        for b in self.all.values():
+            keep, b.keep, b.value, b.array, b.version, b.leaser = (b.keep, None, None, None, -1,
+                                                                    None)
             release_keep(keep)
+        held, self._held = self._held, {}
+        for h in held.values():
+            h.count = 0
+            h.lease.release()
+        for b in self.all.values():
+            b.known.clear()
+
+    @property
+    def held(self) -> int:
+        """How many leases the table holds now (bound or kept for a rebinding)."""
+        return len(self._held)
+
+    def sweep(self) -> int:
+        """End the leases no binding uses any more (``count`` 0: every value bound to them was
+        replaced and the work queued with it is done) whose owner was closed, and, beyond
+        `HELD_MAX` entries, the unused ones that are oldest. Call it only once no queued work
+        can read them. Returns how many leases ended."""
+        held = self._held
+        if not held:
+            return 0
+        spare = len(held) - self.HELD_MAX
+        ended = 0
+        for key, h in list(held.items()):
+            if h.count <= 0 and (spare > 0 or h.lease.owner_closed):
+                del held[key]
+                h.lease.release()
+                spare -= 1
+                ended += 1
+        return ended
+
+    def drop_closed(self) -> int:
+        """Unbind every binding whose leased owner was closed and `sweep` (only once no queued
+        work uses them): the memory goes now, and binding the closed object again is
+        refused. Returns how many bindings were dropped."""
+        dropped = 0
+        for b in self.all.values():
+            keep = b.keep
+            if type(keep) is Held and keep.lease.owner_closed:
+                b.keep, b.value, b.array, b.version, b.leaser = None, None, None, -1, None
+                keep.count -= 1
+                dropped += 1
+        self.sweep()
+        return dropped
 
     def unknown(self, bindings: Mapping) -> None:
         """`BindingError` listing every buffer ``bindings`` leaves unbound and every name that
@@ -462,11 +663,12 @@ class BindingTable:
 
     def bind(self, bindings: Mapping[str, Any] | None) -> list | tuple:
         """Check ``bindings`` (name -> array / DeviceBuffer: every buffer of the graph, nothing
-        else), all before changing anything, then commit them and write the addresses of the
-        changed ones to their users. Returns what kept the replaced values alive.
+        else) and lease what they need, all before changing anything, then commit them and
+        write the addresses of the changed ones to their users. Returns what kept the replaced
+        values alive (release it once no queued work uses them).
 
-        Raises `BindingError` (a ``ValueError``) or `PageableMemoryError` (a ``TypeError``);
-        both say what to change.
+        Raises `BindingError` (a ``ValueError``; `ClosedBindingError` for a closed value) or
+        `PageableMemoryError` (a ``TypeError``); each says what to change.
         """
         if type(bindings) is not dict:  # the common case skips the ABC check
             bindings = {} if bindings is None else bindings
@@ -476,8 +678,9 @@ class BindingTable:
         host, external = self.host, self.external
         if len(bindings) != len(host) + len(external):
             self.unknown(bindings)
-        version = _RANGES.version
-        checked: list[tuple[Any, ...]] = []
+        version = bind_version()
+        checked: list[tuple[Any, ...]] = []  # (binding, value, array, address, leaser, keep)
+        remember = self.remembered
         try:
             for name, b in host.items():
                 value = bindings[name]
@@ -485,22 +688,50 @@ class BindingTable:
                     if b.writer is not None and not b.array.flags.writeable:
                         check_writable(name, b.array, b.writer)  # raises
                     continue
-                checked.append((b, value) + self.check(b, value, version))
+                fast = remember(b, value, version)
+                if fast is not None:  # checked and leased for this binding before
+                    checked.append((b, value, value, fast[0], fast[2], fast[1]))
+                else:
+                    checked.append((b, value) + self.check(b, value, version) + (None,))
             for name, b in external.items():
                 value = bindings[name]
-                if value is not b.value or b.version < 0:
-                    checked.append((b, value) + self.check(b, value, version))
-        except KeyError:
-            self.unknown(bindings)
+                if value is not b.value or version != b.version:
+                    fast = remember(b, value, version)
+                    if fast is not None:
+                        checked.append((b, value, None, fast[0], fast[2], fast[1]))
+                    else:
+                        checked.append((b, value) + self.check(b, value, version) + (None,))
+        except BaseException as exc:
+            for entry in checked:  # uses counted by `remembered` end again
+                if entry[5] is not None:
+                    release_keep(entry[5])
+            if isinstance(exc, Exception):
+                self.unknown(bindings)  # a missing or unknown name before a bad value
             raise
-        except Exception:
-            self.unknown(bindings)  # a missing or unknown name is reported before a bad value
-            raise
-        if not checked:  # every value bound already: nothing to write
+        if not checked:  # every value bound already: nothing to lease or write
             return _NOTHING
+        keeps: list = []
+        try:
+            for b, value, _array, address, leaser, keep in checked:
+                if keep is None:
+                    keep = self.acquire(b, value, leaser)
+                    if b.kind == "device":
+                        self._know(b, value, address, version, leaser)
+                    self.kept(b, value, keep)
+                keeps.append(keep)
+        except BaseException:
+            for entry, keep in zip(checked, keeps):
+                if keep is not entry[0].keep:
+                    release_keep(keep)
+            for entry in checked[len(keeps):]:
+                if entry[5] is not None:
+                    release_keep(entry[5])
+            raise
         released = []
-        for b, value, array, address in checked:
-            released.append(self.commit(b, value, array, address, version))
+        for (b, value, array, address, leaser, _), keep in zip(checked, keeps):
+            old = self.commit(b, value, array, address, version, keep, leaser)
+            if old is not None:
+                released.append(old)
             for u in b.users:
                 u.set(address)
         return released
@@ -522,9 +753,34 @@ BindingSpec = BindingTable  # its earlier name
 _NOTHING: tuple = ()  # what bind returns when nothing changed
 
 
+class Held:
+    """A lease a `BindingTable` holds on one owner (``source``: the object whose ``lease()``
+    made it), shared by the bindings bound to that owner's memory: ``count`` of them, plus the
+    replaced values whose work may still run. At 0 the lease stays with the table (the next
+    rebinding to the same memory costs no new lease) until `BindingTable.sweep` or `release`
+    ends it."""
+
+    __slots__ = ("lease", "count", "source", "epoch")
+
+    def __init__(self, lease: Lease, source):
+        self.lease = lease
+        self.count = 1
+        self.source = source
+        self.epoch = _CLOSES[0]  # a close of its owner (leased: deferred) moves the epoch on
+
+    def __repr__(self) -> str:
+        return f"<Held {self.lease!r} x{self.count}>"
+
+
 def release_keep(keep) -> None:
-    """End what `BindingTable.keep_alive` (or `commit`) handed out: a `BindingTable`'s keeps,
+    """End what `BindingTable.acquire` (or `commit`, `bind`) handed out, once no queued work
+    uses it: a `Held` lease's use (the table ends the lease later), a `BindingTable`'s keeps,
     a lease (``release()``), each item of a list or tuple; a plain object needs nothing."""
+    if type(keep) is Held:
+        keep.count -= 1
+        if keep.count <= 0 and _CLOSES[0] != keep.epoch and keep.lease.owner_closed:
+            keep.lease.release()  # unused and closed: nobody may bind it again
+        return
     if keep is None:
         return
     if isinstance(keep, BindingTable):
@@ -537,6 +793,6 @@ def release_keep(keep) -> None:
 
 
 __all__ = ["Binding", "BindingSpec", "BindingTable", "BindingUser", "DeviceBinding",
-           "FIELD_OFFSETS", "HostBinding", "PinnedCheck", "ResolvedBindings", "SlotUser",
+           "FIELD_OFFSETS", "Held", "HostBinding", "PinnedCheck", "ResolvedBindings", "SlotUser",
            "as_host_array", "check_device_buffer", "check_host_array", "check_writable",
            "field_cell", "host_address", "release_keep"]

@@ -41,6 +41,7 @@ from typing import Any, Mapping
 import attrs
 
 from orchestra.driver import Device
+from orchestra.driver.owner import CLOSE_EPOCH
 from orchestra.errors import CallOrderError, CudaError
 from orchestra.execute.base import ExecutorBase
 from orchestra.execute.bindings import BindingTable, release_keep
@@ -65,18 +66,19 @@ class _Prepared:
     """One (graph, plan), ready to run: the lowered program, its address slots and binding
     table, the streams it enqueues on, the host-function tokens it registered."""
 
-    __slots__ = ("graph", "plan", "bindings", "addresses", "program", "streams", "tokens",
-                 "resolved", "unfreed", "prepare_ms", "lowered", "copies", "size",
+    __slots__ = ("graph", "plan", "bindings", "modules", "addresses", "program", "streams",
+                 "tokens", "resolved", "unfreed", "prepare_ms", "lowered", "copies", "size",
                  "stream_list")
 
     def __init__(self, graph, plan, bindings: BindingTable, addresses: Addresses, program,
-                 streams: dict, tokens: list, resolved: dict, copies=None):
+                 streams: dict, tokens: list, resolved: dict, modules: list, copies=None):
         self.graph = graph
         self.plan = plan
         self.copies = copies  # the CopyPolicy it was lowered with
         self.size = len(graph)  # a graph grown since is prepared again
         self.stream_list = tuple(streams.values())
         self.bindings = bindings
+        self.modules = modules  # leases on the Modules of its kernels
         self.resolved = resolved  # packed kernel arguments: the steps launch with their memory
         self.addresses = addresses
         self.program = program
@@ -89,6 +91,11 @@ class _Prepared:
     @property
     def steps(self) -> list:
         return self.program.steps
+
+    @property
+    def keeps(self) -> tuple:
+        """What keeps the memory and code its runs use alive: ``(bindings, module leases)``."""
+        return (self.bindings, self.modules)
 
 
 @attrs.define
@@ -118,6 +125,14 @@ class EagerExecutor(ExecutorBase):
             `CopyPolicy`: how host copies run unless a run or the node says otherwise (see
             `ExecutorBase`; eager runs use the ``eager`` crossover, copy engines by default).
 
+    Lifetimes (docs/errors.md, "Lifetimes"): a run leases every bound external device
+    buffer and the `PinnedBuffer` / `HostRegistration` / staging slot behind every bound host
+    array, and a prepared plan the `Module` of each kernel it launches. A lease is released
+    once no queued run can use it: a rebound value's at the next synchronize (at once when
+    nothing is queued), a value whose owner was closed at the synchronize after the close (its
+    memory goes then; binding it again is refused with `ClosedBindingError`), the rest when the
+    prepared plan is evicted or the executor closes.
+
     One run at a time per executor (``run`` holds a lock); create one executor per host thread
     for concurrent submission.
     """
@@ -139,6 +154,7 @@ class EagerExecutor(ExecutorBase):
         self._last: _Prepared | None = None  # the last run's (graph, plan): no lookup
         self._copies = None  # the executor's own CopyPolicy, once asked for
         self._retired: list = []  # what kept memory alive that pending runs may still use
+        self._close_epoch = CLOSE_EPOCH[0]  # leased closes seen by the last synchronize
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -189,7 +205,7 @@ class EagerExecutor(ExecutorBase):
         if not self._pending:  # queued work may still call the trampoline with its tokens
             for t in prep.tokens:
                 self._callbacks.remove(t)
-        self._retire(prep.bindings)
+        self._retire(prep.keeps)
 
     def _retire(self, keep) -> None:
         """Release ``keep`` (what kept bound memory alive) once no queued run can use it."""
@@ -209,28 +225,31 @@ class EagerExecutor(ExecutorBase):
         # Every check and kernel resolution first: compile errors, argument and launch-limit
         # errors surface before any stream or event is created.
         issue, resolved = self._checked(graph, plan, copies=copies)
-        table = BindingTable(graph, self._pinned)
+        table = BindingTable(graph, self._pinned, where="the eager executor's run")
         addresses = Addresses(table, slot_users=True)
-        pool = self._stream_pool
-        sdev = self.stream_devices(plan)
-        streams = pool.take_streams(plan, sdev)
-        # an event belongs to the device of the stream that records it (cuEventRecord needs
-        # both on one device); any device's stream may wait for it (cuStreamWaitEvent)
-        slots, where = assign_event_slots_by_device(issue, lambda s: sdev[s].ordinal)
-        by_ordinal = {d.ordinal: d for d in self.devices}
-        events = [pool.event(k, by_ordinal[o]).handle for o, k in where]
-        ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            self.device, callbacks=self._callbacks,
-                            pools={o: p.handle for o, p in self.pools.items()},
-                            stream_devices=sdev, copies=copies, bindings=table)
+        modules = self._lease_modules(resolved)
+        ctx = None
         try:
+            pool = self._stream_pool
+            sdev = self.stream_devices(plan)
+            streams = pool.take_streams(plan, sdev)
+            # an event belongs to the device of the stream that records it (cuEventRecord needs
+            # both on one device); any device's stream may wait for it (cuStreamWaitEvent)
+            slots, where = assign_event_slots_by_device(issue, lambda s: sdev[s].ordinal)
+            by_ordinal = {d.ordinal: d for d in self.devices}
+            events = [pool.event(k, by_ordinal[o]).handle for o, k in where]
+            ctx = StreamContext(self.api, self.executor_name, addresses, resolved,
+                                self.pool.handle, self.device, callbacks=self._callbacks,
+                                pools={o: p.handle for o, p in self.pools.items()},
+                                stream_devices=sdev, copies=copies, bindings=table)
             program = lower_plan(issue, graph, ctx, streams, events, slots)
         except BaseException:
-            for t in ctx.tokens:
+            for t in (ctx.tokens if ctx is not None else ()):
                 self._callbacks.remove(t)
+            release_keep(modules)
             raise
         return _Prepared(graph, plan, table, addresses, program, streams, ctx.tokens, resolved,
-                         copies)
+                         modules, copies)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -330,6 +349,12 @@ class EagerExecutor(ExecutorBase):
                 retired, self._retired = self._retired, []
                 release_keep(retired)
         t2 = perf()
+        if CLOSE_EPOCH[0] != self._close_epoch:  # a leased object was closed somewhere
+            self._close_epoch = CLOSE_EPOCH[0]
+            for p in self._prepared.values():  # nothing queued: closed memory can go now
+                p.bindings.drop_closed()
+        elif prep.bindings.held > BindingTable.HELD_MAX:
+            prep.bindings.sweep()  # many owners bound in turn: the oldest go
         if prep.unfreed:
             self._free_live(prep)  # only with verify=False: an Alloc without a Free
         if self._callbacks.errors:
@@ -444,6 +469,12 @@ class EagerExecutor(ExecutorBase):
             retired, self._retired = self._retired, []
             release_keep(retired)
         t2 = time.perf_counter_ns()
+        if CLOSE_EPOCH[0] != self._close_epoch:  # a leased object was closed somewhere
+            self._close_epoch = CLOSE_EPOCH[0]
+            for prep in self._prepared.values():  # nothing queued: closed memory can go now
+                prep.bindings.drop_closed()
+        elif pending[-1].prepared.bindings.held > BindingTable.HELD_MAX:
+            pending[-1].prepared.bindings.sweep()  # many owners bound in turn: the oldest go
         for p in pending:
             if p.prepared.unfreed:
                 self._free_live(p.prepared)  # only with verify=False: an Alloc without a Free
@@ -484,7 +515,7 @@ class EagerExecutor(ExecutorBase):
     def _on_close(self) -> None:
         # bound memory is released only after the final synchronize (the finalizer's)
         self._keep.extend(self._retired)
-        self._keep.extend(p.bindings for p in self._prepared.values())
+        self._keep.extend(p.keeps for p in self._prepared.values())
         self._retired.clear()
         self._pending.clear()
         self._last = None

@@ -6,13 +6,13 @@ user expects for the mistake: a bad binding is a ``ValueError``, pageable memory
 
 from __future__ import annotations
 
-from orchestra.errors import OrchestraError, PageableMemoryError
+from orchestra.errors import ClosedError, OrchestraError, PageableMemoryError
 
 __all__ = [
-    "BindingError", "BucketOverflowError", "CopyLoweringError", "ExecutorArgumentError",
-    "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorDeviceError",
-    "ExecutorUnavailable", "HostFunctionError",
-    "PageableMemoryError", "PlanMismatchError",
+    "BindingError", "ClosedBindingError", "BucketOverflowError", "CopyLoweringError",
+    "ExecutorArgumentError", "ExecutorArgumentTypeError", "ExecutorArgumentValueError",
+    "ExecutorDeviceError", "ExecutorUnavailable", "HostFunctionError", "PageableMemoryError",
+    "PlanMismatchError",
 ]
 
 PIN_HOWTO = ("allocate it pinned with orchestra.driver.PinnedBuffer.empty(shape, dtype).array, "
@@ -24,6 +24,22 @@ class BindingError(OrchestraError, ValueError):
     """A run's ``bindings`` do not fit the graph: a host buffer without an array, a name the
     graph does not use, the wrong size, a non-contiguous or read-only array. Nothing was
     enqueued."""
+
+
+class ClosedBindingError(BindingError, ClosedError):
+    """A binding's value was closed by its owner (a `DeviceBuffer`, the `PinnedBuffer`,
+    `HostRegistration` or `StagingPool` slot behind a host array): it cannot be bound to new
+    work. Work bound to it before the close keeps its memory alive (a lease) until that work is
+    done. A `BindingError` and a `ClosedError` (both ``ValueError``); ``.binding`` names the
+    binding, ``.what`` the kind of resource. Nothing was enqueued."""
+
+    def __init__(self, message: str, binding: str = "", what: str = ""):
+        super().__init__(message)
+        self.binding = binding
+        self.what = what
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.binding, self.what))
 
 
 class HostFunctionError(OrchestraError):

@@ -38,11 +38,11 @@ class KernelResolver:
         """The `Kernel` for ``ref``. Errors (`CompileError`, `KernelNotFoundError`, ...) keep
         their type and get a note naming ``node``."""
         k = self._memo.get(ref)
-        if k is not None:
+        if k is not None and not _module_closed(k):
             return k
         with self._lock:
             k = self._memo.get(ref)
-            if k is None:
+            if k is None or _module_closed(k):  # a closed module: load it again
                 try:
                     k = self._loader(ref, self.device)
                 except Exception as exc:
@@ -64,6 +64,12 @@ class KernelResolver:
     def clear(self) -> None:
         with self._lock:
             self._memo.clear()
+
+
+def _module_closed(kernel) -> bool:
+    """True when ``kernel``'s `Module` was closed (its kernels serve only work that leased
+    it before); kernels without a module (test fakes) never are."""
+    return bool(getattr(getattr(kernel, "module", None), "closed", False))
 
 
 def _short(source: str) -> str:

@@ -31,6 +31,7 @@ import time
 
 from orchestra.driver import cu
 from orchestra.errors import CudaError
+from orchestra.execute.bindings import release_keep
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.cuda_graph.spec import (
@@ -90,14 +91,24 @@ class GraphBuildExecutor(GraphExecutorBase):
         copies = copies if copies is not None else self.copy_policy()
         (spec, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free, edges=edges,
                                                   copies=copies)
-        table = self._bindings(graph, bindings)
+        modules = self._lease_modules(resolved)
+        try:
+            table = self._bindings(graph, bindings)
+        except BaseException:
+            release_keep(modules)
+            raise
         dev = self.device
         dev.make_current()
         api = self.api
-        g = cu(api.cuGraphCreate, 0)
+        try:
+            g = cu(api.cuGraphCreate, 0)
+        except BaseException:
+            release_keep((table, modules))
+            raise
         tracer = None
         try:
             built = BuiltGraph(g, graph, plan, self.executor_name, table)
+            built.leases = modules
             if trace:
                 from orchestra.trace import GraphTracer
 
@@ -133,6 +144,7 @@ class GraphBuildExecutor(GraphExecutorBase):
             api.cuGraphDestroy(g)
             if tracer is not None:
                 tracer.close()
+            release_keep((table, modules))  # nothing of the graph ever ran
             raise
         built.build_ms = (time.perf_counter_ns() - t0) / 1e6
         return built

@@ -21,7 +21,7 @@ class NodeRecord:
     ``CUDA_KERNEL_NODE_PARAMS`` / ``CUDA_MEMSET_NODE_PARAMS`` / ``CUDA_HOST_NODE_PARAMS`` /
     ``CUDA_MEM_ALLOC_NODE_PARAMS`` object it was created with, or None)."""
 
-    __slots__ = ("name", "kind", "gnode", "params")
+    __slots__ = ("name", "kind", "gnode", "params", "__weakref__")
 
     def __init__(self, name: str, kind: str, gnode, params=None):
         self.name = name
@@ -43,7 +43,9 @@ class BuiltGraph:
         order: orchestra node names in node-creation order (how `update` pairs nodes).
         records: name -> `NodeRecord`.
         bindings: the `BindingTable`: what is bound to each host buffer and external device
-            buffer (kept alive), and every parameter field each one's address is written to.
+            buffer (leased), and every parameter field each one's address is written to.
+        leases: the `Lease` on the `Module` of every kernel the graph launches (docs/errors.md,
+            "Lifetimes"); `keeps` is what its holder releases once no launch can use it.
         kernels: kernel node name -> `KernelArgs` (its ``packed`` struct is what
             ``params.kernelParams`` points into).
         copies: host copy node name -> `CopyKernelArgs` of each copy lowered to the copy
@@ -64,6 +66,7 @@ class BuiltGraph:
         self.order: list[str] = []
         self.records: dict[str, NodeRecord] = {}
         self.bindings = bindings
+        self.leases: list = []
         self.kernels: dict = {}
         self.copies: dict = {}
         self.allocs: dict[str, int] = {}
@@ -73,6 +76,12 @@ class BuiltGraph:
         self.build_ms = 0.0
         self.meta: dict = {}
         self.keep_alive: list = []  # what the graph's nodes use: communicators' leases
+
+    @property
+    def keeps(self) -> tuple:
+        """What keeps the memory and code the graph refers to alive: ``(bindings, leases)``,
+        for `orchestra.execute.bindings.release_keep` once no launch of it can run."""
+        return (self.bindings, self.leases)
 
     def record(self, name: str, kind: str, gnode, params) -> NodeRecord:
         """A new `NodeRecord`, added in creation order."""

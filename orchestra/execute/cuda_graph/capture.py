@@ -56,6 +56,7 @@ from orchestra.driver.capture import (
 )
 from orchestra.driver.check import error_from_result
 from orchestra.errors import CudaError, OrchestraError
+from orchestra.execute.bindings import release_keep
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.capture_plan import capture_steps, check_capture_steps
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
@@ -176,8 +177,25 @@ class CaptureExecutor(GraphExecutorBase):
         plan = self._plan(graph, plan, policy, streams, costs, need=True)
         (issue, unfreed), resolved = self._checked(graph, plan, auto_free=auto_free,
                                                    copies=copies)
-        table = self._bindings(graph, bindings)
+        modules = self._lease_modules(resolved)
+        try:
+            table = self._bindings(graph, bindings)
+        except BaseException:
+            release_keep(modules)
+            raise
         built = BuiltGraph(None, graph, plan, self.executor_name, table)
+        built.leases = modules
+        try:
+            return self._record(built, graph, plan, issue, unfreed, resolved, trace, hook, mode,
+                                t0, copies)
+        except BaseException:
+            release_keep(built.keeps)  # nothing captured ever ran
+            raise
+
+    def _record(self, built, graph, plan, issue, unfreed, resolved, trace, hook, mode,
+                t0, copies=None) -> BuiltGraph:
+        """Lower the plan and capture it into ``built`` (steps 2-5 of the module doc)."""
+        table = built.bindings
         dev = self.device
         dev.make_current()
         pool = self._stream_pool

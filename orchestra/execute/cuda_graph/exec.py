@@ -16,16 +16,23 @@ This module instantiates (``cuGraphInstantiate``, ``cuGraphUpload``), launches
 (`cuda_graph.update`) are the exec's other two parts. Every driver call goes through the
 exec's `DriverAPI`, the functions its launches and replays call bound once.
 
-Lifetime: the exec holds every host array it is bound to, every external device buffer, the
-packed argument structs, the host-function trampoline and the timing events, until `close()`
-(idempotent; also a ``with`` block and a finalizer). A replay that rebinds an array while
-earlier launches may still run keeps the old array alive until `synchronize()`. Rebinding only
-changes what later launches read (the driver copies node parameters when they are set), so
-reusing a pinned staging array for the next request never changes what an earlier launch reads.
+Lifetime (docs/errors.md, "Lifetimes"): the exec holds a lease on everything its graph refers
+to, until `close()` (idempotent; also a ``with`` block and a finalizer): every external device
+buffer, the `PinnedBuffer` / `HostRegistration` (a `StagingPool` slot) behind every bound host
+array (the array itself for memory pinned outside orchestra), and the `Module` of every kernel.
+Their owners may close them at any time: the memory stays allocated, and the replays right,
+until the exec closes; binding a closed object again is refused (`ClosedBindingError`). A
+replay that rebinds while earlier launches may still run keeps the old lease until
+`synchronize()`. Rebinding only changes what later launches read (the driver copies node
+parameters when they are set), so reusing a pinned staging array for the next request never
+changes what an earlier launch reads. `close()` drops every reference the exec holds (bound
+arrays, buffers, argument structs, records, callbacks, tracer, graphs); the closed object
+answers ``closed`` and ``repr`` only.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -36,11 +43,13 @@ from cuda.bindings import driver as _d
 from orchestra.driver import Device, Stream, cu
 from orchestra.driver.api import default_api
 from orchestra.driver.check import error_from_result
+from orchestra.driver.device import _tls
+from orchestra.driver.owner import CLOSE_EPOCH
 from orchestra.errors import CudaError
 from orchestra.execute.bindings import release_keep
 from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.built import BuiltGraph
-from orchestra.execute.cuda_graph.replay import KernelScalars, Replay
+from orchestra.execute.cuda_graph.replay import SET_PARAMS, KernelScalars, Replay, plan_rebinds
 from orchestra.execute.cuda_graph.state import ExecState, release_exec
 from orchestra.execute.cuda_graph.update import Update, UpdateResult
 from orchestra.execute.errors import HostFunctionError
@@ -71,7 +80,13 @@ class GraphExec(Replay, Update, Closable):
     ``taskgraph``, ``plan``, ``flags``, ``launches`` (count), ``last_update`` (`UpdateResult`),
     ``timeline`` (the last traced launch's `Timeline`), ``instantiate_ms``, ``build_ms``.
 
-    Thread-safe: every method holds the exec's lock (one launch/replay at a time).
+    ``repoint_updates`` counts rebindings the driver could not apply per node, done by
+    updating the whole exec instead (see `replay`).
+
+    Thread-safe: every method holds the exec's lock (one launch/replay at a time; a replay
+    with ``sync=True`` keeps it until its launch is done), and `launch`, `replay`,
+    `synchronize` make the exec's device current on a host thread that does not have it yet
+    (``cuCtxSetCurrent``, once per thread).
     """
 
     def __init__(self, built: BuiltGraph, device: Device, *, flags: int = 0, upload: bool = True,
@@ -81,6 +96,9 @@ class GraphExec(Replay, Update, Closable):
         self._graph_launch = api.cuGraphLaunch
         self._set_memcpy = api.cuGraphExecMemcpyNodeSetParams
         self._set_kernel = api.cuGraphExecKernelNodeSetParams
+        self._rebinds: dict = {}  # binding name -> its prebuilt Rebind (after instantiation)
+        self._close_epoch = CLOSE_EPOCH[0]  # leased closes seen by the last synchronize
+        self.repoint_updates = 0
         self.device = device
         self.flags = int(flags)
         self._rebuild = rebuild
@@ -98,6 +116,7 @@ class GraphExec(Replay, Update, Closable):
         self.timeline: Timeline | None = None
         device.make_current()
         self._ctx = device.context
+        self._ctx_key = getattr(device, "_ctx_int", None)  # what make_current caches per thread
         self._state.own_stream = stream if stream is not None else api.stream(device)
         self._state.owns_stream = stream is None
         self.stream = self._state.own_stream
@@ -109,6 +128,7 @@ class GraphExec(Replay, Update, Closable):
             self._state.exec = cu(api.cuGraphInstantiate, built.cugraph, self.flags)
             self.instantiate_ms = (time.perf_counter_ns() - t0) / 1e6
             self._inst_nodes = [built.records[n].gnode for n in built.order]
+            self._plan_replays()
             if upload:
                 self._upload(None)
         except BaseException:
@@ -120,6 +140,7 @@ class GraphExec(Replay, Update, Closable):
 
     def _adopt(self, built: BuiltGraph) -> None:
         self._built = built
+        self._copy_kernels = len(built.copies)
         self.taskgraph = built.taskgraph
         self.plan = built.plan
         self.executor = built.executor
@@ -134,6 +155,7 @@ class GraphExec(Replay, Update, Closable):
                 u.gnode = u.record.gnode if u.record is not None else None
         self._kernels = {name: KernelScalars(ka, built.records[name])
                          for name, ka in built.kernels.items()}
+        self._table.where = f"a {built.executor} GraphExec"
         self._callbacks = built.callbacks
         self._tracer = built.tracer
         self._state.keep.append(built)
@@ -142,6 +164,23 @@ class GraphExec(Replay, Update, Closable):
         # auto_free graphs: what the last launch may have left allocated (union across
         # updates; freeing an address twice at close is refused by the driver, harmlessly)
         self._state.unfreed = list(dict.fromkeys(self._state.unfreed + list(built.unfreed)))
+
+    def _plan_replays(self) -> None:
+        """Prebuild every binding's `Rebind` and every kernel node's scalar update for the
+        current instantiation (its ``CUgraphExec``): one SetParams call per node with its
+        arguments bound. Run after every instantiation and in-place update."""
+        api, exec_ = self._api, self._state.exec
+        setters = {}
+        for kind, call in SET_PARAMS.items():
+            try:
+                setters[kind] = getattr(api, call)
+            except AttributeError:  # a driver without it: such nodes are updated whole
+                pass
+        self._rebinds = plan_rebinds(self._table, setters, exec_, self._ctx)
+        set_kernel = self._set_kernel
+        for entry in self._kernels.values():
+            entry.gnode = entry.rec.gnode
+            entry.apply = functools.partial(set_kernel, exec_, entry.gnode, entry.params)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -168,13 +207,21 @@ class GraphExec(Replay, Update, Closable):
 
     @property
     def copy_kernels(self) -> int:
-        """Host copies of the graph built as the copy kernel (kernel nodes)."""
-        return len(self._built.copies)
+        """Host copies of the graph built as the copy kernel (kernel nodes); kept after
+        `close`."""
+        return self._copy_kernels
 
     @property
     def bindings(self) -> dict:
-        """host buffer name -> the bound object (what the next launch reads and writes)."""
+        """host buffer name -> the bound object (what the next launch reads and writes); empty
+        once closed."""
         return {name: b.value for name, b in self._host.items()}
+
+    @property
+    def device_bindings(self) -> dict:
+        """external device buffer name -> the bound object; empty once closed."""
+        table = self._table
+        return {} if table is None else {n: b.value for n, b in table.external.items()}
 
     # -- launch -------------------------------------------------------------------------------
 
@@ -182,6 +229,7 @@ class GraphExec(Replay, Update, Closable):
         """``cuGraphUpload`` on ``stream`` (default: the exec's own)."""
         with self._lock:
             self._check_open()
+            self.device.make_current()
             self._upload(stream)
 
     def _upload(self, stream) -> None:
@@ -201,6 +249,8 @@ class GraphExec(Replay, Update, Closable):
         """
         with self._lock:
             self._check_open()
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread
+                self.device.make_current()
             return self._launch(stream, sync)
 
     def _launch(self, stream, sync):
@@ -246,6 +296,8 @@ class GraphExec(Replay, Update, Closable):
         """
         with self._lock:
             self._check_open()
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread
+                self.device.make_current()
             return self._synchronize()
 
     def _synchronize(self, raise_host_errors: bool = True):
@@ -263,9 +315,13 @@ class GraphExec(Replay, Update, Closable):
                 self._host_errors.extend(b.callbacks.take_errors())
         state = self._state
         if len(state.keep) > 1 or state.retired:  # earlier builds, arrays unbound meanwhile
-            release_keep([b.bindings for b in state.keep[:-1]] + state.retired)
+            release_keep([b.keeps for b in state.keep[:-1]] + state.retired)
             del state.keep[:-1]
             state.retired.clear()
+        table = self._table
+        if CLOSE_EPOCH[0] != self._close_epoch or table.held > table.HELD_MAX:
+            self._close_epoch = CLOSE_EPOCH[0]  # a leased object was closed somewhere
+            table.sweep()  # unused leases on closed owners end (nothing is pending)
         if self._host_errors and raise_host_errors:
             errors, self._host_errors = self._host_errors, []
             self._pending_timeline = False
@@ -302,7 +358,30 @@ class GraphExec(Replay, Update, Closable):
             if self._closed:
                 return
             self._closed = True
-            self._finalizer()
+            try:
+                self._finalizer()
+            finally:
+                self._drop_references()
+
+    def _drop_references(self) -> None:
+        """After the release: forget everything the graph referred to, so bound arrays,
+        buffers, packed structs, records, callbacks and the tracer can be collected while the
+        closed exec object lives."""
+        self._built = None  # type: ignore[assignment]
+        self._records = {}
+        self._table = None  # type: ignore[assignment]
+        self._host = {}
+        self._kernels = {}
+        self._rebinds = {}
+        self._callbacks = None
+        self._tracer = None
+        self._inst_nodes = []
+        self._rebuild = None
+        self._exec = None
+        self._host_errors = []
+        self.taskgraph = None
+        self.plan = None
+        self.timeline = None
 
     def __repr__(self) -> str:
         if self._closed:

@@ -63,8 +63,11 @@ class GraphExecutorBase(ExecutorBase):
         """Build ``graph``'s CUDA graph and instantiate it: a `GraphExec`, not launched.
 
         ``bindings`` (host buffer name -> pinned array, external device buffer name ->
-        DeviceBuffer) are checked like the eager executor's and baked into the graph (replays
-        rebind host arrays). ``trace``: every launch returns a `Timeline`. ``auto_free``
+        DeviceBuffer) are checked like the eager executor's, leased until the exec closes
+        (docs/errors.md, "Lifetimes"; the modules of the graph's kernels too) and built into
+        the graph (replays rebind host arrays and re-point device buffers in place).
+        `ClosedBindingError` for a value its owner closed, before any graph is made.
+        ``trace``: every launch returns a `Timeline`. ``auto_free``
         (default: the executor's): allow Allocs without Frees and instantiate with
         ``CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH``. ``stream``: the exec's default
         launch stream (default: a new non-blocking one it owns). ``copy_lowering``:

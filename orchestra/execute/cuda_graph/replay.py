@@ -1,33 +1,41 @@
-"""Replaying a graph exec with new host arrays and new scalar kernel arguments.
+"""Replaying a graph exec with new host arrays, new external device buffers and new scalar
+kernel arguments.
 
 Replay updates are per node of the instantiated graph (``cuGraphExecMemcpyNodeSetParams``,
-``cuGraphExecKernelNodeSetParams``), with parameters built from orchestra's own records: each
-memcpy / kernel node keeps the ``CUDA_MEMCPY3D`` / ``CUDA_KERNEL_NODE_PARAMS`` object (and the
-packed kernel argument struct its ``kernelParams`` points into) created when the graph was
-built, and a replay changes only the field that changed (``srcHost`` / ``dstHost`` through a
-ctypes cell, one packed scalar) before handing the same object to the driver. Parameters are
-never read back from the driver.
+``cuGraphExecKernelNodeSetParams``, ``cuGraphExecMemsetNodeSetParams``), with parameters built
+from orchestra's own records: each memcpy / kernel / memset node keeps the ``CUDA_MEMCPY3D`` /
+``CUDA_KERNEL_NODE_PARAMS`` / ``CUDA_MEMSET_NODE_PARAMS`` object (and the packed kernel
+argument struct its ``kernelParams`` points into) created when the graph was built. Parameters
+are never read back from the driver.
 
-The bindings go through the exec's `BindingTable`, the same one a build filled: a host buffer
-bound to the very object it is bound to costs an identity test (while orchestra's pinned ranges
-are unchanged; its writability is not checked again); a new array is checked (C-contiguous, same byte size, writable if the graph
-writes it, page-locked: orchestra's own pinned ranges first, the driver only for memory pinned
-elsewhere); a host copy lowered to the copy kernel holds the address in its packed argument
-struct (the user's ``params``), applied with ``cuGraphExecKernelNodeSetParams``; an array
-checked before (a pool of staging arrays bound in turn) is remembered by
-weak reference and skips those checks, except writability, until the pinned ranges lose a
-range (a `PinnedBuffer` closed, a registration undone) or an `update` changes the build. Each
-binding lists the fields its address is written to (`BindingUser`), so a rebinding rewrites
-exactly those.
+Every binding has a prebuilt `Rebind`: the fields its address is written to (ctypes cells
+straight into the structs where the field's offset is known, else the attribute) and, per node
+it reaches, the node's SetParams call with its arguments bound once (``functools.partial`` over
+the exec, the node, its parameter struct, the context). A rebinding writes exactly those
+fields and calls exactly those nodes' SetParams; bindings that did not change, and the nodes
+they reach, cost nothing (a name given with the very object bound now costs one identity
+test while `bindings.bind_version` is unchanged).
+
+Host arrays and external device buffers go through the exec's `BindingTable`, the same one a
+build filled, with the same checks as a build (size, layout, writability, page-locked memory;
+a device buffer at least the graph buffer's size, on its device); an array checked before (a
+pool of staging arrays bound in turn) is remembered and skips those checks, except
+writability. A new value is leased (docs/errors.md, "Lifetimes"); the lease of the value it
+replaces is released once no launch can read it (at the next `synchronize`, or at once when
+nothing is pending). An external device buffer is **re-pointed in place**; where the driver
+refuses that for a node, the exec is updated for the caller instead (`GraphExec.update` with
+the new binding: ``cuGraphExecUpdate``, else a new instantiation), with a log warning and
+``last_update`` saying so.
 
 `Replay` is the part of `GraphExec` that does it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any, Mapping
 
-from orchestra.driver import host as _host
 from orchestra.driver.check import error_from_result
 from orchestra.errors import (
     ClosedError,
@@ -35,18 +43,30 @@ from orchestra.errors import (
     KernelArgumentValueError,
     prefixed,
 )
-from orchestra.execute.bindings import release_keep
+from orchestra.driver import host as _host
+from orchestra.driver.device import _tls
+from orchestra.driver.owner import CLOSE_EPOCH as _CLOSES
+from orchestra.execute.bindings import bind_version, release_keep
 from orchestra.execute.cuda_graph.state import ExecParts
-from orchestra.execute.errors import BindingError
+from orchestra.execute.errors import BindingError, ClosedBindingError
 
-_RANGES = _host.pinned_ranges()  # the process-wide registry (one object): its version
+log = logging.getLogger(__name__)
+_RANGES = _host.pinned_ranges()
+
+#: CUDA graph node kind -> the per-node update that applies a rewritten parameter struct
+SET_PARAMS = {"memcpy": "cuGraphExecMemcpyNodeSetParams",
+              "kernel": "cuGraphExecKernelNodeSetParams",
+              "memset": "cuGraphExecMemsetNodeSetParams"}
+_WITH_CONTEXT = frozenset(("memcpy", "memset"))  # these SetParams take the CUcontext too
 
 
 class KernelScalars:
     """A kernel node's replay state: its `KernelArgs` (``ka``), record, parameter struct,
-    graph node, packed struct, and the per-parameter (field, converter) slots looked up once."""
+    graph node, packed struct, the per-parameter (field, converter) slots looked up once, and
+    ``apply`` (its ``cuGraphExecKernelNodeSetParams`` with every argument bound)."""
 
-    __slots__ = ("ka", "rec", "params", "gnode", "struct", "layout", "pointers", "slots")
+    __slots__ = ("ka", "rec", "params", "gnode", "struct", "layout", "pointers", "slots",
+                 "apply")
 
     def __init__(self, ka, rec):
         self.ka = ka
@@ -57,6 +77,7 @@ class KernelScalars:
         self.layout = ka.packed.layout
         self.pointers = frozenset(p.index for p in ka.pointers)
         self.slots: dict = {}
+        self.apply = None
 
     def slot(self, node: str, key):
         slot = self.slots.get(key)
@@ -72,6 +93,73 @@ class KernelScalars:
         return slot
 
 
+class Rebind:
+    """How a new address of one binding reaches the instantiated graph.
+
+    ``binding`` (the `Binding`); ``cells`` (``(ctypes cell, offset)`` per field written
+    straight into its struct); ``fields`` (``(struct, field, offset)`` per field set as an
+    attribute: packed kernel arguments, fields of unknown offset); ``nodes`` (``(apply,
+    record, call)`` per node the binding reaches: ``apply()`` is the node's SetParams with its
+    arguments bound, ``call`` its name); ``unsupported`` (records of a kind no per-node update
+    applies to: a rebinding updates the whole exec instead)."""
+
+    __slots__ = ("binding", "cells", "fields", "nodes", "unsupported")
+
+    def __init__(self, binding, cells, fields, nodes, unsupported):
+        self.binding = binding
+        self.cells = cells
+        self.fields = fields
+        self.nodes = nodes
+        self.unsupported = unsupported
+
+    def write(self, address: int) -> None:
+        """Write ``address`` (+ each field's offset) into every field (no driver call)."""
+        for cell, off in self.cells:
+            cell.value = address + off
+        for struct, field, off in self.fields:
+            setattr(struct, field, address + off)
+
+    @property
+    def calls(self) -> str:
+        """The per-node updates a rebinding makes, for messages."""
+        names = sorted({c for _, _, c in self.nodes})
+        return ", ".join(names) if names else "no per-node update"
+
+
+def plan_rebinds(table, setters: dict, exec_, ctx) -> dict:
+    """binding name -> `Rebind` for every binding of ``table`` (a `BindingTable` whose users
+    name records of the exec's instantiation graph). ``setters``: node kind -> the bound
+    SetParams function; ``exec_`` / ``ctx``: the ``CUgraphExec`` and ``CUcontext`` they are
+    bound to (a new instantiation needs a new plan)."""
+    plans = {}
+    for name, b in table.all.items():
+        cells: list = []
+        fields: list = []
+        records: dict = {}
+        for u in b.users:
+            rec = u.record
+            if rec is None:
+                continue  # an eager slot: no graph node
+            if u.cell is not None:
+                cells.append((u.cell, u.offset))
+            else:
+                fields.append((u.params, u.field, u.offset))
+            records.setdefault(id(rec), rec)
+        nodes, unsupported = [], []
+        for rec in records.values():
+            fn = setters.get(rec.kind)
+            if fn is None or rec.params is None:
+                unsupported.append(rec)
+            elif rec.kind in _WITH_CONTEXT:
+                nodes.append((functools.partial(fn, exec_, rec.gnode, rec.params, ctx), rec,
+                              SET_PARAMS[rec.kind]))
+            else:
+                nodes.append((functools.partial(fn, exec_, rec.gnode, rec.params), rec,
+                              SET_PARAMS[rec.kind]))
+        plans[name] = Rebind(b, tuple(cells), tuple(fields), tuple(nodes), tuple(unsupported))
+    return plans
+
+
 class Replay(ExecParts):
     """`GraphExec.replay` and `GraphExec.scalars` (a part of `GraphExec`: it uses the exec's
     state, lock, binding table and bound driver functions)."""
@@ -79,40 +167,57 @@ class Replay(ExecParts):
     def replay(self, bindings: Mapping[str, Any] | None = None,
                scalars: Mapping[str, Mapping] | None = None, *, stream=None,
                sync: bool = True):
-        """Launch again with new host arrays and/or new scalar kernel arguments.
+        """Launch again with new host arrays, new external device buffers and/or new scalar
+        kernel arguments.
 
         Args:
-            bindings: host buffer name -> pinned array (numpy array, `PinnedBuffer`,
-                `HostRegistration`), only those that change; a name bound to the very same
-                object as before costs nothing (an external device buffer too; another one is
-                refused: its address is in the graph's nodes). Same byte size as the graph's
-                host buffer, C-contiguous, writable for outputs, page-locked.
+            bindings: buffer name -> what to bind, only those that change (a name bound to
+                the very same object as before costs an identity test): a host buffer ->
+                pinned array (numpy array, `PinnedBuffer`, `HostRegistration`; same byte size
+                as the graph's host buffer, C-contiguous, writable for outputs, page-locked);
+                an external device buffer -> a `DeviceBuffer` (anything with int ``.ptr`` and
+                ``.nbytes``: at least the graph buffer's size, on its device), re-pointed in
+                place (``cuGraphExecKernelNodeSetParams`` for kernel pointer arguments,
+                ``cuGraphExecMemcpyNodeSetParams`` / ``cuGraphExecMemsetNodeSetParams`` for
+                copies and memsets at their byte offsets; where the driver refuses, the exec
+                is updated for the caller: see the module doc).
             scalars: kernel node name -> {parameter name or index: value} (scalar parameters
                 only; checked like ``Kernel.pack``). Values persist for later launches.
             stream: launch stream (default: the exec's own).
             sync: wait for the launch (default) and return the `Timeline` when traced.
 
-        Each change becomes one ``cuGraphExec*NodeSetParams`` per affected node of the
-        instantiated graph; nothing is re-instantiated. Raises `BindingError` /
-        `PageableMemoryError` / ``TypeError`` / ``ValueError`` before anything is launched
-        (changes already applied stay applied). Thread-safe (the exec's lock).
+        Each change becomes one SetParams per node the changed binding reaches; nothing is
+        re-instantiated. Raises before anything is launched (changes already applied stay
+        applied): `BindingError` (`ClosedBindingError` for an object its owner closed: work
+        bound to it before keeps running on its memory, new work may not bind it),
+        `PageableMemoryError`, ``TypeError`` / ``ValueError`` for scalars, `ClosedError` once
+        the exec is closed. Thread-safe: the exec's lock covers the rebinding, the launch and
+        (``sync=True``) the wait, so two threads replaying one exec each get their own
+        outputs, one after the other.
         """
         with self._lock:
             if self._closed:
                 raise ClosedError("this GraphExec is closed")
+            if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread: its context
+                self.device.make_current()
             if bindings:
                 try:
                     items = bindings.items()
                 except AttributeError:
-                    raise BindingError(f"bindings must be a mapping of host buffer name -> "
-                                       f"array; got {type(bindings).__name__}") from None
-                host = self._host
-                version = _RANGES.version
+                    raise BindingError(f"bindings must be a mapping of buffer name -> array; "
+                                       f"got {type(bindings).__name__}") from None
+                plans = self._rebinds
+                version = _RANGES.version + _CLOSES[0]  # bind_version(), inlined
                 for name, value in items:
-                    b = host.get(name)
-                    # the very object bound now, its memory still pinned: nothing to do
-                    if b is None or value is not b.value or b.version != version:
-                        self._rebind(name, b, value, version)
+                    p = plans.get(name)
+                    if p is None:
+                        raise BindingError(self._unknown_binding(name))
+                    b = p.binding
+                    # the very object bound now, nothing unpinned or closed since: no work
+                    if value is not b.value or b.version != version:
+                        if self._rebind(p, value, version):  # the exec was updated instead
+                            plans = self._rebinds
+                            version = bind_version()
             if scalars:
                 try:
                     items = scalars.items()
@@ -132,63 +237,108 @@ class Replay(ExecParts):
                 return self._synchronize() if sync else None
             return self._launch(stream, sync)
 
-    def _rebind(self, name: str, b, value, version: int) -> None:
-        if b is None:
-            e = self._table.external.get(name)
-            if e is not None and value is e.value and e.version >= 0:
-                return  # the external device buffer bound already: nothing changes
-            raise BindingError(self._unknown_binding(name))
+    def _rebind(self, p, value, version: int) -> bool:
+        """Check, lease and apply ``value`` for ``p.binding``; True when the exec was updated
+        instead of re-pointed in place (its bindings and plans are new)."""
+        b = p.binding
         table = self._table
-        a, addr = table.check(b, value, version)
+        fast = table.remembered(b, value, version)
+        if fast is not None:  # checked and leased before: no checks, no new lease
+            addr, keep, leaser = fast
+            a = value if b.kind == "host" else None
+        else:
+            try:
+                a, addr, leaser = table.check(b, value, version)
+            except ClosedBindingError:
+                raise
+            except BindingError as exc:
+                if b.kind == "device":  # say how the replay would have applied it
+                    exc.add_note(f"a replay re-points external device buffer {b.name} in "
+                                 f"place ({p.calls})")
+                raise
+            keep = table.acquire(b, value, leaser)
+            if b.kind == "device":
+                table._know(b, value, addr, version, leaser)
+            table.kept(b, value, keep)
         if addr != b.address:
-            exec_, ctx, set_memcpy = self._exec, self._ctx, self._set_memcpy
-            users = b.users
-            for u in users:
-                cell = u.cell
-                if cell is not None:
-                    cell.value = addr + u.offset
-                else:
-                    setattr(u.params, u.field, addr + u.offset)
-                rec = u.record
-                if rec.kind == "kernel":  # a copy kernel: the field is in its packed struct
-                    (err,) = self._set_kernel(exec_, u.gnode, rec.params)
-                    call = "cuGraphExecKernelNodeSetParams"
-                else:
-                    (err,) = set_memcpy(exec_, u.gnode, u.params, ctx)
-                    call = "cuGraphExecMemcpyNodeSetParams"
-                if err:
-                    self._rollback(b, u)
-                    raise error_from_result(call, err,
-                                            context=f"node {rec.name}, rebinding {name}")
-        old = table.commit(b, value, a, addr, version)
-        if old is not None and old is not b.keep:
+            try:
+                refused = self._apply(p, addr)
+            except BaseException:
+                if keep is not b.keep:
+                    release_keep(keep)
+                raise
+            if refused is not None:
+                if keep is not b.keep:
+                    release_keep(keep)  # the rebuild takes its own lease
+                self._update_for(b, value, refused)
+                return True
+        old = table.commit(b, value, a, addr, version, keep, leaser)
+        if old is not None:
             if self._own_pending or self._state.streams:
                 self._state.retired.append(old)  # launches may still read it
             else:
                 release_keep(old)
+        return False
 
-    def _rollback(self, b, failed) -> None:
-        """Put the nodes changed so far (up to ``failed``) back on the bound array, so the exec
-        stays consistent after a refused update."""
-        if b.value is None:
-            return
-        for u in b.users:
-            u.set(b.address)
-            if u.record.kind == "kernel":
-                self._set_kernel(self._exec, u.gnode, u.record.params)
-            else:
-                self._set_memcpy(self._exec, u.gnode, u.params, self._ctx)
-            if u is failed:
-                break
+    def _apply(self, p, addr: int) -> str | None:
+        """Write ``addr`` into ``p``'s fields and call each node's SetParams: None when done;
+        on a refusal put the nodes changed so far back on the bound address and return why
+        (the exec is updated instead), or raise the `CudaError` when the exec cannot update
+        itself."""
+        if p.unsupported:
+            return (f"node {p.unsupported[0].name} ({p.unsupported[0].kind}) has no per-node "
+                    "parameter update")
+        for cell, off in p.cells:  # Rebind.write, inlined
+            cell.value = addr + off
+        for struct, field, off in p.fields:
+            setattr(struct, field, addr + off)
+        for node in p.nodes:
+            (err,) = node[0]()
+            if err:
+                return self._refused(p, node, err)
+        return None
+
+    def _refused(self, p, node, err) -> str:
+        """A node's SetParams refused: put the nodes changed so far back on the bound address
+        (the exec stays consistent) and return why, or raise the `CudaError` when the exec
+        cannot update itself."""
+        b = p.binding
+        _, rec, call = node
+        p.write(b.address)
+        for undo in p.nodes[:p.nodes.index(node)]:
+            undo[0]()
+        what = "external device buffer" if b.kind == "device" else "host buffer"
+        error = error_from_result(call, err, context=f"node {rec.name}, re-pointing {what} "
+                                  f"{b.name}")
+        if self._rebuild is None:
+            raise error
+        return f"{call} refused node {rec.name} ({error.name})"
+
+    def _update_for(self, b, value, reason: str) -> None:
+        """Re-point binding ``b`` to ``value`` by updating the whole exec (a rebuild with the
+        new binding, then ``cuGraphExecUpdate`` or a new instantiation), and say so."""
+        what = "external device buffer" if b.kind == "device" else "host buffer"
+        if self._rebuild is None:
+            raise BindingError(f"binding {b.name}: {reason}, and this GraphExec was not made "
+                               "by an executor, so it cannot update itself; build a new exec")
+        bindings = self._table.values()
+        bindings[b.name] = value
+        result = self.update(self.taskgraph, self.plan, bindings)
+        message = (f"re-pointing {what} {b.name}: {reason}; updated the exec with the new "
+                   f"binding instead ({result.message})")
+        log.warning(message)
+        self.last_update = type(result)(result.updated, result.reinstantiated, result.reason,
+                                        result.node, result.from_node, message)
+        self.repoint_updates += 1
 
     def _unknown_binding(self, name: str) -> str:
-        if name in self._table.external:
-            return (f"binding {name}: external device buffer {name} is baked into the graph "
-                    "(its address is in the graph's nodes); build a new exec to change it")
         if name in self._built.allocs:
-            return f"binding {name}: buffer {name} is allocated by the graph itself"
-        known = ", ".join(sorted(self._host)) or "none"
-        return f"binding {name}: not a host buffer of this graph (host buffers: {known})"
+            return (f"binding {name}: buffer {name} is allocated by the graph itself (its Alloc "
+                    "node), so it cannot be bound")
+        host = ", ".join(sorted(self._table.host)) or "none"
+        ext = ", ".join(sorted(self._table.external)) or "none"
+        return (f"binding {name}: not a host buffer or external device buffer of this graph "
+                f"(host buffers: {host}; external device buffers: {ext})")
 
     def _set_scalars(self, node: str, values: Mapping) -> None:
         entry = self._kernels.get(node)
@@ -211,14 +361,21 @@ class Replay(ExecParts):
             except (TypeError, ValueError) as exc:
                 raise prefixed(exc, f"kernel node {node}: ", KernelArgumentTypeError,
                                KernelArgumentValueError) from exc
-        (err,) = self._set_kernel(self._exec, entry.gnode, entry.params)
+        (err,) = entry.apply()
         if err:
             raise error_from_result("cuGraphExecKernelNodeSetParams", err, context=f"node {node}")
 
     def scalars(self, node: str) -> dict:
-        """The current packed arguments of kernel node ``node``: {parameter name: value}."""
-        packed = self._kernels[node].ka.packed
+        """The current packed arguments of kernel node ``node``: {parameter name: value}.
+        `ClosedError` once the exec is closed, `KernelArgumentValueError` for a node that is not
+        one of its kernel nodes."""
+        if self._closed:
+            raise ClosedError("this GraphExec is closed")
+        entry = self._kernels.get(node)
+        if entry is None:
+            raise KernelArgumentValueError(f"scalars: {node!r} is not a kernel node of this graph")
+        packed = entry.ka.packed
         return {p.name: v for p, v in zip(packed.layout.params, packed.values())}
 
 
-__all__ = ["KernelScalars", "Replay"]
+__all__ = ["KernelScalars", "Rebind", "Replay", "SET_PARAMS", "plan_rebinds"]

@@ -128,8 +128,9 @@ class GraphRunner(Closable):
                 if sync:
                     timeline = exe.synchronize()
                     wall = (time.perf_counter_ns() - t0) / 1e6
+                nodes = exe.node_count  # while leased: an evicted exec closes at the lease's end
             prepare_ms = built_ms[0] if built_ms else 0.0
-            return RunResult(wall, (t1 - t0) / 1e3, exe.node_count, 1, plan.event_count,
+            return RunResult(wall, (t1 - t0) / 1e3, nodes, 1, plan.event_count,
                              plan.wait_count, len(plan.streams), plan.policy, prepare_ms,
                              timeline, exe.copy_kernels)
 

@@ -37,7 +37,7 @@ class ExecState:
         self.streams: dict[int, Stream] = {}  # streams launched on since the last synchronize
         self.own_stream: Stream | None = None
         self.owns_stream = True  # False when the caller gave the stream: not closed here
-        self.keep: list = []  # BuiltGraphs (bindings, packed args, callbacks) kept alive
+        self.keep: list = []  # BuiltGraphs (leased bindings and modules, packed args, callbacks)
         self.retired: list = []  # what kept memory alive that a replay unbound meanwhile
 
 
@@ -78,7 +78,7 @@ def release_exec(state: ExecState) -> None:
             state.own_stream.close()
         state.own_stream = None
     # the graphs are gone: what kept their bound memory alive may go too
-    release_keep([b.bindings for b in state.keep] + state.retired)
+    release_keep([b.keeps for b in state.keep] + state.retired)
     state.keep.clear()
     state.retired.clear()
 
@@ -99,11 +99,16 @@ class ExecParts:
     _exec: Any  # the CUgraphExec
     _sh: Any  # the exec's own stream's CUstream
     _ctx: Any  # the CUcontext memcpy updates name
+    _ctx_key: Any  # the context's int, as `Device.make_current` caches it per thread
     _built: BuiltGraph
     _records: dict[str, NodeRecord]
     _table: BindingTable
     _host: dict[str, Binding]
     _kernels: dict[str, KernelScalars]
+    _rebinds: dict  # binding name -> `replay.Rebind`
+    _close_epoch: int
+    repoint_updates: int
+    taskgraph: Any
     _tracer: Any
     _own_pending: bool
     _inst_nodes: list
@@ -115,6 +120,8 @@ class ExecParts:
     # methods one part calls on another
     _check_open: Callable[[], None]
     _adopt: Callable[[BuiltGraph], None]
+    _plan_replays: Callable[[], None]
+    update: Callable[..., Any]
     _upload: Callable[[Any], None]
     _launch: Callable[..., Any]
     _launch_error: Callable[[Any], Any]

@@ -77,6 +77,7 @@ class Update(ExecParts):
                     rec.gnode = gnode
                 self._state.graphs.append(built.cugraph)  # kept: its nodes back the update
                 self._adopt(built)
+                self._plan_replays()
                 self.last_update = UpdateResult(True, False, None, None, None,
                                                 "cuGraphExecUpdate accepted the new graph")
                 return self.last_update
@@ -127,6 +128,7 @@ class Update(ExecParts):
         finally:
             if built.tracer is not None:
                 built.tracer.close()
+            release_keep(built.keeps)  # never launched: its leases can go now
 
     def _reinstantiate(self, built: BuiltGraph) -> None:
         try:
@@ -151,7 +153,7 @@ class Update(ExecParts):
             t.close()
         old.graphs = [built.cugraph]
         old.tracers = []
-        release_keep([b.bindings for b in old.keep] + old.retired)  # synchronized above
+        release_keep([b.keeps for b in old.keep] + old.retired)  # synchronized above
         old.keep = []
         old.retired = []
         old.launched = False
@@ -159,6 +161,7 @@ class Update(ExecParts):
         self._exec = new_exec
         self._adopt(built)
         self._inst_nodes = [built.records[n].gnode for n in built.order]
+        self._plan_replays()
         self._upload(None)
 
 

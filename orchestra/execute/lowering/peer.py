@@ -9,8 +9,9 @@
                 cuMemcpyDtoDAsync (a plain device-to-device copy)
     graph       cuGraphAddMemcpyNode (CUDA_MEMCPY3D, device to device: with unified
                 addressing the two pointers name their devices)
-    replay      CUDA_MEMCPY3D srcDevice / dstDevice (external device buffers are baked into a
-                graph, so replays rewrite nothing of a peer copy today)
+    replay      CUDA_MEMCPY3D srcDevice / dstDevice: an external device buffer re-pointed on
+                replay (cuGraphExecMemcpyNodeSetParams); captured, the record is filled with
+                the addresses the captured call used, so a rewrite of one side keeps the other
 
 The copy runs on a stream of ``node.device`` (the source's device by default: a push).
 """
@@ -61,12 +62,25 @@ class PeerCopyLowering(Lowering):
         sslot, dslot = a.device_slot(node.src.buffer.name), a.device_slot(node.dst.buffer.name)
         soff, doff, nbytes, sh, ptrs = node.src.offset, node.dst.offset, node.nbytes, \
             stream.handle, a.ptrs
+        params = None
         if ctx.capture:
             params = peer_params(node, 0, 0)
             rec = ctx.record(node, params)
             ctx.use(node.src.buffer.name, rec, params, "srcDevice", soff)
             ctx.use(node.dst.buffer.name, rec, params, "dstDevice", doff)
         contexts = ctx.resolved.get(node.name)
+        if params is not None:  # captured once: the record gets the addresses the call used
+            step = self._stream_step(contexts, ctx, ptrs, sslot, dslot, soff, doff, nbytes, sh)
+
+            def captured():
+                params.srcDevice = ptrs[sslot] + soff
+                params.dstDevice = ptrs[dslot] + doff
+                step()
+            return captured
+        return self._stream_step(contexts, ctx, ptrs, sslot, dslot, soff, doff, nbytes, sh)
+
+    @staticmethod
+    def _stream_step(contexts, ctx, ptrs, sslot, dslot, soff, doff, nbytes, sh):
         if contexts is None:
             dtod = ctx.api.cuMemcpyDtoDAsync
 
