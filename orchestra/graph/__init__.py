@@ -15,7 +15,7 @@ Edges come from what nodes read and write (RAW, WAR, WAW on overlapping bytes) p
 
 from orchestra.graph.batch import Batch, add_batch, build_pipeline, elementwise_args
 from orchestra.graph.builder import GraphBuilder, Lifetime
-from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode
+from orchestra.graph.buffers import Access, Buffer, BufferRange, Condition, HostBuffer, Mode
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
     Alloc,
@@ -36,8 +36,8 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
-    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "DeviceToHost", "Free", "GraphBuilder",
-    "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel", "KernelNode", "KernelRef",
-    "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch",
+    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "Condition", "DeviceToHost", "Free",
+    "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel",
+    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch",
     "build_pipeline", "elementwise_args",
 ]

@@ -19,6 +19,7 @@ from orchestra.graph.buffers import (
     Access,
     Buffer,
     BufferRange,
+    Condition,
     HostBuffer,
     Mode,
     as_range,
@@ -294,10 +295,12 @@ class KernelNode(Node):
     """Launch ``kernel`` with ``grid`` x ``block`` threads and ``args``.
 
     Arguments are scalars (int, float, numpy scalar; passed as is, packed by the compiler from
-    the kernel's parameter types) or device buffers: ``In(b)``, ``Out(b)``, ``InOut(b)``, or a
+    the kernel's parameter types), device buffers: ``In(b)``, ``Out(b)``, ``InOut(b)``, or a
     bare `Buffer`/`BufferRange`, which is a read for a declared ``const T*`` parameter and a
-    read-write otherwise. ``shared_mem`` is dynamic shared memory in bytes; ``attributes`` are
-    launch attributes (name -> value), kept sorted.
+    read-write otherwise, or a `Condition` for a ``cudaGraphConditionalHandle`` parameter (the
+    kernel sets the condition: a write of it; the executor passes the handle). ``shared_mem``
+    is dynamic shared memory in bytes; ``attributes`` are launch attributes (name -> value),
+    kept sorted.
     """
 
     kernel: KernelRef
@@ -324,6 +327,8 @@ class KernelNode(Node):
             raise NodeFieldTypeError(f"{r()}: args must be a tuple or list of kernel arguments, got"
                                      f" {got(self.args)}")
         for i, a in enumerate(self.args):
+            if isinstance(a, Condition):
+                continue  # a conditional handle argument
             if isinstance(a, (In, Out, InOut, Buffer, BufferRange)):
                 target = a.target if isinstance(a, (In, Out, InOut)) else as_range(a)
                 if target.buffer.is_host:
@@ -334,7 +339,8 @@ class KernelNode(Node):
                                          f"kernels take device buffers")
             elif not _is_scalar(a):
                 raise NodeFieldTypeError(f"{r()}: argument {i} ({a!r}) is neither a scalar nor a"
-                                         f" buffer (In/Out/InOut/Buffer/BufferRange)")
+                                         f" buffer (In/Out/InOut/Buffer/BufferRange) or a"
+                                         f" Condition")
 
     def accesses(self):
         out = []
@@ -343,6 +349,8 @@ class KernelNode(Node):
                 out.append(Access(a.target, a.mode))
             elif isinstance(a, (Buffer, BufferRange)):
                 out.append(Access(as_range(a), self.kernel.default_mode(i)))
+            elif isinstance(a, Condition):
+                out.append(Access(a.whole, Mode.WRITE))  # the kernel sets the condition
         return tuple(out)
 
 

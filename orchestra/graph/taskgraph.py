@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import TypeVar
 
 from orchestra.errors import GraphError, NameCollisionError
-from orchestra.graph.buffers import Buffer, HostBuffer
+from orchestra.graph.buffers import Buffer, Condition, HostBuffer
 from orchestra.graph.nodes import Node
 
 N = TypeVar("N", bound=Node)
@@ -123,6 +123,11 @@ class TaskGraph:
     def host_buffers(self) -> tuple[HostBuffer, ...]:
         """Host buffers, in order of first use."""
         return tuple(b for b in self._buffers.values() if isinstance(b, HostBuffer))
+
+    @property
+    def conditions(self) -> tuple[Condition, ...]:
+        """Conditions (conditional handles) the nodes set or test, in order of first use."""
+        return tuple(b for b in self._buffers.values() if isinstance(b, Condition))
 
     def buffer(self, name: str):
         try:

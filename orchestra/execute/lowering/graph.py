@@ -19,8 +19,9 @@ class GraphContext:
     """Attributes: ``api`` (the `DriverAPI`), ``graph`` (the ``CUgraph``), ``context`` (the
     ``CUcontext`` memcpy and memset nodes name), ``device`` (the `Device`), ``resolved`` (node
     name -> what the entry's `resolve` returned), ``built`` (the `BuiltGraph`: records in
-    creation order, kernels, allocations), ``bindings`` (its `BindingTable`),
-    ``executor_name``."""
+    creation order, kernels, allocations), ``bindings`` (its `BindingTable`), ``handles``
+    (condition name -> its conditional handle as an int, created before the nodes that use
+    it are added), ``executor_name``."""
 
     executor_name = "graph-build"
 
@@ -35,6 +36,7 @@ class GraphContext:
         self._dptrs: dict[str, object] = {}  # buffer -> CUdeviceptr of its live allocation
         self._addr = {name: b.address for name, b in bindings.external.items()}
         self.alloc_of: dict[str, int] = {}  # Alloc node -> address
+        self.handles: dict[str, int] = {}
 
     def add(self, call: str, deps: list, *args):
         """``api.<call>(graph, deps or None, len(deps), *args)``, checked (`CudaError` naming

@@ -6,9 +6,10 @@
     stream      cuLaunchKernel; cuLaunchKernelEx with a CUlaunchConfig built once per node
                 and stream when launch attributes are set (cooperative, cluster, pdl,
                 priority); buffer arguments are written into the packed struct from the
-                address slots right before the call
+                address slots right before the call, conditional handles from the context's
+                handles (created when the capture began; none eagerly: 0)
     graph       cuGraphAddKernelNode (CUDA_KERNEL_NODE_PARAMS) + cuGraphKernelNodeSetAttribute
-                per launch attribute
+                per launch attribute; conditional handle arguments from the context
     replay      CUDA_KERNEL_NODE_PARAMS, whose kernelParams points into the packed struct: a
                 rewritten scalar field (or an external buffer's pointer field) plus one
                 cuGraphExecKernelNodeSetParams
@@ -73,6 +74,10 @@ class KernelLowering(Lowering):
         ka = ctx.resolved[node.name]
         a = ctx.addresses
         patches = tuple((p.field, a.device_slot(p.buffer), p.offset) for p in ka.pointers)
+        # conditional handles exist only once the graph that holds them does (capture: at its
+        # start), so they are read when the step runs
+        hpatches = tuple((h.field, h.condition) for h in ka.handles)
+        handles = ctx.handles
         ptrs, sh = a.ptrs, stream.handle
         struct, address, func = ka.packed.struct, ka.packed.address, ka.kernel.function
         name = node.name
@@ -89,6 +94,8 @@ class KernelLowering(Lowering):
             def step():
                 for field, slot, off in patches:
                     setattr(struct, field, ptrs[slot] + off)
+                for field, cond in hpatches:
+                    setattr(struct, field, handles.get(cond, 0))
                 (err,) = launch_ex(config, func, address, 0)
                 if err:
                     raise error_from_result("cuLaunchKernelEx", err, context=f"kernel {name}")
@@ -100,6 +107,8 @@ class KernelLowering(Lowering):
         def step():
             for field, slot, off in patches:
                 setattr(struct, field, ptrs[slot] + off)
+            for field, cond in hpatches:
+                setattr(struct, field, handles.get(cond, 0))
             (err,) = launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
             if err:
                 raise error_from_result("cuLaunchKernel", err, context=f"kernel {name}")
@@ -110,6 +119,7 @@ class KernelLowering(Lowering):
         struct = ka.packed.struct
         for p in ka.pointers:
             setattr(struct, p.field, ctx.device_address(p.buffer) + p.offset)
+        ka.bind_handles(ctx.handles)
         params = kernel_params(ka)
         gnode = ctx.add("cuGraphAddKernelNode", deps, params)
         for attr_id, value in kernel_node_attributes(ka.config):

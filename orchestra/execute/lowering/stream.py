@@ -102,7 +102,9 @@ class StreamContext:
     returned), ``pool`` (the ``CUmemoryPool`` handle allocations come from), ``device`` (the
     `Device`), ``tokens`` (host-function tokens added for this program), ``allocations``
     (capture: Alloc node name -> address, filled when the step runs), ``built`` (capture: the
-    `BuiltGraph` being captured; else None).
+    `BuiltGraph` being captured; else None), ``handles`` (condition name -> its conditional
+    handle as an int, filled when the graph that holds it exists: capture; empty eagerly, so
+    kernels get handle 0).
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
@@ -118,6 +120,7 @@ class StreamContext:
         self.bindings = bindings
         self.tokens: list[int] = []
         self.allocations: dict[str, tuple[str, int]] = {}
+        self.handles: dict[str, int] = {}
         self._callbacks = callbacks
 
     @property
