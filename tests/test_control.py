@@ -12,7 +12,9 @@ against plain Python references."""
 from __future__ import annotations
 
 import ctypes
+from typing import ClassVar
 
+import attrs
 import numpy as np
 import pytest
 from cuda.bindings import driver as _d
@@ -20,6 +22,7 @@ from cuda.bindings import driver as _d
 from orchestra.compiler.args import ArgLayout
 from orchestra.compiler.params import normalize_params, parse_params
 from orchestra.errors import (
+    GraphError,
     KernelArgumentTypeError,
     NameCollisionError,
     NodeFieldTypeError,
@@ -34,10 +37,13 @@ from orchestra.graph import (
     In,
     KernelNode,
     KernelRef,
+    Memset,
     Mode,
+    Node,
     Out,
     TaskGraph,
 )
+from orchestra.graph.bodies import body_accesses, container_of, walk
 from tests.fake_cuda import FakeKernel
 
 SET_PARAMS = ("cudaGraphConditionalHandle h", "const unsigned int* src", "unsigned int* flag")
@@ -116,3 +122,163 @@ def test_resolve_packs_a_handle_field_and_refuses_a_condition_for_another_type()
                              "declare it cudaGraphConditionalHandle"):
         resolve_kernel_node(KernelNode("set", SETTER, 1, 1, (c, In(src), Out(flag))), other)
     assert ctypes.sizeof(ka.packed.struct) == 24
+
+
+# -- body graphs ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Group(Node):
+    """A test kind holding one body (what child graphs and conditionals build on)."""
+
+    body: TaskGraph
+    kind: ClassVar[str] = "group"
+
+    @property
+    def bodies(self):
+        return (self.body,)
+
+    def accesses(self):
+        return body_accesses(self.bodies)
+
+
+@attrs.frozen
+class Branching(Node):
+    """A test kind that tests a condition and holds bodies (a conditional's shape)."""
+
+    condition: Condition
+    branches: tuple = ()
+    kind: ClassVar[str] = "test"
+
+    @property
+    def tests(self):
+        return self.condition
+
+    @property
+    def bodies(self):
+        return self.branches
+
+    def accesses(self):
+        return body_accesses(self.bodies) + (Access(self.condition.whole, Mode.READ),)
+
+
+SCALE = KernelRef("scale.cu", "scale", params=("const float* x", "float* y", "int n"))
+
+
+def scale(name, x, y):
+    return KernelNode(name, SCALE, 1, 32, (In(x), Out(y), x.nbytes // 4))
+
+
+def test_body_accesses_are_the_bodies_ranges_as_a_whole():
+    a, b, c = Buffer("a", 64), Buffer("b", 64), Buffer("c", 64)
+    body = TaskGraph()
+    body.add(scale("s1", a, b))
+    body.add(scale("s2", b, c))
+    got = {(acc.buffer.name, acc.mode) for acc in body_accesses((body,))}
+    # a only read; b written then read; c written: read-modify-writes seen from outside
+    assert got == {("a", Mode.READ), ("b", Mode.READ_WRITE), ("c", Mode.READ_WRITE)}
+    other = TaskGraph()
+    other.add(scale("s3", c, a.range(0, 32)))
+    got = {(str(acc.range), acc.mode) for acc in body_accesses((body, other))}
+    assert ("a[0:32]", Mode.READ_WRITE) in got and ("a[0:64]", Mode.READ) in got
+
+
+def test_edges_run_through_a_node_with_a_body():
+    x, y, z = Buffer("x", 64), Buffer("y", 64), Buffer("z", 64)
+    body = TaskGraph()
+    body.add(scale("inner", x, y))
+    g = TaskGraph()
+    g.add(scale("before", z, x))
+    g.add(Group("group", body))
+    g.add(scale("after", y, z))
+    assert g.edges == {("before", "group"), ("group", "after"), ("before", "after")}  # WAR z
+    assert g.edge_reason("before", "group").startswith("RAW")
+    assert [(n.name, tuple(c.name for c in chain)) for n, chain in walk(g)] == [
+        ("before", ()), ("group", ()), ("inner", ("group",)), ("after", ())]
+    assert container_of(g) == {"before": None, "group": None, "inner": "group", "after": None}
+
+
+def test_names_are_unique_across_bodies_and_a_body_cannot_hold_itself():
+    x, y = Buffer("x", 64), Buffer("y", 64)
+    body = TaskGraph()
+    body.add(scale("k", x, y))
+    g = TaskGraph()
+    g.add(scale("k", y, x))
+    g.add(Group("group", body))
+    with pytest.raises(NameCollisionError, match="'k' is used in the graph and in the body of "
+                                                 "group"):
+        g.validate()
+    g2 = TaskGraph()
+    g2.add(Group("g1", body))
+    g2.add(Group("g2", body))  # one body in two places: its names twice
+    with pytest.raises(NameCollisionError, match="body of g1 and in the body of g2"):
+        g2.validate()
+    loop = TaskGraph()
+    loop.add(scale("k", x, y))
+    loop.add(Group("self", loop))
+    with pytest.raises(GraphError, match="holds the graph it is in"):
+        loop.validate()
+
+
+def test_a_body_with_a_cycle_is_refused():
+    x = Buffer("x", 64)
+    body = TaskGraph()
+    body.add(Memset("a", x, 0, after=("b",)))
+    body.add(Memset("b", x, 1))
+    g = TaskGraph()
+    g.add(Group("group", body))
+    with pytest.raises(GraphError, match="cycle"):
+        g.validate()
+
+
+def setter(name, cond, src, flag):
+    return KernelNode(name, SETTER, 1, 1, (cond, In(src), Out(flag)))
+
+
+def test_condition_rules():
+    src, flag = Buffer("src", 4), Buffer("flag", 4)
+    c = Condition("c")
+    ok = TaskGraph()
+    ok.add(setter("set", c, src, flag))
+    ok.add(Branching("t", c))
+    ok.validate()
+    assert ok.edges == {("set", "t")}  # the setter writes the condition the test reads
+
+    two = TaskGraph()
+    two.add(Branching("t1", c))
+    two.add(Branching("t2", c))
+    with pytest.raises(GraphError, match="tested by t1 and by t2.*single conditional node"):
+        two.validate()
+
+    orphan = TaskGraph()
+    orphan.add(setter("set", Condition("d"), src, flag))
+    with pytest.raises(GraphError, match="kernel set sets condition d, but no conditional"):
+        orphan.validate()
+
+    late = TaskGraph()
+    late.add(Branching("t", c))
+    late.add(setter("set", c, src, flag))
+    with pytest.raises(GraphError, match="kernel set sets condition c after t tests it"):
+        late.validate()
+
+    d = Condition("d", default=1)
+    both = TaskGraph()
+    both.add(setter("set", d, src, flag))
+    both.add(Branching("t", d))
+    with pytest.raises(GraphError, match="condition d has a default .1. and kernel set also"):
+        both.validate()
+
+    body = TaskGraph()
+    body.add(setter("again", d, src, flag))  # a loop body sets its own condition: fine
+    loop = TaskGraph()
+    loop.add(Branching("loop", d, (body,)))
+    loop.validate()
+
+    outside = TaskGraph()  # a setter in another body than the tester's
+    inner = TaskGraph()
+    inner.add(setter("deep", c, src, flag))
+    outside.add(Group("elsewhere", inner))
+    outside.add(Branching("t", c))
+    with pytest.raises(GraphError, match="sets condition c from the body of elsewhere, but t "
+                                         "tests it in the graph"):
+        outside.validate()

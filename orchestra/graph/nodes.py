@@ -4,7 +4,9 @@ Every node has ``name``, ``batch`` (int or None), ``device`` (defaults to the de
 buffers it touches, else 0), ``after`` (names of nodes it must follow besides the inferred ones),
 and ``accesses()`` -> tuple of `Access`. ``engine`` says which hardware queue it occupies
 ("upload", "download", "compute", "host", "memory"); schedulers place nodes by it, so new kinds
-(peer copies, NCCL collectives) only need their own ``accesses()`` and ``engine``.
+(peer copies, NCCL collectives) only need their own ``accesses()`` and ``engine``. A node that
+holds task graphs it runs as a unit (``bodies``, see `orchestra.graph.bodies`) accesses what
+they touch, as a whole; ``tests`` is the `Condition` a conditional node tests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class Node:
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"
+    #: the `Condition` a conditional node tests (its own property there); None for other kinds
+    tests: ClassVar[Condition | None] = None
+
+    @property
+    def bodies(self) -> tuple:
+        """The task graphs this node holds and runs as a unit (a conditional node's branches or
+        loop body, a child graph); empty for most kinds (`orchestra.graph.bodies`)."""
+        return ()
 
     @property
     def _record(self) -> str:

@@ -3,7 +3,9 @@
 Adding a node asks the byte-range tracker which earlier nodes it conflicts with (read-after-write,
 write-after-read, write-after-write on overlapping bytes of one buffer) and adds those edges, plus
 ``after=`` edges. ``after=`` may name a node added later (the edge appears when it is added), so a
-cycle is possible; `validate()` reports it by name.
+cycle is possible; `validate()` reports it by name. A node with bodies (task graphs it runs as a
+unit, `orchestra.graph.bodies`) is one node here, accessing what its bodies touch; `validate()`
+also checks the bodies and the conditions.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import defaultdict
 from typing import TypeVar
 
 from orchestra.errors import GraphError, NameCollisionError
+from orchestra.graph.bodies import check_bodies
 from orchestra.graph.buffers import Buffer, Condition, HostBuffer
 from orchestra.graph.nodes import Node
 
@@ -33,6 +36,7 @@ class TaskGraph:
         self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
+        self._control = False  # a node with bodies or touching a condition: check_bodies
 
     # -- building ---------------------------------------------------------------------------
 
@@ -53,8 +57,12 @@ class TaskGraph:
             known = buffers.get(buf.name)
             if known is None:
                 buffers[buf.name] = buf
+                if isinstance(buf, Condition):
+                    self._control = True
             elif known is not buf:
                 self._register(buf, name)  # equal, or a clash to report
+        if node.bodies or node.tests is not None:
+            self._control = True
         self._nodes[name] = node
         self._index[name] = len(self._index)
         preds = self._preds[name] = {}
@@ -159,13 +167,17 @@ class TaskGraph:
 
     # -- structure --------------------------------------------------------------------------
 
-    def validate(self) -> None:
-        """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes)."""
+    def validate(self, *, bodies: bool = True) -> None:
+        """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes);
+        with bodies or conditions (and ``bodies``, the default), also what
+        `orchestra.graph.bodies.check_bodies` checks."""
         if self._waiting:
             missing = ", ".join(f"{w!r} (after= of {', '.join(repr(n) for n in ns)})"
                                 for w, ns in sorted(self._waiting.items()))
             raise GraphError(f"after= names node(s) not in the graph: {missing}")
         self._kahn()
+        if bodies and self._control:
+            check_bodies(self)
 
     def _kahn(self) -> tuple[str, ...]:
         if self._topo is not None:
