@@ -31,8 +31,10 @@ from orchestra.errors import (
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.graph import (
     Access,
+    Alloc,
     Buffer,
     Condition,
+    Free,
     HostBuffer,
     In,
     KernelNode,
@@ -44,6 +46,7 @@ from orchestra.graph import (
     TaskGraph,
 )
 from orchestra.graph.bodies import body_accesses, container_of, walk
+from orchestra.schedule import CostModel, PlanBuilder, schedule, verify, verify_graph_edges
 from tests.fake_cuda import FakeKernel
 
 SET_PARAMS = ("cudaGraphConditionalHandle h", "const unsigned int* src", "unsigned int* flag")
@@ -282,3 +285,114 @@ def test_condition_rules():
     with pytest.raises(GraphError, match="sets condition c from the body of elsewhere, but t "
                                          "tests it in the graph"):
         outside.validate()
+
+
+# -- the verifier and the scheduler through bodies; programmatic edges ------------------------
+
+
+def loop_graph():
+    """alloc x, y; before writes x; group (body: x -> y); after reads y; frees."""
+    x, y = Buffer("x", 64), Buffer("y", 64)
+    body = TaskGraph()
+    body.add(scale("inner", x, y))
+    g = TaskGraph()
+    g.add(Alloc("ax", x))
+    g.add(Alloc("ay", y))
+    g.add(Memset("before", x, 0))
+    g.add(Group("group", body))
+    g.add(scale("after", y, x))
+    g.add(Free("fx", x))
+    g.add(Free("fy", y))
+    return g
+
+
+def kinds(findings):
+    return sorted((f.kind, f.nodes) for f in findings)
+
+
+def test_a_plan_that_orders_through_the_group_is_clean():
+    g = loop_graph()
+    assert verify(schedule(g, "by-engine", 3), g) == []
+    assert verify(schedule(g, "round-robin", 2), g) == []
+    assert verify_graph_edges(g) == []
+
+
+def test_the_verifier_catches_a_race_with_a_body_access():
+    g = loop_graph()
+    # two streams, no events: the group reads x (its body does) unordered after before's write
+    plan = (PlanBuilder().stream("a").run("ax", "ay", "before").stream("b")
+            .run("group", "after", "fx", "fy").build())
+    found = verify(plan, g)
+    assert ("RAW", ("before", "group")) in kinds(found)
+    raw = next(f for f in found if f.nodes == ("before", "group"))
+    assert raw.buffer == "x" and "no event orders before before group" in raw.message
+
+
+def test_the_verifier_catches_a_free_racing_the_body():
+    g = loop_graph()
+    edges = set(g.edges) - {("group", "fy"), ("after", "fy")}  # fy no longer after the body
+    found = verify_graph_edges(g, edges)
+    assert ("FREE_RACE", ("after", "fy")) in kinds(found)  # the last use of y, then the body
+    assert ("FREE_RACE", ("group", "fy")) not in kinds(found)  # ordering after orders it
+    found = verify_graph_edges(g, set(g.edges) - {("before", "group")})
+    assert ("RAW", ("before", "group")) in kinds(found)  # the body reads what before writes
+
+
+def test_findings_inside_a_body_name_the_body():
+    x = Buffer("x", 64)
+    body = TaskGraph()
+    body.add(Free("f1", x))
+    body.add(Free("f2", x))
+    g = TaskGraph()
+    g.add(Group("group", body))
+    found = verify_graph_edges(g)
+    assert found and all(f.message.startswith("in the body of group: ") for f in found)
+    assert {f.kind for f in found} <= {"DOUBLE_FREE", "USE_BEFORE_ALLOC"}
+
+
+def chain_graph():
+    """p writes y from x; c reads y writes z; d reads y (and z) writes w."""
+    x, y, z, w = (Buffer(n, 64) for n in "xyzw")
+    g = TaskGraph()
+    g.add(scale("p", x, y))
+    g.add(scale("c", y, z))
+    g.add(KernelNode("d", SCALE, 1, 32, (In(z), Out(w), 16), after=("c",)))
+    return g
+
+
+def test_a_programmatic_edge_orders_only_a_consumer_that_waits():
+    g = chain_graph()
+    edges = {("p", "c"), ("c", "d")}
+    assert verify_graph_edges(g, edges, programmatic={("p", "c")}, waits={"c"}.__contains__) == []
+    found = verify_graph_edges(g, edges, programmatic={("p", "c")}, waits=lambda n: False)
+    raw = [f for f in found if f.kind == "RAW"]
+    assert [(f.nodes, f.buffer) for f in raw] == [(("p", "c"), "y")]
+    assert "programmatic edge p -> c orders nothing: c never executes griddepcontrol.wait" \
+        in raw[0].message
+    # without waits= no consumer is known to wait: the edge orders nothing
+    assert [f.nodes for f in verify_graph_edges(g, edges, programmatic={("p", "c")})
+            if f.kind == "RAW"] == [("p", "c")]
+
+
+def test_a_non_waiting_consumer_breaks_the_order_of_what_follows_it_too():
+    x, y, z, w = (Buffer(n, 64) for n in "xyzw")
+    g = TaskGraph()
+    g.add(scale("p", x, y))
+    g.add(KernelNode("c", SCALE, 1, 32, (In(z), Out(w), 16), after=("p",)))
+    g.add(scale("d", y, z.range(0, 32)))  # reads y: after p only through c
+    edges = {("p", "c"), ("c", "d")}
+    assert verify_graph_edges(g, edges, programmatic={("p", "c")}, waits=lambda n: True) == []
+    found = verify_graph_edges(g, edges, programmatic={("p", "c")}, waits=lambda n: False)
+    assert ("RAW", ("p", "d")) in kinds(found) and ("ORDER", ("p", "c")) in kinds(found)
+
+
+def test_a_node_with_a_body_costs_its_dearest_body_once():
+    model = CostModel(kernel_us=5.0, memset_gbps=1.0)
+    a, b = TaskGraph(), TaskGraph()
+    x = Buffer("x", 64)
+    a.add(scale("k1", x, x.range(0, 32)))
+    a.add(scale("k2", x, x.range(32, 32)))
+    b.add(Memset("m", x, 0))
+    node = Branching("t", Condition("c"), (a, b))
+    assert model.cost(node) == 10.0
+    assert model.cost(Group("g", b)) == pytest.approx(64 / 1e3)

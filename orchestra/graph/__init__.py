@@ -38,6 +38,6 @@ Kernel = KernelNode  # the short name for the node kind
 __all__ = [
     "Access", "Alloc", "Batch", "Buffer", "BufferRange", "Condition", "DeviceToHost", "Free",
     "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel",
-    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker", "TaskGraph", "add_batch",
-    "build_pipeline", "elementwise_args",
+    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker",
+    "TaskGraph", "add_batch", "build_pipeline", "elementwise_args",
 ]
