@@ -29,13 +29,22 @@ from orchestra.errors import (
     NodeFieldValueError,
 )
 from orchestra.execute.kernel_args import resolve_kernel_node
+from orchestra.execute.lowering import LOWERINGS, Lowering
+from orchestra.execute.lowering.restrictions import (
+    CHILD_GRAPH,
+    CONDITIONAL_BODY,
+    BodyRestrictionError,
+    check_body,
+)
 from orchestra.graph import (
     Access,
     Alloc,
     Buffer,
     Condition,
+    DeviceToHost,
     Free,
     HostBuffer,
+    HostFunc,
     In,
     KernelNode,
     KernelRef,
@@ -396,3 +405,56 @@ def test_a_node_with_a_body_costs_its_dearest_body_once():
     node = Branching("t", Condition("c"), (a, b))
     assert model.cost(node) == 10.0
     assert model.cost(Group("g", b)) == pytest.approx(64 / 1e3)
+
+
+# -- the driver's body restrictions -------------------------------------------------------------
+
+
+class GroupLowering(Lowering):
+    node_type = Group
+    graph_node = "graph"
+    driver_node_type = "CU_GRAPH_NODE_TYPE_GRAPH"
+
+
+@pytest.fixture
+def group_entry(monkeypatch):
+    monkeypatch.setitem(LOWERINGS, Group, GroupLowering())
+
+
+def body_with(*nodes):
+    body = TaskGraph()
+    for n in nodes:
+        body.add(n)
+    return body
+
+
+@pytest.mark.parametrize("bad,kind", [
+    (lambda x: Alloc("alloc", Buffer("t", 64)), "graph memory allocation"),
+    (lambda x: Free("free", x), "graph memory free"),
+    (lambda x: HostFunc("host", lambda: None, reads=(HostBuffer("h", 8),)), "host function"),
+])
+def test_a_conditional_body_refuses_host_and_memory_nodes_naming_them(group_entry, bad, kind):
+    x = Buffer("x", 64)
+    ok = body_with(scale("k", x, x.range(0, 32)), Memset("m", x, 0),
+                   DeviceToHost("d2h", x, HostBuffer("out", 64)))
+    check_body(Group("g", ok), CONDITIONAL_BODY)  # kernels, memsets, copies: fine
+    with pytest.raises(BodyRestrictionError) as info:
+        check_body(Group("loop", body_with(scale("k", x, x.range(0, 32)), bad(x))),
+                   CONDITIONAL_BODY)
+    err = info.value
+    assert f"({kind}" in str(err) or kind in str(err)
+    assert "cannot be in the body of loop" in str(err)
+    assert "Conditional Node Body Graph Requirements" in str(err)
+    assert err.container == "loop" and err.node == bad(x).name
+    assert isinstance(err, GraphError) and isinstance(err, ValueError)
+
+
+def test_restrictions_apply_at_any_depth_and_child_graphs_refuse_their_own(group_entry):
+    x = Buffer("x", 64)
+    inner = Group("inner", body_with(HostFunc("h", lambda: None)))
+    with pytest.raises(BodyRestrictionError, match="node h .* cannot be in the body of inner, "
+                                                   "inside outer"):
+        check_body(Group("outer", body_with(inner)), CONDITIONAL_BODY)
+    check_body(Group("outer", body_with(inner)), CHILD_GRAPH)  # host nodes: fine in a child
+    with pytest.raises(BodyRestrictionError, match="a child graph may hold only"):
+        check_body(Group("child", body_with(Free("f", x))), CHILD_GRAPH)
