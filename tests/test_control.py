@@ -20,6 +20,14 @@ import pytest
 from cuda.bindings import driver as _d
 
 from orchestra.compiler.args import ArgLayout
+from orchestra.driver.capture import (
+    CaptureSession,
+    CaptureToGraph,
+    add_captured_node,
+    capture_status,
+    is_capturing,
+)
+from orchestra.driver.check import cu
 from orchestra.compiler.params import normalize_params, parse_params
 from orchestra.errors import (
     GraphError,
@@ -30,6 +38,7 @@ from orchestra.errors import (
 )
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.lowering import LOWERINGS, Lowering
+from orchestra.execute.resources import StreamPool
 from orchestra.execute.lowering.restrictions import (
     CHILD_GRAPH,
     CONDITIONAL_BODY,
@@ -56,7 +65,8 @@ from orchestra.graph import (
 )
 from orchestra.graph.bodies import body_accesses, container_of, walk
 from orchestra.schedule import CostModel, PlanBuilder, schedule, verify, verify_graph_edges
-from tests.fake_cuda import FakeKernel
+from tests import fake_graph_cuda as fg
+from tests.fake_cuda import FakeCuda, FakeKernel
 
 SET_PARAMS = ("cudaGraphConditionalHandle h", "const unsigned int* src", "unsigned int* flag")
 SETTER = KernelRef("set.cu", "set_cond", params=SET_PARAMS)
@@ -458,3 +468,53 @@ def test_restrictions_apply_at_any_depth_and_child_graphs_refuse_their_own(group
     check_body(Group("outer", body_with(inner)), CHILD_GRAPH)  # host nodes: fine in a child
     with pytest.raises(BodyRestrictionError, match="a child graph may hold only"):
         check_body(Group("child", body_with(Free("f", x))), CHILD_GRAPH)
+
+
+# -- the lowering's capabilities for bodies -----------------------------------------------------
+
+
+def test_side_streams_are_one_per_depth_and_never_plan_streams():
+    fake = FakeCuda()
+    pool = StreamPool(fake.device, fake)
+    s1, s2 = pool.side(1), pool.side(2)
+    assert s1 is not s2 and pool.side(1) is s1 and pool.streams == [s1, s2]
+    assert pool.by_priority == {}  # take_streams never hands them out
+    pool.drop(s1)
+    assert pool.side(1) is not s1 and len(pool.streams) == 3
+
+
+def test_a_node_added_to_a_capture_and_a_capture_into_a_body_graph(monkeypatch):
+    fake = fg.install(monkeypatch)
+    origin, side = fake.stream(), fake.stream()
+    x = fake._new_memory(64, fake.vas)
+    with CaptureSession(origin, api=fake) as cap:
+        fake.cuMemsetD8Async(x, 1, 64, origin.handle)
+        body = cu(fake.cuGraphCreate, 0)
+
+        def add(graph, deps, edge_data):
+            assert int(graph) == int(cap.capturing_graph()) and len(deps) == 1
+            return cu(fake.cuGraphAddChildGraphNode, graph, deps, len(deps), body)
+
+        node = add_captured_node(origin, add, fake)
+        assert [int(d) for d in capture_status(origin, fake)[1]] == [int(node)]
+        embedded = cu(fake.cuGraphChildGraphNodeGetGraph, node)
+        with CaptureToGraph(side, embedded, api=fake):
+            fake.cuMemsetD8Async(x, 2, 32, side.handle)
+        assert not is_capturing(side, fake)
+        fake.cuMemsetD8Async(x, 3, 16, origin.handle)
+    g = fake.graphs[int(cap.graph)]
+    assert [n.kind for n in g.nodes] == ["memset", "graph", "memset"]
+    assert [n.kind for n in fake.graphs[int(embedded)].nodes] == ["memset"]
+    exe = cu(fake.cuGraphInstantiate, cap.graph, 0)
+    cu(fake.cuGraphLaunch, exe, origin.handle)
+    assert bytes(fake._bytes(x, 64, "x")) == b"\x03" * 16 + b"\x02" * 16 + b"\x01" * 32
+
+
+def test_capture_to_graph_ends_the_capture_when_the_block_fails(monkeypatch):
+    fake = fg.install(monkeypatch)
+    side = fake.stream()
+    g = cu(fake.cuGraphCreate, 0)
+    with pytest.raises(ZeroDivisionError):
+        with CaptureToGraph(side, g, api=fake):
+            1 / 0
+    assert not is_capturing(side, fake)

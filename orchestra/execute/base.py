@@ -28,6 +28,7 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
 from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
+from orchestra.graph.bodies import walk
 
 
 def _shutdown(api, pool: StreamPool, tracers: list, keep: list) -> None:
@@ -113,7 +114,7 @@ class ExecutorBase(Closable):
 
     def _check_devices(self, graph: TaskGraph) -> None:
         ordinal = self.device.ordinal
-        for node in graph.nodes:
+        for node, _ in walk(graph):  # the nodes of bodies too
             if lowering_for(node).on_device and node.device != ordinal:
                 raise OrchestraError(
                     f"node {node.name} is on device {node.device}, but this "
@@ -121,10 +122,11 @@ class ExecutorBase(Closable):
                     "executor per device")
 
     def _resolve(self, graph: TaskGraph) -> dict:
-        """Node name -> its lowering's `resolve` result, for the nodes that have one (kernels:
-        fresh packed arguments, never shared between prepared plans or execs)."""
+        """Node name -> its lowering's `resolve` result, for the nodes (of the graph and of
+        every body in it) that have one (kernels: fresh packed arguments, never shared between
+        prepared plans or execs)."""
         out = {}
-        for node in graph.nodes:
+        for node, _ in walk(graph):
             r = lowering_for(node).resolve(node, self)
             if r is not None:
                 out[node.name] = r

@@ -20,6 +20,10 @@ driver call, made by the node's entry in the lowering table (`Lowering.graph`):
     host       cuGraphAddHostNode       (the executor's C trampoline, one token per function)
     mem_free   cuGraphAddMemFreeNode
 
+A node with bodies adds its own node and builds its bodies into the body graphs node by node
+the same way (`lowering.bodies.build_body`); before the first node, each node's entry makes what
+it needs on the graph (``begin_graph``: conditional handles).
+
 With ``trace=True`` every node sits between two event-record nodes
 (``cuGraphAddEventRecordNode``, `GraphTracer.pair`), and successors depend on the second one.
 """
@@ -40,6 +44,7 @@ from orchestra.execute.cuda_graph.spec import (
     translate,
 )
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.bodies import begin_graph
 from orchestra.execute.lowering.graph import GraphContext
 from orchestra.graph import TaskGraph
 from orchestra.schedule import verify_graph_edges
@@ -100,6 +105,7 @@ class GraphBuildExecutor(GraphExecutorBase):
                              meta={"nodes": len(graph)})
                 built.tracer = tracer
             ctx = GraphContext(api, g, dev, resolved, built, table)
+            begin_graph(graph.nodes, ctx, g)  # e.g. conditional handles, before their setters
             tail: dict[str, object] = {}  # node -> the CUgraphNode its successors depend on
             for sn in spec.nodes:
                 node = graph.node(sn.name)

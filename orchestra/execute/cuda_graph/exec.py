@@ -132,8 +132,9 @@ class GraphExec(Replay, Update, Closable):
         for b in (*table.host.values(), *table.external.values()):
             for u in b.users:
                 u.gnode = u.record.gnode if u.record is not None else None
+        # kernels inside bodies have no per-node replay (see lowering.bodies): not listed
         self._kernels = {name: KernelScalars(ka, built.records[name])
-                         for name, ka in built.kernels.items()}
+                         for name, ka in built.kernels.items() if name in built.records}
         self._callbacks = built.callbacks
         self._tracer = built.tracer
         self._state.keep.append(built)

@@ -18,6 +18,11 @@ range (a `PinnedBuffer` closed, a registration undone) or an `update` changes th
 binding lists the fields its address is written to (`BindingUser`), so a rebinding rewrites
 exactly those.
 
+Nodes inside bodies (conditional branches and loop bodies, child graphs) are not updated node
+by node: a rebinding of a host array a body node uses, or new scalars for a kernel inside a
+body, is refused before any call, naming the node (`GraphExec.update` rebuilds the whole graph
+and updates it, bodies included; see `orchestra.execute.lowering.bodies`).
+
 `Replay` is the part of `GraphExec` that does it.
 """
 
@@ -136,6 +141,12 @@ class Replay(ExecParts):
             if e is not None and value is e.value and e.version >= 0:
                 return  # the external device buffer bound already: nothing changes
             raise BindingError(self._unknown_binding(name))
+        inner = next((u for u in b.users if getattr(u, "inside", None)), None)
+        if inner is not None:
+            raise BindingError(
+                f"binding {name}: host buffer {name} is used by node {inner.record.name} inside "
+                f"the body of {inner.inside}, which replays do not update node by node; bind "
+                f"it with update(graph, bindings=...) (a whole-graph update) or build anew")
         table = self._table
         a, addr = table.check(b, value, version)
         if addr != b.address:
@@ -181,6 +192,11 @@ class Replay(ExecParts):
 
     def _set_scalars(self, node: str, values: Mapping) -> None:
         entry = self._kernels.get(node)
+        if entry is None and node in self._built.inner:
+            raise KernelArgumentValueError(
+                f"scalars: kernel node {node} is inside the body of "
+                f"{self._built.inner[node].container}, which replays do not update node by "
+                "node; change it with update(graph) (a whole-graph update) or build anew")
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
             raise KernelArgumentValueError(
