@@ -36,6 +36,7 @@ node; `GraphExec.update` rebuilds and updates the whole graph, bodies included.
 from __future__ import annotations
 
 from orchestra.driver.capture import CaptureToGraph
+from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingUser
 from orchestra.execute.lowering.table import lowering_for
 
@@ -72,10 +73,10 @@ def body_order(body) -> list:
 
 
 def side_stream(ctx):
-    """The stream ``ctx``'s node captures its bodies from (one per depth, pooled); `RuntimeError`
+    """The stream ``ctx``'s node captures its bodies from (one per depth, pooled); `OrchestraError`
     outside a capture."""
     if ctx.side_streams is None:
-        raise RuntimeError("side streams exist only inside a capture")
+        raise OrchestraError("side streams exist only inside a capture")
     return ctx.side_streams(ctx.depth + 1)
 
 
