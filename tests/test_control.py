@@ -32,10 +32,13 @@ from orchestra.compiler.params import normalize_params, parse_params
 from orchestra.errors import (
     GraphError,
     KernelArgumentTypeError,
+    KernelArgumentValueError,
     NameCollisionError,
     NodeFieldTypeError,
     NodeFieldValueError,
 )
+from orchestra.execute.cuda_graph.spec import translate
+from orchestra.execute.errors import BindingError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.lowering import LOWERINGS, Lowering
 from orchestra.execute.resources import StreamPool
@@ -54,6 +57,7 @@ from orchestra.graph import (
     Free,
     HostBuffer,
     HostFunc,
+    HostToDevice,
     In,
     KernelNode,
     KernelRef,
@@ -64,9 +68,11 @@ from orchestra.graph import (
     TaskGraph,
 )
 from orchestra.graph.bodies import body_accesses, container_of, walk
+from orchestra.graph.nodes import ChildGraph
 from orchestra.schedule import CostModel, PlanBuilder, schedule, verify, verify_graph_edges
 from tests import fake_graph_cuda as fg
 from tests.fake_cuda import FakeCuda, FakeKernel
+from tests.test_lowering import BURN, KINDS, executor, fakes, reference, run  # noqa: F401
 
 SET_PARAMS = ("cudaGraphConditionalHandle h", "const unsigned int* src", "unsigned int* flag")
 SETTER = KernelRef("set.cu", "set_cond", params=SET_PARAMS)
@@ -518,3 +524,96 @@ def test_capture_to_graph_ends_the_capture_when_the_block_fails(monkeypatch):
         with CaptureToGraph(side, g, api=fake):
             1 / 0
     assert not is_capturing(side, fake)
+
+
+# -- child graphs -------------------------------------------------------------------------------
+
+
+def child_graph(n=256, *, host_inside=False, calls=None):
+    """up -> child(burn x -> y [, a host function]) -> down; frees. Returns (graph, bind)."""
+    x, y = Buffer("x", 4 * n), Buffer("y", 4 * n)
+    hin, hout = HostBuffer("hin", 4 * n), HostBuffer("hout", 4 * n)
+    body = TaskGraph()
+    body.add(KernelNode("burn", BURN, 1, 256, (In(x), Out(y), n, 3, 0.5, 1.0)))
+    if host_inside:
+        body.add(HostFunc("note", lambda: calls.append("note"), reads=(y,)))
+    g = TaskGraph()
+    g.add(Alloc("ax", x))
+    g.add(Alloc("ay", y))
+    g.add(HostToDevice("up", hin, x))
+    g.add(ChildGraph("child", body))
+    g.add(DeviceToHost("down", y, hout))
+    g.add(Free("fx", x))
+    g.add(Free("fy", y))
+    rng = np.random.default_rng(1)
+    return g, {"hin": rng.standard_normal(n).astype(np.float32),
+               "hout": np.full(n, np.nan, np.float32)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_child_graph_runs_on_every_executor(fakes, kind):
+    calls = []
+    g, bind = child_graph(host_inside=True, calls=calls)
+    with executor(kind, fakes) as ex:
+        run(ex, kind, g, bind)
+    np.testing.assert_array_equal(bind["hout"], reference(bind["hin"]))
+    assert calls == ["note"]
+    assert translate(g).node("child").kind == "graph"
+    if kind != "eager":
+        fake = fakes[1]
+        top = [gr for gr in fake.graphs.values() if gr.instantiated][-1]
+        child = next(n for n in top.nodes if n.kind == "graph")
+        assert [n.kind for n in child.params["graph"].nodes] == ["kernel", "host"]
+        assert [n.kind for n in top.nodes if n.kind != "event"] == [
+            "alloc", "alloc", "memcpy", "graph", "memcpy", "free", "free"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_child_graph_refuses_graph_memory_before_any_driver_call(fakes, kind):
+    x = Buffer("x", 64)
+    body = TaskGraph()
+    body.add(Alloc("inner_alloc", x))
+    body.add(Memset("m", x, 0))
+    body.add(Free("inner_free", x))
+    g = TaskGraph()
+    g.add(ChildGraph("child", body))
+    eager, graph = fakes
+    with executor(kind, fakes) as ex:
+        with pytest.raises(BodyRestrictionError, match="node inner_alloc .* cannot be in the "
+                                                       "body of child: a child graph"):
+            run(ex, kind, g, {})
+    assert eager.driver_calls() == []
+    assert not {"cuGraphCreate", "cuStreamBeginCapture"} & set(graph.counts)
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_replays_rebind_outside_a_child_and_refuse_inside_it(fakes, kind):
+    n = 256
+    x, y = Buffer("x", 4 * n), Buffer("y", 4 * n)
+    body = TaskGraph()
+    body.add(KernelNode("burn", BURN, 1, 256, (In(x), Out(y), n, 3, 0.5, 1.0)))
+    body.add(DeviceToHost("inner_down", y, HostBuffer("hout", 4 * n)))
+    g = TaskGraph()
+    g.add(Alloc("ax", x))
+    g.add(Alloc("ay", y))
+    g.add(HostToDevice("up", HostBuffer("hin", 4 * n), x))
+    g.add(ChildGraph("child", body))
+    g.add(Free("fx", x))
+    g.add(Free("fy", y))
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    out = np.zeros(n, np.float32)
+    with executor(kind, fakes) as ex:
+        exe = ex.build(g, bindings={"hin": a, "hout": out})
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, reference(a))
+        exe.replay({"hin": b})  # the upload is outside the child: rebound per node
+        np.testing.assert_array_equal(out, reference(b))
+        with pytest.raises(BindingError, match="hout is used by node inner_down inside the "
+                                               "body of child"):
+            exe.replay({"hout": np.zeros(n, np.float32)})
+        with pytest.raises(KernelArgumentValueError, match="kernel node burn is inside the "
+                                                           "body of child"):
+            exe.replay(scalars={"burn": {"iters": 1}})
+        np.testing.assert_array_equal(out, reference(b))  # nothing changed
+        exe.close()

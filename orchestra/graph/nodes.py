@@ -27,6 +27,7 @@ from orchestra.graph.buffers import (
     as_range,
     to_range,
 )
+from orchestra.graph.bodies import body_accesses
 from orchestra.graph.fields import check_int, check_name, check_str_tuple, got, str_tuple
 from orchestra.graph.kernel_ref import KernelRef
 
@@ -404,3 +405,38 @@ class HostFunc(Node):
     def accesses(self):
         return (tuple(Access(r, Mode.READ) for r in self.reads)
                 + tuple(Access(r, Mode.WRITE) for r in self.writes))
+
+
+def _check_body(node, field: str, value) -> None:
+    """``value`` (field ``field``) is a `TaskGraph` (checked by duck type: this module is
+    below `orchestra.graph.taskgraph`)."""
+    if not (hasattr(value, "nodes") and hasattr(value, "topological_order")):
+        raise NodeFieldTypeError(f"{node._record}: {field} must be a TaskGraph, got {got(value)}")
+
+
+@attrs.frozen
+class ChildGraph(Node):
+    """Run ``graph`` (a `TaskGraph`) as one node of this graph: a CUDA child graph node
+    (``cuGraphAddChildGraphNode``), built node by node into the embedded graph (graph-build) or
+    captured into it (capture); the eager executor runs its nodes in place, on the node's
+    stream. It accesses, as a whole, what ``graph`` touches (`orchestra.graph.bodies`), so
+    happens-before runs through it.
+
+    The driver refuses graph memory nodes (`Alloc`, `Free`) and conditional nodes inside a
+    child graph: checked before any CUDA call (`BodyRestrictionError`). A child graph node
+    cannot be disabled (``cuGraphNodeSetEnabled``); its nodes are not replayed one by one (see
+    `orchestra.execute.lowering.bodies`). Node names are unique across the graph and the child.
+    """
+
+    graph: Any
+    kind: ClassVar[str] = "child"
+
+    def _check(self):
+        _check_body(self, "graph", self.graph)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.graph,)
+
+    def accesses(self):
+        return body_accesses(self.bodies)
