@@ -19,6 +19,7 @@ from orchestra.graph.buffers import Access, Buffer, BufferRange, Condition, Host
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
     Alloc,
+    ChildGraph,
     DeviceToHost,
     Free,
     HostFunc,
@@ -36,7 +37,8 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
-    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "Condition", "DeviceToHost", "Free",
+    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "ChildGraph", "Condition",
+    "DeviceToHost", "Free",
     "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel",
     "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker",
     "TaskGraph", "add_batch", "build_pipeline", "elementwise_args",
