@@ -69,7 +69,7 @@ class FakeDevice(fake_cuda.FakeDevice):
     """The eager fake's device, plus what graph code reads: a handle, a context, pushed()."""
 
     handle = 0
-    context = "fake-ctx"
+    context = driver.CUcontext(0xC0)  # a real handle type: node param structs insist
 
     @contextlib.contextmanager
     def pushed(self):

@@ -243,9 +243,13 @@ def test_names_are_unique_across_bodies_and_a_body_cannot_hold_itself():
         g2.validate()
     loop = TaskGraph()
     loop.add(scale("k", x, y))
-    loop.add(Group("self", loop))
+    with pytest.raises(GraphError, match="a body of it is the graph it is added to"):
+        loop.add(Group("self", loop))
+    outer, inner = TaskGraph(), TaskGraph()
+    inner.add(Group("back", outer))
+    outer.add(Group("in", inner))
     with pytest.raises(GraphError, match="holds the graph it is in"):
-        loop.validate()
+        list(walk(outer))
 
 
 def test_a_body_with_a_cycle_is_refused():
@@ -617,3 +621,4 @@ def test_replays_rebind_outside_a_child_and_refuse_inside_it(fakes, kind):
             exe.replay(scalars={"burn": {"iters": 1}})
         np.testing.assert_array_equal(out, reference(b))  # nothing changed
         exe.close()
+

@@ -37,6 +37,7 @@ class TaskGraph:
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
         self._control = False  # a node with bodies or touching a condition: check_bodies
+        self._container: str | None = None  # the node whose body this graph is
 
     # -- building ---------------------------------------------------------------------------
 
@@ -50,6 +51,9 @@ class TaskGraph:
                              f"({type(self._nodes[name]).__name__}); node names must be unique")
         if name in node.after:
             raise GraphError(f"node {name!r} lists itself in after=")
+        if any(b is self for b in node.bodies):
+            raise GraphError(f"node {name!r}: a body of it is the graph it is added to; a body "
+                             "must be a separate TaskGraph")
         accesses = node.accesses()
         buffers = self._buffers
         for acc in accesses:
@@ -63,6 +67,8 @@ class TaskGraph:
                 self._register(buf, name)  # equal, or a clash to report
         if node.bodies or node.tests is not None:
             self._control = True
+            for body in node.bodies:
+                body._container = name  # checked with the whole tree, from the top
         self._nodes[name] = node
         self._index[name] = len(self._index)
         preds = self._preds[name] = {}
@@ -170,13 +176,15 @@ class TaskGraph:
     def validate(self, *, bodies: bool = True) -> None:
         """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes);
         with bodies or conditions (and ``bodies``, the default), also what
-        `orchestra.graph.bodies.check_bodies` checks."""
+        `orchestra.graph.bodies.check_bodies` checks, unless this graph is the body of a node
+        (then the graph holding it checks the whole tree: a body alone cannot tell whether a
+        condition it sets is tested outside it)."""
         if self._waiting:
             missing = ", ".join(f"{w!r} (after= of {', '.join(repr(n) for n in ns)})"
                                 for w, ns in sorted(self._waiting.items()))
             raise GraphError(f"after= names node(s) not in the graph: {missing}")
         self._kahn()
-        if bodies and self._control:
+        if bodies and self._control and self._container is None:
             check_bodies(self)
 
     def _kahn(self) -> tuple[str, ...]:

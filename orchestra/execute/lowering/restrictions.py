@@ -69,7 +69,8 @@ _NAMES = {"mem_alloc": "graph memory allocation (Alloc)", "mem_free": "graph mem
 def check_body(container, rule: BodyRule) -> None:
     """Every node in the bodies of ``container`` (at any depth) is of a kind ``rule`` allows;
     else `BodyRestrictionError` naming the node, its kind and the container."""
-    allowed = ", ".join(sorted(k for k in rule.allowed if k != "empty"))
+    allowed = ", ".join(sorted(_NAMES.get(k, k.replace("_", " ")) for k in rule.allowed
+                               if k != "empty"))
     for body in container.bodies:
         for node, chain in walk(body):
             kind = lowering_for(node).graph_node
