@@ -37,10 +37,14 @@ from orchestra.errors import (
     NodeFieldTypeError,
     NodeFieldValueError,
 )
+from orchestra.execute import EagerExecutor, KernelResolver
+from orchestra.execute.cuda_graph.build import GraphBuildExecutor
+from orchestra.execute.cuda_graph.capture import CaptureExecutor
 from orchestra.execute.cuda_graph.spec import translate
 from orchestra.execute.errors import BindingError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.lowering import LOWERINGS, Lowering
+from orchestra.execute.lowering.conditional import EagerConditionError
 from orchestra.execute.resources import StreamPool
 from orchestra.execute.lowering.restrictions import (
     CHILD_GRAPH,
@@ -68,7 +72,7 @@ from orchestra.graph import (
     TaskGraph,
 )
 from orchestra.graph.bodies import body_accesses, container_of, walk
-from orchestra.graph.nodes import ChildGraph
+from orchestra.graph.nodes import ChildGraph, Conditional, If, Switch, While
 from orchestra.schedule import CostModel, PlanBuilder, schedule, verify, verify_graph_edges
 from tests import fake_graph_cuda as fg
 from tests.fake_cuda import FakeCuda, FakeKernel
@@ -622,3 +626,251 @@ def test_replays_rebind_outside_a_child_and_refuse_inside_it(fakes, kind):
         np.testing.assert_array_equal(out, reference(b))  # nothing changed
         exe.close()
 
+
+# -- conditional nodes --------------------------------------------------------------------------
+
+
+ADD = KernelRef("add.cu", "add_to", params=("int* acc", "int k"))
+STEP = KernelRef("step.cu", "while_step", params=(
+    "cudaGraphConditionalHandle h", "int* counter", "unsigned int* flag", "int limit"))
+
+
+def _set_cond(fake, s):  # (h, const unsigned* src, unsigned* flag): flag = *src; set h
+    v = int(fake.u32(s.a1)[0])
+    fake.u32(s.a2)[0] = v
+    if s.a0:  # handle 0: no graph (eager), as `if (h) cudaGraphSetConditional(h, v)`
+        fake.set_conditional(s.a0, v)
+
+
+def _add_to(fake, s):  # (int* acc, int k)
+    fake.i32(s.a0)[0] += s.a1
+
+
+def _while_step(fake, s):  # (h, int* counter, unsigned* flag, int limit)
+    c = int(fake.i32(s.a1)[0]) + 1
+    fake.i32(s.a1)[0] = c
+    v = 1 if c < s.a3 else 0
+    fake.u32(s.a2)[0] = v
+    if s.a0:
+        fake.set_conditional(s.a0, v)
+
+
+KERNELS = {"set_cond": (SET_PARAMS, _set_cond), "add_to": (ADD.params, _add_to),
+           "while_step": (STEP.params, _while_step)}
+
+
+def control_executor(kind, fakes, **kw):
+    eager, graph = fakes
+    if kind == "eager":
+        made = {name: FakeKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
+        return EagerExecutor(eager.device, driver=eager, kernel_resolver=KernelResolver(
+            eager.device, lambda r, d: made[r.name]), **kw)
+    made = {name: fg.FakeGraphKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
+    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
+    return cls(graph.device, driver=graph, kernel_resolver=fg.resolver(graph, made), **kw)
+
+
+def adds(*ks):
+    """Bodies adding k to acc (one body per k)."""
+    acc = Buffer("acc", 4)
+    out = []
+    for i, k in enumerate(ks):
+        body = TaskGraph()
+        body.add(KernelNode(f"add{i}", ADD, 1, 1, (acc, k)))
+        out.append(body)
+    return out
+
+
+def branch_graph(make_node, *, flag=True):
+    """choice (host) -> src; acc = 0; set(cond, src, flag); the node; acc -> out."""
+    src, fl, acc = Buffer("src", 4), Buffer("flag", 4), Buffer("acc", 4)
+    cond = Condition("c", flag=fl if flag else None)
+    g = TaskGraph()
+    for b in (src, fl, acc):
+        g.add(Alloc(f"a_{b.name}", b))
+    g.add(HostToDevice("up", HostBuffer("choice", 4), src))
+    g.add(Memset("zero", acc, 0))
+    g.add(KernelNode("set", SETTER, 1, 1, (cond, In(src), Out(fl))))
+    g.add(make_node(cond))
+    g.add(DeviceToHost("down", acc, HostBuffer("out", 4)))
+    for b in (src, fl, acc):
+        g.add(Free(f"f_{b.name}", b))
+    return g
+
+
+def run_choice(ex, kind, g, choice):
+    out = np.full(1, -1, np.int32)
+    run(ex, kind, g, {"choice": np.array([choice], np.uint32), "out": out})
+    return int(out[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_if_else_takes_the_branch_the_kernel_chose(fakes, kind):
+    then, otherwise = adds(1, 10)
+    g = branch_graph(lambda c: If("branch", c, then, otherwise))
+    with control_executor(kind, fakes) as ex:
+        assert [run_choice(ex, kind, g, v) for v in (1, 0, 7)] == [1, 10, 1]
+    assert translate(g).node("branch").kind == "conditional"
+    if kind != "eager":
+        fake = fakes[1]
+        top = [gr for gr in fake.graphs.values() if gr.instantiated][-1]
+        node = next(n for n in top.nodes if n.kind == "conditional")
+        assert node.params["type"] == int(_d.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
+        assert [[n.kind for n in b.nodes] for b in node.params["bodies"]] == [["kernel"]] * 2
+        assert top.handles == {node.params["handle"]: (0, 0)}  # no default: flags 0
+        setter = next(n for n in top.nodes if n.kind == "kernel")  # its first field: the handle
+        assert int.from_bytes(setter.params["args"][:8], "little") == node.params["handle"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_if_without_else_and_switch(fakes, kind):
+    (then,) = adds(1)
+    g = branch_graph(lambda c: If("branch", c, then))
+    cases = adds(1, 10, 100)
+    s = branch_graph(lambda c: Switch("switch", c, cases))
+    with control_executor(kind, fakes) as ex:
+        assert [run_choice(ex, kind, g, v) for v in (0, 1)] == [0, 1]
+        assert [run_choice(ex, kind, s, v) for v in (0, 1, 2, 7)] == [1, 10, 100, 0]
+
+
+def while_graph(limit, default=1):
+    counter, fl = Buffer("counter", 4), Buffer("flag", 4)
+    cond = Condition("go", default=default, flag=fl)
+    body = TaskGraph()
+    body.add(KernelNode("step", STEP, 1, 1, (cond, counter, Out(fl), limit)))
+    g = TaskGraph()
+    g.add(Alloc("a_counter", counter))
+    g.add(Alloc("a_flag", fl))
+    g.add(Memset("zero", counter, 0))
+    g.add(Memset("flag_on", fl, 1))  # the eager equivalent starts from the default as well
+    g.add(While("loop", cond, body))
+    g.add(DeviceToHost("down", counter, HostBuffer("out", 4)))
+    g.add(Free("f_counter", counter))
+    g.add(Free("f_flag", fl))
+    return g
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_while_runs_the_number_of_iterations_chosen_on_the_gpu(fakes, kind):
+    eager, graph = fakes
+    with control_executor(kind, fakes) as ex:
+        for limit in (1, 5, 37):
+            out = np.zeros(1, np.int32)
+            g = while_graph(limit)
+            run(ex, kind, g, {"out": out})
+            assert int(out[0]) == limit
+    if kind == "eager":  # one flag read after each run of the body (the first test: default)
+        flag_reads = len(eager.calls("cuMemcpyDtoHAsync")) - 3  # less the 3 runs' downloads
+        assert flag_reads == 1 + 5 + 37
+    else:
+        assert sorted(graph.iterations.values()) == [1, 5, 37]
+        top = [gr for gr in graph.graphs.values() if gr.instantiated][-1]
+        assert list(top.handles.values()) == [(1, 1)]  # default 1, CU_GRAPH_COND_ASSIGN_DEFAULT
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_a_replay_flips_the_branch_and_the_loop_restarts_each_launch(fakes, kind):
+    then, otherwise = adds(1, 10)
+    g = branch_graph(lambda c: If("branch", c, then, otherwise))
+    out = np.zeros(1, np.int32)
+    with control_executor(kind, fakes) as ex:
+        exe = ex.build(g, bindings={"choice": np.array([1], np.uint32), "out": out})
+        exe.launch(sync=True)
+        assert out[0] == 1
+        exe.replay({"choice": np.array([0], np.uint32)})  # the upload is outside the bodies
+        assert out[0] == 10
+        exe.close()
+        w = ex.build(while_graph(4), bindings={"out": out})
+        for _ in range(3):
+            w.replay()
+            assert out[0] == 4  # the handle's default comes back at every launch
+        w.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nested_conditionals_get_their_handles_on_their_body_graphs(fakes, kind):
+    counter, fl, acc, fl2 = Buffer("counter", 4), Buffer("flag", 4), Buffer("acc", 4), \
+        Buffer("flag2", 4)
+    go = Condition("go", default=1, flag=fl)
+    odd = Condition("odd", flag=fl2)
+    inner_then, inner_else = adds(1, 100)
+    body = TaskGraph()
+    body.add(KernelNode("step", STEP, 1, 1, (go, counter, Out(fl), 4)))
+    body.add(KernelNode("set_odd", SETTER, 1, 1, (odd, In(fl), Out(fl2))))  # odd = go's flag
+    body.add(If("inner", odd, inner_then, inner_else))
+    g = TaskGraph()
+    for b in (counter, fl, acc, fl2):
+        g.add(Alloc(f"a_{b.name}", b))
+    g.add(Memset("zero", counter, 0))
+    g.add(Memset("zero_acc", acc, 0))
+    g.add(While("loop", go, body))
+    g.add(DeviceToHost("down", acc, HostBuffer("out", 4)))
+    for b in (counter, fl, acc, fl2):
+        g.add(Free(f"f_{b.name}", b))
+    out = np.zeros(1, np.int32)
+    with control_executor(kind, fakes) as ex:
+        run(ex, kind, g, {"out": out})
+    assert int(out[0]) == 3 * 1 + 100  # go stays 1 for 3 iterations, the 4th clears it
+    if kind != "eager":
+        top = [gr for gr in fakes[1].graphs.values() if gr.instantiated][-1]
+        loop = next(n for n in top.nodes if n.kind == "conditional")
+        (lbody,) = loop.params["bodies"]
+        inner = next(n for n in lbody.nodes if n.kind == "conditional")
+        assert list(top.handles) == [loop.params["handle"]]
+        assert list(lbody.handles) == [inner.params["handle"]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_body_with_a_host_function_is_refused_before_any_driver_call(fakes, kind):
+    body = TaskGraph()
+    body.add(HostFunc("host", lambda: None))
+    g = branch_graph(lambda c: If("branch", c, body))
+    eager, graph = fakes
+    with control_executor(kind, fakes) as ex:
+        with pytest.raises(BodyRestrictionError, match="node host .HostFunc: a host function "
+                                                       "node. cannot be in the body of branch"):
+            run_choice(ex, kind, g, 1)
+    assert eager.driver_calls() == []
+    assert not {"cuGraphCreate", "cuStreamBeginCapture"} & set(graph.counts)
+
+
+def test_eager_refuses_a_condition_without_a_flag_naming_the_graph_executors(fakes):
+    (then,) = adds(1)
+    g = branch_graph(lambda c: If("branch", c, then), flag=False)
+    eager, _ = fakes
+    with control_executor("eager", fakes) as ex:
+        with pytest.raises(EagerConditionError, match="capture or graph-build executor"):
+            run_choice(ex, "eager", g, 1)
+    assert eager.driver_calls() == []
+    with control_executor("graph-build", fakes) as ex:  # the graph executors need no flag
+        assert run_choice(ex, "graph-build", g, 1) == 1
+
+
+def test_captured_bodies_come_from_a_side_stream_in_relaxed_mode(fakes):
+    then, otherwise = adds(1, 10)
+    g = branch_graph(lambda c: If("branch", c, then, otherwise))
+    _, graph = fakes
+    with control_executor("capture", fakes) as ex:
+        assert run_choice(ex, "capture", g, 0) == 10
+        sides = list(ex._stream_pool.sides)
+        assert not set(map(id, sides)) & {id(s) for s in ex._stream_pool.by_priority.get(0, [])}
+    relaxed = int(_d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    begins = [d for c, d in graph.log if c == "cuStreamBeginCaptureToGraph"]
+    assert begins == [relaxed, relaxed] and len(sides) == 1
+    assert graph.counts["cuStreamUpdateCaptureDependencies"] == 1
+    assert graph.counts["cuGraphConditionalHandleCreate"] == 1
+
+
+def test_conditional_fields_are_checked():
+    c = Condition("c")
+    (body,) = adds(1)
+    with pytest.raises(NodeFieldTypeError, match="If b: then must be a TaskGraph"):
+        If("b", c, "not a graph")
+    with pytest.raises(NodeFieldTypeError, match="condition must be a Condition"):
+        While("w", "c", body)
+    with pytest.raises(NodeFieldTypeError, match="cases must be a non-empty list"):
+        Switch("s", c, [])
+    with pytest.raises(NodeFieldTypeError, match="Conditional is the base of If"):
+        Conditional("x", c)
+    s = Switch("s", c, [body])
+    assert s.bodies == (body,) and s.tests is c and s.kind == "conditional"

@@ -440,3 +440,110 @@ class ChildGraph(Node):
 
     def accesses(self):
         return body_accesses(self.bodies)
+
+
+def _cases(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+@attrs.frozen
+class Conditional(Node):
+    """Base of the conditional nodes `If`, `While` and `Switch`: body task graphs run or not,
+    or in a loop, on the GPU's say-so: a CUDA conditional node (``CU_GRAPH_NODE_TYPE_CONDITIONAL``)
+    testing ``condition``, a `Condition` a kernel sets with ``cudaGraphSetConditional`` (before
+    the node, or inside a loop body for the next test; CUDA Programming Guide, "Conditional Graph
+    Nodes").
+
+    The node accesses, as a whole, what its bodies touch (`orchestra.graph.bodies`), plus a read
+    of the condition (and of its flag), so the kernel that sets the condition is ordered before
+    it and happens-before runs through it. Bodies hold only what the driver allows there:
+    kernels, copies, memsets, child graphs and other conditional nodes (checked before any CUDA
+    call, `BodyRestrictionError`). Node names are unique across the graph and its bodies. The
+    graph executors build a conditional node; the eager executor takes the branch on the host
+    by reading the condition's ``flag`` back (a condition without one is refused there, naming
+    the graph executors). Nodes inside bodies are not replayed one by one
+    (`orchestra.execute.lowering.bodies`).
+    """
+
+    condition: Condition
+    kind: ClassVar[str] = "conditional"
+    cond_type: ClassVar[str] = ""  # "if" / "while" / "switch": each subclass's own
+
+    def _check(self):
+        if type(self) is Conditional:
+            raise NodeFieldTypeError(f"{self._record}: Conditional is the base of If, While and "
+                                     "Switch; make one of those")
+        if not isinstance(self.condition, Condition):
+            raise NodeFieldTypeError(f"{self._record}: condition must be a Condition, got "
+                                     f"{got(self.condition)}")
+
+    @property
+    def tests(self) -> Condition:  # type: ignore[override]
+        return self.condition
+
+    def accesses(self):
+        cond = self.condition
+        out = body_accesses(self.bodies) + (Access(cond.whole, Mode.READ),)
+        if cond.flag is not None:
+            out += (Access(cond.flag, Mode.READ),)
+        return out
+
+
+@attrs.frozen
+class If(Conditional):
+    """Run ``then`` (a `TaskGraph`) once when the condition is non-zero, else ``otherwise``
+    (optional): an IF conditional node (size 2 with an ``otherwise``: IF / ELSE)."""
+
+    then: Any
+    otherwise: Any = None
+    cond_type: ClassVar[str] = "if"
+
+    def _check(self):
+        super()._check()
+        _check_body(self, "then", self.then)
+        if self.otherwise is not None:
+            _check_body(self, "otherwise", self.otherwise)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.then,) if self.otherwise is None else (self.then, self.otherwise)
+
+
+@attrs.frozen
+class While(Conditional):
+    """Run ``body`` (a `TaskGraph`) while the condition is non-zero: tested when the node is
+    reached and after every run of the body, which sets it for the next test (a WHILE
+    conditional node). Give the condition a default (1 runs the body at least once) or set it
+    before the node."""
+
+    body: Any
+    cond_type: ClassVar[str] = "while"
+
+    def _check(self):
+        super()._check()
+        _check_body(self, "body", self.body)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.body,)
+
+
+@attrs.frozen
+class Switch(Conditional):
+    """Run ``cases[v]`` (a list of `TaskGraph`) once, where ``v`` is the condition's value;
+    nothing when ``v >= len(cases)`` (a SWITCH conditional node)."""
+
+    cases: tuple = attrs.field(converter=_cases)
+    cond_type: ClassVar[str] = "switch"
+
+    def _check(self):
+        super()._check()
+        if not isinstance(self.cases, tuple) or not self.cases:
+            raise NodeFieldTypeError(f"{self._record}: cases must be a non-empty list of "
+                                     f"TaskGraphs, got {got(self.cases)}")
+        for i, case in enumerate(self.cases):
+            _check_body(self, f"cases[{i}]", case)
+
+    @property
+    def bodies(self) -> tuple:
+        return self.cases
