@@ -11,6 +11,8 @@ or, with generated names and the Alloc / Free inserted for you (docs/building.md
     g = b.graph
 
 Edges come from what nodes read and write (RAW, WAR, WAW on overlapping bytes) plus ``after=``.
+Control flow: `If` / `While` / `Switch` run body task graphs on a `Condition` a kernel sets on
+the GPU; `ChildGraph` runs a task graph as one node (docs/graphs.md).
 """
 
 from orchestra.graph.batch import Batch, add_batch, build_pipeline, elementwise_args
@@ -20,16 +22,20 @@ from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
     Alloc,
     ChildGraph,
+    Conditional,
     DeviceToHost,
     Free,
     HostFunc,
     HostToDevice,
+    If,
     In,
     InOut,
     KernelNode,
     Memset,
     Node,
     Out,
+    Switch,
+    While,
 )
 from orchestra.graph.ranges import RangeTracker
 from orchestra.graph.taskgraph import TaskGraph
@@ -38,8 +44,8 @@ Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
     "Access", "Alloc", "Batch", "Buffer", "BufferRange", "ChildGraph", "Condition",
-    "DeviceToHost", "Free",
-    "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "In", "InOut", "Kernel",
-    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "RangeTracker",
-    "TaskGraph", "add_batch", "build_pipeline", "elementwise_args",
+    "Conditional", "DeviceToHost", "Free", "GraphBuilder", "HostBuffer", "HostFunc",
+    "HostToDevice", "If", "In", "InOut", "Kernel", "KernelNode", "KernelRef", "Lifetime",
+    "Memset", "Mode", "Node", "Out", "RangeTracker", "Switch", "TaskGraph", "While",
+    "add_batch", "build_pipeline", "elementwise_args",
 ]
