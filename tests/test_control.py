@@ -12,6 +12,7 @@ against plain Python references."""
 from __future__ import annotations
 
 import ctypes
+import types
 from typing import ClassVar
 
 import attrs
@@ -20,6 +21,7 @@ import pytest
 from cuda.bindings import driver as _d
 
 from orchestra.compiler.args import ArgLayout
+from orchestra.compiler.griddep import PdlWithoutWaitError
 from orchestra.driver.capture import (
     CaptureSession,
     CaptureToGraph,
@@ -31,6 +33,7 @@ from orchestra.driver.check import cu
 from orchestra.compiler.params import normalize_params, parse_params
 from orchestra.errors import (
     GraphError,
+    HazardError,
     KernelArgumentTypeError,
     KernelArgumentValueError,
     NameCollisionError,
@@ -874,3 +877,109 @@ def test_conditional_fields_are_checked():
         Conditional("x", c)
     s = Switch("s", c, [body])
     assert s.bodies == (body,) and s.tests is c and s.kind == "conditional"
+
+
+# -- programmatic edges -------------------------------------------------------------------------
+
+
+def pdl_chain(links=4, n=256, pdl=True):
+    """x -> burn -> y -> burn -> x ... (external buffers), pdl on every link but the first."""
+    bufs = (Buffer("b0", 4 * n), Buffer("b1", 4 * n))
+    g = TaskGraph()
+    g.add(HostToDevice("up", HostBuffer("hin", 4 * n), bufs[0]))
+    for i in range(links):
+        src, dst = bufs[i % 2], bufs[(i + 1) % 2]
+        g.add(KernelNode(f"link{i}", BURN, 1, 256, (In(src), Out(dst), n, 1, 0.5, 1.0),
+                         attributes={"pdl": True} if (pdl and i) else {}))
+    g.add(DeviceToHost("down", bufs[links % 2], HostBuffer("hout", 4 * n)))
+    return g, bufs
+
+
+def test_the_translation_marks_programmatic_edges_only_between_kernels_into_a_pdl_consumer():
+    g, _ = pdl_chain(3)
+    spec = translate(g)
+    assert spec.programmatic_edges == {("link0", "link1"), ("link1", "link2")}
+    assert spec.node("link0").programmatic == ()  # no pdl attribute: full edges only
+    assert "up" in spec.node("link0").deps
+    plain, _ = pdl_chain(3, pdl=False)
+    assert translate(plain).programmatic_edges == frozenset()
+    assert spec.topology() != translate(plain).topology()  # edge data is topology
+
+
+def _bound(fake, bufs, n=256):
+    out = {}
+    for b in bufs:
+        ptr = fake._new_memory(b.nbytes, fake.vas)
+        out[b.name] = types.SimpleNamespace(ptr=ptr, nbytes=b.nbytes)
+    return out
+
+
+def chain_reference(x, links):
+    v = x.copy()
+    for _ in range(links):
+        v = v * np.float32(0.5) + np.float32(1)
+    return v
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_programmatic_edges_are_built_only_into_waiting_consumers(fakes, kind):
+    _, fake = fakes
+    g, bufs = pdl_chain(4)
+    x = np.arange(256, dtype=np.float32)
+    out = np.zeros(256, np.float32)
+    bind = {"hin": x, "hout": out, **_bound(fake, bufs)}
+    with executor(kind, fakes) as ex:
+        exe = ex.build(g, bindings=bind)
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, chain_reference(x, 4))
+        err, src, dst, data, count = fake.cuGraphGetEdges(exe.cugraph, 64)
+        kinds_of = {int(n.id): n.kind for n in fake.graphs[int(exe.cugraph)].nodes}
+        prog = [(kinds_of[int(a)], kinds_of[int(b)], int(e.from_port))
+                for a, b, e in zip(src, dst, data) if int(e.type) == fg.PROGRAMMATIC]
+        assert prog == [("kernel", "kernel", fg.PORT_PROGRAMMATIC)] * 3  # links 1, 2, 3
+        full = [int(e.type) for e in data].count(0)
+        assert full == count - 3
+        exe.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pdl_consumer_that_never_waits_is_refused(fakes, kind, monkeypatch):
+    eager, graph = fakes
+    g, bufs = pdl_chain(3)
+    nowait = {"eager": FakeKernel(waits=False), "graph": fg.FakeGraphKernel(waits=False)}
+    if kind == "eager":
+        ex = EagerExecutor(eager.device, driver=eager, kernel_resolver=KernelResolver(
+            eager.device, lambda r, d: nowait["eager"]))
+        bind = {"hin": np.zeros(256, np.float32), "hout": np.zeros(256, np.float32),
+                **{b.name: types.SimpleNamespace(ptr=0, nbytes=b.nbytes) for b in bufs}}
+    else:
+        cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
+        ex = cls(graph.device, driver=graph, kernel_resolver=KernelResolver(
+            graph.device, lambda r, d: nowait["graph"]))
+        bind = {"hin": np.zeros(256, np.float32), "hout": np.zeros(256, np.float32),
+                **_bound(graph, bufs)}
+    with ex:
+        if kind == "graph-build":  # the verifier sees the programmatic edge orders nothing
+            with pytest.raises(HazardError, match="programmatic edge link0 -> link1 orders "
+                                                  "nothing: link1 never executes"):
+                run(ex, kind, g, bind)
+        with pytest.raises(PdlWithoutWaitError, match="never executes griddepcontrol.wait"):
+            if kind == "eager":
+                ex.run(g, bindings=bind)
+            else:
+                ex.verify = False
+                run(ex, kind, g, bind)
+    assert eager.driver_calls() == []
+    assert not {"cuGraphCreate", "cuStreamBeginCapture"} & set(graph.counts)
+
+
+def test_the_resolver_reads_the_wait_from_the_kernels_ptx():
+    from orchestra.compiler.sources import kernel_source_dir
+
+    dev = types.SimpleNamespace(arch="sm_90")
+    resolver = KernelResolver(dev, lambda r, d: object())
+    pdl = str(kernel_source_dir() / "pdl.cu")
+    assert resolver.waits_on_grid_dependency(KernelRef(pdl, "pdl_chain_step")) is True
+    assert resolver.waits_on_grid_dependency(KernelRef(pdl, "pdl_secondary_nowait")) is False
+    own = KernelResolver(dev, lambda r, d: FakeKernel(waits=False))
+    assert own.waits_on_grid_dependency(BURN) is False  # a fake answers for itself

@@ -2,7 +2,9 @@
 
     resolve     compile (cached), load and look the kernel up (`KernelResolver`), check and
                 pack the arguments and the launch configuration (`resolve_kernel_node`), all
-                before any CUDA call
+                before any CUDA call; a node with the ``pdl`` attribute must execute
+                griddepcontrol.wait (`PdlWithoutWaitError` otherwise): PDL, and a
+                programmatic edge, are applied only where the consumer waits
     stream      cuLaunchKernel; cuLaunchKernelEx with a CUlaunchConfig built once per node
                 and stream when launch attributes are set (cooperative, cluster, pdl,
                 priority); buffer arguments are written into the packed struct from the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver as _d
 
+from orchestra.compiler.griddep import PdlWithoutWaitError
 from orchestra.compiler.launch import build_launch_config, launch_attribute_values
 from orchestra.driver.check import cu, error_from_result
 from orchestra.execute.kernel_args import resolve_kernel_node
@@ -49,8 +52,9 @@ def kernel_node_attributes(cfg) -> list:
     """``[(CUkernelNodeAttrID, CUkernelNodeAttrValue)]`` for ``cfg``'s launch attributes, for
     ``cuGraphKernelNodeSetAttribute`` (which takes ``CUkernelNodeAttrValue``, a subclass of the
     ``CUlaunchAttributeValue`` that `launch_attribute_values` builds). ``pdl`` is left out:
-    in an explicitly built graph the dependency is a full edge (programmatic edges are future
-    work), which is always correct."""
+    in an explicitly built graph it is carried by the node's programmatic edges (edge data of
+    type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC from its kernel dependencies, added by the
+    graph-build executor), not by a node attribute."""
     return launch_attribute_values(cfg, id_type=_d.CUkernelNodeAttrID,
                                    value_type=_d.CUkernelNodeAttrValue, pdl=False)
 
@@ -66,7 +70,14 @@ class KernelLowering(Lowering):
         """`KernelArgs`: fresh packed arguments per resolution, never shared between execs
         or prepared plans (one exec's scalar replays cannot change another's)."""
         kernel = executor.kernels.resolve(node.kernel, node.name)
-        return resolve_kernel_node(node, kernel)
+        ka = resolve_kernel_node(node, kernel)
+        if ka.config.pdl and not executor.kernels.waits_on_grid_dependency(node.kernel,
+                                                                           node.name):
+            exc = PdlWithoutWaitError(node.kernel.name)
+            exc.add_note(f"kernel node {node.name} has the pdl attribute (programmatic "
+                         "dependent launch; in a built graph, programmatic edges)")
+            raise exc
+        return ka
 
     def stream(self, node, ctx, stream):
         # the step launches with ka.packed's memory: its owner keeps ctx.resolved (eager: the
