@@ -391,6 +391,36 @@ class PageableMemoryError(DriverArgumentTypeError):
     page-locked memory; the message says how to pin it. Nothing was enqueued."""
 
 
+
+class InteropError(OrchestraError):
+    """An object handed to orchestra through DLPack (``__dlpack__``), the CUDA Array Interface
+    (``__cuda_array_interface__``) or ``__cuda_stream__`` cannot be used as asked, or an orchestra
+    buffer cannot be exported as a consumer asked. Root of the four below; raised before anything
+    is enqueued."""
+
+
+class InteropTypeError(InteropError, TypeError):
+    """An object that speaks no protocol orchestra reads, or of an unsupported or mismatched dtype
+    (a structured or vector dtype, ``float32`` where ``int32`` is needed)."""
+
+
+class InteropValueError(InteropError, ValueError):
+    """A protocol object with the wrong device, a strided layout, too few bytes, read-only memory
+    where a writer needs it, host memory where device memory is needed, or a malformed protocol
+    description (an unknown version, stream 0)."""
+
+
+class ArgumentNeedsStreamError(KernelArgumentTypeError):
+    """A DLPack / CUDA Array Interface object was given to `Kernel.pack` or `PackedArgs.set`, which
+    have no stream to order its producer's work against; pass it to `Kernel.launch` (which orders
+    it on the launch stream) or pass ``device_view(obj, stream=...)``."""
+
+
+class ExportError(InteropError, BufferError):
+    """`DeviceBuffer` / `BufferView` cannot export as the consumer asked (``dl_device`` of another
+    device, ``copy=True``, DLPack stream 0, a dtype the protocol cannot describe). A
+    ``BufferError``, as the DLPack protocol asks producers to raise."""
+
 class CompilerArgumentError(OrchestraError):
     """An argument to the compiler (`compile`, `link_ptx`, `Module.load`, ``arch=``, options,
     name expressions, a kernel source) is unusable. Root of the three below."""

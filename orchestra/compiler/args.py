@@ -24,6 +24,8 @@ Validation, before anything is enqueued, always naming the parameter:
   `KernelArgumentTypeError`;
 * a pointer takes an int address, an object with ``.ptr`` (DeviceBuffer), a ``CUdeviceptr``
   or ``None`` (NULL) -- never a float or a numpy array (host memory) -> `KernelArgumentTypeError`;
+  a DLPack / CUDA Array Interface object (a torch tensor, a CuPy array) needs a stream to be
+  ordered on: `Kernel.launch` takes it, packing alone raises `ArgumentNeedsStreamError`.
 * a conditional handle (``cudaGraphConditionalHandle``) takes a ``CUgraphConditionalHandle``
   (what ``cuGraphConditionalHandleCreate`` returns), its int value (64-bit unsigned) or
   ``None`` (0) -> `KernelArgumentTypeError` for anything else. Graph nodes pass a
@@ -43,6 +45,7 @@ from collections.abc import Mapping
 
 from orchestra.compiler.params import Param
 from orchestra.errors import (
+    ArgumentNeedsStreamError,
     KernelArgumentTypeError,
     KernelArgumentValueError,
     ParameterIndexError,
@@ -83,11 +86,18 @@ def _describe(v) -> str:
     return name
 
 
+def speaks_device_protocol(v) -> bool:
+    """True when ``v``'s type has ``__dlpack__`` or ``__cuda_array_interface__`` (looked up on
+    the type, so a property such as torch's is not evaluated)."""
+    t = type(v)
+    return hasattr(t, "__dlpack__") or hasattr(t, "__cuda_array_interface__")
+
+
 def _is_buffer(v) -> bool:
     if hasattr(v, "ptr"):
         return True
     np = _np()
-    return isinstance(v, np.ndarray) or hasattr(v, "__cuda_array_interface__")
+    return isinstance(v, np.ndarray) or speaks_device_protocol(v)
 
 
 def make_converter(p: Param):
@@ -145,6 +155,12 @@ def make_converter(p: Param):
                     " memory); copy it into a DeviceBuffer and pass that")
             if isinstance(v, np.integer):
                 return conv_ptr(int(v))
+            if speaks_device_protocol(v):
+                raise ArgumentNeedsStreamError(
+                    f"{label}: a {_describe(v)} (DLPack / CUDA Array Interface) is ordered on "
+                    "the stream that uses it, which packing alone does not know: pass it to "
+                    "Kernel.launch(stream, ...), or pass orchestra.driver.device_view(obj, "
+                    "stream=s), whose .ptr packs here")
             raise KernelArgumentTypeError(
                 f"{label} needs device memory: pass a DeviceBuffer (anything with"
                 f" .ptr), a CUdeviceptr, an int address or None; got {_describe(v)}")
@@ -291,6 +307,16 @@ class ArgLayout:
     def pack(self, args) -> "PackedArgs":
         """Validate ``args`` (a sequence in declaration order, or a mapping name -> value) and
         pack them into a new `PackedArgs`."""
+        t = type(args)
+        if (t is not list and t is not tuple) or len(args) != len(self.params):
+            args = self.ordered(args)
+        values = [conv(v) for conv, v in zip(self.converters, args)]
+        s = self.struct_type(*values)
+        return PackedArgs(self, s)
+
+    def ordered(self, args) -> list | tuple:
+        """``args`` (a sequence, a mapping name -> value, an iterable) in declaration order;
+        `KernelArgumentTypeError` for unknown or missing names and the wrong count."""
         if isinstance(args, Mapping):
             unknown = [k for k in args if k not in self.index]
             if unknown:
@@ -310,9 +336,7 @@ class ArgLayout:
                     f" {type(args).__name__}") from None
         if len(args) != len(self.params):
             raise self._arity_error(len(args))
-        values = [conv(v) for conv, v in zip(self.converters, args)]
-        s = self.struct_type(*values)
-        return PackedArgs(self, s)
+        return args
 
 
 class PackedArgs:

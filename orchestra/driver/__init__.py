@@ -8,6 +8,12 @@ still refers to the handle (docs/errors.md, "Lifetimes").
 `live_handles()` counts the handles held now, by kind (leak accounting);
 `deferred_releases()` those closed but still leased.
 
+Interop (docs/interop.md): `device_view` / `host_view` read other libraries' memory (DLPack,
+the CUDA Array Interface) into an `ExternalArray` / numpy view, checked and ordered;
+`DeviceBuffer` and its typed `BufferView` export both protocols; `Stream.from_handle` wraps other
+libraries' streams (``__cuda_stream__``; the default streams as a `DefaultStream`, for ordering
+only), and `order_after` / `order_before` order work between streams.
+
 Beside streams and events: stream capture (`CaptureSession`, `capture`), the graph allocator's
 memory (`graph_memory`), and the driver entry points called through ctypes where cuda-bindings'
 wrappers fall short (`entry_points`).
@@ -22,6 +28,7 @@ from orchestra.driver.capture import (
 from orchestra.driver.check import cu, device_available, ensure_initialized
 from orchestra.driver.device import Device, DeviceLimits, context_alive, device_count, devices
 from orchestra.driver.event import Event
+from orchestra.driver.export import BufferView
 from orchestra.driver.graph_memory import GraphMemory, graph_memory, trim_graph_memory
 from orchestra.driver.host import (
     HostRegistration,
@@ -31,15 +38,18 @@ from orchestra.driver.host import (
     pinned_ranges,
     register_host,
 )
+from orchestra.driver.interop import ExternalArray, device_view, host_view
 from orchestra.driver.live import deferred_releases, leaked, live_handles
 from orchestra.driver.memory import DeviceBuffer, MemoryPool
 from orchestra.driver.owner import Lease, Owner, Resource, ResourceClosedError
-from orchestra.driver.stream import Stream
+from orchestra.driver.ordering import order_after, order_before
+from orchestra.driver.stream import DefaultStream, Stream
 
 __all__ = [
     "cu", "ensure_initialized", "device_available",
     "Device", "DeviceLimits", "device_count", "devices", "context_alive",
-    "Stream", "Event", "MemoryPool", "DeviceBuffer",
+    "Stream", "DefaultStream", "Event", "MemoryPool", "DeviceBuffer", "BufferView",
+    "device_view", "host_view", "ExternalArray", "order_after", "order_before",
     "PinnedBuffer", "HostRegistration", "register_host", "is_pinned", "PinnedRanges",
     "pinned_ranges",
     "Owner", "Resource", "Lease", "ResourceClosedError", "live_handles", "leaked",

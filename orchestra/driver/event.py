@@ -9,7 +9,7 @@ from cuda.bindings import driver
 from orchestra.driver.check import cu
 from orchestra.driver.device import Device, as_device
 from orchestra.driver.owner import Owner, Resource
-from orchestra.driver.stream import check_stream
+from orchestra.driver.stream import ordering_handle
 from orchestra.errors import CudaError, DriverArgumentTypeError, DriverArgumentValueError
 
 
@@ -50,10 +50,12 @@ class Event(Resource):
     def record(self, stream) -> "Event":
         """Capture the work enqueued on ``stream`` so far (``cuEventRecord``); returns ``self``.
 
-        ``stream`` must be an orchestra `Stream` (``TypeError`` for 0 / None).
+        ``stream`` must be an orchestra `Stream` (``TypeError`` for 0 / None) or a
+        `DefaultStream` (``Stream.from_handle(0)``: recording there only orders, it enqueues no
+        work).
         """
-        stream = check_stream(stream, "Event.record")
-        cu(driver.cuEventRecord, self.handle, stream.handle)
+        handle = ordering_handle(stream, "Event.record")
+        cu(driver.cuEventRecord, self.handle, handle)
         return self
 
     def synchronize(self) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import operator
 import threading
 
+import numpy as np
+
 from cuda.bindings import driver
 
 from orchestra.driver.check import cu
@@ -281,6 +283,51 @@ class DeviceBuffer(Resource):
                 f"memset writes single bytes: value must be 0..255, got {value}")
         stream = check_stream(stream, "DeviceBuffer.memset")
         cu(driver.cuMemsetD8Async, self.handle, value, self.nbytes, stream.handle)
+
+    # -- interop: DLPack and the CUDA Array Interface out (orchestra.driver.export) -------------
+
+    def view(self, dtype=np.uint8, shape=None, *, stream: Stream | None = None,
+             readonly: bool = False):
+        """A typed `BufferView` of the first bytes: ``dtype`` (numpy dtype, or ``"bfloat16"``)
+        and ``shape`` (default: as many whole elements as fit, 1-D), whose contents are ready
+        on ``stream`` (default: the allocating stream), for export to torch / CuPy / numba
+        (``torch.from_dlpack(buf.view(np.float32, (n,)))``, ``cupy.asarray(view)``).
+
+        The view holds a lease on the buffer while it lives, and each DLPack capsule one until
+        its consumer lets go (docs/interop.md). ``DriverArgumentValueError`` when the view does
+        not fit, `ResourceClosedError` for a closed buffer, `InteropTypeError` for a dtype
+        that is not numeric."""
+        from orchestra.driver.export import BufferView
+
+        return BufferView(self, dtype, shape, stream=stream, readonly=readonly)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """DLPack export of the whole buffer as 1-D ``uint8`` (see `BufferView.__dlpack__`)."""
+        view = self.view()
+        try:  # the capsule holds its own lease
+            return view.__dlpack__(stream=stream, max_version=max_version,
+                                   dl_device=dl_device, copy=copy)
+        finally:
+            view.release()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from orchestra.driver.dlpack import DLDeviceType
+
+        return (DLDeviceType.kDLCUDA, self.device.ordinal)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """Version 3, 1-D ``uint8``, ``stream`` the allocating stream. The first read takes a
+        lease that lasts until this object is collected: a consumer holds the buffer object,
+        so ``close()`` cannot free the memory under it (the free waits until nothing refers to
+        the buffer). Export `view` objects for a typed array or an explicit lifetime."""
+        from orchestra.driver.export import ExportLease, cai_dict
+
+        export = self.__dict__.get("_cai_export")
+        if export is None or export.ended:
+            export = self.__dict__["_cai_export"] = ExportLease(self)
+        return cai_dict(int(export.handle), (self.nbytes,), np.dtype(np.uint8), False,
+                        int(check_stream(self.stream, "__cuda_array_interface__").handle))
 
     def __repr__(self) -> str:
         state = "freed" if self.closed else f"0x{int(self._own.handle):x}"

@@ -27,6 +27,7 @@ from orchestra.compiler.ptx import (
 )
 from orchestra.driver.owner import Resource
 from orchestra.errors import (
+    ArgumentNeedsStreamError,
     CompilerArgumentTypeError,
     CudaError,
     DriverArgumentTypeError,
@@ -267,6 +268,7 @@ class Kernel:
         self._dyn_smem: int | None = None
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
+        self._pointer_specs = None  # for protocol arguments (_interop_args), built on first use
         self._lock = threading.Lock()
         if params is not None:
             self._verify_params()
@@ -403,11 +405,23 @@ class Kernel:
         """Enqueue the kernel on ``stream``.
 
         Args:
-            stream: a `Stream` (its ``.handle``) or a non-null ``CUstream``; never the legacy
-                default stream.
+            stream: a `Stream` (its ``.handle``), a non-null ``CUstream``, or another library's
+                stream with ``__cuda_stream__`` (``torch.cuda.Stream()``,
+                ``cupy.cuda.Stream(non_blocking=True)``, a cuda.core stream); never a default
+                stream (``torch.cuda.current_stream()`` is the legacy default stream unless a
+                ``torch.cuda.stream(s)`` block is active): launch on an orchestra stream and
+                order it with `orchestra.driver.order_after` / `order_before` instead.
             grid, block: int or 1-3 tuple (blocks per grid, threads per block).
             args: a sequence/mapping (validated and packed now) or `PackedArgs` from
-                `pack` (reused as is: no repacking).
+                `pack` (reused as is: no repacking). A pointer parameter also takes an object
+                with ``__dlpack__`` or ``__cuda_array_interface__`` (torch CUDA tensors, CuPy
+                and numba arrays): checked by `orchestra.driver.device_view` (device,
+                C-contiguous, the pointee's dtype for ``T*`` of a scalar ``T`` other than
+                ``void`` / ``char`` types, writable unless the parameter is ``const T*``) and
+                ordered on ``stream`` (DLPack: the producer orders its work before ``stream``;
+                the CUDA Array Interface: an event on its ``stream``). The launch is
+                asynchronous: as with raw pointers, the caller keeps such an object alive until
+                the kernel has completed (orchestra lets go of it when ``launch`` returns).
             shared_mem: dynamic shared memory per block, bytes. Above 48 KiB the kernel is
                 opted in automatically up to the device's opt-in limit.
             cooperative, cluster, pdl, priority: launch attributes (see
@@ -425,20 +439,58 @@ class Kernel:
             dims = self._plain[(grid, block, shared_mem)]
         except (KeyError, TypeError):
             dims = self._prepare_plain(grid, block, shared_mem)
+        views = None
         if type(args) is PackedArgs and args.layout is self.layout:
             address = args.address
         else:
-            args, address = self._args_address(args)
+            try:
+                args, address = self._args_address(args)
+            except ArgumentNeedsStreamError:  # a torch / CuPy array: ordered on the stream
+                args, address, views = self._interop_args(args, stream)
+        handle = stream.handle if type(stream) is _Stream else _launch_handle(stream)
         try:
-            handle = stream.handle
-        except AttributeError:
-            handle = _raw_stream(stream)
-        (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
-                         dims[6], handle, address, 0)
+            (err,) = _launch(self.function, dims[0], dims[1], dims[2], dims[3], dims[4],
+                             dims[5], dims[6], handle, address, 0)
+        finally:
+            if views:
+                _release_all(views)
         if err:
             from orchestra.driver.check import error_from_result
 
             raise error_from_result("cuLaunchKernel", err, context=f"kernel {self.name}")
+
+    def _interop_args(self, args, stream):
+        """Pack ``args`` whose pointer arguments include DLPack / CUDA Array Interface objects:
+        each becomes a checked `ExternalArray` ordered on ``stream``; returns ``(PackedArgs,
+        address, views)``. On an error every view taken so far is released."""
+        from orchestra.compiler.args import speaks_device_protocol
+        from orchestra.driver.interop import device_view
+
+        layout = self._need_layout()
+        values = list(layout.ordered(args))
+        if type(stream) is not _Stream:  # refuse a stream that cannot take the launch before
+            _launch_handle(stream)        # any producer orders its work on it
+        consumer = _order_stream(stream, self.device)
+        specs = self._pointer_specs
+        if specs is None:  # per pointer parameter: (index, pointee dtype, writable, label)
+            specs = self._pointer_specs = tuple(
+                (i, pointee_dtype(p.ctype), not p.const,
+                 f"kernel {self.name}: parameter {p.name} ({p.ctype})")
+                for i, p in enumerate(layout.params) if p.kind == "pointer")
+        views = []
+        try:
+            for i, dtype, writable, label in specs:
+                v = values[i]
+                if speaks_device_protocol(v) and not hasattr(type(v), "ptr"):
+                    view = device_view(v, stream=consumer, device=self.device, dtype=dtype,
+                                       writable=writable, what=label)
+                    views.append(view)
+                    values[i] = view.ptr
+            packed = layout.pack(values)
+        except BaseException:
+            _release_all(views)
+            raise
+        return packed, packed.address, views
 
     def launch_config(self, grid, block, shared_mem: int = 0, *, cooperative=False,
                       cluster=None, pdl=False, priority=None) -> LaunchConfig:
@@ -450,10 +502,7 @@ class Kernel:
 
     def _launch_ex(self, stream, grid, block, args, shared_mem, cooperative, cluster, pdl,
                    priority):
-        try:
-            handle = stream.handle
-        except AttributeError:
-            handle = _raw_stream(stream)
+        handle = stream.handle if type(stream) is _Stream else _launch_handle(stream)
         key = (grid, block, shared_mem, cooperative, cluster, pdl, priority)
         # The CUlaunchConfig (dims, stream, attribute list) is built once per configuration and
         # stream and reused: building it costs several microseconds, as much as the launch.
@@ -461,11 +510,19 @@ class Kernel:
             config = self._ex[key, int(handle)]
         except (KeyError, TypeError):
             config = self._prepare_ex(key, handle)
+        views = None
         if type(args) is PackedArgs and args.layout is self.layout:
             address = args.address
         else:
-            args, address = self._args_address(args)
-        (err,) = _drv().cuLaunchKernelEx(config, self.function, address, 0)
+            try:
+                args, address = self._args_address(args)
+            except ArgumentNeedsStreamError:
+                args, address, views = self._interop_args(args, stream)
+        try:
+            (err,) = _drv().cuLaunchKernelEx(config, self.function, address, 0)
+        finally:
+            if views:
+                _release_all(views)
         if err:
             from orchestra.driver.check import error_from_result
 
@@ -492,6 +549,72 @@ class Kernel:
 # cuLaunchKernel bound once at import: one attribute lookup less per launch.
 from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 
+from orchestra.driver.stream import Stream as _Stream  # noqa: E402  (the launch fast path)
+
+
+def _release_all(views) -> None:
+    for view in views:
+        view.release()
+
+
+_BYTE_POINTEES = frozenset({"void", "char", "signed char", "unsigned char", "int8_t",
+                            "uint8_t"})
+
+
+def pointee_dtype(ctype: str):
+    """The numpy dtype a ``T*`` parameter points to, for the dtype check of protocol
+    arguments: None (any dtype) for ``void*``, the ``char`` / byte types (raw bytes), pointers to
+    pointers and types orchestra does not know (``__half*``, structs)."""
+    import numpy as np
+
+    from orchestra.compiler.params import SCALAR_TYPES
+
+    base = ctype.strip()
+    if not base.endswith("*") or base[:-1].rstrip().endswith("*"):
+        return None
+    base = base[:-1].strip()
+    if base.startswith("const "):
+        base = base[6:].strip()
+    if base in _BYTE_POINTEES or base not in SCALAR_TYPES:
+        return None
+    return np.dtype(SCALAR_TYPES[base][0])
+
+
+def _order_stream(stream, device):
+    """``stream`` as something `device_view` orders on: an orchestra stream as is, another
+    library's stream (``__cuda_stream__``), a ``CUstream`` or an object with ``.handle``
+    wrapped without being owned."""
+    from orchestra.driver.stream import DefaultStream, Stream
+
+    if isinstance(stream, (Stream, DefaultStream)):
+        return stream
+    if hasattr(type(stream), "__cuda_stream__"):
+        return Stream.from_handle(stream, device)  # keeps the framework's stream object alive
+    return Stream.from_handle(_launch_handle(stream), device)
+
+
+def _launch_handle(stream):
+    """The ``CUstream`` to launch on for anything but an orchestra `Stream`: an object with
+    ``__cuda_stream__`` (torch, CuPy, cuda.core, numba streams; read first, so a default stream
+    is recognized whatever else the object has), an object with ``.handle`` (an external
+    `Stream` wrapper; a `DefaultStream` refuses there), or a non-null ``CUstream``. Default
+    streams are refused with `DriverArgumentValueError` saying to order instead; anything else
+    with `DriverArgumentTypeError`."""
+    if hasattr(type(stream), "__cuda_stream__"):
+        from orchestra.driver.stream import DEFAULT_HANDLES, ORDERING_ONLY, stream_value
+
+        value = stream_value(stream)
+        if value in DEFAULT_HANDLES:
+            raise DriverArgumentValueError(
+                f"launch: the {type(stream).__name__} is the "
+                f"{'per-thread' if value == 2 else 'legacy'} default stream (handle {value}); "
+                + ORDERING_ONLY)
+        return _drv().CUstream(value)
+    handle = getattr(stream, "handle", None)
+    if handle is not None:
+        return handle
+    return _raw_stream(stream)
+
 
 def _raw_stream(stream):
     """Accept a raw ``CUstream`` (not the legacy/NULL stream); refuse everything else."""
@@ -503,6 +626,11 @@ def _raw_stream(stream):
         if int(stream) == 0:
             raise DriverArgumentValueError(
                 "CUstream 0 is the legacy default stream: pass a Stream instead")
+        if int(stream) in (1, 2):  # CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+            from orchestra.driver.stream import ORDERING_ONLY
+
+            raise DriverArgumentValueError(
+                f"CUstream {int(stream)} is a default stream: " + ORDERING_ONLY)
         return stream
     raise DriverArgumentTypeError(f"launch needs a Stream (with .handle) or a CUstream, got"
                                   f" {type(stream).__name__}")

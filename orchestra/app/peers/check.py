@@ -73,6 +73,7 @@ def _describe(parts, n: int) -> tuple[bool, str]:
             first = f
     if not total:
         return True, f"all {n} elements match"
+    assert first is not None  # a part that counted differences named its first
     i, g, w = first
     return False, f"{total} of {n} elements differ; first at {i}: got {g!r}, want {w!r}"
 
