@@ -44,7 +44,7 @@ from orchestra.execute import EagerExecutor, KernelResolver
 from orchestra.execute.cuda_graph.build import GraphBuildExecutor
 from orchestra.execute.cuda_graph.capture import CaptureExecutor
 from orchestra.execute.cuda_graph.spec import translate
-from orchestra.execute.errors import BindingError
+from orchestra.execute.errors import BindingError, ExecutorArgumentValueError
 from orchestra.execute.kernel_args import resolve_kernel_node
 from orchestra.execute.lowering import LOWERINGS, Lowering
 from orchestra.execute.lowering.conditional import EagerConditionError
@@ -983,3 +983,70 @@ def test_the_resolver_reads_the_wait_from_the_kernels_ptx():
     assert resolver.waits_on_grid_dependency(KernelRef(pdl, "pdl_secondary_nowait")) is False
     own = KernelResolver(dev, lambda r, d: FakeKernel(waits=False))
     assert own.waits_on_grid_dependency(BURN) is False  # a fake answers for itself
+
+
+# -- node enable / disable ----------------------------------------------------------------------
+
+
+def optional_graph(n=256, child=True):
+    """up -> burn x->y -> extra burn y->y (optional) -> down; a child graph and a memory node."""
+    x, y = Buffer("x", 4 * n), Buffer("y", 4 * n)
+    g = TaskGraph()
+    g.add(Alloc("ax", x))
+    g.add(Alloc("ay", y))
+    g.add(HostToDevice("up", HostBuffer("hin", 4 * n), x))
+    g.add(KernelNode("burn", BURN, 1, 256, (In(x), Out(y), n, 1, 0.5, 1.0)))
+    g.add(KernelNode("extra", BURN, 1, 256, (In(y), Out(y), n, 1, 0.5, 1.0)))
+    if child:
+        body = TaskGraph()
+        body.add(Memset("inner_memset", x, 0))
+        g.add(ChildGraph("child", body))
+    g.add(DeviceToHost("down", y, HostBuffer("hout", 4 * n)))
+    g.add(Free("fx", x))
+    g.add(Free("fy", y))
+    return g
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_disabling_a_node_changes_the_output_without_re_instantiating(fakes, kind):
+    _, fake = fakes
+    x = np.arange(256, dtype=np.float32)
+    out = np.zeros(256, np.float32)
+    with executor(kind, fakes) as ex:
+        exe = ex.build(optional_graph(), bindings={"hin": x, "hout": out})
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, chain_reference(x, 2))
+        exe.disable("extra")
+        assert not exe.is_enabled("extra") and exe.disabled == {"extra"}
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, chain_reference(x, 1))
+        exe.enable("extra")
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, chain_reference(x, 2))
+        assert fake.counts["cuGraphInstantiate"] == 1
+        assert fake.log.count(("cuGraphNodeSetEnabled", 0)) == 1
+        exe.disable("extra")
+        result = exe.update(optional_graph())  # same shape: the node stays switched off
+        assert result.updated or result.reinstantiated
+        exe.launch(sync=True)
+        np.testing.assert_array_equal(out, chain_reference(x, 1))
+        exe.close()
+
+
+@pytest.mark.parametrize("node,match", [
+    ("ax", "ax is a mem_alloc node: cuGraphNodeSetEnabled switches kernel, memcpy and memset "
+           "nodes only"),
+    ("child", "child is a graph node"),
+    ("inner_memset", "inner_memset is inside the body of child: only nodes at the top"),
+    ("nope", "'nope' is not a node of this graph .switchable nodes: burn, down, extra, up."),
+])
+def test_nodes_the_driver_cannot_switch_are_refused_by_name_before_the_call(fakes, node, match):
+    _, fake = fakes
+    out = np.zeros(256, np.float32)
+    with executor("graph-build", fakes) as ex:
+        exe = ex.build(optional_graph(), bindings={"hin": np.zeros(256, np.float32),
+                                                   "hout": out})
+        with pytest.raises(ExecutorArgumentValueError, match=match):
+            exe.disable("extra", node)  # checked all before any call: extra stays on
+        assert exe.is_enabled("extra") and fake.counts["cuGraphNodeSetEnabled"] == 0
+        exe.close()
