@@ -1050,3 +1050,78 @@ def test_nodes_the_driver_cannot_switch_are_refused_by_name_before_the_call(fake
             exe.disable("extra", node)  # checked all before any call: extra stays on
         assert exe.is_enabled("extra") and fake.counts["cuGraphNodeSetEnabled"] == 0
         exe.close()
+
+
+# -- the WHILE example's graph, on the fakes ----------------------------------------------------
+
+
+def _load_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "while_converge.py"
+    spec = importlib.util.spec_from_file_location("while_converge", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _jacobi(fake, s):
+    """The example's kernel in numpy (float32, the same operation order)."""
+    h, xp, yp, bp, n, diag, tol, flagp, itp, max_iters, resp = (
+        getattr(s, f"a{i}") for i in range(11))
+    x, y, b = fake.f32(xp, n), fake.f32(yp, n), fake.f32(bp, n)
+    d = np.float32(diag)
+
+    def sweep(src, dst):
+        l = np.concatenate(([0], src[:-1])).astype(np.float32)
+        r = np.concatenate((src[1:], [0])).astype(np.float32)
+        dst[:] = (b + l + r) / d
+
+    sweep(x, y)
+    sweep(y, x)
+    l = np.concatenate(([0], x[:-1])).astype(np.float32)
+    r = np.concatenate((x[1:], [0])).astype(np.float32)
+    res = np.float32(np.max(np.abs(b - (d * x - l - r))))
+    it = int(fake.i32(itp)[0]) + 1
+    fake.i32(itp)[0] = it
+    fake.f32(resp)[0] = res
+    more = 1 if (res > np.float32(tol) and it < max_iters) else 0
+    fake.u32(flagp)[0] = more
+    if h:
+        fake.set_conditional(h, more)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_while_example_graph_converges_on_every_executor(fakes, kind):
+    ex_mod = _load_example()
+    n, diag, tol = 256, 2.2, 1e-5
+    g = ex_mod.solve_graph(n, diag, tol, 10_000)
+    assert translate(g).node("solve").kind == "conditional"
+    assert verify(schedule(g), g) == [] and verify_graph_edges(g) == []
+    eager, graph = fakes
+    rng = np.random.default_rng(0)
+    b = rng.uniform(-1, 1, n).astype(np.float32)
+    bind = {"host_b": b, "host_x0": np.zeros(n, np.float32), "host_x": np.zeros(n, np.float32),
+            "host_iters": np.zeros(1, np.int32), "host_residual": np.zeros(1, np.float32)}
+    params = ex_mod.JACOBI
+    if kind == "eager":
+        k = FakeKernel(parse_params(ex_mod.SOURCE, "jacobi_iteration"), "jacobi_iteration",
+                       behave=_jacobi)
+        ex = EagerExecutor(eager.device, driver=eager,
+                           kernel_resolver=KernelResolver(eager.device, lambda r, d: k))
+    else:
+        k = fg.FakeGraphKernel(parse_params(ex_mod.SOURCE, "jacobi_iteration"),
+                               "jacobi_iteration", behave=_jacobi)
+        cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
+        ex = cls(graph.device, driver=graph, kernel_resolver=fg.resolver(
+            graph, {params.name: k}))
+    with ex:
+        run(ex, kind, g, bind)
+    exact = ex_mod.thomas(diag, b.astype(np.float64))
+    iters = int(bind["host_iters"][0])
+    assert 10 < iters < 100 and bind["host_residual"][0] <= tol
+    assert np.max(np.abs(bind["host_x"] - exact)) <= 10 * tol / (diag - 2)
+    # the reference solve itself: A x = b
+    ax = diag * exact - np.concatenate(([0], exact[:-1])) - np.concatenate((exact[1:], [0]))
+    np.testing.assert_allclose(ax, b, atol=1e-12)
