@@ -23,6 +23,7 @@ own inferred edges.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.buffers import Access, Condition, Mode
@@ -82,7 +83,7 @@ def check_bodies(graph) -> None:
     first: dict[str, tuple] = {}  # node name -> its chain
     testers: dict[str, tuple] = {}  # condition name -> (node, chain, graph)
     setters: list[tuple] = []  # (node, chain, condition)
-    graph_of: dict[str, object] = {}  # node name -> the TaskGraph it is in
+    graph_of: dict[str, Any] = {}  # node name -> the TaskGraph it is in
     for node, chain in walk(graph):
         name = node.name
         if name in first:

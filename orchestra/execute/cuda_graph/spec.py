@@ -230,7 +230,7 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
         kind = kinds[name] = cuda_kind(node)
         direction = node.kind if kind == "memcpy" else None
         node_deps = tuple(sorted(preds[name], key=pos.__getitem__))
-        programmatic = ()
+        programmatic: tuple[str, ...] = ()
         if kind == "kernel" and dict(getattr(node, "attributes", ())).get("pdl"):
             programmatic = tuple(d for d in node_deps if kinds[d] == "kernel")
         out.append(SpecNode(name, kind, node.kind, node_deps, direction, programmatic))
