@@ -580,6 +580,22 @@ def test_a_child_graph_runs_on_every_executor(fakes, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_host_functions_inside_and_outside_a_child_share_one_table(fakes, kind):
+    calls = []
+    g, bind = child_graph(host_inside=True, calls=calls)
+    g.add(HostFunc("outer", lambda: calls.append("outer"), reads=(HostBuffer("hout", 1024),)))
+    with executor(kind, fakes) as ex:
+        if kind == "eager":
+            ex.run(g, bindings=bind)
+            ex.run(g, bindings=bind)
+        else:
+            exe = ex.run(g, None, bind)
+            exe.replay()
+            exe.close()
+    assert calls == ["note", "outer"] * 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_child_graph_refuses_graph_memory_before_any_driver_call(fakes, kind):
     x = Buffer("x", 64)
     body = TaskGraph()

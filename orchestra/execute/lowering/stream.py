@@ -129,17 +129,18 @@ class StreamContext:
         self.container: str | None = None
         self.depth = 0
         self.side_streams = side_streams
-        self._callbacks = callbacks
+        self._callbacks = [callbacks]  # one cell the contexts of bodies share (`sub`)
 
     @property
     def callbacks(self):
         """The `HostCallbacks` table host-function steps register with (capture: the built
         graph's own, made on first use)."""
-        if self._callbacks is None:
-            self._callbacks = HostCallbacks()
+        cell = self._callbacks
+        if cell[0] is None:
+            cell[0] = HostCallbacks()
             if self.built is not None:
-                self.built.callbacks = self._callbacks
-        return self._callbacks
+                self.built.callbacks = cell[0]
+        return cell[0]
 
     def sub(self, container: str) -> "StreamContext":
         """The context of a body of node ``container``: everything shared (slots, resolutions,
