@@ -64,7 +64,7 @@ def check_alloc_order(issue, graph: TaskGraph) -> None:
                                         f"allocation of {live[b]} is still live (issue order)")
             live[b] = node.name
             continue
-        for acc in node.accesses():
+        for acc in graph.accesses(node.name):
             b = acc.buffer.name
             if b in managed and not live.get(b):
                 raise PlanMismatchError(

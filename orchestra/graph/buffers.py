@@ -53,6 +53,7 @@ class _RangeMixin:
     """`.range()` and `.whole` for both buffer kinds."""
 
     nbytes: int  # each buffer kind's own field
+    _whole: "BufferRange | None"  # each buffer kind's cache of `whole`
 
     def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
@@ -62,8 +63,12 @@ class _RangeMixin:
 
     @property
     def whole(self) -> "BufferRange":
-        """Every byte of this buffer."""
-        return BufferRange(cast("Buffer | HostBuffer", self), 0, self.nbytes)
+        """Every byte of this buffer (one range object per buffer, made on first use)."""
+        w = self._whole
+        if w is None:
+            w = BufferRange._valid(cast("Buffer | HostBuffer", self), 0, self.nbytes)
+            object.__setattr__(self, "_whole", w)
+        return w
 
 
 @attrs.frozen
@@ -73,6 +78,7 @@ class Buffer(_RangeMixin):
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
     device: int = attrs.field(default=0)
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @device.validator
     def _device(self, attribute, value):
@@ -92,6 +98,7 @@ class HostBuffer(_RangeMixin):
 
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     is_host = True
     device = None
@@ -125,6 +132,17 @@ class BufferRange:
             raise NodeFieldValueError(
                 f"range [{self.offset}, {self.offset + self.nbytes}) is out of bounds of "
                 f"{self.buffer.name} ({self.buffer.nbytes} bytes)")
+
+    @classmethod
+    def _valid(cls, buffer, offset: int, nbytes: int) -> "BufferRange":
+        """A range known to be valid (e.g. a whole buffer), built without the checks: graphs
+        of many batches build a few per node."""
+        r = object.__new__(cls)
+        put = object.__setattr__.__get__(r)
+        put("buffer", buffer)
+        put("offset", offset)
+        put("nbytes", nbytes)
+        return r
 
     @property
     def end(self) -> int:
@@ -180,6 +198,7 @@ class Condition(_RangeMixin):
     default: int | None = None
     flag: BufferRange | None = attrs.field(default=None, converter=_flag)
     device: int = 0
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     nbytes = 8  # the handle is 64-bit: the byte range accesses of it name
     is_host = False

@@ -42,6 +42,8 @@ class Node:
     batch: int | None = attrs.field(default=None, kw_only=True)
     device: int | None = attrs.field(default=None, kw_only=True)
     after: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=str_tuple)
+    # accesses() as computed once at construction (fields are frozen): TaskGraph.add reuses it
+    _accesses: tuple | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"
@@ -73,7 +75,9 @@ class Node:
         check_str_tuple(record, "after", self.after, item="a node name (str)",
                         expected="a node name (str) or a list/tuple of node names")
         self._check()
-        devices = {a.buffer.device for a in self.accesses() if not a.buffer.is_host}
+        accesses = self.accesses()
+        object.__setattr__(self, "_accesses", accesses)
+        devices = {a.buffer.device for a in accesses if not a.buffer.is_host}
         if self.device is None:
             object.__setattr__(self, "device", min(devices) if devices else 0)
         if self.checks_device and devices - {self.device}:

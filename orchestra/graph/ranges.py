@@ -6,7 +6,7 @@ its bytes out of both (later accesses reach the older nodes through it, so their
 redundant) and becomes the writer there. Disjoint views of one buffer therefore never depend on
 each other.
 
-Both maps are segment maps (`_SegmentMap`): sorted breakpoints, each segment between two of them
+Both maps are segment maps (`SegmentMap`): sorted breakpoints, each segment between two of them
 holding the entries that cover it, so an access visits only the segments it overlaps (bisect),
 not every range the buffer has seen. A pipeline slicing one host buffer into N batch ranges thus
 costs O(N log N), not O(N^2). (The cost of an access is the number of segments it spans: a read
@@ -25,8 +25,9 @@ from orchestra.graph.buffers import Access, Mode
 _READ = Mode.READ
 
 
-class _SegmentMap:
+class SegmentMap:
     """Byte ranges -> entries ``(seq, node)``; ranges may overlap (several entries per byte).
+    The dependency tracker here and the hazard verifier (`orchestra.schedule.races`) use it.
 
     ``pts`` are sorted breakpoints; ``segs[i]`` lists the entries covering ``[pts[i], pts[i+1])``
     (``len(segs) == len(pts) - 1`` once there is a breakpoint). Bytes outside every segment, or
@@ -90,6 +91,10 @@ class _SegmentMap:
 
     def add(self, start: int, end: int, entry: tuple[int, str]) -> None:
         """Add ``entry`` to every byte of ``[start, end)``."""
+        if not self.pts:  # the first entry (most buffers of a long pipeline have few)
+            self.pts = [start, end]
+            self.segs = [[entry]]
+            return
         i = self._split(start)
         j = self._split(end, i + 1)
         segs = self.segs
@@ -101,8 +106,8 @@ class RangeTracker:
     """Infers RAW, WAR and WAW dependencies from accesses given in program order."""
 
     def __init__(self):
-        self._writers: dict[tuple, _SegmentMap] = {}  # buffer key -> last writer(s) of each byte
-        self._readers: dict[tuple, _SegmentMap] = {}  # buffer key -> readers since that write
+        # buffer key -> (last writer(s) of each byte, readers since that write)
+        self._maps: dict[tuple, tuple[SegmentMap, SegmentMap]] = {}
         self._seq = 0
 
     def access(self, node: str, accesses: tuple[Access, ...]) -> dict[str, str]:
@@ -112,47 +117,44 @@ class RangeTracker:
         a node that reads and writes one buffer never depends on itself.
         """
         deps: dict[str, str] = {}
-        writers_of, readers_of = self._writers, self._readers
+        maps = self._maps
         todo = []
         for acc in accesses:
             r = acc.range
             buf = r.buffer
-            key, s = buf.key, r.offset
+            key = (buf.is_host, buf.name)  # Buffer.key, without the property call
+            s = r.offset
             e = s + r.nbytes
             writes = acc.mode is not _READ
-            todo.append((key, s, e, writes))
-            wm = writers_of.get(key)
-            if wm is not None:
-                found = wm.overlapping(s, e)
-                if found:
-                    reason = ("WAW " if writes else "RAW ") + buf.name
-                    for _, w in found:
-                        if w != node:
-                            deps.setdefault(w, reason)
-            if writes:
-                rm = readers_of.get(key)
-                if rm is not None:
+            pair = maps.get(key)
+            if pair is None:  # a buffer's first access: nothing to wait for
+                pair = maps[key] = (SegmentMap(), SegmentMap())
+            else:
+                wm, rm = pair
+                if wm.pts:
+                    found = wm.overlapping(s, e)
+                    if found:
+                        reason = ("WAW " if writes else "RAW ") + buf.name
+                        for _, w in found:
+                            if w != node and w not in deps:
+                                deps[w] = reason
+                if writes and rm.pts:
                     found = rm.overlapping(s, e)
                     if found:
                         reason = "WAR " + buf.name
                         for _, rd in found:
-                            if rd != node:
-                                deps.setdefault(rd, reason)
+                            if rd != node and rd not in deps:
+                                deps[rd] = reason
+            todo.append((pair, s, e, writes))
         # every write carves first, then every access is added: a node's accesses never hide
         # each other
-        for key, s, e, writes in todo:
+        for pair, s, e, writes in todo:
             if writes:
-                wm = writers_of.get(key)
-                if wm is not None:
-                    wm.carve(s, e)
-                rm = readers_of.get(key)
-                if rm is not None:
-                    rm.carve(s, e)
-        for key, s, e, writes in todo:
-            self._seq += 1
-            maps = writers_of if writes else readers_of
-            m = maps.get(key)
-            if m is None:
-                m = maps[key] = _SegmentMap()
-            m.add(s, e, (self._seq, node))
+                pair[0].carve(s, e)
+                pair[1].carve(s, e)
+        seq = self._seq
+        for pair, s, e, writes in todo:
+            seq += 1
+            pair[0 if writes else 1].add(s, e, (seq, node))
+        self._seq = seq
         return deps

@@ -18,9 +18,10 @@ from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.bodies import check_bodies
 from orchestra.graph.buffers import Buffer, Condition, HostBuffer
 from orchestra.graph.nodes import Node
+from orchestra.graph.ranges import RangeTracker
+from orchestra.graph.reach import ChainClocks
 
 N = TypeVar("N", bound=Node)
-from orchestra.graph.ranges import RangeTracker
 
 
 class TaskGraph:
@@ -38,6 +39,7 @@ class TaskGraph:
         self._topo: tuple[str, ...] | None = None
         self._control = False  # a node with bodies or touching a condition: check_bodies
         self._container: str | None = None  # the node whose body this graph is
+        self._backward = False  # an edge to an earlier node (an after= naming a later one)
 
     # -- building ---------------------------------------------------------------------------
 
@@ -46,15 +48,22 @@ class TaskGraph:
         if not isinstance(node, Node):
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
         name = node.name
-        if name in self._nodes:
+        nodes = self._nodes
+        if name in nodes:
             raise NameCollisionError(f"a node named {name!r} is already in the graph "
-                             f"({type(self._nodes[name]).__name__}); node names must be unique")
-        if name in node.after:
+                                     f"({type(nodes[name]).__name__}); node names must be unique")
+        after = node.after
+        if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
         if any(b is self for b in node.bodies):
             raise GraphError(f"node {name!r}: a body of it is the graph it is added to; a body "
                              "must be a separate TaskGraph")
-        accesses = node.accesses()
+        accesses = node._accesses
+        if accesses is None or node.bodies:
+            # a subclass that skipped Node's __attrs_post_init__, or a node with bodies (which
+            # may have grown since the node was made: they are complete once it is added)
+            accesses = node.accesses()
+            object.__setattr__(node, "_accesses", accesses)
         buffers = self._buffers
         for acc in accesses:
             buf = acc.range.buffer
@@ -69,21 +78,23 @@ class TaskGraph:
             self._control = True
             for body in node.bodies:
                 body._container = name  # checked with the whole tree, from the top
-        self._nodes[name] = node
+        nodes[name] = node
         self._index[name] = len(self._index)
-        preds = self._preds[name] = {}
-        self._succs[name] = {}
+        # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
+        preds = self._preds[name] = self._tracker.access(name, accesses)
         succs = self._succs
-        for pred, reason in self._tracker.access(name, accesses).items():
-            preds[pred] = reason  # inferred edges come first: none is there yet
+        succs[name] = {}
+        for pred, reason in preds.items():
             succs[pred][name] = reason
-        for pred in node.after:
-            if pred in self._nodes:
+        for pred in after:
+            if pred in nodes:
                 self._edge(pred, name, "after", explicit=True)
             else:
                 self._waiting[pred].append(name)
-        for succ in self._waiting.pop(name, ()):
-            self._edge(name, succ, "after", explicit=True)
+        if self._waiting:
+            for succ in self._waiting.pop(name, ()):
+                self._edge(name, succ, "after", explicit=True)
+                self._backward = True
         self._topo = None
         return node
 
@@ -123,10 +134,22 @@ class TaskGraph:
         except KeyError:
             raise GraphError(f"no node named {name!r} in the graph") from None
 
+    def accesses(self, name: str) -> tuple:
+        """Node ``name``'s ``accesses()``, computed once when it was added (nodes are
+        immutable): what the scheduler and the verifier read instead of building them again."""
+        try:
+            accesses = self._nodes[name]._accesses
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
+        assert accesses is not None  # add() filled it
+        return accesses
+
     def index(self, name: str) -> int:
         """Insertion (program-order) position of node ``name``."""
-        self.node(name)
-        return self._index[name]
+        try:
+            return self._index[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
@@ -155,6 +178,11 @@ class TaskGraph:
         return frozenset((p, s) for s, ps in self._preds.items() for p in ps)
 
     @property
+    def edge_count(self) -> int:
+        """``len(self.edges)``, without building the set."""
+        return sum(len(ps) for ps in self._preds.values())
+
+    @property
     def explicit_edges(self) -> frozenset[tuple[str, str]]:
         """The edges that come from ``after=``."""
         return frozenset(self._explicit)
@@ -163,13 +191,27 @@ class TaskGraph:
         """Why the edge exists, e.g. ``"RAW b0.in"`` or ``"after"``."""
         return self._preds[succ][pred]
 
+    def predecessor_map(self) -> dict[str, dict[str, str]]:
+        """Every node -> ``{predecessor: edge reason}``, in no particular order: the graph's own
+        table, for algorithms that visit every edge (do not modify it)."""
+        return self._preds
+
     def predecessors(self, name: str) -> tuple[str, ...]:
-        self.node(name)
-        return tuple(sorted(self._preds[name], key=self._index.__getitem__))
+        """The nodes ``name`` depends on, in program order."""
+        return self._ordered(self._preds, name)
 
     def successors(self, name: str) -> tuple[str, ...]:
-        self.node(name)
-        return tuple(sorted(self._succs[name], key=self._index.__getitem__))
+        """The nodes that depend on ``name``, in program order."""
+        return self._ordered(self._succs, name)
+
+    def _ordered(self, adjacency, name):
+        try:
+            ns = adjacency[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r} in the graph") from None
+        if len(ns) < 2:
+            return tuple(ns)
+        return tuple(sorted(ns, key=self._index.__getitem__))
 
     # -- structure --------------------------------------------------------------------------
 
@@ -189,6 +231,9 @@ class TaskGraph:
 
     def _kahn(self) -> tuple[str, ...]:
         if self._topo is not None:
+            return self._topo
+        if not self._backward:  # every edge goes forward: program order is Kahn's order
+            self._topo = tuple(self._nodes)
             return self._topo
         names = list(self._nodes)
         order = kahn_order(names, ((n, s) for n in names for s in self._succs[n]))
@@ -260,24 +305,23 @@ class TaskGraph:
 
 def transitive_reduction(order, edges) -> frozenset[tuple[str, str]]:
     """The edges of ``edges`` (pairs of names) that no longer path implies; ``order`` is a
-    topological order of every name in them. Bitsets of reachable nodes by topological
-    position, so dense graphs of thousands of nodes stay fast."""
-    pos = {n: i for i, n in enumerate(order)}
+    topological order of every name in them. An edge ``(u, v)`` is implied when ``u`` reaches
+    another predecessor of ``v``; reachability comes from chain clocks (`reach.ChainClocks`), so
+    long pipelines stay about linear in time and memory (the reachability bitsets this replaced
+    grew with the square of the node count)."""
+    preds: dict[str, dict[str, None]] = {n: {} for n in order}
     succs: dict[str, list[str]] = {n: [] for n in order}
     for p, s in edges:
-        succs[p].append(s)
-    reach: dict[str, int] = {}  # bitset of the nodes reachable from n
-    for n in reversed(order):
-        r = 0
-        for s in succs[n]:
-            r |= reach[s] | (1 << pos[s])
-        reach[n] = r
-    out: set[tuple[str, str]] = set()
-    for n in order:
-        via = 0
-        for s in succs[n]:
-            via |= reach[s]
-        out.update((n, s) for s in succs[n] if not (via >> pos[s]) & 1)
+        if p not in preds[s]:
+            preds[s][p] = None
+            succs[p].append(s)
+    plists = {n: list(ps) for n, ps in preds.items()}
+    implied = ChainClocks(order, plists, succs, reduce=True).implied
+    assert implied is not None  # reduce=True fills it
+    out: list[tuple[str, str]] = []
+    for v in order:
+        drop = implied.get(v)
+        out.extend((p, v) for p in plists[v] if not drop or p not in drop)
     return frozenset(out)
 
 

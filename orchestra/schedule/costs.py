@@ -34,8 +34,9 @@ class CostModel:
     host_us: float = 5.0
     other_us: float = 1.0
 
-    def cost(self, node) -> float:
-        """Estimated µs for ``node``."""
+    def cost(self, node, accesses=None) -> float:
+        """Estimated µs for ``node``; ``accesses``: its ``accesses()`` when the caller has them
+        (e.g. from `TaskGraph.accesses`)."""
         if node.bodies:
             return max(sum(self.cost(n) for n in body.nodes) for body in node.bodies)
         kind = node.kind
@@ -46,7 +47,8 @@ class CostModel:
         if kind == "kernel":
             if self.kernel_us is not None:
                 return float(self.kernel_us)
-            reads = sum(a.range.nbytes for a in node.accesses() if a.mode.reads)
+            reads = sum(a.range.nbytes for a in (node.accesses() if accesses is None else accesses)
+                        if a.mode.reads)
             return max(reads, 1) / (self.kernel_gbps * 1e3)
         if kind == "memset":
             return node.dst.nbytes / (self.memset_gbps * 1e3)
@@ -60,15 +62,18 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
     """µs per node name. ``costs``: None (default model), a `CostModel`, a dict name -> µs (others
     from the default model), or a callable node -> µs (None falls back to the model)."""
     model = costs if isinstance(costs, CostModel) else CostModel()
+    given = None  # node -> µs or None, from ``costs`` (decided once, not per node)
+    if isinstance(costs, Mapping):
+        given = lambda node: costs.get(node.name)  # noqa: E731
+    elif callable(costs) and not isinstance(costs, CostModel):
+        given = costs
     out = {}
+    cost, accesses = model.cost, graph.accesses
+    ours = type(model).cost is CostModel.cost  # a subclass's cost() may take the node alone
     for node in graph.nodes:
-        value = None
-        if isinstance(costs, Mapping):
-            value = costs.get(node.name)
-        elif callable(costs) and not isinstance(costs, CostModel):
-            value = costs(node)
+        value = given(node) if given is not None else None
         if value is None:
-            value = model.cost(node)
+            value = cost(node, accesses(node.name)) if ours and node.kind == "kernel" else cost(node)
         value = float(value)
         if not value >= 0:
             raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
@@ -87,18 +92,24 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     per engine, the node that can start first going next."""
     cost = estimate_costs(graph, costs)
     names = plan.stream_names
-    t_stream = {n: 0.0 for n in names}
-    head = {n: 0 for n in names}
-    ev_time: dict[str, float] = {}
     recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
     busy = {r: 0.0 for r in RESOURCES.values()}
     res_of = {node.name: resource_of(node) for node in graph.nodes}
+    steps = [plan.steps[n] for n in names]
+    # per step of each stream: (resource, cost) of a RunNode, None for an event step
+    runs = [[((res_of[st.node] if st.node in res_of else resource_of(graph.node(st.node))),
+              cost[st.node]) if isinstance(st, RunNode) else None for st in ss] for ss in steps]
+    S = len(names)
+    t_stream = [0.0] * S
+    head = [0] * S
+    ev_time: dict[str, float] = {}
     while True:
-        best = None
-        for n in names:
-            steps, i, t = plan.steps[n], head[n], t_stream[n]
-            while i < len(steps) and not isinstance(steps[i], RunNode):
-                st = steps[i]
+        best, best_start = -1, 0.0
+        for k in range(S):  # the stream whose next node can start first (ties: the first)
+            ss, rk, i, t = steps[k], runs[k], head[k], t_stream[k]
+            end = len(ss)
+            while i < end and rk[i] is None:
+                st = ss[i]
                 if isinstance(st, WaitEvent) and st.event in recorded:
                     if st.event not in ev_time:
                         break
@@ -106,18 +117,20 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
                 elif isinstance(st, RecordEvent):
                     ev_time[st.event] = t
                 i += 1
-            head[n], t_stream[n] = i, t
-            if i < len(steps) and isinstance(steps[i], RunNode):
-                node = steps[i].node
-                res = res_of[node] if node in res_of else resource_of(graph.node(node))
+            head[k], t_stream[k] = i, t
+            run = rk[i] if i < end else None
+            if run is not None:
+                res = run[0]
                 start = max(t, busy[res]) if res else t
-                if best is None or start < best[0]:
-                    best = (start, n, res)
-        if best is None:
-            return max(t_stream.values(), default=0.0)
-        start, n, res = best
-        end = start + cost[plan.steps[n][head[n]].node]
+                if best < 0 or start < best_start:
+                    best, best_start = k, start
+        if best < 0:
+            return max(t_stream, default=0.0)
+        chosen = runs[best][head[best]]
+        assert chosen is not None  # the chosen stream's head is a RunNode
+        res, c = chosen
+        end_t = best_start + c
         if res:
-            busy[res] = end
-        t_stream[n] = end
-        head[n] += 1
+            busy[res] = end_t
+        t_stream[best] = end_t
+        head[best] += 1

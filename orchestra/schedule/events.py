@@ -31,10 +31,12 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     if len(order) != len(names) or set(order) != set(names):  # names are unique
         raise GraphError("order must list every node of the graph exactly once")
     gpos = {n: i for i, n in enumerate(order)}
-    preds = {v: graph.predecessors(v) for v in order}
+    preds = graph.predecessor_map()  # node -> {pred: reason}, unordered (cross is sorted below)
     for v in order:
+        gv = gpos[v]
         for p in preds[v]:
-            if gpos[p] > gpos[v]:
+            if gpos[p] > gv:
+                p = next(q for q in graph.predecessors(v) if gpos[q] > gv)  # the first one
                 raise GraphError(f"order puts {v} before {p}, but {v} depends on {p}")
     on = {}  # node -> stream index
     for n in order:
@@ -45,26 +47,36 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
 
     S = len(specs)
     cur = [[0] * S for _ in specs]
-    clock: dict[str, tuple[int, ...]] = {}
+    # cur[s] as a tuple, valid until a wait changes a counter other than s's own: the clock
+    # every node run in between shares (its own counter there is stale; pos has it)
+    shared: list[tuple[int, ...] | None] = [None] * S
+    seen: dict[str, tuple[int, ...]] = {}
     pos: dict[str, int] = {}
     waits = defaultdict(list)  # node -> predecessors it waits for, in wait order
     sources: set[str] = set()
     for v in order:
         s = on[v]
         c = cur[s]
-        cross = [p for p in preds[v] if on[p] != s]
-        if len(cross) > 1:
-            cross.sort(key=gpos.__getitem__, reverse=True)
-        for p in cross:
-            if c[on[p]] >= pos[p]:
-                continue  # already ordered through an earlier wait or stream order
-            waits[v].append(p)
-            sources.add(p)
-            c = list(map(max, c, clock[p]))
+        ps = preds[v]
+        if ps:
+            cross = [p for p in ps if on[p] != s]
+            if len(cross) > 1:
+                cross.sort(key=gpos.__getitem__, reverse=True)
+            for p in cross:
+                sp = on[p]
+                if c[sp] >= pos[p]:
+                    continue  # already ordered through an earlier wait or stream order
+                waits[v].append(p)
+                sources.add(p)
+                c[:] = map(max, c, seen[p])
+                c[sp] = pos[p]  # the snapshot's own counter is stale
+                shared[s] = None
         c[s] += 1
         pos[v] = c[s]
-        clock[v] = tuple(c)
-        cur[s] = c
+        snap = shared[s]
+        if snap is None:
+            snap = shared[s] = tuple(c)
+        seen[v] = snap
 
     # events numbered by their source's place in the global order: stable and readable
     event = {p: f"e{i}" for i, p in enumerate(sorted(sources, key=gpos.__getitem__))}

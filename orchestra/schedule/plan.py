@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import attrs
 
 from orchestra.errors import NotFoundError, PlanError, PlanFormatError
+from orchestra.schedule import json_text
 
 ROLES = ("upload", "compute", "download", "general")
 FORMAT = "orchestra.plan/1"
@@ -100,6 +101,7 @@ class Plan:
     meta: dict = attrs.field(factory=dict, converter=dict)
     node_stream: dict = attrs.field(init=False, eq=False, repr=False)
     events: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+    _counts: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # records, waits
 
     def __attrs_post_init__(self):
         names = [s.name for s in self.streams]
@@ -114,17 +116,21 @@ class Plan:
         node_stream, recorded, waited = {}, [], []
         for n in names:
             for st in steps[n]:
-                if not isinstance(st, (RunNode, RecordEvent, WaitEvent)):
+                t = type(st)  # exact types first: the common case, and fast on long plans
+                if t is RunNode or (t is not RecordEvent and t is not WaitEvent
+                                    and isinstance(st, RunNode)):
+                    if st.node not in node_stream:
+                        node_stream[st.node] = n
+                elif t is RecordEvent or isinstance(st, RecordEvent):
+                    recorded.append(st.event)
+                elif t is WaitEvent or isinstance(st, WaitEvent):
+                    waited.append(st.event)
+                else:
                     raise PlanError(
                         f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
-                if isinstance(st, RunNode):
-                    node_stream.setdefault(st.node, n)
-                elif isinstance(st, RecordEvent):
-                    recorded.append(st.event)
-                else:
-                    waited.append(st.event)
         object.__setattr__(self, "node_stream", node_stream)
         object.__setattr__(self, "events", tuple(dict.fromkeys(recorded + waited)))
+        object.__setattr__(self, "_counts", (len(recorded), len(waited)))
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -154,12 +160,12 @@ class Plan:
     @property
     def event_count(self) -> int:
         """Number of `RecordEvent` steps (events the executor must create)."""
-        return sum(isinstance(st, RecordEvent) for ss in self.steps.values() for st in ss)
+        return self._counts[0]
 
     @property
     def wait_count(self) -> int:
         """Number of `WaitEvent` steps (cross-stream joins)."""
-        return sum(isinstance(st, WaitEvent) for ss in self.steps.values() for st in ss)
+        return self._counts[1]
 
     def issue_order(self) -> list[tuple[str, Step]]:
         """Every step as (stream, step) in an order an executor can enqueue them.
@@ -169,35 +175,39 @@ class Plan:
         never be issued).
         """
         rank = {n: i for i, n in enumerate(self.order)}
-        chunks = {n: _chunks(self.steps[n]) for n in self.stream_names}
+        names = self.stream_names
+        chunks = [_chunks(self.steps[n]) for n in names]
         recorded_somewhere = {st.event for ss in self.steps.values() for st in ss
                               if isinstance(st, RecordEvent)}
-        head = {n: 0 for n in self.stream_names}
+        # per chunk: the events its waits need issued first (most chunks need none)
+        needs = [[tuple(st.event for st in chunk if isinstance(st, WaitEvent)
+                        and st.event in recorded_somewhere) for chunk, _ in ch] for ch in chunks]
+        head = [0] * len(names)
         issued_events: set[str] = set()
         out: list[tuple[str, Step]] = []
-        total = sum(len(c) for c in chunks.values())
+        total = sum(len(c) for c in chunks)
         big = len(rank) + sum(len(ss) for ss in self.steps.values())
         for _ in range(total):
-            best = None
-            for si, n in enumerate(self.stream_names):
-                if head[n] == len(chunks[n]):
+            best, best_rank = None, 0
+            for si, ch in enumerate(chunks):  # the lowest rank first; ties: the first stream
+                h = head[si]
+                if h == len(ch):
                     continue
-                chunk, node = chunks[n][head[n]]
-                if any(isinstance(st, WaitEvent) and st.event in recorded_somewhere
-                       and st.event not in issued_events for st in chunk):
+                need = needs[si][h]
+                if need and any(ev not in issued_events for ev in need):
                     continue
-                key = (rank.get(node, big), si)
-                if best is None or key < best[0]:
-                    best = (key, n)
+                r = rank.get(ch[h][1], big)
+                if best is None or r < best_rank:
+                    best, best_rank = si, r
             if best is None:
-                blocked = [f"{n} waits for {st.event}" for n in self.stream_names
-                           if head[n] < len(chunks[n]) for st in chunks[n][head[n]][0]
+                blocked = [f"{n} waits for {st.event}" for si, n in enumerate(names)
+                           if head[si] < len(chunks[si]) for st in chunks[si][head[si]][0]
                            if isinstance(st, WaitEvent) and st.event not in issued_events]
                 raise PlanError(
                     "plan cannot be issued: waits form a cycle (" + "; ".join(blocked) + ")")
-            n = best[1]
-            chunk, _node = chunks[n][head[n]]
-            head[n] += 1
+            n = names[best]
+            chunk, _node = chunks[best][head[best]]
+            head[best] += 1
             for st in chunk:
                 if isinstance(st, RecordEvent):
                     issued_events.add(st.event)
@@ -208,26 +218,32 @@ class Plan:
 
     def __str__(self) -> str:
         after = {}  # event -> "node on stream" it follows
+        nodes = 0
         for n in self.stream_names:
             last = None
             for st in self.steps[n]:
                 if isinstance(st, RunNode):
                     last = st.node
+                    nodes += 1
                 elif isinstance(st, RecordEvent):
                     after[st.event] = f"after {last or '(start)'} on {n}"
-        nodes = sum(isinstance(st, RunNode) for ss in self.steps.values() for st in ss)
         lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
                  f"{self.event_count} event(s), {self.wait_count} wait(s)"]
         for k, v in sorted(self.meta.items()):
             lines.append(f"  {k}: {v}")
+        add = lines.append
         for s in self.streams:
-            lines.append(f"stream {s.name} (role {s.role}, priority {s.priority}):")
+            add(f"stream {s.name} (role {s.role}, priority {s.priority}):")
             for st in self.steps[s.name]:
-                tag = _TAGS[type(st)]
-                text = f"    {tag:<6} {_field(st)}"
-                if isinstance(st, WaitEvent):
-                    text += f"   ({after.get(st.event, 'never recorded')})"
-                lines.append(text)
+                t = type(st)  # the tag column is padded to 6: "run   ", "record", "wait  "
+                if t is RunNode:
+                    add("    run    " + st.node)
+                elif t is RecordEvent:
+                    add("    record " + st.event)
+                elif t is WaitEvent:
+                    add(f"    wait   {st.event}   ({after.get(st.event, 'never recorded')})")
+                else:  # not a step type (the plan refuses those): as before, _TAGS says so
+                    add(f"    {_TAGS[t]:<6} {_field(st)}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -242,7 +258,9 @@ class Plan:
         }
 
     def to_json(self, indent: int | None = 1) -> str:
-        """The plan as JSON (stable: same plan, same text)."""
+        """The plan as JSON (stable: same plan, same text; ``json.dumps`` with ``sort_keys``)."""
+        if isinstance(indent, int) and not isinstance(indent, bool) and indent >= 0:
+            return json_text.dumps(self.to_dict(), indent)
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod

@@ -84,7 +84,7 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
 
 
 def _follow_latest_pred(graph, name, assign, gpos, fallback):
-    preds = graph.predecessors(name)
+    preds = graph.predecessor_map()[name]
     if not preds:
         return fallback
     return assign[max(preds, key=gpos.__getitem__)]
@@ -120,17 +120,19 @@ def _by_engine(graph, S):
     gpos = {n: i for i, n in enumerate(order)}
     key = _group_keys(graph)
     assign = {}
+    by_name = {n.name: n for n in graph.nodes}
+    nc = len(compute)
     for n in order:
-        node = graph.node(n)
-        home = compute[key[n] % len(compute)]
-        if node.kind == "free" or node.engine == "host":
-            assign[n] = _follow_latest_pred(graph, n, assign, gpos, home)
-        elif node.engine in ("upload", "memory"):  # allocs go where the uploads are
+        node = by_name[n]
+        engine = node.engine
+        if node.kind == "free" or engine == "host":
+            assign[n] = _follow_latest_pred(graph, n, assign, gpos, compute[key[n] % nc])
+        elif engine == "upload" or engine == "memory":  # allocs go where the uploads are
             assign[n] = up
-        elif node.engine == "download":
+        elif engine == "download":
             assign[n] = down
         else:
-            assign[n] = home
+            assign[n] = compute[key[n] % nc]
     return specs, assign, order, {}
 
 

@@ -10,7 +10,8 @@ It checks, against happens-before (`happens_before`):
 - ``after=`` edges; and plan structure: nodes missing, run twice, unknown; events recorded twice
   or never; waits that can never be issued.
 The plan ends with all streams synchronized, so D2H results are the caller's at the end; that needs
-no check. Accesses are swept per buffer in offset order, so disjoint views cost nothing.
+no check. Races are found against a per-buffer frontier of byte ranges (`races`), lifetimes by one
+walk per buffer, so a correct plan costs about linear time in nodes x accesses.
 
 Bodies (task graphs a node runs as a unit: conditional branches and loop bodies, child graphs)
 are seen through: the node holding them accesses what they touch as a whole (so it is checked
@@ -29,15 +30,12 @@ its wait; when c does not wait it orders nothing (c may run entirely beside p).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from orchestra.errors import HazardError
-from orchestra.graph import Alloc, Free, Mode, TaskGraph
+from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.happens_before import GraphOrder, PlanOrder
 from orchestra.schedule.plan import Plan
-
-_VERB = {Mode.READ: "reads", Mode.WRITE: "writes", Mode.READ_WRITE: "reads and writes"}
+from orchestra.schedule.races import _LIFETIME_KINDS, VERB, accesses_by_buffer, by_node, races
 
 
 def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
@@ -104,9 +102,11 @@ def check(plan: Plan, graph: TaskGraph) -> None:
 
 
 def _hazards(order, graph) -> list[Finding]:
-    out = _races(order, graph)
-    out += _lifetimes(order, graph)
-    for p, s in sorted(graph.explicit_edges, key=lambda e: (graph.index(e[1]), graph.index(e[0]))):
+    collected = accesses_by_buffer(order, graph)
+    out = races(order, graph, collected)
+    out += _lifetimes(order, graph, collected)
+    index = graph.index
+    for p, s in sorted(graph.explicit_edges, key=lambda e: (index(e[1]), index(e[0]))):
         if order.has(p) and order.has(s) and not order.before(p, s):
             out.append(Finding("ORDER", None, (p, s), (order.stream_of[p], order.stream_of[s]),
                                f"{order.where(s)} must run after {order.where(p)} (after=), "
@@ -118,58 +118,24 @@ def _streams(order, a, b):
     return (order.stream_of.get(a), order.stream_of.get(b))
 
 
-def _races(order, graph) -> list[Finding]:
-    per_buffer = defaultdict(list)  # buffer key -> [(start, end, program index, node, mode)]
-    for i, node in enumerate(graph.nodes):
-        if node.kind in ("alloc", "free") or not order.has(node.name):
-            continue  # lifetimes are checked separately
-        for acc in node.accesses():
-            r = acc.range
-            per_buffer[r.buffer.key].append((r.offset, r.end, i, node.name, acc.mode))
-    found = {}
-    for key, accs in per_buffer.items():
-        accs.sort(key=lambda x: x[:3])
-        buf = graph.buffer(key[1])
-        for i, (s1, e1, p1, n1, m1) in enumerate(accs):
-            for j in range(i + 1, len(accs)):  # not accs[i + 1:]: a copy per access is O(n^2)
-                s2, e2, p2, n2, m2 = accs[j]
-                if s2 >= e1:
-                    break
-                if n1 == n2 or not (m1.writes or m2.writes):
-                    continue
-                (a, ma, pa), (b, mb, _) = sorted(((n1, m1, p1), (n2, m2, p2)), key=lambda x: x[2])
-                if order.before(a, b) or (buf.name, a, b) in found:
-                    continue
-                # a stale read is the likelier bug, so write -> read-write counts as RAW
-                kind = "RAW" if ma.writes and mb.reads else ("WAW" if ma.writes else "WAR")
-                lo, hi = max(s1, s2), min(e1, e2)
-                label = "host buffer" if buf.is_host else "buffer"
-                found[(buf.name, a, b)] = Finding(
-                    ("HOST_" if buf.is_host else "") + kind, buf.name, (a, b), _streams(order, a, b),
-                    f"{kind} on {label} {buf.name} bytes [{lo}, {hi}): {order.where(a)} {_VERB[ma]}, "
-                    f"{order.where(b)} {_VERB[mb]}, {order.fix(a, b)}")
-    return sorted(found.values(), key=lambda f: (graph.index(f.nodes[1]), graph.index(f.nodes[0])))
-
-
-def _lifetimes(order, graph) -> list[Finding]:
-    # buffer name -> {node name: (kind, mode)} in program order
-    uses: defaultdict[str, dict[str, tuple[str, Mode]]] = defaultdict(dict)
-    for node in graph.nodes:
-        if order.has(node.name):
-            for acc in node.accesses():
-                if not acc.buffer.is_host:
-                    uses[acc.buffer.name].setdefault(node.name, (node.kind, acc.mode))
+def _lifetimes(order, graph, collected=None) -> list[Finding]:
+    per_buffer, _ = collected or accesses_by_buffer(order, graph)
     out: list[Finding] = []
-    for buf, events in uses.items():
-        if not any(k in ("alloc", "free") for k, _ in events.values()):
+    for entry in per_buffer.values():  # one buffer at a time, in order of first use
+        buf, nodes, accs = by_node(entry)
+        if buf.is_host or not any(n.kind in _LIFETIME_KINDS for n in nodes):
             continue  # external buffer: bound by the caller, not allocated by the plan
-        life = _Life(order, buf, out)
-        for n, (kind, mode) in events.items():
-            life.step(n, kind, mode)
+        life = _Life(order, buf.name, out)
+        seen = None
+        for node, acc in zip(nodes, accs):
+            if node is not seen:  # a node's first access to the buffer stands for all of them
+                seen = node
+                life.step(node.name, node.kind, acc.mode)
         if life.live is not None:
-            out.append(Finding("NEVER_FREED", buf, (life.live, None), _streams(order, life.live, None),
-                               f"buffer {buf} is allocated by {order.where(life.live)} but never "
-                               f"freed: add a Free after its last use"))
+            out.append(Finding("NEVER_FREED", buf.name, (life.live, None),
+                               _streams(order, life.live, None),
+                               f"buffer {buf.name} is allocated by {order.where(life.live)} but "
+                               f"never freed: add a Free after its last use"))
     return out
 
 
@@ -198,7 +164,7 @@ class _Life:
                          f"{o.fix(self.last_free, n)}")
             self.live, self.uses, self.unalloc = n, [], []
             return
-        verb = "frees" if kind == "free" else _VERB[mode]
+        verb = "frees" if kind == "free" else VERB[mode]
         if self.live is None:
             if kind == "free" and self.last_free is not None:
                 self.add("DOUBLE_FREE", self.last_free, n, f"double free of buffer {buf}: {w(n)} "
@@ -226,15 +192,16 @@ class _Life:
                 continue
             if o.before(n, u):
                 self.add("USE_AFTER_FREE", n, u, f"use after free of buffer {buf}: {w(u)} "
-                         f"{_VERB[umode]} it after {w(n)} frees it: move the Free after the "
+                         f"{VERB[umode]} it after {w(n)} frees it: move the Free after the "
                          f"buffer's last use")
             else:
                 racing.append((u, umode))
+        last = o.maximal([u for u, _ in racing]) if len(racing) > 1 else {u for u, _ in racing}
         for u, umode in racing:
-            if any(o.before(u, v) for v, _ in racing):
+            if u not in last:
                 continue  # a later racing use is reported; ordering it orders this one
             hint = (f" (or put the free on {o.stream_of[u]}, the stream of the buffer's last use)"
                     if o.mode == "plan" and u == self.uses[-1][0] else "")
             self.add("FREE_RACE", u, n, f"free of buffer {buf} not ordered after its use: {w(u)} "
-                     f"{_VERB[umode]} it, {w(n)} frees it, {o.fix(u, n)}{hint}")
+                     f"{VERB[umode]} it, {w(n)} frees it, {o.fix(u, n)}{hint}")
         self.live, self.last_free, self.uses, self.unalloc = None, n, [], []
