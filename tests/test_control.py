@@ -364,6 +364,23 @@ def test_the_verifier_catches_a_race_with_a_body_access():
     assert raw.buffer == "x" and "no event orders before before group" in raw.message
 
 
+def test_the_verifier_catches_a_write_after_a_body_read_and_a_use_after_free():
+    x, y, z = Buffer("x", 64), Buffer("y", 64), Buffer("z", 64)
+    body = TaskGraph()
+    body.add(scale("inner", x, y))  # the body reads x
+    g = TaskGraph()
+    g.add(Alloc("ax", x))
+    g.add(Group("group", body))
+    g.add(scale("overwrite", z, x))  # writes x after the group read it (WAR)
+    g.add(Free("fx", x))
+    # the overwrite on its own stream, unordered with the group; the free before the group
+    plan = (PlanBuilder().stream("a").run("ax", "fx", "group").stream("b")
+            .run("overwrite").build())
+    found = kinds(verify(plan, g))
+    assert ("WAR", ("group", "overwrite")) in found
+    assert ("USE_AFTER_FREE", ("fx", "group")) in found
+
+
 def test_the_verifier_catches_a_free_racing_the_body():
     g = loop_graph()
     edges = set(g.edges) - {("group", "fy"), ("after", "fy")}  # fy no longer after the body
