@@ -168,7 +168,7 @@ def test_every_command_takes_json_v_and_q():
     assert {p.prog for p in leaves} == {
         "orchestra devices", "orchestra compile", "orchestra cache info", "orchestra cache clear",
         "orchestra plan", "orchestra run", "orchestra bench stages", "orchestra bench pdl",
-        "orchestra bench serve", "orchestra bench peers"}
+        "orchestra bench serve", "orchestra bench peers", "orchestra bench multigpu"}
     for p in leaves:
         for opt in ("--json", "-v", "--verbose", "-q", "--quiet"):
             assert opt in p._option_string_actions, (p.prog, opt)

@@ -51,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     peers_cmd.register(bsub)
 
+    from orchestra.app.multigpu.cli import register as register_multigpu
+
+    register_multigpu(bsub)
+
 
 def _common(p: argparse.ArgumentParser, goal: str) -> None:
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")

@@ -8,7 +8,8 @@ its driver calls from one `DriverAPI` and nowhere else:
   plain attributes of the object, so an executor binds the ones its hot paths call once
   (``self._launch = api.cuGraphLaunch``) and calls them without a lookup per call;
 - the driver layer's own objects an executor makes or asks about: `as_device`, `stream`,
-  `event`, `default_pool`, `pinned_buffer`, `context_alive`, `check_stream`, `is_pinned`;
+  `event`, `default_pool`, `pinned_buffer`, `context_alive`, `check_stream`, `is_pinned`,
+  `device_count`, `context_of`, `enable_peer_access`;
 - the entry points cuda-bindings does not wrap usably (`launch_host_func`, `exec_update`;
   see `orchestra.driver.entry_points`).
 
@@ -91,6 +92,24 @@ class DriverAPI:
         from orchestra.driver.host import PinnedBuffer
 
         return PinnedBuffer(nbytes, device)
+
+    def device_count(self) -> int:
+        """Visible devices (``cuDeviceGetCount``)."""
+        from orchestra.driver.device import device_count
+
+        return device_count()
+
+    def enable_peer_access(self, a: int, b: int) -> None:
+        """Peer access between devices ``a`` and ``b``, both ways, once per pair
+        (`orchestra.driver.peer.enable_peer_access`: `PeerAccessError` naming a pair that
+        cannot)."""
+        from orchestra.driver.peer import enable_peer_access
+
+        enable_peer_access(a, b)
+
+    def context_of(self, ordinal: int):
+        """Device ``ordinal``'s primary context (``CUcontext``)."""
+        return self.as_device(ordinal).context
 
     def check_stream(self, stream, what: str = "this call"):
         """``stream`` if it is an open `Stream`, else ``TypeError`` / ``ValueError``."""

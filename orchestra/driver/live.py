@@ -33,6 +33,7 @@ KINDS = {
     "PinnedBuffer": "pinned_buffer",
     "HostRegistration": "host_registration",
     "Module": "module",
+    "NcclComm": "nccl_comm",
 }
 
 _live: dict[str, list] = {kind: [] for kind in KINDS.values()}

@@ -20,15 +20,16 @@ import weakref
 from typing import Any, Callable, ClassVar
 
 from orchestra.driver.api import default_api
-from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
 from orchestra.execute.closable import Closable
-from orchestra.execute.errors import ExecutorArgumentTypeError
+from orchestra.execute.errors import ExecutorArgumentTypeError, ExecutorDeviceError
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.collective import check_ranks
 from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
 from orchestra.graph.bodies import walk
+from orchestra.schedule import Plan
 
 
 def _shutdown(api, pool: StreamPool, tracers: list, keep: list) -> None:
@@ -54,7 +55,9 @@ class ExecutorBase(Closable):
 
     Args:
         device: a `Device`, an ordinal or None (device 0). Every node that runs on a device
-            must be on this one.
+            must be on this one (or on one of ``devices``).
+        devices: more devices the executor runs on (the eager executor: plans over several
+            GPUs; streams, events, pools and kernels per device).
         verify: run the hazard verifier before a plan's first run / a graph's build.
         kernel_resolver: a shared `KernelResolver` (default: a new one for ``device``).
         driver: the `DriverAPI` (default: `orchestra.driver.api.default_api()`).
@@ -64,17 +67,29 @@ class ExecutorBase(Closable):
     _device_verb: ClassVar[str] = "runs on"  # for the wrong-device error
     _takes: ClassVar[str] = "run()"  # for the wrong-type error
 
-    def __init__(self, device=None, *, verify: bool = True, kernel_resolver=None, driver=None):
+    def __init__(self, device=None, *, verify: bool = True, kernel_resolver=None, driver=None,
+                 devices=None):
         self.api = api = driver if driver is not None else default_api()
         self.device = api.as_device(device)
+        others = [] if devices is None else [api.as_device(d) for d in devices]
+        extra: dict = {}  # ordinal -> Device, first mention kept, the own device left out
+        for d in others:
+            if d.ordinal != self.device.ordinal:
+                extra.setdefault(d.ordinal, d)
+        self.devices = (self.device,) + tuple(extra.values())
         self.verify = bool(verify)
         self.kernels = (kernel_resolver if kernel_resolver is not None
                         else KernelResolver(self.device))  # an empty resolver is falsy
-        self.device.make_current()
-        self.pool = api.default_pool(self.device)  # release threshold set once, at setup
+        loader = getattr(self.kernels, "loader", None)  # the other devices load the same way
+        self._resolvers = {d.ordinal: KernelResolver(d, loader) for d in self.devices[1:]}
+        self.pools = {}
+        for d in reversed(self.devices):  # the executor's own device ends current
+            d.make_current()
+            self.pools[d.ordinal] = api.default_pool(d)  # release threshold set at setup
+        self.pool = self.pools[self.device.ordinal]
         self._pinned = PinnedCheck(api.is_pinned)
         self._lock = threading.RLock()
-        self._stream_pool = StreamPool(self.device, api)
+        self._stream_pool = StreamPool(self.device, api, others=self.devices[1:])
         self._tracers: list = []  # tracers whose events the executor owns
         self._keep: list = []  # released after the final synchronize (see _shutdown)
         self._closed = False
@@ -105,21 +120,74 @@ class ExecutorBase(Closable):
             raise ExecutorArgumentTypeError(
                 f"{self._takes} takes a TaskGraph, got {type(graph).__name__}")
         shape = self._plan_checks(graph, plan, **opts)
-        self._check_devices(graph)
+        self._check_devices(graph, plan)
+        check_ranks(graph)  # collectives: one rank of a communicator per graph
         return shape, self._resolve(graph)
 
     # each executor's own checks of ``graph`` (and ``plan``), hazards included unless
     # ``verify=False``; returns what its build needs (issue order, translation, ...)
     _plan_checks: Callable[..., Any]
 
-    def _check_devices(self, graph: TaskGraph) -> None:
-        ordinal = self.device.ordinal
+    def kernel_resolver(self, ordinal: int) -> KernelResolver:
+        """The `KernelResolver` of device ``ordinal`` (one of the executor's devices)."""
+        if ordinal == self.device.ordinal:
+            return self.kernels
+        return self._resolvers[ordinal]
+
+    @property
+    def multi_device(self) -> bool:
+        """True when the executor runs on several devices (``devices=``)."""
+        return len(self.devices) > 1
+
+    def stream_devices(self, plan) -> dict:
+        """Plan stream name -> the `Device` it runs on. A plan whose streams all say device 0
+        is device-agnostic on a one-device executor (its streams run on the executor's
+        device); otherwise each stream's ``device`` must be one of the executor's
+        (`ExecutorDeviceError` otherwise)."""
+        if plan.devices == (0,) and not self.multi_device:
+            return {name: self.device for name in plan.stream_names}
+        by_ordinal = {d.ordinal: d for d in self.devices}
+        out = {}
+        for spec in plan.streams:
+            dev = by_ordinal.get(spec.device)
+            if dev is None:
+                raise ExecutorDeviceError(
+                    f"plan stream {spec.name} is on device {spec.device}, but this "
+                    f"{type(self).__name__} {self._device_verb} device(s) "
+                    f"{sorted(by_ordinal)}" + self._devices_hint())
+            out[spec.name] = dev
+        return out
+
+    def _devices_hint(self) -> str:
+        if self._takes == "run()":
+            return "; pass devices=(...) to run on several"
+        return "; a CUDA graph is built for one device: use one executor (and graph) per device"
+
+    def _check_devices(self, graph: TaskGraph, plan=None) -> None:
+        """Every device-bound node on one of the executor's devices, and (with a plan) on a
+        stream of its own device."""
+        ordinals = {d.ordinal for d in self.devices}
         for node, _ in walk(graph):  # the nodes of bodies too
-            if lowering_for(node).on_device and node.device != ordinal:
-                raise OrchestraError(
+            if lowering_for(node).on_device and node.device not in ordinals:
+                where = (f"device {self.device.ordinal}" if len(ordinals) == 1
+                         else f"devices {sorted(ordinals)}")
+                raise ExecutorDeviceError(
                     f"node {node.name} is on device {node.device}, but this "
-                    f"{type(self).__name__} {self._device_verb} device {ordinal}; use one "
-                    "executor per device")
+                    f"{type(self).__name__} {self._device_verb} {where}; use one executor "
+                    "per device" + (" (or pass devices=(...) to run on several)"
+                                    if self._takes == "run()" else ""))
+        if plan is None or not isinstance(plan, Plan):
+            return
+        sdev = self.stream_devices(plan)
+        for node in graph.nodes:
+            if not (node.device_bound and lowering_for(node).on_device):
+                continue
+            s = plan.node_stream.get(node.name)
+            if s is not None and sdev[s].ordinal != node.device:
+                raise ExecutorDeviceError(
+                    f"node {node.name} runs on device {node.device}, but the plan puts it on "
+                    f"stream {s} of device {sdev[s].ordinal}: run it on a stream of device "
+                    f"{node.device}")
 
     def _resolve(self, graph: TaskGraph) -> dict:
         """Node name -> its lowering's `resolve` result, for the nodes (of the graph and of

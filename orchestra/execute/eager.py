@@ -49,7 +49,7 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.lru import IdentityLRU
 from orchestra.execute.occupancy import capacity_for
-from orchestra.execute.prepare import assign_event_slots, check_run
+from orchestra.execute.prepare import assign_event_slots_by_device, check_run
 from orchestra.execute.resources import PlanCache
 from orchestra.execute.result import RunResult
 from orchestra.graph import TaskGraph
@@ -102,6 +102,10 @@ class EagerExecutor(ExecutorBase):
         kernel_resolver: a shared `KernelResolver` (default: a new one for ``device``).
         cache_size: how many prepared (graph, plan) pairs to keep.
         driver: the `DriverAPI` every driver call goes through (default: the process's).
+        devices: more devices to run on (ordinals or `Device` objects): plans over several
+            GPUs, each stream on its `StreamSpec.device`, the events of a cross-device edge
+            recorded on one device's stream and waited for on another's, allocations from each
+            device's pool, kernels loaded per device (docs/multigpu.md).
 
     One run at a time per executor (``run`` holds a lock); create one executor per host thread
     for concurrent submission.
@@ -111,8 +115,9 @@ class EagerExecutor(ExecutorBase):
 
     def __init__(self, device: Device | int | None = None, *, verify: bool = True,
                  kernel_resolver: KernelResolver | None = None, cache_size: int = 16,
-                 driver=None):
-        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver)
+                 driver=None, devices=None):
+        super().__init__(device, verify=verify, kernel_resolver=kernel_resolver, driver=driver,
+                         devices=devices)
         self.cache_size = max(1, int(cache_size))
         self._callbacks = HostCallbacks()
         self._keep.append(self._callbacks)  # the trampoline goes only after the final sync
@@ -189,11 +194,18 @@ class EagerExecutor(ExecutorBase):
         issue, resolved = self._checked(graph, plan)
         table = BindingTable(graph, self._pinned)
         addresses = Addresses(table, slot_users=True)
-        streams = self._stream_pool.take_streams(plan)
-        slots, nslots = assign_event_slots(issue)
-        events = [self._stream_pool.event(i).handle for i in range(nslots)]
+        pool = self._stream_pool
+        sdev = self.stream_devices(plan)
+        streams = pool.take_streams(plan, sdev)
+        # an event belongs to the device of the stream that records it (cuEventRecord needs
+        # both on one device); any device's stream may wait for it (cuStreamWaitEvent)
+        slots, where = assign_event_slots_by_device(issue, lambda s: sdev[s].ordinal)
+        by_ordinal = {d.ordinal: d for d in self.devices}
+        events = [pool.event(k, by_ordinal[o]).handle for o, k in where]
         ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            self.device, callbacks=self._callbacks)
+                            self.device, callbacks=self._callbacks,
+                            pools={o: p.handle for o, p in self.pools.items()},
+                            stream_devices=sdev)
         try:
             program = lower_plan(issue, graph, ctx, streams, events, slots)
         except BaseException:

@@ -10,7 +10,7 @@ from orchestra.errors import OrchestraError, PageableMemoryError
 
 __all__ = [
     "BindingError", "BucketOverflowError", "ExecutorArgumentError", "ExecutorArgumentTypeError",
-    "ExecutorArgumentValueError", "ExecutorUnavailable", "HostFunctionError",
+    "ExecutorArgumentValueError", "ExecutorDeviceError", "ExecutorUnavailable", "HostFunctionError",
     "PageableMemoryError", "PlanMismatchError",
 ]
 
@@ -50,6 +50,11 @@ class ExecutorUnavailable(OrchestraError, ValueError):
 class PlanMismatchError(OrchestraError, ValueError):
     """The plan does not fit the graph in a way no executor can run (a node missing, run twice
     or unknown; a use issued before its allocation). Raised even with ``verify=False``."""
+
+
+class ExecutorDeviceError(OrchestraError, ValueError):
+    """A node or plan stream on a device the executor does not run on, or a node on a stream
+    of another device than its own; nothing was enqueued."""
 
 
 class ExecutorArgumentError(OrchestraError):

@@ -81,6 +81,11 @@ class KernelResolver:
                 self._memo[ref] = k
         return k
 
+    @property
+    def loader(self) -> Callable:
+        """The ``loader(ref, device)`` this resolver loads kernels with."""
+        return self._loader
+
     def waits_on_grid_dependency(self, ref: KernelRef, node: str | None = None) -> bool:
         """Whether ``ref``'s kernel executes ``griddepcontrol.wait`` (memoized; resolves the
         kernel first). Errors keep their type and get a note naming ``node``."""

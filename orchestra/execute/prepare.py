@@ -86,6 +86,13 @@ def check_run(plan: Plan, graph: TaskGraph, *, verify: bool = True) -> list:
 
 
 def assign_event_slots(issue, min_handles: int = 8) -> tuple[dict[int, int], int]:
+    """`assign_event_slots_by_device` for a plan on one device: ``(slots, slot count)``."""
+    out, where = assign_event_slots_by_device(issue, None, min_handles)
+    return out, len(where)
+
+
+def assign_event_slots_by_device(issue, device_of, min_handles: int = 8
+                                 ) -> tuple[dict[int, int], list[tuple[int, int]]]:
     """Reuse event handles within a plan: ``{issue index of a RecordEvent/WaitEvent: slot}`` and
     the number of slots needed.
 
@@ -94,27 +101,40 @@ def assign_event_slots(issue, min_handles: int = 8) -> tuple[dict[int, int], int
     has been issued. Free handles are reused oldest first, and up to ``min_handles`` distinct
     handles are used before any is reused, so a handle is not re-recorded right after its wait.
     Waits for events no step records are left out (they order nothing).
+
+    Devices: an event belongs to the device of the stream that records it, so handles are
+    reused only within a device. ``device_of`` maps a plan stream name to its device ordinal
+    (None: one device). Returns ``(slots, where)``: ``slots`` as above (global slot numbers),
+    ``where[slot] = (device ordinal, index among that device's handles)``.
     """
     from orchestra.schedule import RecordEvent, WaitEvent
 
     pending = Counter(st.event for _, st in issue if isinstance(st, WaitEvent))
     recorded = {st.event for _, st in issue if isinstance(st, RecordEvent)}
-    free: deque[int] = deque()
-    count = 0
+    free: dict[int, deque[int]] = {}  # device -> free global slots, oldest first
+    count: dict[int, int] = {}  # device -> handles made on it
+    where: list[tuple[int, int]] = []
     slot_of: dict[str, int] = {}
     out: dict[int, int] = {}
-    for i, (_, st) in enumerate(issue):
+    for i, (sname, st) in enumerate(issue):
         if isinstance(st, RecordEvent):
-            slot = free.popleft() if free and count >= min_handles else count
-            count = max(count, slot + 1)
+            dev = 0 if device_of is None else device_of(sname)
+            q = free.setdefault(dev, deque())
+            n = count.get(dev, 0)
+            if q and n >= min_handles:
+                slot = q.popleft()
+            else:
+                slot = len(where)
+                where.append((dev, n))
+                count[dev] = n + 1
             slot_of[st.event] = slot
             out[i] = slot
             if pending[st.event] == 0:
-                free.append(slot)  # nobody waits for it: the handle is free at once
+                q.append(slot)  # nobody waits for it: the handle is free at once
         elif isinstance(st, WaitEvent) and st.event in recorded:
             slot = slot_of[st.event]  # issue_order never issues a wait before its record
             out[i] = slot
             pending[st.event] -= 1
             if pending[st.event] == 0:
-                free.append(slot)
-    return out, count
+                free[where[slot][0]].append(slot)
+    return out, where

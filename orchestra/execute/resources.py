@@ -18,28 +18,36 @@ from orchestra.schedule import schedule
 
 
 class StreamPool:
-    """Streams by priority and sync-only events of one executor on ``device``, made with
+    """Streams by priority and sync-only events of one executor on ``device`` (and on
+    ``others``, the further devices of a multi-device executor), made with
     ``api.stream(device, priority)`` / ``api.event(device)`` (``api``: a `DriverAPI`)."""
 
-    def __init__(self, device, api):
+    def __init__(self, device, api, others=()):
         self.device = device
         self.api = api
+        self.others = tuple(others)
         self.streams: list = []  # every stream the pool holds, in creation order
-        self.by_priority: dict[int, list] = {}
+        self.by_priority: dict = {}  # priority (own device) or (ordinal, priority) -> streams
+        self.events: list = []  # the own device's events
+        self.device_events: dict[int, list] = {}  # the other devices' events, by ordinal
         self.sides: list = []  # side streams by depth - 1: never handed out for a plan
-        self.events: list = []
 
-    def take_streams(self, plan) -> dict:
-        """Plan stream name -> pooled stream: the k-th stream of a priority in the plan gets
-        the pool's k-th stream of that priority (created when the pool has fewer)."""
-        used: dict[int, int] = {}
+    def take_streams(self, plan, device_of=None) -> dict:
+        """Plan stream name -> pooled stream: the k-th stream of a priority (per device) in
+        the plan gets the pool's k-th stream of that priority on that device (created when
+        the pool has fewer). ``device_of``: plan stream name -> `Device` (default: every
+        stream on the pool's own device)."""
+        used: dict = {}
         out = {}
+        own = self.device.ordinal
         for spec in plan.streams:
-            k = used.get(spec.priority, 0)
-            used[spec.priority] = k + 1
-            pool = self.by_priority.setdefault(spec.priority, [])
+            dev = self.device if device_of is None else device_of[spec.name]
+            key = spec.priority if dev.ordinal == own else (dev.ordinal, spec.priority)
+            k = used.get(key, 0)
+            used[key] = k + 1
+            pool = self.by_priority.setdefault(key, [])
             while len(pool) <= k:
-                s = self.api.stream(self.device, spec.priority)
+                s = self.api.stream(dev, spec.priority)
                 pool.append(s)
                 self.streams.append(s)
             out[spec.name] = pool[k]
@@ -54,11 +62,17 @@ class StreamPool:
             self.streams.append(s)
         return self.sides[depth - 1]
 
-    def event(self, slot: int):
-        """The sync-only event of ``slot`` (created, with every slot below it, when missing)."""
-        while len(self.events) <= slot:
-            self.events.append(self.api.event(self.device))
-        return self.events[slot]
+    def event(self, slot: int, device=None):
+        """The sync-only event of ``slot`` on ``device`` (default: the pool's own; created,
+        with every slot below it, when missing). An event is recorded on a stream of its own
+        device; any device's stream may wait for it."""
+        if device is None or device.ordinal == self.device.ordinal:
+            events, device = self.events, self.device
+        else:
+            events = self.device_events.setdefault(device.ordinal, [])
+        while len(events) <= slot:
+            events.append(self.api.event(device))
+        return events[slot]
 
     def drop(self, stream) -> None:
         """Never hand ``stream`` out again (the driver still reports it capturing after a
@@ -83,12 +97,16 @@ class StreamPool:
         """Close every event, then every stream, and forget them (after `synchronize`)."""
         for e in self.events:
             e.close()
+        for events in self.device_events.values():
+            for e in events:
+                e.close()
         for s in self.streams:
             s.close()
         self.streams.clear()
         self.by_priority.clear()
         self.sides.clear()
         self.events.clear()
+        self.device_events.clear()
 
 
 class PlanCache:

@@ -18,6 +18,15 @@ the GPU; `ChildGraph` runs a task graph as one node (docs/graphs.md).
 from orchestra.graph.batch import Batch, add_batch, build_pipeline, elementwise_args
 from orchestra.graph.builder import GraphBuilder, Lifetime
 from orchestra.graph.buffers import Access, Buffer, BufferRange, Condition, HostBuffer, Mode
+from orchestra.graph.collectives import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Collective,
+    ReduceScatter,
+    Recv,
+    Send,
+)
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import (
     Alloc,
@@ -34,6 +43,7 @@ from orchestra.graph.nodes import (
     Memset,
     Node,
     Out,
+    PeerCopy,
     Switch,
     While,
 )
@@ -43,9 +53,10 @@ from orchestra.graph.taskgraph import TaskGraph
 Kernel = KernelNode  # the short name for the node kind
 
 __all__ = [
-    "Access", "Alloc", "Batch", "Buffer", "BufferRange", "ChildGraph", "Condition",
-    "Conditional", "DeviceToHost", "Free", "GraphBuilder", "HostBuffer", "HostFunc",
-    "HostToDevice", "If", "In", "InOut", "Kernel", "KernelNode", "KernelRef", "Lifetime",
-    "Memset", "Mode", "Node", "Out", "RangeTracker", "Switch", "TaskGraph", "While",
+    "Access", "AllGather", "AllReduce", "Alloc", "Batch", "Broadcast", "Buffer", "BufferRange",
+    "ChildGraph", "Collective", "Condition", "Conditional", "DeviceToHost", "Free",
+    "GraphBuilder", "HostBuffer", "HostFunc", "HostToDevice", "If", "In", "InOut", "Kernel",
+    "KernelNode", "KernelRef", "Lifetime", "Memset", "Mode", "Node", "Out", "PeerCopy",
+    "RangeTracker", "Recv", "ReduceScatter", "Send", "Switch", "TaskGraph", "While",
     "add_batch", "build_pipeline", "elementwise_args",
 ]

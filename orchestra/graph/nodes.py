@@ -85,7 +85,10 @@ class Node:
                 f"node {self.name} runs on device {self.device} but touches buffers on device(s) "
                 f"{sorted(devices - {self.device})}: use a peer copy to move data between devices")
 
+    #: every device buffer it touches is on ``device`` (a peer copy touches two devices)
     checks_device: ClassVar[bool] = True
+    #: it runs on a stream of ``device`` (False: a host function, which any stream may run)
+    device_bound: ClassVar[bool] = True
 
     def _check(self) -> None:
         """The kind's own field checks (called before ``accesses()`` is first used)."""
@@ -199,6 +202,59 @@ class DeviceToHost(_HostCopy):
     engine: ClassVar[str] = "download"
     kind: ClassVar[str] = "d2h"
     src_is_host: ClassVar[bool] = False
+
+
+@attrs.frozen
+class PeerCopy(Node):
+    """Copy ``src`` (a device range) to ``dst`` (a device range on another GPU, or on the same
+    one): ``cuMemcpyPeerAsync``, a memcpy node in built graphs.
+
+    ``device`` is the GPU whose stream runs the copy: ``src``'s device by default (a push),
+    or ``dst``'s (a pull); any other is refused. The executors enable peer access for the pair
+    once (``cuCtxEnablePeerAccess`` and the memory pools' access) and refuse a pair whose
+    devices cannot reach each other, naming it. Both ranges on one device make a plain
+    device-to-device copy (``cuMemcpyDtoDAsync``), so code written for several GPUs runs on
+    one. Sizes must match.
+    """
+
+    src: BufferRange = attrs.field(converter=to_range)
+    dst: BufferRange = attrs.field(converter=to_range)
+    engine: ClassVar[str] = "peer"
+    kind: ClassVar[str] = "peer_copy"
+    checks_device: ClassVar[bool] = False
+
+    def _check(self):
+        self._check_range("src", device=True)
+        self._check_range("dst", device=True)
+        src, dst = self.src, self.dst
+        if src.nbytes != dst.nbytes:
+            raise NodeFieldValueError(f"{self._record}: src {src} has {src.nbytes} bytes but dst"
+                                      f" {dst} has {dst.nbytes}; sizes must match")
+        if src.overlaps(dst):
+            raise NodeFieldValueError(f"{self._record}: src {src} and dst {dst} overlap; a copy"
+                                      " needs disjoint ranges")
+        ends = (src.buffer.device, dst.buffer.device)
+        if self.device is None:
+            object.__setattr__(self, "device", ends[0])
+        elif self.device not in ends:
+            raise NodeFieldValueError(
+                f"{self._record}: device {self.device} is neither the source's device "
+                f"({ends[0]}) nor the destination's ({ends[1]}); a peer copy runs on a stream "
+                "of one of its two devices")
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+    @property
+    def peer(self) -> int:
+        """The other device of the copy (``device`` itself for a copy within one device)."""
+        a, b = self.src.buffer.device, self.dst.buffer.device
+        other = b if self.device == a else a
+        return int(other) if other is not None else int(self.device or 0)
+
+    def accesses(self):
+        return (Access(self.src, Mode.READ), Access(self.dst, Mode.WRITE))
 
 
 @attrs.frozen
@@ -391,6 +447,7 @@ class HostFunc(Node):
     engine: ClassVar[str] = "host"
     kind: ClassVar[str] = "host"
     checks_device: ClassVar[bool] = False
+    device_bound: ClassVar[bool] = False
 
     def _check(self):
         if not callable(self.fn):

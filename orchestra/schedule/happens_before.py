@@ -40,6 +40,7 @@ class PlanOrder:
         self._seen: dict[str, tuple[int, ...]] = {}  # node -> its stream's clock when it ran
         self._record_after: dict[str, tuple[str, str | None]] = {}  # event -> (stream, node)
         self.runs: dict[str, int] = {}
+        self.device_of = {s.name: s.device for s in plan.streams}  # stream -> its device
         self._build(plan, names)
 
     def _build(self, plan, names):
@@ -169,6 +170,11 @@ class PlanOrder:
                     f"reorder so {a} runs first")
         if sa == sb:  # cannot happen for one stream, kept for completeness
             return f"and {a} does not precede {b} on stream {sa}"
+        da, db = self.device_of[sa], self.device_of[sb]
+        if da != db:
+            return (f"and no event orders {a} before {b} across devices: add a cross-device "
+                    f"event, recorded on {sa} (device {da}) after {a} and waited for on {sb} "
+                    f"(device {db}) before {b}")
         return (f"and no event orders {a} before {b}: record an event on {sa} after {a} "
                 f"and wait for it on {sb} before {b}")
 

@@ -29,17 +29,25 @@ FORMAT = "orchestra.plan/1"
 
 @attrs.frozen
 class StreamSpec:
-    """A non-blocking stream: ``name``, ``priority`` (CUDA: lower number = higher priority) and
-    ``role`` (which engine it mostly feeds: upload, compute, download, general)."""
+    """A non-blocking stream: ``name``, ``priority`` (CUDA: lower number = higher priority),
+    ``role`` (which engine it mostly feeds: upload, compute, download, general) and ``device``
+    (the ordinal of the GPU the stream belongs to; its events are recorded there)."""
 
     name: str
     priority: int = 0
     role: str = attrs.field(default="general")
+    device: int = attrs.field(default=0, kw_only=True)
 
     @role.validator
     def _role(self, attribute, value):
         if value not in ROLES:
             raise PlanError(f"stream {self.name}: role must be one of {ROLES}; got {value!r}")
+
+    @device.validator
+    def _device(self, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"stream {self.name}: device must be a device ordinal (an int >= 0);"
+                            f" got {value!r}")
 
 
 @attrs.frozen
@@ -138,6 +146,15 @@ class Plan:
     def stream_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.streams)
 
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The device ordinals the plan's streams belong to, ascending."""
+        return tuple(sorted({s.device for s in self.streams}))
+
+    def device_of(self, stream: str) -> int:
+        """The device of stream ``stream`` (`NotFoundError` if the plan has no such stream)."""
+        return self.stream(stream).device
+
     def stream(self, name: str) -> StreamSpec:
         for s in self.streams:
             if s.name == name:
@@ -232,8 +249,10 @@ class Plan:
         for k, v in sorted(self.meta.items()):
             lines.append(f"  {k}: {v}")
         add = lines.append
+        several = len(self.devices) > 1
         for s in self.streams:
-            add(f"stream {s.name} (role {s.role}, priority {s.priority}):")
+            on = f", device {s.device}" if several else ""
+            add(f"stream {s.name} (role {s.role}, priority {s.priority}{on}):")
             for st in self.steps[s.name]:
                 t = type(st)  # the tag column is padded to 6: "run   ", "record", "wait  "
                 if t is RunNode:
@@ -247,10 +266,14 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """The plan as plain data (what `to_json` writes). A stream's ``device`` is written
+        only when it is not 0, so a one-device plan on device 0 reads as before devices
+        existed."""
         return {
             "format": FORMAT,
             "policy": self.policy,
             "streams": [{"name": s.name, "priority": s.priority, "role": s.role,
+                         **({"device": s.device} if s.device else {}),
                          "steps": [[_TAGS[type(st)], _field(st)] for st in self.steps[s.name]]}
                         for s in self.streams],
             "order": list(self.order),
@@ -285,8 +308,12 @@ class Plan:
                 raise PlanFormatError(f"plan JSON: {where}.priority must be an int, got "
                                       f"{_got(priority)}", f"{where}.priority")
             role = _str(sd.get("role", "general"), f"{where}.role")
+            device = sd.get("device", 0)
+            if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+                raise PlanFormatError(f"plan JSON: {where}.device must be a device ordinal (an int"
+                                      f" >= 0), got {_got(device)}", f"{where}.device")
             try:
-                streams.append(StreamSpec(name, priority, role))
+                streams.append(StreamSpec(name, priority, role, device=device))
             except PlanError as exc:
                 raise PlanFormatError(f"plan JSON: {where}: {exc}", where) from None
             if name in steps:
@@ -391,11 +418,14 @@ class PlanBuilder:
         self._order: list[str] = []
         self._cur: str | None = None
 
-    def stream(self, name: str, priority: int | None = None, role: str | None = None) -> "PlanBuilder":
-        """Switch to stream ``name``, creating it (priority 0, role general unless given)."""
+    def stream(self, name: str, priority: int | None = None, role: str | None = None,
+               device: int | None = None) -> "PlanBuilder":
+        """Switch to stream ``name``, creating it (priority 0, role general, device 0 unless
+        given)."""
         old = self._streams.get(name)
         spec = StreamSpec(name, priority if priority is not None else (old.priority if old else 0),
-                          role if role is not None else (old.role if old else "general"))
+                          role if role is not None else (old.role if old else "general"),
+                          device=device if device is not None else (old.device if old else 0))
         self._streams[name] = spec
         self._steps.setdefault(name, [])
         self._cur = name

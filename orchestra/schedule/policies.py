@@ -15,6 +15,7 @@ from orchestra.errors import GraphError, ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
+from orchestra.schedule.devices import place_by_device
 from orchestra.schedule.events import insert_events
 from orchestra.schedule.plan import Plan, StreamSpec
 
@@ -48,6 +49,11 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     others keep their names), so ``by-engine`` with 100 streams and 4 batches makes ``upload``,
     ``compute0``..``compute3`` and ``download``, and an executor creates those 6 streams only.
     A graph with no nodes keeps the policy's first stream.
+
+    Devices (`devices`): a graph on one device gets the streams above on that device; a graph
+    whose nodes run on several devices gets them per device (``d0.compute``, ``d1.compute``,
+    ...; ``streams`` is then per device), and each edge between devices becomes an event
+    recorded on one device's stream and waited on by the other's.
     """
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
@@ -62,6 +68,7 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
         specs, assign, order, meta = concurrent(graph, streams, costs, resident_blocks)
     else:
         raise ScheduleError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    specs, assign = place_by_device(graph, specs, assign, order)  # streams per device
     return insert_events(graph, assign, _used(specs, assign), order, policy, meta)
 
 

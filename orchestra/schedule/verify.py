@@ -8,7 +8,12 @@ It checks, against happens-before (`happens_before`):
   ordered after every use (FREE_RACE), double free, alloc while still allocated, never freed.
   A buffer with neither an Alloc nor a Free is external (bound at run time) and only race-checked;
 - ``after=`` edges; and plan structure: nodes missing, run twice, unknown; events recorded twice
-  or never; waits that can never be issued.
+  or never; waits that can never be issued; a node on a stream of another device than its own
+  (WRONG_DEVICE).
+Devices: streams belong to devices (`StreamSpec.device`), and happens-before is the same across
+them (an event recorded on one device's stream orders what waits for it on another's), so a
+race between nodes on two devices is found like any other; its message names the cross-device
+event to add.
 The plan ends with all streams synchronized, so D2H results are the caller's at the end; that needs
 no check. Races are found against a per-buffer frontier of byte ranges (`races`), lifetimes by one
 walk per buffer, so a correct plan costs about linear time in nodes x accesses.
@@ -62,8 +67,30 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
             findings.append(Finding(kind, buffer,
                                     (n, None), (order.stream_of[n], None),
                                     f"the plan runs {n} {order.runs[n]} times{what}: run each node once"))
+    findings += _devices(plan, graph, order)
     findings += _hazards(order, graph)
     return findings + body_findings(graph)
+
+
+def _devices(plan: Plan, graph: TaskGraph, order) -> list[Finding]:
+    """WRONG_DEVICE: a device-bound node on a stream of another device. A plan whose streams all
+    say device 0 for a graph on one device is device-agnostic (its executor runs its streams on
+    that device), so only plans over several devices, or naming one, are checked."""
+    devs = {n.device for n in graph.nodes if n.device_bound}
+    if set(plan.devices) == {0} and len(devs) <= 1:
+        return []
+    out = []
+    for node in graph.nodes:
+        s = order.stream_of.get(node.name)
+        if s is None or not node.device_bound:
+            continue
+        d = order.device_of[s]
+        if d != node.device:
+            out.append(Finding("WRONG_DEVICE", None, (node.name, None), (s, None),
+                               f"{node.name} runs on device {node.device}, but the plan puts it "
+                               f"on stream {s} of device {d}: run it on a stream of device "
+                               f"{node.device}"))
+    return out
 
 
 def verify_graph_edges(graph: TaskGraph, edges=None, *, programmatic=(),

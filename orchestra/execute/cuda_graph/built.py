@@ -74,6 +74,7 @@ class BuiltGraph:
         self.tracer: GraphTracer | None = None
         self.build_ms = 0.0
         self.meta: dict = {}
+        self.keep_alive: list = []  # what the graph's nodes use: communicators' leases
 
     def record(self, name: str, kind: str, gnode, params) -> NodeRecord:
         """A new `NodeRecord`, added in creation order."""

@@ -65,6 +65,7 @@ from orchestra.execute.cuda_graph.capture_plan import capture_steps, check_captu
 from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.cuda_graph.spec import check_findings, check_graph_memory
 from orchestra.execute.errors import ExecutorArgumentTypeError
+from orchestra.execute.lowering import lowering_for
 from orchestra.execute.lowering.bodies import begin_graph
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.prepare import assign_event_slots, check_run
@@ -170,7 +171,7 @@ class CaptureExecutor(GraphExecutorBase):
         dev = self.device
         dev.make_current()
         pool = self._stream_pool
-        sm = pool.take_streams(plan)
+        sm = pool.take_streams(plan, self.stream_devices(plan))
         slots, nslots = assign_event_slots(issue)
         events = [pool.event(i).handle for i in range(nslots)]
         fork_join = (pool.event(nslots), pool.event(nslots + 1))
@@ -218,11 +219,14 @@ class CaptureExecutor(GraphExecutorBase):
                         "cuStreamGetCaptureInfo",
                         int(_d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
                         context="the capture was invalidated")
-                if len(deps) != 1:
-                    raise OrchestraError(
-                        f"capture of node {node.name}: expected the stream's dependency set to "
-                        f"be the one node just captured, found {len(deps)} nodes")
-                records[node.name].gnode = deps[0]
+                if lowering_for(node).captures_one_node:
+                    if len(deps) != 1:
+                        raise OrchestraError(
+                            f"capture of node {node.name}: expected the stream's dependency "
+                            f"set to be the one node just captured, found {len(deps)} nodes")
+                    records[node.name].gnode = deps[0]
+                # else: a library call (NCCL) that captured any number of nodes (none for a
+                # one-rank all-reduce in place); replays never rewrite them: no node recorded
                 if tracer is not None:
                     tracer.after(sname, node)
                 if hook is not None:

@@ -69,10 +69,10 @@ class KernelLowering(Lowering):
     def resolve(self, node, executor):
         """`KernelArgs`: fresh packed arguments per resolution, never shared between execs
         or prepared plans (one exec's scalar replays cannot change another's)."""
-        kernel = executor.kernels.resolve(node.kernel, node.name)
+        resolver = executor.kernel_resolver(node.device)
+        kernel = resolver.resolve(node.kernel, node.name)
         ka = resolve_kernel_node(node, kernel)
-        if ka.config.pdl and not executor.kernels.waits_on_grid_dependency(node.kernel,
-                                                                           node.name):
+        if ka.config.pdl and not resolver.waits_on_grid_dependency(node.kernel, node.name):
             exc = PdlWithoutWaitError(node.kernel.name)
             exc.add_note(f"kernel node {node.name} has the pdl attribute (programmatic "
                          "dependent launch; in a built graph, programmatic edges)")

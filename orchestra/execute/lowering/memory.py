@@ -39,7 +39,8 @@ class AllocLowering(Lowering):
         sh = stream.handle
         slot = a.allocate(node, sh)
         alloc = ctx.api.cuMemAllocFromPoolAsync
-        nbytes, pool, ptrs, objs = node.buffer.nbytes, ctx.pool, a.ptrs, a.objs
+        nbytes, ptrs, objs = node.buffer.nbytes, a.ptrs, a.objs
+        pool = ctx.pool_for(node.buffer.device)
         if not ctx.capture:
             def step():
                 err, dptr = alloc(nbytes, pool, sh)

@@ -104,21 +104,26 @@ class StreamContext:
     returned), ``pool`` (the ``CUmemoryPool`` handle allocations come from), ``device`` (the
     `Device`), ``tokens`` (host-function tokens added for this program), ``allocations``
     (capture: Alloc node name -> address, filled when the step runs), ``built`` (capture: the
-    `BuiltGraph` being captured; else None), ``handles`` (condition name -> its conditional
-    handle as an int, filled when the graph that holds it exists: capture; empty eagerly, so
-    kernels get handle 0), ``container`` (the node whose body is being lowered, None at the
-    top), ``depth`` (how many bodies deep), ``side_streams`` (capture: depth -> the pooled
-    stream bodies at that depth are captured from; None eagerly). `sub` makes the context of a
-    body (`orchestra.execute.lowering.bodies`).
+    `BuiltGraph` being captured; else None), ``pools`` (device ordinal -> its pool handle;
+    `pool_for`), ``stream_devices`` (plan stream name -> `Device`, for plans over several
+    devices; None for one), ``handles`` (condition name -> its conditional handle as an int,
+    filled when the graph that holds it exists: capture; empty eagerly, so kernels get handle
+    0), ``container`` (the node whose body is being lowered, None at the top), ``depth`` (how
+    many bodies deep), ``side_streams`` (capture: depth -> the pooled stream bodies at that
+    depth are captured from; None eagerly). `sub` makes the context of a body
+    (`orchestra.execute.lowering.bodies`).
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
-                 device, *, callbacks=None, built=None, bindings=None, side_streams=None):
+                 device, *, callbacks=None, built=None, bindings=None, pools=None,
+                 stream_devices=None, side_streams=None):
         self.api = api
         self.executor_name = executor_name
         self.addresses = addresses
         self.resolved = resolved
         self.pool = pool
+        self.pools = pools if pools is not None else {device.ordinal: pool}
+        self.stream_devices = stream_devices
         self.device = device
         self.built = built
         self.capture = built is not None
@@ -130,6 +135,10 @@ class StreamContext:
         self.depth = 0
         self.side_streams = side_streams
         self._callbacks = [callbacks]  # one cell the contexts of bodies share (`sub`)
+
+    def pool_for(self, ordinal: int):
+        """The memory pool handle allocations on device ``ordinal`` come from."""
+        return self.pools.get(ordinal, self.pool)
 
     @property
     def callbacks(self):
@@ -204,8 +213,21 @@ def lower_plan(issue, graph, ctx: StreamContext, streams: dict, events: list,
     out."""
     program = StreamProgram()
     record, wait = ctx.api.cuEventRecord, ctx.api.cuStreamWaitEvent
+    sdev = ctx.stream_devices
+    if sdev is not None and len({d.ordinal for d in sdev.values()}) < 2:
+        sdev = None  # one device: its context is made current once per run
+    current = None
     for i, (sname, step) in enumerate(issue):
         stream = streams[sname]
+        if sdev is not None and sdev[sname] is not current:
+            # several devices: the driver calls that read the current context (launches of a
+            # device's function, its allocations) run with their stream's device current
+            current = sdev[sname]
+            program.steps.append(current.make_current)
+            program.streams.append(stream)
+            program.nodes.append(None)
+            program.sites.append((sname, None))
+            program.labels.append(f"make device {current.ordinal} current")
         if isinstance(step, RunNode):
             node = graph.node(step.node)
             entry = lowering_for(node)

@@ -22,6 +22,8 @@ through it (`lowering_for`); no executor names a node kind. An entry says:
 - ``replay_params``: the parameter struct a replay rewrites (``CUDA_MEMCPY3D`` for copies,
   ``CUDA_KERNEL_NODE_PARAMS`` for kernels), with the entry registering every field a binding
   writes (``ctx.use``);
+- ``captures_one_node``: whether capturing the stream step adds exactly one graph node (False
+  for NCCL calls, which may add several; replays never rewrite those);
 - ``engine``: the node class's engine (upload, download, compute, memory, host), which the
   scheduler places nodes by and the trace colours them by; ``on_device``: whether the node
   runs on the executor's device (a host function does not).
@@ -60,6 +62,9 @@ class Lowering:
     driver_node_type: ClassVar[str | None] = None
     replay_params: ClassVar[str | None] = None
     on_device: ClassVar[bool] = True
+    #: a capture of the node's stream step adds exactly one graph node (the capture executor
+    #: records it for replays); False for library calls that may add several (NCCL)
+    captures_one_node: ClassVar[bool] = True
 
     @property
     def kind(self) -> str:
