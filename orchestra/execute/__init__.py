@@ -40,6 +40,8 @@ from orchestra.execute.hostfunc import HostCallbacks
 from orchestra.execute.kernel_args import KernelArgs, PointerArg, resolve_kernel_node
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import Lowering, NoLoweringError, lowering_for
+from orchestra.execute.lowering.conditional import EagerConditionError
+from orchestra.execute.lowering.restrictions import BodyRestrictionError
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.result import RunResult
 from orchestra.execute.staging import StagingPool
@@ -79,8 +81,9 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True, driv
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
-    "ClosedBindingError", "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BodyRestrictionError",
+    "BucketOverflowError", "ClosedBindingError", "DeviceBinding", "EXECUTORS", "EagerConditionError",
+    "EagerExecutor", "ExecutorArgumentError",
     "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
     "HostBinding", "HostCallbacks", "HostFunctionError", "KernelArgs", "KernelResolver",
     "Lowering", "NoLoweringError", "PageableMemoryError", "PinnedCheck", "PlanMismatchError",

@@ -29,6 +29,7 @@ from orchestra.execute.lowering import lowering_for
 from orchestra.execute.lowering.collective import check_ranks
 from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
+from orchestra.graph.bodies import walk
 from orchestra.schedule import Plan
 
 
@@ -167,7 +168,7 @@ class ExecutorBase(Closable):
         """Every device-bound node on one of the executor's devices, and (with a plan) on a
         stream of its own device."""
         ordinals = {d.ordinal for d in self.devices}
-        for node in graph.nodes:
+        for node, _ in walk(graph):  # the nodes of bodies too
             if lowering_for(node).on_device and node.device not in ordinals:
                 where = (f"device {self.device.ordinal}" if len(ordinals) == 1
                          else f"devices {sorted(ordinals)}")
@@ -190,10 +191,11 @@ class ExecutorBase(Closable):
                     f"{node.device}")
 
     def _resolve(self, graph: TaskGraph) -> dict:
-        """Node name -> its lowering's `resolve` result, for the nodes that have one (kernels:
-        fresh packed arguments, never shared between prepared plans or execs)."""
+        """Node name -> its lowering's `resolve` result, for the nodes (of the graph and of
+        every body in it) that have one (kernels: fresh packed arguments, never shared between
+        prepared plans or execs)."""
         out = {}
-        for node in graph.nodes:
+        for node, _ in walk(graph):
             r = lowering_for(node).resolve(node, self)
             if r is not None:
                 out[node.name] = r

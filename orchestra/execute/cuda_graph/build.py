@@ -15,10 +15,17 @@ driver call, made by the node's entry in the lowering table (`Lowering.graph`):
 
     mem_alloc  cuGraphAddMemAllocNode   (the driver returns the address in params.dptr)
     memcpy     cuGraphAddMemcpyNode     (CUDA_MEMCPY3D, 1-D, host side pinned)
-    kernel     cuGraphAddKernelNode     (+ cuGraphKernelNodeSetAttribute per launch attribute)
+    kernel     cuGraphAddKernelNode     (+ cuGraphKernelNodeSetAttribute per launch attribute;
+                                         a node with the pdl attribute: its kernel
+                                         dependencies added after it with programmatic edge
+                                         data, cuGraphAddDependencies)
     memset     cuGraphAddMemsetNode
     host       cuGraphAddHostNode       (the executor's C trampoline, one token per function)
     mem_free   cuGraphAddMemFreeNode
+
+A node with bodies adds its own node and builds its bodies into the body graphs node by node
+the same way (`lowering.bodies.build_body`); before the first node, each node's entry makes what
+it needs on the graph (``begin_graph``: conditional handles).
 
 With ``trace=True`` every node sits between two event-record nodes
 (``cuGraphAddEventRecordNode``, `GraphTracer.pair`), and successors depend on the second one.
@@ -27,6 +34,8 @@ With ``trace=True`` every node sits between two event-record nodes
 from __future__ import annotations
 
 import time
+
+from cuda.bindings import driver as _d
 
 from orchestra.driver import cu
 from orchestra.errors import CudaError
@@ -41,24 +50,39 @@ from orchestra.execute.cuda_graph.spec import (
     translate,
 )
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.bodies import begin_graph
 from orchestra.execute.lowering.graph import GraphContext
 from orchestra.graph import TaskGraph
 from orchestra.schedule import verify_graph_edges
 
 
 def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True,
-                  plan=None, edges: str = "dag") -> tuple[GraphSpec, list]:
+                  plan=None, edges: str = "dag", waits=None) -> tuple[GraphSpec, list]:
     """The pre-CUDA checks of a graph build, in order: ``graph.validate()`` (`GraphError`),
     the graph-memory policy (`GraphMemoryError` unless ``auto_free``), the translation
     (`spec.translate` with ``edges`` and ``plan``), the hazard verifier on the edges the
-    CUDA graph gets (`HazardError`; allocations left unfreed on purpose are not findings with
-    ``auto_free``). Returns ``(spec, unfreed allocations)``."""
+    CUDA graph gets, its programmatic edges ordering only consumers that ``waits(name)``
+    (`HazardError`; allocations left unfreed on purpose are not findings with ``auto_free``).
+    Returns ``(spec, unfreed allocations)``."""
     graph.validate()
     unfreed = check_graph_memory(graph, auto_free=auto_free)
     spec = translate(graph, plan=plan, edges=edges)
     if verify:
-        check_findings(verify_graph_edges(graph, spec.edges), auto_free=auto_free)
+        check_findings(verify_graph_edges(graph, spec.edges, programmatic=spec.programmatic_edges,
+                                          waits=waits), auto_free=auto_free)
     return spec, unfreed
+
+
+def programmatic_edge():
+    """The ``CUgraphEdgeData`` of a programmatic edge: the consumer may launch once the
+    producer triggers (or its blocks exit) and waits for its completion in
+    ``griddepcontrol.wait`` (type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, from port
+    CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, to port 0)."""
+    e = _d.CUgraphEdgeData()
+    e.type = _d.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    e.from_port = _d.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    e.to_port = 0
+    return e
 
 
 class GraphBuildExecutor(GraphExecutorBase):
@@ -69,9 +93,14 @@ class GraphBuildExecutor(GraphExecutorBase):
     executor_name = "graph-build"
 
     def _plan_checks(self, graph, plan, *, auto_free: bool, edges: str):
-        """`prepare_build`: ``(spec, unfreed)``."""
+        """`prepare_build`: ``(spec, unfreed)``; a programmatic edge's consumer waits when its
+        kernel executes griddepcontrol.wait (`KernelResolver.waits_on_grid_dependency`)."""
+        def waits(name: str) -> bool:
+            node = graph.node(name)
+            return self.kernels.waits_on_grid_dependency(node.kernel, name)
+
         return prepare_build(graph, auto_free=auto_free, verify=self.verify, plan=plan,
-                             edges=edges)
+                             edges=edges, waits=waits)
 
     def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
                      streams: int, costs, auto_free: bool, edges: str = "plan") -> BuiltGraph:
@@ -111,16 +140,25 @@ class GraphBuildExecutor(GraphExecutorBase):
                              meta={"nodes": len(graph)})
                 built.tracer = tracer
             ctx = GraphContext(api, g, dev, resolved, built, table)
+            begin_graph(graph.nodes, ctx, g)  # e.g. conditional handles, before their setters
             tail: dict[str, object] = {}  # node -> the CUgraphNode its successors depend on
+            edge = programmatic_edge()
             for sn in spec.nodes:
                 node = graph.node(sn.name)
-                deps = [tail[d] for d in sn.deps]
+                # programmatic edges come after the node (edge data); traced builds put event
+                # nodes between kernels, so their edges are all full ones
+                prog = [tail[d] for d in sn.programmatic] if tracer is None else []
+                deps = [tail[d] for d in sn.deps if tracer is not None
+                        or d not in sn.programmatic]
                 try:
                     if tracer is not None:
                         start, end = tracer.pair(plan.stream_of(sn.name), node)
                         deps = [cu(api.cuGraphAddEventRecordNode, g, deps or None, len(deps),
                                    start.handle)]
                     rec = lowering_for(node).graph(node, ctx, deps)
+                    if prog:
+                        cu(api.cuGraphAddDependencies, g, prog, [rec.gnode] * len(prog),
+                           [edge] * len(prog), len(prog))
                     if tracer is not None:
                         tail[sn.name] = cu(api.cuGraphAddEventRecordNode, g, [rec.gnode], 1,
                                            end.handle)

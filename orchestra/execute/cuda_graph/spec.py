@@ -18,6 +18,13 @@ Each node's CUDA graph node kind comes from its entry in the lowering table
 (`orchestra.execute.lowering`, ``Lowering.graph_node``); the translation itself makes no driver
 call.
 
+Programmatic edges: a kernel node with the ``pdl`` launch attribute (a consumer that executes
+``griddepcontrol.wait``, which the kernel lowering checks) gets programmatic edges from its
+kernel dependencies (``SpecNode.programmatic``): the graph-build executor adds them with
+``CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`` edge data, so the consumer may launch while its
+producer runs and waits for it in its ``griddepcontrol.wait``. Every other dependency, and
+every dependency of a node without the attribute, is a full edge.
+
 The graph-memory policy lives here too, because it is a property of the task graph:
 every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the same graph, so a
 replayed graph never leaks its allocations; `check_graph_memory` refuses a graph that breaks
@@ -70,13 +77,15 @@ class GraphMemoryError(GraphError):
 class SpecNode:
     """One CUDA graph node to create: ``name`` (the orchestra node), ``kind`` (CUDA node kind,
     see `cuda_kind`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
-    depends on, in creation order), ``direction`` ("h2d" / "d2h" for memcpy nodes, else None)."""
+    depends on, in creation order), ``direction`` ("h2d" / "d2h" for memcpy nodes, else None),
+    ``programmatic`` (the deps whose edges are programmatic; see the module doc)."""
 
     name: str
     kind: str
     source_kind: str
     deps: tuple[str, ...]
     direction: str | None = None
+    programmatic: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -93,6 +102,11 @@ class GraphSpec:
     def edges(self) -> frozenset[tuple[str, str]]:
         """Every ``(dependency, node)`` edge."""
         return frozenset((d, n.name) for n in self.nodes for d in n.deps)
+
+    @property
+    def programmatic_edges(self) -> frozenset[tuple[str, str]]:
+        """The ``(producer, consumer)`` edges that are programmatic."""
+        return frozenset((d, n.name) for n in self.nodes for d in n.programmatic)
 
     def kinds(self) -> dict[str, str]:
         """node name -> CUDA node kind."""
@@ -113,7 +127,8 @@ class GraphSpec:
         order. Two specs with equal topology give topologically identical CUDA graphs (what
         ``cuGraphExecUpdate`` needs); node names do not enter it."""
         index = {n.name: i for i, n in enumerate(self.nodes)}
-        return tuple((n.kind, tuple(sorted(index[d] for d in n.deps))) for n in self.nodes)
+        return tuple((n.kind, tuple(sorted(index[d] for d in n.deps)),
+                      tuple(sorted(index[d] for d in n.programmatic))) for n in self.nodes)
 
 
 def cuda_kind(node) -> str:
@@ -176,6 +191,9 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     instead of the task graph's widest DAG (the driver runs wide DAGs on more internal streams
     and launches them at more host cost). The union is transitively reduced.
 
+    A kernel node with the ``pdl`` attribute gets programmatic edges from its kernel
+    dependencies (``SpecNode.programmatic``; the module doc).
+
     Raises `GraphError` for a cycle, an unknown ``after=`` name, a node kind without a CUDA
     graph node, or a plan whose stream order contradicts the edges; ``ValueError`` for an
     unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan;
@@ -206,12 +224,16 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
         preds[s].append(p)
     pos = {n: i for i, n in enumerate(order)}
     out = []
+    kinds: dict[str, str] = {}
     for name in order:
         node = graph.node(name)
-        kind = cuda_kind(node)
+        kind = kinds[name] = cuda_kind(node)
         direction = node.kind if kind == "memcpy" else None
-        out.append(SpecNode(name, kind, node.kind, tuple(sorted(preds[name], key=pos.__getitem__)),
-                            direction))
+        node_deps = tuple(sorted(preds[name], key=pos.__getitem__))
+        programmatic: tuple[str, ...] = ()
+        if kind == "kernel" and dict(getattr(node, "attributes", ())).get("pdl"):
+            programmatic = tuple(d for d in node_deps if kinds[d] == "kernel")
+        out.append(SpecNode(name, kind, node.kind, node_deps, direction, programmatic))
     return GraphSpec(tuple(out))
 
 
