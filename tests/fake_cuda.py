@@ -93,17 +93,36 @@ class FakePool:
     handle = "pool"
 
 
+class FakePinned:
+    """`DriverAPI.pinned_buffer`'s stand-in: host memory with ``.array``, ``.ptr``."""
+
+    def __init__(self, nbytes):
+        self.array = np.zeros(nbytes, np.uint8)
+        self.ptr = self.array.ctypes.data
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
 class FakeKernel:
     """A compiler `Kernel` look-alike for burn (or, named ``orchestra_copy`` with
     `COPY_PARAMS`, the copy kernel): real `ArgLayout` packing, limits checked against `LIMITS`;
-    launching runs the math in numpy on the fake device memory (or moves the bytes)."""
+    launching runs the math in numpy on the fake device memory (or moves the bytes).
 
-    def __init__(self, params=BURN_PARAMS, name="burn"):
+    ``behave(fake, args)``: another kernel's effect instead of burn, given the fake driver
+    (``fake.u32(ptr)`` / ``fake.i32(ptr)`` / ``fake.f32(ptr, n)``: numpy views of device
+    memory, ``fake.set_conditional(handle, value)``) and the packed struct; ``waits``: whether
+    its PTX executes griddepcontrol.wait (what programmatic edges are checked against)."""
+
+    def __init__(self, params=BURN_PARAMS, name="burn", behave=None, waits=True):
         self.name = name
         self.params = normalize_params(params)
         self.layout = ArgLayout(self.params, name)
         self.function = self
         self.launches = 0
+        self.behave = behave
+        self.waits = waits
 
     def pack(self, args):
         return self.layout.pack(args)
@@ -145,6 +164,9 @@ class FakeAPI:
 
     def default_pool(self, device=None):
         return FakePool()
+
+    def pinned_buffer(self, nbytes, device=None):
+        return FakePinned(nbytes)
 
     def check_stream(self, stream, what="this call"):
         return stream
@@ -195,6 +217,21 @@ class FakeCuda(FakeAPI):
     def _floats(self, ptr, n):
         self._check_range(ptr, 4 * n, "kernel access")
         return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
+
+    # what FakeKernel.behave functions read and write device memory with
+    def f32(self, ptr, n=1):
+        return self._floats(int(ptr), n)
+
+    def u32(self, ptr, n=1):
+        self._check_range(int(ptr), 4 * n, "kernel access")
+        return np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(int(ptr)))
+
+    def i32(self, ptr, n=1):
+        return self.u32(ptr, n).view(np.int32)
+
+    def set_conditional(self, handle, value):
+        raise AssertionError(f"an eager kernel set conditional handle {handle}: there is no "
+                             "graph (the eager executor passes handle 0)")
 
     # -- the driver calls ------------------------------------------------------------------
 
@@ -276,6 +313,9 @@ class FakeCuda(FakeAPI):
         func.launches += 1
         base = ctypes.c_void_p.from_address(params).value  # kernelParams[0] = &field 0
         s = func.layout.struct_type.from_address(base)
+        if func.behave is not None:
+            func.behave(self, s)
+            return (OK,)
         x, y, n, iters, sc, sh = (getattr(s, f) for f in func.layout.field_names)
         v = self._floats(x, n).copy()
         for _ in range(iters):

@@ -23,7 +23,19 @@ What it models, because the executors rely on it:
   ``cuStreamQuery`` during a capture returns ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` and
   invalidates the sequence, ``cuStreamEndCapture`` returns ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED``
   when a stream's work is not reachable from the origin, and every stream of the sequence leaves
-  capture mode whatever the outcome.
+  capture mode whatever the outcome; ``cuStreamBeginCaptureToGraph`` captures into an existing
+  graph (a body), ``cuStreamUpdateCaptureDependencies`` sets a stream's dependency set;
+- control flow: ``cuGraphConditionalHandleCreate`` (a handle per graph, its default and
+  ASSIGN_DEFAULT flag), conditional nodes through ``cuGraphAddNode`` (the driver makes the body
+  graphs and writes them into ``phGraph_out``), child graph nodes (``cuGraphAddChildGraphNode``
+  clones, ``cuGraphChildGraphNodeGetGraph`` gives the embedded graph), empty nodes; a launch
+  resets every handle with a default, marks the others undefined (0xBAD), and runs IF / ELSE,
+  WHILE and SWITCH on the value a kernel set (``FakeKernel.behave`` calls
+  ``set_conditional``); body nodes run with the parameters they were added with;
+- programmatic edges: edge data per dependency (``cuGraphAddDependencies``, captured PDL
+  launches), ``cuGraphGetEdges``; ``cuGraphNodeSetEnabled`` on kernel, memcpy and memset nodes
+  of an exec (``CUDA_ERROR_INVALID_VALUE`` for the others, as the driver answers for child graph
+  nodes), disabled nodes skipped by launches.
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ class FakeDevice(fake_cuda.FakeDevice):
     """The eager fake's device, plus what graph code reads: a handle, a context, pushed()."""
 
     handle = 0
-    context = "fake-ctx"
+    context = driver.CUcontext(0xC0)  # a real handle type: node param structs insist
 
     @contextlib.contextmanager
     def pushed(self):
@@ -77,13 +89,20 @@ class FakeGraphKernel(FakeKernel):
         FakeGraphKernel.registry[h] = self
 
 
+PROGRAMMATIC = int(driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+PORT_PROGRAMMATIC = int(driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
+UNDEFINED = 0xBAD  # a handle without a default, before a kernel sets it
+
+
 class GNode:
-    def __init__(self, graph, kind, deps, params):
+    def __init__(self, graph, kind, deps, params, edges=None):
         self.id = _handle()
         self.graph = graph
         self.kind = kind
         self.deps = [int(d) for d in deps]
         self.params = params
+        # per dependency: (type, from_port) of its edge data (0, 0: a full edge)
+        self.edges = list(edges) if edges is not None else [(0, 0)] * len(self.deps)
 
     def index_deps(self):
         pos = {n.id: i for i, n in enumerate(self.graph.nodes)}
@@ -96,18 +115,34 @@ class FGraph:
         self.nodes: list[GNode] = []
         self.instantiated = 0
         self.destroyed = False
+        self.handles: dict[int, tuple[int, int]] = {}  # handle -> (default, flags)
+        self.owned = False  # a body / embedded child graph: its node owns it
 
-    def add(self, kind, deps, params):
+    def add(self, kind, deps, params, edges=None):
         ids = {n.id for n in self.nodes}
         for d in deps:
             assert int(d) in ids, f"dependency {d} is not a node of this graph"
         assert len(set(map(int, deps))) == len(deps), "duplicate dependencies"
-        n = GNode(self, kind, deps, params)
+        n = GNode(self, kind, deps, params, edges)
         self.nodes.append(n)
         return n
 
+    def node(self, h):
+        for n in self.nodes:
+            if int(n.id) == int(h):
+                return n
+        raise KeyError(h)
+
     def has_memory_nodes(self):
         return any(n.kind in ("alloc", "free") for n in self.nodes)
+
+    def tree(self):
+        """This graph and every body / child graph inside it."""
+        out = [self]
+        for n in self.nodes:
+            for g in n.params.get("bodies", ()) if isinstance(n.params, dict) else ():
+                out += g.tree()
+        return out
 
 
 class FExec:
@@ -121,12 +156,14 @@ class FExec:
         self.slots = [dict(n.params) for n in graph.nodes]
         self.live: set[int] = set()
         self.launches = 0
+        self.disabled: set[int] = set()  # indices of disabled nodes
 
 
 class Seq:
-    def __init__(self, origin, mode):
+    def __init__(self, origin, mode, graph=None):
         self.id = next(_ids)
-        self.graph = FGraph()
+        self.graph = FGraph() if graph is None else graph
+        self.into = graph is not None  # cuStreamBeginCaptureToGraph
         self.origin = origin
         self.mode = mode
         self.status = CS.CU_STREAM_CAPTURE_STATUS_ACTIVE
@@ -153,6 +190,10 @@ class FakeGraphDriver(FakeAPI):
         self.attributes: list = []
         self.dot_files: list = []
         self.copy_kernels: list = []  # (dst, src, n, system_fence) of every copy kernel run
+        self.cond: dict[int, int] = {}  # conditional handle -> its value during a launch
+        self.handle_graph: dict[int, FGraph] = {}  # handle -> the graph it was created on
+        self.iterations: Counter = Counter()  # conditional node id -> body runs (WHILE)
+        self._keep: list = []  # phGraph_out arrays the "driver" owns
 
     def stream(self, device=None, priority=0):
         return FakeStream(device, priority, fake=self)
@@ -186,7 +227,7 @@ class FakeGraphDriver(FakeAPI):
 
     @property
     def live_graphs(self):
-        return [g for g in self.graphs.values() if not g.destroyed]
+        return [g for g in self.graphs.values() if not g.destroyed and not g.owned]
 
     def _bytes(self, ptr, nbytes, what):
         for table in (self.mem, self.vas):
@@ -198,6 +239,20 @@ class FakeGraphDriver(FakeAPI):
     def _is_device(self, ptr, nbytes) -> bool:
         return any(base <= ptr and ptr + nbytes <= base + arr.nbytes
                    for table in (self.mem, self.vas) for base, arr in table.items())
+
+    # what FakeKernel.behave functions read and write device memory with
+    def f32(self, ptr, n=1):
+        return self._bytes(int(ptr), 4 * n, "kernel access").view(np.float32)
+
+    def u32(self, ptr, n=1):
+        return self._bytes(int(ptr), 4 * n, "kernel access").view(np.uint32)
+
+    def i32(self, ptr, n=1):
+        return self.u32(ptr, n).view(np.int32)
+
+    def set_conditional(self, handle, value):
+        assert int(handle) in self.cond, f"handle {handle} is not a handle of the launched graph"
+        self.cond[int(handle)] = int(value) & 0xFFFFFFFF
 
     def _new_memory(self, nbytes, table):
         arr = np.empty(nbytes + 256, np.uint8)
@@ -243,6 +298,9 @@ class FakeGraphDriver(FakeAPI):
             k = p["kernel"]
             k.launches += 1
             s = k.layout.struct_type.from_buffer_copy(p["args"])
+            if k.behave is not None:
+                k.behave(self, s)
+                return OK
             x, y, n, iters, sc, sh = (getattr(s, f) for f in k.layout.field_names)
             v = self._bytes(x, 4 * n, "kernel input").view(np.float32).copy()
             for _ in range(iters):
@@ -254,6 +312,10 @@ class FakeGraphDriver(FakeAPI):
             self._bytes(p["dst"], p["count"] * es, "memset").view(dt)[:] = p["value"]
         elif kind == "host":
             _HOSTFN(p["fn"])(p["user"])
+        elif kind == "conditional":
+            return self._run_conditional(p, flags, live)
+        elif kind == "graph":
+            return self._run_nodes(p["graph"].nodes, None, flags, live)
         elif kind == "alloc":
             if live is not None:
                 if p["dptr"] in live:
@@ -262,6 +324,35 @@ class FakeGraphDriver(FakeAPI):
         elif kind == "free":
             if live is not None:
                 live.discard(p["dptr"])
+        return OK
+
+    def _run_nodes(self, nodes, slots=None, flags=0, live=None, disabled=()):
+        for i, n in enumerate(nodes):
+            if n.kind in ("event", "empty") or i in disabled:
+                continue
+            err = self._run(n.kind, slots[i] if slots is not None else n.params, flags, live)
+            if err:
+                return err
+        return OK
+
+    def _run_conditional(self, p, flags, live):
+        h, typ, bodies = p["handle"], p["type"], p["bodies"]
+        T = driver.CUgraphConditionalNodeType
+        value = self.cond[h]
+        if typ == int(T.CU_GRAPH_COND_TYPE_IF):
+            chosen = bodies[0] if value else (bodies[1] if len(bodies) > 1 else None)
+            return self._run_nodes(chosen.nodes, None, flags, live) if chosen else OK
+        if typ == int(T.CU_GRAPH_COND_TYPE_SWITCH):
+            return self._run_nodes(bodies[value].nodes, None, flags, live) \
+                if value < len(bodies) else OK
+        runs = 0
+        while self.cond[h]:
+            runs += 1
+            assert runs < 100000, "a WHILE body never cleared its condition"
+            err = self._run_nodes(bodies[0].nodes, None, flags, live)
+            if err:
+                return err
+        self.iterations[p["node"]] += runs
         return OK
 
     # -- explicit graphs --------------------------------------------------------------------
@@ -329,6 +420,93 @@ class FakeGraphDriver(FakeAPI):
     def cuGraphAddEventRecordNode(self, hgraph, deps, n, event):
         return self._add("cuGraphAddEventRecordNode", hgraph, deps, n, "event", {"ev": int(event)})
 
+    def cuGraphAddEmptyNode(self, hgraph, deps, n):
+        return self._add("cuGraphAddEmptyNode", hgraph, deps, n, "empty", {})
+
+    def cuGraphConditionalHandleCreate(self, hgraph, ctx, default, flags):
+        err = self._call("cuGraphConditionalHandleCreate")
+        if err:
+            return (err, None)
+        assert ctx == FakeDevice.context
+        g = self._graph(hgraph)
+        h = 0x5000_0000 + next(_ids)
+        g.handles[h] = (int(default), int(flags))
+        self.handle_graph[h] = g
+        return (OK, driver.CUgraphConditionalHandle(h))
+
+    def cuGraphAddNode(self, hgraph, deps, edata, n, params):
+        deps = list(deps or [])
+        assert len(deps) == n, f"cuGraphAddNode: numDependencies {n} != {len(deps)}"
+        err = self._call("cuGraphAddNode", int(params.type))
+        if err:
+            return (err, None)
+        g = self._graph(hgraph)
+        assert int(params.type) == int(driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL), \
+            "the fake adds conditional nodes through cuGraphAddNode only"
+        c = params.conditional
+        h, size = int(c.handle), int(c.size)
+        assert self.handle_graph.get(h) is g, "the handle was created on another graph"
+        assert c.ctx == FakeDevice.context
+        bodies = [FGraph() for _ in range(size)]
+        for b in bodies:
+            b.owned = True
+            self.graphs[int(b.id)] = b
+        arr = (ctypes.c_void_p * size)(*[int(b.id) for b in bodies])
+        self._keep.append(arr)  # "CUDA-owned array": valid while the fake lives
+        ctypes.c_uint64.from_address(int(c.getPtr()) + 16).value = ctypes.addressof(arr)
+        edges = [(int(e.type), int(e.from_port)) for e in edata] if edata else None
+        node = g.add("conditional", deps, {"handle": h, "type": int(c.type), "bodies": bodies},
+                     edges)
+        node.params["node"] = int(node.id)
+        return (OK, node.id)
+
+    def cuGraphAddChildGraphNode(self, hgraph, deps, n, child):
+        embedded = FGraph()
+        embedded.owned = True
+        source = self._graph(child)
+        assert not source.nodes, "the fake clones empty child graphs only"
+        self.graphs[int(embedded.id)] = embedded
+        return self._add("cuGraphAddChildGraphNode", hgraph, deps, n, "graph",
+                         {"graph": embedded, "bodies": [embedded]})
+
+    def cuGraphChildGraphNodeGetGraph(self, node):
+        self._call("cuGraphChildGraphNodeGetGraph")
+        for g in self.graphs.values():
+            for gn in g.nodes:
+                if int(gn.id) == int(node) and gn.kind == "graph":
+                    return (OK, gn.params["graph"].id)
+        return (R.CUDA_ERROR_INVALID_VALUE, None)
+
+    def cuGraphAddDependencies(self, hgraph, from_, to, edata, n):
+        err = self._call("cuGraphAddDependencies")
+        if err:
+            return (err,)
+        g = self._graph(hgraph)
+        from_, to = list(from_), list(to)
+        assert len(from_) == len(to) == n
+        for i, (a, b) in enumerate(zip(from_, to)):
+            node = g.node(b)
+            g.node(a)
+            assert int(a) not in node.deps, "duplicate edge"
+            e = edata[i] if edata else None
+            node.deps.append(int(a))
+            node.edges.append((int(e.type), int(e.from_port)) if e is not None else (0, 0))
+        return (OK,)
+
+    def cuGraphGetEdges(self, hgraph, num=0):
+        g = self._graph(hgraph)
+        edges = [(d, n.id, t) for n in g.nodes for d, t in zip(n.deps, n.edges)]
+        if not num:
+            return (OK, None, None, None, len(edges))
+        out_from, out_to, out_data = [], [], []
+        for d, nid, (typ, port) in edges[:num]:
+            e = driver.CUgraphEdgeData()
+            e.type, e.from_port = typ, port
+            out_from.append(driver.CUgraphNode(d))
+            out_to.append(driver.CUgraphNode(int(nid)))
+            out_data.append(e)
+        return (OK, out_from, out_to, out_data, len(edges))
+
     def cuGraphDestroy(self, h):
         self._call("cuGraphDestroy")
         self._graph(h).destroyed = True
@@ -376,14 +554,36 @@ class FakeGraphDriver(FakeAPI):
         e = self._exec(h)
         if e.flags & 1:  # AUTO_FREE_ON_LAUNCH: free what the previous launch left allocated
             e.live.clear()
-        for kind, p in zip(e.kinds, e.slots):
-            if kind == "event":
+        self.cond = {}
+        for g in e.graph.tree():  # every handle: its default when it has one, else undefined
+            for hh, (default, flags) in g.handles.items():
+                self.cond[hh] = default if flags & 1 else UNDEFINED
+        for i, (kind, p) in enumerate(zip(e.kinds, e.slots)):
+            if kind in ("event", "empty") or i in e.disabled:
                 continue
             err = self._run(kind, p, e.flags, e.live)
             if err:
                 return (err,)
         e.launches += 1
         return (OK,)
+
+    def cuGraphNodeSetEnabled(self, h, node, enabled):
+        err = self._call("cuGraphNodeSetEnabled", int(enabled))
+        if err:
+            return (err,)
+        e = self._exec(h)
+        i = e.index.get(int(node))
+        if i is None or e.kinds[i] not in ("kernel", "memcpy", "memset"):
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        (e.disabled.discard if enabled else e.disabled.add)(i)
+        return (OK,)
+
+    def cuGraphNodeGetEnabled(self, h, node):
+        e = self._exec(h)
+        i = e.index.get(int(node))
+        if i is None or e.kinds[i] not in ("kernel", "memcpy", "memset"):
+            return (R.CUDA_ERROR_INVALID_VALUE, None)
+        return (OK, 0 if i in e.disabled else 1)
 
     def cuGraphExecDestroy(self, h):
         self._call("cuGraphExecDestroy")
@@ -478,6 +678,30 @@ class FakeGraphDriver(FakeAPI):
         seq = Seq(s, mode)
         self.capture[s] = seq
         self.deps[s] = []
+        self.graphs[int(seq.graph.id)] = seq.graph  # nodes may be added to it while capturing
+        return (OK,)
+
+    def cuStreamBeginCaptureToGraph(self, stream, hgraph, deps, edata, n, mode):
+        self._call("cuStreamBeginCaptureToGraph", int(mode))
+        s = int(stream)
+        if s in self.capture:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        seq = Seq(s, mode, self._graph(hgraph))
+        self.capture[s] = seq
+        self.deps[s] = list(deps or [])
+        return (OK,)
+
+    def cuStreamUpdateCaptureDependencies(self, stream, deps, edata, n, flags):
+        self._call("cuStreamUpdateCaptureDependencies", int(flags))
+        s = int(stream)
+        if s not in self.capture:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        deps = list(deps or [])
+        assert len(deps) == n
+        if int(flags) == 1:  # CU_STREAM_SET_CAPTURE_DEPENDENCIES
+            self.deps[s] = deps
+        else:
+            self.deps[s] = self.deps[s] + [d for d in deps if int(d) not in map(int, self.deps[s])]
         return (OK,)
 
     def _capturing(self, stream):
@@ -496,6 +720,7 @@ class FakeGraphDriver(FakeAPI):
             return (R.CUDA_ERROR_STREAM_CAPTURE_UNMATCHED, None)
         if seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             self._leave(seq)
+            seq.graph.destroyed = not seq.into  # the driver discards what it captured
             return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
         # every stream's dependency set must be reachable from the origin's
         byid = {int(n.id): n for n in seq.graph.nodes}
@@ -509,6 +734,7 @@ class FakeGraphDriver(FakeAPI):
                                                               for d in self.deps[t])]
         self._leave(seq)
         if unjoined:
+            seq.graph.destroyed = not seq.into
             return (R.CUDA_ERROR_STREAM_CAPTURE_UNJOINED, None)
         g = seq.graph
         self.graphs[int(g.id)] = g
@@ -571,14 +797,20 @@ class FakeGraphDriver(FakeAPI):
                 return (R.CUDA_ERROR_STREAM_CAPTURE_MERGE,)
         return (OK,)
 
-    def _enqueue(self, stream, kind, params):
-        """A stream operation: a node when capturing, else run now."""
+    def _enqueue(self, stream, kind, params, programmatic=False):
+        """A stream operation: a node when capturing, else run now. ``programmatic``: a PDL
+        launch, whose edges from kernel nodes the capture makes programmatic."""
         seq = self._capturing(stream)
         if seq is None:
             return (self._run(kind, params),)
         if seq.status != CS.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             return (R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,)
-        node = seq.graph.add(kind, self.deps[int(stream)], params)
+        deps = self.deps[int(stream)]
+        edges = None
+        if programmatic:
+            edges = [(PROGRAMMATIC, PORT_PROGRAMMATIC) if seq.graph.node(d).kind == "kernel"
+                     else (0, 0) for d in deps]
+        node = seq.graph.add(kind, deps, params, edges)
         self.deps[int(stream)] = [node.id]
         return (OK,)
 
@@ -630,10 +862,13 @@ class FakeGraphDriver(FakeAPI):
         err = self._call("cuLaunchKernelEx")
         if err:
             return (err,)
+        pss = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl = any(int(a.id) == int(pss) and a.value.programmaticStreamSerializationAllowed
+                  for a in list(config.attrs)[:int(config.numAttrs)])
         return self._enqueue(stream=config.hStream, kind="kernel", params=self._kernel_snapshot(
             func, (config.gridDimX, config.gridDimY, config.gridDimZ),
             (config.blockDimX, config.blockDimY, config.blockDimZ), config.sharedMemBytes,
-            params))
+            params), programmatic=pdl)
 
     def _memset(self, name, es, dst, value, count, stream):
         err = self._call(name)
@@ -710,5 +945,10 @@ def fake_graph_kernel(ref, device=None) -> FakeGraphKernel:
     return FakeGraphKernel()
 
 
-def resolver(fake) -> KernelResolver:
-    return KernelResolver(fake.device, fake_graph_kernel)
+def resolver(fake, kernels=None) -> KernelResolver:
+    """A resolver whose kernels are fakes: ``kernels[ref.name]`` (a ``FakeGraphKernel``) for
+    the names given, else the copy kernel for its `KernelRef` (run by name: it moves bytes),
+    burn for every other."""
+    kernels = kernels or {}
+    return KernelResolver(fake.device,
+                          lambda ref, d: kernels.get(ref.name) or fake_graph_kernel(ref, d))

@@ -70,7 +70,7 @@ CASES = [
      "KernelNode k: argument 0 is host buffer h; kernels take device buffers"),
     (lambda: KernelNode("k", K, 1, 1, ("x",)), T,
      "KernelNode k: argument 0 ('x') is neither a scalar nor a buffer"
-     " (In/Out/InOut/Buffer/BufferRange)"),
+     " (In/Out/InOut/Buffer/BufferRange) or a Condition"),
     # every node: name, batch, device
     (lambda: KernelNode(3, K, 1, 1), T, "KernelNode: name must be a non-empty str, got int 3"),
     (lambda: Alloc("", X), V, "Alloc: name must be a non-empty str, got str ''"),

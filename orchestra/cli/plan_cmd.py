@@ -132,10 +132,11 @@ def copy_lowering(args: argparse.Namespace, graph) -> dict:
     name -> "copy kernel" for each copy lowered to the copy kernel}`` (the listing marks those;
     the others run on copy engines, as every copy did before)."""
     from orchestra.execute.lowering.copy_policy import DEFAULT_CROSSOVER, CopyPolicy
+    from orchestra.graph.bodies import walk
 
     mode = "eager" if args.executor == "eager" else "graph"
     policy = CopyPolicy(args.copy_lowering, mode, DEFAULT_CROSSOVER, True, "the GPU")
-    copies = [n for n in graph.nodes if n.kind in ("h2d", "d2h")]
+    copies = [n for n, _ in walk(graph) if n.kind in ("h2d", "d2h")]  # bodies' copies too
     notes = {n.name: "copy kernel" for n in copies if policy.choose(n) == "kernel"}
     info = {"lowering": args.copy_lowering, "executor": args.executor, "mode": mode,
             "copies": len(copies), "copy_kernels": len(notes),

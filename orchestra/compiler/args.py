@@ -26,6 +26,10 @@ Validation, before anything is enqueued, always naming the parameter:
   or ``None`` (NULL) -- never a float or a numpy array (host memory) -> `KernelArgumentTypeError`;
   a DLPack / CUDA Array Interface object (a torch tensor, a CuPy array) needs a stream to be
   ordered on: `Kernel.launch` takes it, packing alone raises `ArgumentNeedsStreamError`.
+* a conditional handle (``cudaGraphConditionalHandle``) takes a ``CUgraphConditionalHandle``
+  (what ``cuGraphConditionalHandleCreate`` returns), its int value (64-bit unsigned) or
+  ``None`` (0) -> `KernelArgumentTypeError` for anything else. Graph nodes pass a
+  `orchestra.graph.Condition` instead; the executor packs its handle.
 
 Floats: a Python float is packed as IEEE double for a ``double`` parameter (never narrowed) and
 rounded to float32 for a ``float`` parameter (`KernelArgumentValueError` if finite but out of
@@ -103,6 +107,23 @@ def make_converter(p: Param):
     """
     label = f"parameter {p.name} ({p.ctype})"
     dtype = p.dtype
+
+    if p.kind == "handle":
+        def conv_handle(v):
+            if v is None:
+                return 0
+            if type(v) is int or type(v).__name__ == "CUgraphConditionalHandle" or (
+                    isinstance(v, _np().integer) and not isinstance(v, _np().bool_)):
+                v = int(v)
+                if 0 <= v < (1 << 64):
+                    return v
+                raise KernelArgumentValueError(
+                    f"{label}: handle {v} is not a 64-bit unsigned value")
+            raise KernelArgumentTypeError(
+                f"{label} needs a conditional handle: a CUgraphConditionalHandle (from "
+                f"cuGraphConditionalHandleCreate), its int value or None; in a graph node pass "
+                f"an orchestra.graph.Condition; got {_describe(v)}")
+        return conv_handle
 
     if p.kind == "pointer":
         def conv_ptr(v):

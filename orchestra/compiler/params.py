@@ -8,7 +8,10 @@ or a plain non-template C++ function) and returns a tuple of `Param`. Supported 
   ``size_t``, ``ptrdiff_t``, ``intptr_t``, ``uintptr_t``; ``float``, ``double``;
 * pointers ``T*`` to anything (device addresses, 8 bytes); ``const T*`` (or ``T const*``) is
   a read-only pointer: ``Param.const`` is True, and the graph layer defaults such an argument
-  to read access.
+  to read access;
+* ``cudaGraphConditionalHandle`` (also ``CUgraphConditionalHandle``): a CUDA graph's
+  conditional handle, 64-bit (``Param.kind`` ``"handle"``), which the kernel passes to
+  ``cudaGraphSetConditional``; a graph node gives it a `orchestra.graph.Condition`.
 
 Qualifiers ``const`` (top level), ``__restrict__``, ``volatile`` and ``__grid_constant__`` are
 ignored. Anything else (structs, references, arrays, ``__half``, templates) raises
@@ -40,6 +43,12 @@ SCALAR_TYPES: dict[str, tuple[str, int]] = {
     "float": ("float32", 4), "double": ("float64", 8),
 }
 
+# Conditional handles (cudaGraphConditionalHandle is unsigned long long in the runtime headers).
+HANDLE_TYPES: dict[str, tuple[str, int]] = {
+    "cudaGraphConditionalHandle": ("uint64", 8),
+    "CUgraphConditionalHandle": ("uint64", 8),
+}
+
 # Spelling variants -> canonical names above.
 _ALIASES = {
     "signed short": "short", "short int": "short", "signed short int": "short",
@@ -65,8 +74,8 @@ class Param:
     Attributes:
         name: the parameter's name (``arg0``, ``arg1``... when the declaration has none).
         ctype: the canonical C type: ``"float"``, ``"unsigned int"``, ``"size_t"``,
-            ``"const float*"``, ``"float*"``.
-        kind: ``"pointer"`` or ``"scalar"``.
+            ``"const float*"``, ``"float*"``, ``"cudaGraphConditionalHandle"``.
+        kind: ``"pointer"``, ``"scalar"`` or ``"handle"`` (a conditional handle).
         const: for a pointer, True when the pointee is const (read-only access); False for
             scalars.
     """
@@ -81,15 +90,28 @@ class Param:
         return self.kind == "pointer"
 
     @property
+    def is_handle(self) -> bool:
+        """A conditional handle (``cudaGraphConditionalHandle``)."""
+        return self.kind == "handle"
+
+    @property
     def dtype(self) -> str:
         """numpy dtype name of the value passed: ``"float32"``, ``"uint64"``... ``"ptr"``
-        (a 64-bit device address) for pointers."""
-        return "ptr" if self.kind == "pointer" else SCALAR_TYPES[self.ctype][0]
+        (a 64-bit device address) for pointers, ``"uint64"`` for conditional handles."""
+        if self.kind == "pointer":
+            return "ptr"
+        if self.kind == "handle":
+            return HANDLE_TYPES[self.ctype][0]
+        return SCALAR_TYPES[self.ctype][0]
 
     @property
     def size(self) -> int:
         """Bytes the parameter occupies (its natural alignment too)."""
-        return 8 if self.kind == "pointer" else SCALAR_TYPES[self.ctype][1]
+        if self.kind == "pointer":
+            return 8
+        if self.kind == "handle":
+            return HANDLE_TYPES[self.ctype][1]
+        return SCALAR_TYPES[self.ctype][1]
 
     def __str__(self) -> str:
         return f"{self.ctype} {self.name}"
@@ -164,6 +186,9 @@ def parse_param_decl(decl: str, index: int = 0, *, kernel: str = "") -> Param:
                             else "")
         return Param(name, ctype, "pointer", const)
     base = " ".join(t for t in tokens if t != "const")
+    handle = base[2:] if base.startswith("::") else base
+    if handle in HANDLE_TYPES:
+        return Param(name, handle, "handle", False)
     ctype = _canonical(base)
     if ctype is None:
         raise unsupported(f"unsupported type {base!r}")

@@ -8,8 +8,8 @@ its driver calls from one `DriverAPI` and nowhere else:
   plain attributes of the object, so an executor binds the ones its hot paths call once
   (``self._launch = api.cuGraphLaunch``) and calls them without a lookup per call;
 - the driver layer's own objects an executor makes or asks about: `as_device`, `stream`,
-  `event`, `default_pool`, `context_alive`, `check_stream`, `is_pinned`, `device_count`,
-  `context_of`, `enable_peer_access`;
+  `event`, `default_pool`, `pinned_buffer`, `context_alive`, `check_stream`, `is_pinned`,
+  `device_count`, `context_of`, `enable_peer_access`;
 - the entry points cuda-bindings does not wrap usably (`launch_host_func`, `exec_update`;
   see `orchestra.driver.entry_points`).
 
@@ -85,6 +85,13 @@ class DriverAPI:
         from orchestra.driver.memory import MemoryPool
 
         return MemoryPool.default(device)
+
+    def pinned_buffer(self, nbytes: int, device):
+        """A new `PinnedBuffer` of ``nbytes`` bytes (page-locked host memory, ``.array``
+        ``.ptr`` ``.close()``) for ``device``."""
+        from orchestra.driver.host import PinnedBuffer
+
+        return PinnedBuffer(nbytes, device)
 
     def device_count(self) -> int:
         """Visible devices (``cuDeviceGetCount``)."""

@@ -19,6 +19,14 @@ stream leaves capture mode whatever happened. `capture_status` / `is_capturing` 
 state (``cuStreamGetCaptureInfo``, ``cuStreamIsCapturing``).
 
 The CUDA-graph executors (`orchestra.execute.cuda_graph.capture`) capture whole plans with it.
+
+Two more primitives serve nodes with bodies (conditional nodes, child graphs) inside a capture:
+`add_captured_node` adds a node to the graph a stream is capturing into, at the stream's
+current position (``cuStreamGetCaptureInfo`` for the graph and the dependencies,
+``cuGraphAddNode`` / ``cuGraphAddChildGraphNode`` by the caller, then
+``cuStreamUpdateCaptureDependencies`` so the stream's next work follows the new node), and
+`CaptureToGraph` captures a stream's work into an existing graph, a body the driver made
+(``cuStreamBeginCaptureToGraph`` ... ``cuStreamEndCapture``).
 """
 
 from __future__ import annotations
@@ -89,6 +97,60 @@ def capture_status(stream, api=None) -> tuple[object, tuple]:
     return status, deps
 
 
+def add_captured_node(stream, add, api=None):
+    """Add a node to the graph ``stream`` is capturing into, after the stream's current
+    dependencies, and make the stream's next work depend on it alone. ``add(graph, deps,
+    edge_data)`` adds the node (``edge_data``: the dependencies' ``CUgraphEdgeData`` list, or
+    None when the driver gave none) and returns the ``CUgraphNode``, which this returns.
+    `CudaError` when the stream is not capturing (or a call fails)."""
+    api = api if api is not None else default_api()
+    h = stream.handle if hasattr(stream, "handle") else stream
+    out = api.cuStreamGetCaptureInfo(h)
+    if out[0]:
+        raise error_from_result("cuStreamGetCaptureInfo", out[0])
+    if out[1] != _ACTIVE:
+        raise error_from_result("cuStreamGetCaptureInfo", int(
+            _d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+            context="adding a node to a capture: the stream is not capturing")
+    graph, deps = out[3], list(out[4] or ())
+    edges = list(out[5] or ()) if len(out) > 6 else []
+    edge_data = edges if edges and all(e is not None for e in edges) else None
+    node = add(graph, deps, edge_data)
+    set_dependencies = _d.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
+    cu(api.cuStreamUpdateCaptureDependencies, h, [node], None, 1, set_dependencies)
+    return node
+
+
+class CaptureToGraph:
+    """Capture the work enqueued on ``stream`` inside the block into ``graph`` (an existing
+    ``CUgraph``, such as a conditional node's body: ``cuStreamBeginCaptureToGraph``), ending
+    the capture on the way out whatever happened (``cuStreamEndCapture``; an error inside the
+    block propagates, a failed end raises `CudaError`). ``mode``: ``relaxed`` by default: the
+    capture runs inside another one on this thread, whose mode already guards the thread.
+    ``api``: the `DriverAPI` (default: the process's)."""
+
+    def __init__(self, stream, graph, mode="relaxed", api=None):
+        self.stream = stream
+        self.graph = graph
+        self.mode = capture_mode(mode)
+        self.api = api if api is not None else default_api()
+
+    def __enter__(self) -> "CaptureToGraph":
+        h = self.stream.handle if hasattr(self.stream, "handle") else self.stream
+        cu(self.api.cuStreamBeginCaptureToGraph, h, self.graph, None, None, 0, self.mode)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        h = self.stream.handle if hasattr(self.stream, "handle") else self.stream
+        err, graph = self.api.cuStreamEndCapture(h)
+        if exc_type is None and err:
+            raise error_from_result("cuStreamEndCapture", err,
+                                    context="capturing into a body graph")
+        if exc_type is None and graph is not None and int(graph) != int(self.graph):
+            raise OrchestraError("cuStreamEndCapture returned another graph than the body the "
+                                 "capture began on")
+
+
 def is_capturing(stream, api=None) -> bool:
     """True unless ``cuStreamIsCapturing`` reports NONE (ACTIVE or INVALIDATED)."""
     api = api if api is not None else default_api()
@@ -142,6 +204,14 @@ class CaptureSession:
         cu(self.api.cuStreamBeginCapture, self.origin.handle, self.mode)
         self._active = True
         return self
+
+    def capturing_graph(self):
+        """The ``CUgraph`` the capture is recording into (``cuStreamGetCaptureInfo`` on the
+        origin): what nodes made before any work is captured are created on."""
+        out = self.api.cuStreamGetCaptureInfo(self.origin.handle)
+        if out[0]:
+            raise error_from_result("cuStreamGetCaptureInfo", out[0])
+        return out[3]
 
     def _name(self, s: Stream, name: str | None) -> str:
         return name or repr(s)
@@ -232,5 +302,5 @@ class CaptureSession:
             self.close()
 
 
-__all__ = ["CaptureSession", "MODES", "UnjoinedStreamError", "capture_mode", "capture_status",
-           "is_capturing"]
+__all__ = ["CaptureSession", "CaptureToGraph", "MODES", "UnjoinedStreamError",
+           "add_captured_node", "capture_mode", "capture_status", "is_capturing"]

@@ -44,11 +44,13 @@ from orchestra.execute.kernel_args import KernelArgs, PointerArg, resolve_kernel
 from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.copy_table import load_crossover, save_crossover
 from orchestra.execute.lowering import Lowering, NoLoweringError, lowering_for
+from orchestra.execute.lowering.conditional import EagerConditionError
 from orchestra.execute.lowering.copy_policy import (
     DEFAULT_CROSSOVER,
     CopyCrossover,
     CopyPolicy,
 )
+from orchestra.execute.lowering.restrictions import BodyRestrictionError
 from orchestra.execute.prepare import assign_event_slots, check_run
 from orchestra.execute.result import RunResult
 from orchestra.execute.staging import StagingPool
@@ -91,9 +93,10 @@ def make_executor(name: str = "eager", device=None, *, verify: bool = True, driv
 __all__ = [
     "CaptureError", "CaptureExecutor", "CaptureSession", "GraphBuildExecutor", "GraphCache",
     "GraphExec", "GraphRunner", "Signature", "UpdateResult", "graph_memory",
-    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BucketOverflowError",
-    "ClosedBindingError", "CopyCrossover", "CopyLoweringError", "CopyPolicy", "DEFAULT_CROSSOVER",
-    "DeviceBinding", "EXECUTORS", "EagerExecutor", "ExecutorArgumentError",
+    "AVAILABLE_EXECUTORS", "BindingError", "BindingSpec", "BindingTable", "BodyRestrictionError",
+    "BucketOverflowError", "ClosedBindingError", "CopyCrossover", "CopyLoweringError",
+    "CopyPolicy", "DEFAULT_CROSSOVER", "DeviceBinding", "EXECUTORS", "EagerConditionError",
+    "EagerExecutor", "ExecutorArgumentError",
     "ExecutorArgumentTypeError", "ExecutorArgumentValueError", "ExecutorUnavailable",
     "HostBinding", "HostCallbacks", "HostFunctionError", "KernelArgs", "KernelResolver",
     "Lowering", "NoLoweringError", "PageableMemoryError", "PinnedCheck", "PlanMismatchError",

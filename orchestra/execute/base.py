@@ -32,6 +32,7 @@ from orchestra.execute.lowering import lowering_for
 from orchestra.execute.lowering.collective import check_ranks
 from orchestra.execute.resources import StreamPool
 from orchestra.graph import TaskGraph
+from orchestra.graph.bodies import walk
 from orchestra.schedule import Plan
 
 
@@ -198,7 +199,7 @@ class ExecutorBase(Closable):
         """Every device-bound node on one of the executor's devices, and (with a plan) on a
         stream of its own device."""
         ordinals = {d.ordinal for d in self.devices}
-        for node in graph.nodes:
+        for node, _ in walk(graph):  # the nodes of bodies too
             if lowering_for(node).on_device and node.device not in ordinals:
                 where = (f"device {self.device.ordinal}" if len(ordinals) == 1
                          else f"devices {sorted(ordinals)}")
@@ -221,13 +222,14 @@ class ExecutorBase(Closable):
                     f"{node.device}")
 
     def _resolve(self, graph: TaskGraph, copies=None) -> dict:
-        """Node name -> its lowering's `resolve` result, for the nodes that have one (kernels
-        and copy kernels: fresh packed arguments, never shared between prepared plans or
-        execs). ``copies``: the `CopyPolicy` (None: the executor's)."""
+        """Node name -> its lowering's `resolve` result, for the nodes (of the graph and of
+        every body in it) that have one (kernels and copy kernels: fresh packed arguments,
+        never shared between prepared plans or execs). ``copies``: the `CopyPolicy` (None:
+        the executor's); a body's host copies are lowered by the same policy."""
         if copies is None:
             copies = self.copy_policy()
         out = {}
-        for node in graph.nodes:
+        for node, _ in walk(graph):
             r = lowering_for(node).resolve_with(node, self, copies)
             if r is not None:
                 out[node.name] = r

@@ -5,7 +5,9 @@ compiler's packer (`Kernel.pack`: arity, integer widths, float vs int, no silent
 checks its grid, block, shared memory and launch attributes against the device's and the
 kernel's limits (`Kernel.launch_config`), all before anything is enqueued. Buffer arguments
 become pointer fields whose address is written later with `KernelArgs.bind` (eager: after each
-run's allocations; graph executors: once per graph, then per update). The driver copies the
+run's allocations; graph executors: once per graph, then per update). A `Condition` argument
+becomes a handle field (`HandleArg`) the executor writes with the conditional handle of the
+graph being built or captured (0 where there is none: the eager executor). The driver copies the
 parameter values when a launch call returns (or when a graph node is set), so rewriting a field
 afterwards never changes work already enqueued.
 """
@@ -23,7 +25,7 @@ from orchestra.errors import (
     LaunchConfigValueError,
     prefixed,
 )
-from orchestra.graph import Buffer, BufferRange, In, InOut, KernelNode, Out
+from orchestra.graph import Buffer, BufferRange, Condition, In, InOut, KernelNode, Out
 from orchestra.graph.buffers import as_range
 
 LAUNCH_ATTRIBUTES = ("cluster", "cooperative", "pdl", "priority")
@@ -39,19 +41,31 @@ class PointerArg:
     offset: int
 
 
+@attrs.frozen
+class HandleArg:
+    """Parameter ``index`` (ctypes field ``field``) holds the conditional handle of condition
+    ``condition`` (a name)."""
+
+    index: int
+    field: str
+    condition: str
+
+
 class KernelArgs:
     """One kernel node, ready to launch: ``kernel`` (`orchestra.kernel.Kernel`), ``config`` (checked
     `LaunchConfig`), ``packed`` (`PackedArgs`), ``pointers`` (`PointerArg` per buffer argument),
-    ``attributes`` (launch keyword arguments: cooperative, cluster, pdl, priority)."""
+    ``handles`` (`HandleArg` per `Condition` argument), ``attributes`` (launch keyword
+    arguments: cooperative, cluster, pdl, priority)."""
 
-    __slots__ = ("node", "kernel", "config", "packed", "pointers", "attributes")
+    __slots__ = ("node", "kernel", "config", "packed", "pointers", "handles", "attributes")
 
-    def __init__(self, node, kernel, config, packed, pointers, attributes):
+    def __init__(self, node, kernel, config, packed, pointers, attributes, handles=()):
         self.node = node
         self.kernel = kernel
         self.config = config
         self.packed = packed
         self.pointers = tuple(pointers)
+        self.handles = tuple(handles)
         self.attributes = dict(attributes)
 
     def bind(self, addresses: Mapping[str, int]) -> None:
@@ -59,6 +73,13 @@ class KernelArgs:
         struct = self.packed.struct
         for p in self.pointers:
             setattr(struct, p.field, addresses[p.buffer] + p.offset)
+
+    def bind_handles(self, handles: Mapping[str, int]) -> None:
+        """Write each condition argument's handle (``handles[condition]``, 0 when absent) into
+        its field."""
+        struct = self.packed.struct
+        for h in self.handles:
+            setattr(struct, h.field, int(handles.get(h.condition, 0)))
 
     @property
     def needs_ex(self) -> bool:
@@ -90,10 +111,19 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
     layout = getattr(kernel, "layout", None)
     params = layout.params if layout is not None else None
     field_names = layout.field_names if layout is not None else ()
-    values, pointers = [], []
+    values, pointers, handles = [], [], []
     for i, arg in enumerate(node.args):
-        target = _buffer_target(arg)
         param = params[i] if params is not None and i < len(params) else None
+        if isinstance(arg, Condition):
+            if param is not None and not param.is_handle:
+                raise KernelArgumentTypeError(
+                    f"{where}: argument {i} is condition {arg.name} but parameter {param.name} "
+                    f"is {param.ctype}; declare it cudaGraphConditionalHandle")
+            values.append(0)  # the executor writes the handle of the graph being made
+            if param is not None:
+                handles.append(HandleArg(i, field_names[i], arg.name))
+            continue
+        target = _buffer_target(arg)
         if target is not None:
             if param is not None and not param.is_pointer:
                 raise KernelArgumentTypeError(
@@ -126,4 +156,4 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
         config = kernel.launch_config(node.grid, node.block, node.shared_mem, **attributes)
     except (TypeError, ValueError) as exc:
         raise prefixed(exc, f"{where}: ", LaunchConfigTypeError, LaunchConfigValueError) from exc
-    return KernelArgs(node, kernel, config, packed, pointers, attributes)
+    return KernelArgs(node, kernel, config, packed, pointers, attributes, handles)

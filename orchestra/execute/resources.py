@@ -1,7 +1,8 @@
 """What the executors pool and reuse across runs and plans.
 
-`StreamPool`: non-blocking streams by priority (one per plan `StreamSpec`) and sync-only events
-(``CU_EVENT_DISABLE_TIMING``), created on first need (through the executor's `DriverAPI`) and
+`StreamPool`: non-blocking streams by priority (one per plan `StreamSpec`), side streams (bodies
+are captured from one per nesting depth) and sync-only events (``CU_EVENT_DISABLE_TIMING``),
+created on first need (through the executor's `DriverAPI`) and
 reused by every later plan; the executor's finalizer / ``close()`` synchronizes them, then
 releases them. The pool holds no reference to its executor, so a finalizer may hold the pool.
 
@@ -29,6 +30,7 @@ class StreamPool:
         self.by_priority: dict = {}  # priority (own device) or (ordinal, priority) -> streams
         self.events: list = []  # the own device's events
         self.device_events: dict[int, list] = {}  # the other devices' events, by ordinal
+        self.sides: list = []  # side streams by depth - 1: never handed out for a plan
 
     def take_streams(self, plan, device_of=None) -> dict:
         """Plan stream name -> pooled stream: the k-th stream of a priority (per device) in
@@ -51,6 +53,15 @@ class StreamPool:
             out[spec.name] = pool[k]
         return out
 
+    def side(self, depth: int):
+        """The side stream of nesting depth ``depth`` (>= 1): what a capture captures the
+        bodies at that depth from (created on first need, priority 0, never a plan stream)."""
+        while len(self.sides) < depth:
+            s = self.api.stream(self.device, 0)
+            self.sides.append(s)
+            self.streams.append(s)
+        return self.sides[depth - 1]
+
     def event(self, slot: int, device=None):
         """The sync-only event of ``slot`` on ``device`` (default: the pool's own; created,
         with every slot below it, when missing). An event is recorded on a stream of its own
@@ -69,6 +80,10 @@ class StreamPool:
         for pool in self.by_priority.values():
             if stream in pool:
                 pool.remove(stream)
+        if stream in self.sides:  # a fresh one takes its depth
+            fresh = self.api.stream(self.device, 0)
+            self.sides[self.sides.index(stream)] = fresh
+            self.streams.append(fresh)
 
     def synchronize(self) -> None:
         """Wait for every stream (a `CudaError` from one is ignored: shutdown goes on)."""
@@ -89,6 +104,7 @@ class StreamPool:
             s.close()
         self.streams.clear()
         self.by_priority.clear()
+        self.sides.clear()
         self.events.clear()
         self.device_events.clear()
 

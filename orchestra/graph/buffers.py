@@ -3,7 +3,9 @@
 A `Buffer` is device memory that an `Alloc` node creates and a `Free` node releases (or, with
 neither in the graph, memory bound by the caller at run time). A `HostBuffer` is a host slot
 bound at run time to a pinned numpy array: the source of an H2D copy or the destination of a
-D2H copy. Both are plain, hashable values identified by name; sizes are in bytes.
+D2H copy. A `Condition` is the value a conditional node tests: a CUDA graph's conditional
+handle, which kernels set on the GPU. All three are plain, hashable values identified by name
+(one namespace per graph); sizes are in bytes.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class BufferRange:
     nbytes: int
 
     def __attrs_post_init__(self):
-        if not isinstance(self.buffer, (Buffer, HostBuffer)):
+        if not isinstance(self.buffer, (Buffer, HostBuffer, Condition)):
             raise NodeFieldTypeError(f"BufferRange: buffer must be a Buffer or HostBuffer, got"
                                      f" {got(self.buffer)}")
         offset, nbytes = self.offset, self.nbytes
@@ -152,6 +154,87 @@ class BufferRange:
 
     def __str__(self) -> str:
         return f"{self.buffer.name}[{self.offset}:{self.end}]"
+
+
+def _flag(value):
+    """Converter for `Condition.flag`: a device buffer -> its first 4 bytes; else unchanged."""
+    if isinstance(value, Buffer):
+        return BufferRange(value, 0, 4) if value.nbytes >= 4 else value
+    return value
+
+
+@attrs.frozen
+class Condition(_RangeMixin):
+    """The value a conditional node (`If`, `While`, `Switch`) tests: a CUDA graph's
+    *conditional handle* (``cuGraphConditionalHandleCreate``), as plain data.
+
+    A kernel sets it on the GPU: declare the kernel's parameter ``cudaGraphConditionalHandle``
+    (64-bit), pass the `Condition` as that argument of its `KernelNode` (a write of the
+    condition, so the setter is ordered before the conditional node that tests it), and call
+    ``cudaGraphSetConditional(handle, value)`` in the kernel (CUDA Programming Guide,
+    "Conditional Graph Nodes"; with NVRTC declare it ``extern "C" __device__
+    __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle, unsigned
+    int);``). Each condition is tested by exactly one conditional node; the kernels that set
+    it live in that node's graph (before it) or in its bodies.
+
+    Attributes:
+        name: unique among the graph's buffers and conditions.
+        default: the value at the start of every launch of the graph (the handle is created
+            with ``CU_GRAPH_COND_ASSIGN_DEFAULT``), an unsigned 32-bit int; None (default):
+            no default, the value is undefined until a kernel sets it, so a kernel before the
+            conditional node must. A condition with a default is not also set before the node
+            (one or the other, so every executor sees the same value there).
+        flag: optional: device memory (a `Buffer`, whose first 4 bytes are used, or a 4-byte
+            `BufferRange`) where the kernels that set the condition also store the value as an
+            ``unsigned int``. The eager executor, which has no CUDA graph and so no handle
+            (its kernels get handle 0: guard ``cudaGraphSetConditional`` with ``if (h)``),
+            reads the flag back to take the branch on the host; the graph executors ignore it.
+        device: the device whose graph holds the handle (default 0).
+
+    Wrong types and values raise `NodeFieldTypeError` / `NodeFieldValueError` naming the field.
+    """
+
+    name: str = attrs.field(validator=_name)
+    default: int | None = None
+    flag: BufferRange | None = attrs.field(default=None, converter=_flag)
+    device: int = 0
+    _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
+
+    nbytes = 8  # the handle is 64-bit: the byte range accesses of it name
+    is_host = False
+
+    def __attrs_post_init__(self):
+        record = f"Condition {self.name}"
+        check_int(record, "device", self.device, minimum=0,
+                  what="a device ordinal (an int >= 0)")
+        if self.default is not None:
+            check_int(record, "default", self.default, minimum=0,
+                      what="None or an unsigned 32-bit int")
+            if self.default >= 1 << 32:
+                raise NodeFieldValueError(f"{record}: default must fit an unsigned 32-bit int;"
+                                          f" got {self.default!r}")
+        flag = self.flag
+        if flag is not None:
+            if not isinstance(flag, BufferRange) or flag.buffer.is_host \
+                    or not isinstance(flag.buffer, Buffer):
+                raise NodeFieldTypeError(f"{record}: flag must be a device Buffer or a 4-byte "
+                                         f"BufferRange of one, or None; got {got(flag)}")
+            if flag.nbytes != 4 or flag.offset % 4:
+                raise NodeFieldValueError(f"{record}: flag must be 4 bytes at a 4-byte aligned "
+                                          f"offset (an unsigned int); got {flag}")
+            if flag.buffer.device != self.device:
+                raise NodeFieldValueError(f"{record}: flag {flag} is on device "
+                                          f"{flag.buffer.device}, the condition on {self.device}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return ("condition", self.name)
+
+    @property
+    def flags(self) -> int:
+        """``cuGraphConditionalHandleCreate``'s flags: ``CU_GRAPH_COND_ASSIGN_DEFAULT`` (1)
+        with a default, else 0."""
+        return 0 if self.default is None else 1
 
 
 def as_range(x, what: str = "argument") -> BufferRange:

@@ -4,7 +4,9 @@ Every node has ``name``, ``batch`` (int or None), ``device`` (defaults to the de
 buffers it touches, else 0), ``after`` (names of nodes it must follow besides the inferred ones),
 and ``accesses()`` -> tuple of `Access`. ``engine`` says which hardware queue it occupies
 ("upload", "download", "compute", "host", "memory"); schedulers place nodes by it, so new kinds
-(peer copies, NCCL collectives) only need their own ``accesses()`` and ``engine``.
+(peer copies, NCCL collectives) only need their own ``accesses()`` and ``engine``. A node that
+holds task graphs it runs as a unit (``bodies``, see `orchestra.graph.bodies`) accesses what
+they touch, as a whole; ``tests`` is the `Condition` a conditional node tests.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from orchestra.graph.buffers import (
     Access,
     Buffer,
     BufferRange,
+    Condition,
     HostBuffer,
     Mode,
     as_range,
     to_range,
 )
+from orchestra.graph.bodies import body_accesses
 from orchestra.graph.fields import check_int, check_name, check_str_tuple, got, str_tuple
 from orchestra.graph.kernel_ref import KernelRef
 
@@ -43,6 +47,14 @@ class Node:
 
     engine: ClassVar[str] = "compute"
     kind: ClassVar[str] = "node"
+    #: the `Condition` a conditional node tests (its own property there); None for other kinds
+    tests: ClassVar[Condition | None] = None
+
+    @property
+    def bodies(self) -> tuple:
+        """The task graphs this node holds and runs as a unit (a conditional node's branches or
+        loop body, a child graph); empty for most kinds (`orchestra.graph.bodies`)."""
+        return ()
 
     @property
     def _record(self) -> str:
@@ -379,10 +391,12 @@ class KernelNode(Node):
     """Launch ``kernel`` with ``grid`` x ``block`` threads and ``args``.
 
     Arguments are scalars (int, float, numpy scalar; passed as is, packed by the compiler from
-    the kernel's parameter types) or device buffers: ``In(b)``, ``Out(b)``, ``InOut(b)``, or a
+    the kernel's parameter types), device buffers: ``In(b)``, ``Out(b)``, ``InOut(b)``, or a
     bare `Buffer`/`BufferRange`, which is a read for a declared ``const T*`` parameter and a
-    read-write otherwise. ``shared_mem`` is dynamic shared memory in bytes; ``attributes`` are
-    launch attributes (name -> value), kept sorted.
+    read-write otherwise, or a `Condition` for a ``cudaGraphConditionalHandle`` parameter (the
+    kernel sets the condition: a write of it; the executor passes the handle). ``shared_mem``
+    is dynamic shared memory in bytes; ``attributes`` are launch attributes (name -> value),
+    kept sorted.
     """
 
     kernel: KernelRef
@@ -409,6 +423,8 @@ class KernelNode(Node):
             raise NodeFieldTypeError(f"{r()}: args must be a tuple or list of kernel arguments, got"
                                      f" {got(self.args)}")
         for i, a in enumerate(self.args):
+            if isinstance(a, Condition):
+                continue  # a conditional handle argument
             if isinstance(a, (In, Out, InOut, Buffer, BufferRange)):
                 target = a.target if isinstance(a, (In, Out, InOut)) else as_range(a)
                 if target.buffer.is_host:
@@ -419,7 +435,8 @@ class KernelNode(Node):
                                          f"kernels take device buffers")
             elif not _is_scalar(a):
                 raise NodeFieldTypeError(f"{r()}: argument {i} ({a!r}) is neither a scalar nor a"
-                                         f" buffer (In/Out/InOut/Buffer/BufferRange)")
+                                         f" buffer (In/Out/InOut/Buffer/BufferRange) or a"
+                                         f" Condition")
 
     def accesses(self):
         out = []
@@ -428,6 +445,8 @@ class KernelNode(Node):
                 out.append(Access(a.target, a.mode))
             elif isinstance(a, (Buffer, BufferRange)):
                 out.append(Access(as_range(a), self.kernel.default_mode(i)))
+            elif isinstance(a, Condition):
+                out.append(Access(a.whole, Mode.WRITE))  # the kernel sets the condition
         return tuple(out)
 
 
@@ -472,3 +491,145 @@ class HostFunc(Node):
     def accesses(self):
         return (tuple(Access(r, Mode.READ) for r in self.reads)
                 + tuple(Access(r, Mode.WRITE) for r in self.writes))
+
+
+def _check_body(node, field: str, value) -> None:
+    """``value`` (field ``field``) is a `TaskGraph` (checked by duck type: this module is
+    below `orchestra.graph.taskgraph`)."""
+    if not (hasattr(value, "nodes") and hasattr(value, "topological_order")):
+        raise NodeFieldTypeError(f"{node._record}: {field} must be a TaskGraph, got {got(value)}")
+
+
+@attrs.frozen
+class ChildGraph(Node):
+    """Run ``graph`` (a `TaskGraph`) as one node of this graph: a CUDA child graph node
+    (``cuGraphAddChildGraphNode``), built node by node into the embedded graph (graph-build) or
+    captured into it (capture); the eager executor runs its nodes in place, on the node's
+    stream. It accesses, as a whole, what ``graph`` touches (`orchestra.graph.bodies`), so
+    happens-before runs through it.
+
+    The driver refuses graph memory nodes (`Alloc`, `Free`) and conditional nodes inside a
+    child graph: checked before any CUDA call (`BodyRestrictionError`). A child graph node
+    cannot be disabled (``cuGraphNodeSetEnabled``); its nodes are not replayed one by one (see
+    `orchestra.execute.lowering.bodies`). Node names are unique across the graph and the child.
+    """
+
+    graph: Any
+    kind: ClassVar[str] = "child"
+
+    def _check(self):
+        _check_body(self, "graph", self.graph)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.graph,)
+
+    def accesses(self):
+        return body_accesses(self.bodies)
+
+
+def _cases(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+@attrs.frozen
+class Conditional(Node):
+    """Base of the conditional nodes `If`, `While` and `Switch`: body task graphs run or not,
+    or in a loop, on the GPU's say-so: a CUDA conditional node (``CU_GRAPH_NODE_TYPE_CONDITIONAL``)
+    testing ``condition``, a `Condition` a kernel sets with ``cudaGraphSetConditional`` (before
+    the node, or inside a loop body for the next test; CUDA Programming Guide, "Conditional Graph
+    Nodes").
+
+    The node accesses, as a whole, what its bodies touch (`orchestra.graph.bodies`), plus a read
+    of the condition (and of its flag), so the kernel that sets the condition is ordered before
+    it and happens-before runs through it. Bodies hold only what the driver allows there:
+    kernels, copies, memsets, child graphs and other conditional nodes (checked before any CUDA
+    call, `BodyRestrictionError`). Node names are unique across the graph and its bodies. The
+    graph executors build a conditional node; the eager executor takes the branch on the host
+    by reading the condition's ``flag`` back (a condition without one is refused there, naming
+    the graph executors). Nodes inside bodies are not replayed one by one
+    (`orchestra.execute.lowering.bodies`).
+    """
+
+    condition: Condition
+    kind: ClassVar[str] = "conditional"
+    cond_type: ClassVar[str] = ""  # "if" / "while" / "switch": each subclass's own
+
+    def _check(self):
+        if type(self) is Conditional:
+            raise NodeFieldTypeError(f"{self._record}: Conditional is the base of If, While and "
+                                     "Switch; make one of those")
+        if not isinstance(self.condition, Condition):
+            raise NodeFieldTypeError(f"{self._record}: condition must be a Condition, got "
+                                     f"{got(self.condition)}")
+
+    @property
+    def tests(self) -> Condition:  # type: ignore[override]
+        return self.condition
+
+    def accesses(self):
+        cond = self.condition
+        out = body_accesses(self.bodies) + (Access(cond.whole, Mode.READ),)
+        if cond.flag is not None:
+            out += (Access(cond.flag, Mode.READ),)
+        return out
+
+
+@attrs.frozen
+class If(Conditional):
+    """Run ``then`` (a `TaskGraph`) once when the condition is non-zero, else ``otherwise``
+    (optional): an IF conditional node (size 2 with an ``otherwise``: IF / ELSE)."""
+
+    then: Any
+    otherwise: Any = None
+    cond_type: ClassVar[str] = "if"
+
+    def _check(self):
+        super()._check()
+        _check_body(self, "then", self.then)
+        if self.otherwise is not None:
+            _check_body(self, "otherwise", self.otherwise)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.then,) if self.otherwise is None else (self.then, self.otherwise)
+
+
+@attrs.frozen
+class While(Conditional):
+    """Run ``body`` (a `TaskGraph`) while the condition is non-zero: tested when the node is
+    reached and after every run of the body, which sets it for the next test (a WHILE
+    conditional node). Give the condition a default (1 runs the body at least once) or set it
+    before the node."""
+
+    body: Any
+    cond_type: ClassVar[str] = "while"
+
+    def _check(self):
+        super()._check()
+        _check_body(self, "body", self.body)
+
+    @property
+    def bodies(self) -> tuple:
+        return (self.body,)
+
+
+@attrs.frozen
+class Switch(Conditional):
+    """Run ``cases[v]`` (a list of `TaskGraph`) once, where ``v`` is the condition's value;
+    nothing when ``v >= len(cases)`` (a SWITCH conditional node)."""
+
+    cases: tuple = attrs.field(converter=_cases)
+    cond_type: ClassVar[str] = "switch"
+
+    def _check(self):
+        super()._check()
+        if not isinstance(self.cases, tuple) or not self.cases:
+            raise NodeFieldTypeError(f"{self._record}: cases must be a non-empty list of "
+                                     f"TaskGraphs, got {got(self.cases)}")
+        for i, case in enumerate(self.cases):
+            _check_body(self, f"cases[{i}]", case)
+
+    @property
+    def bodies(self) -> tuple:
+        return self.cases

@@ -3,7 +3,9 @@
 Adding a node asks the byte-range tracker which earlier nodes it conflicts with (read-after-write,
 write-after-read, write-after-write on overlapping bytes of one buffer) and adds those edges, plus
 ``after=`` edges. ``after=`` may name a node added later (the edge appears when it is added), so a
-cycle is possible; `validate()` reports it by name.
+cycle is possible; `validate()` reports it by name. A node with bodies (task graphs it runs as a
+unit, `orchestra.graph.bodies`) is one node here, accessing what its bodies touch; `validate()`
+also checks the bodies and the conditions.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections import defaultdict
 from typing import TypeVar
 
 from orchestra.errors import GraphError, NameCollisionError
-from orchestra.graph.buffers import Buffer, HostBuffer
+from orchestra.graph.bodies import check_bodies
+from orchestra.graph.buffers import Buffer, Condition, HostBuffer
 from orchestra.graph.nodes import Node
 from orchestra.graph.ranges import RangeTracker
 from orchestra.graph.reach import ChainClocks
@@ -34,6 +37,8 @@ class TaskGraph:
         self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
+        self._control = False  # a node with bodies or touching a condition: check_bodies
+        self._container: str | None = None  # the node whose body this graph is
         self._backward = False  # an edge to an earlier node (an after= naming a later one)
 
     # -- building ---------------------------------------------------------------------------
@@ -50,8 +55,13 @@ class TaskGraph:
         after = node.after
         if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
+        if any(b is self for b in node.bodies):
+            raise GraphError(f"node {name!r}: a body of it is the graph it is added to; a body "
+                             "must be a separate TaskGraph")
         accesses = node._accesses
-        if accesses is None:  # a subclass that skipped Node's __attrs_post_init__
+        if accesses is None or node.bodies:
+            # a subclass that skipped Node's __attrs_post_init__, or a node with bodies (which
+            # may have grown since the node was made: they are complete once it is added)
             accesses = node.accesses()
             object.__setattr__(node, "_accesses", accesses)
         buffers = self._buffers
@@ -60,8 +70,14 @@ class TaskGraph:
             known = buffers.get(buf.name)
             if known is None:
                 buffers[buf.name] = buf
+                if isinstance(buf, Condition):
+                    self._control = True
             elif known is not buf:
                 self._register(buf, name)  # equal, or a clash to report
+        if node.bodies or node.tests is not None:
+            self._control = True
+            for body in node.bodies:
+                body._container = name  # checked with the whole tree, from the top
         nodes[name] = node
         self._index[name] = len(self._index)
         # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
@@ -145,6 +161,11 @@ class TaskGraph:
         """Host buffers, in order of first use."""
         return tuple(b for b in self._buffers.values() if isinstance(b, HostBuffer))
 
+    @property
+    def conditions(self) -> tuple[Condition, ...]:
+        """Conditions (conditional handles) the nodes set or test, in order of first use."""
+        return tuple(b for b in self._buffers.values() if isinstance(b, Condition))
+
     def buffer(self, name: str):
         try:
             return self._buffers[name]
@@ -194,13 +215,19 @@ class TaskGraph:
 
     # -- structure --------------------------------------------------------------------------
 
-    def validate(self) -> None:
-        """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes)."""
+    def validate(self, *, bodies: bool = True) -> None:
+        """Raise `GraphError` for an ``after=`` naming no node, or for a cycle (naming its nodes);
+        with bodies or conditions (and ``bodies``, the default), also what
+        `orchestra.graph.bodies.check_bodies` checks, unless this graph is the body of a node
+        (then the graph holding it checks the whole tree: a body alone cannot tell whether a
+        condition it sets is tested outside it)."""
         if self._waiting:
             missing = ", ".join(f"{w!r} (after= of {', '.join(repr(n) for n in ns)})"
                                 for w, ns in sorted(self._waiting.items()))
             raise GraphError(f"after= names node(s) not in the graph: {missing}")
         self._kahn()
+        if bodies and self._control and self._container is None:
+            check_bodies(self)
 
     def _kahn(self) -> tuple[str, ...]:
         if self._topo is not None:

@@ -2,7 +2,9 @@
 
 Copies cost bytes / bandwidth (1 GB/s = 1,000 bytes/µs). A kernel costs ``kernel_us`` when given,
 else its bytes touched / ``kernel_gbps``: by default that equals its input's copy time, the
-balanced case ``orchestra run`` aims for. Measured times replace the model through ``costs=``.
+balanced case ``orchestra run`` aims for. A node with bodies (a conditional, a child graph) costs
+its most expensive body run once (a loop's iteration count is known only on the GPU). Measured
+times replace the model through ``costs=``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class CostModel:
     def cost(self, node, accesses=None) -> float:
         """Estimated µs for ``node``; ``accesses``: its ``accesses()`` when the caller has them
         (e.g. from `TaskGraph.accesses`)."""
+        if node.bodies:
+            return max(sum(self.cost(n) for n in body.nodes) for body in node.bodies)
         kind = node.kind
         if kind == "h2d":
             return node.nbytes / (self.h2d_gbps * 1e3)

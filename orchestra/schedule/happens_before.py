@@ -185,12 +185,20 @@ def _held_up(steps, i):
 
 
 class GraphOrder:
-    """Happens-before from a graph's edges only (what a CUDA graph built from them guarantees)."""
+    """Happens-before from a graph's edges only (what a CUDA graph built from them guarantees).
+
+    ``programmatic``: the edges among ``edges`` that are programmatic; each orders only when
+    ``waits(consumer)`` is true (default: never), see `orchestra.schedule.verify`."""
 
     mode = "graph"
 
-    def __init__(self, graph, edges=None):
+    def __init__(self, graph, edges=None, *, programmatic=(), waits=None):
         edges = graph.edges if edges is None else frozenset(edges)
+        # a programmatic edge whose consumer does not wait on its grid dependency orders nothing
+        self.unordered = frozenset(e for e in programmatic
+                                   if e in edges and not (waits is not None and waits(e[1])))
+        if self.unordered:
+            edges = edges - self.unordered
         names = [n.name for n in graph.nodes]
         preds: dict[str, list[str]] = {n: [] for n in names}
         succs: dict[str, list[str]] = {n: [] for n in names}
@@ -224,4 +232,8 @@ class GraphOrder:
     def fix(self, a: str, b: str) -> str:
         if self.before(b, a):
             return f"but the edges order {b} before {a} (the reverse of program order)"
+        if (a, b) in self.unordered:
+            return (f"and the programmatic edge {a} -> {b} orders nothing: {b} never executes "
+                    f"griddepcontrol.wait (cudaGridDependencySynchronize), so it may run beside "
+                    f"{a}; make it wait before it touches what {a} writes, or use a full edge")
         return f"and no path of graph edges orders {a} before {b}: add an edge from {a} to {b}"

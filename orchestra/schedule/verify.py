@@ -17,6 +17,20 @@ event to add.
 The plan ends with all streams synchronized, so D2H results are the caller's at the end; that needs
 no check. Races are found against a per-buffer frontier of byte ranges (`races`), lifetimes by one
 walk per buffer, so a correct plan costs about linear time in nodes x accesses.
+
+Bodies (task graphs a node runs as a unit: conditional branches and loop bodies, child graphs)
+are seen through: the node holding them accesses what they touch as a whole (so it is checked
+like any node, and happens-before runs through it), and each body is verified on its own edges
+(`verify_graph_edges`, recursively: the order every executor gives a body at least), its
+findings saying which body. A loop body runs to completion before its next iteration, so no
+hazard crosses iterations.
+
+Programmatic edges (`verify_graph_edges(..., programmatic=, waits=)`): a programmatic edge
+p -> c lets kernel c start before kernel p completes; c's ``griddepcontrol.wait`` then waits
+until p has completed and its memory is visible. The model: such an edge orders c after p
+(everything c accesses, and everything ordered after c) exactly when c waits on its grid
+dependency, under the kernel author's contract that c touches what depends on p only after
+its wait; when c does not wait it orders nothing (c may run entirely beside p).
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ from orchestra.schedule.races import _LIFETIME_KINDS, VERB, accesses_by_buffer, 
 
 
 def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
-    """Every hazard of running ``plan`` for ``graph``; an empty list means none was found."""
+    """Every hazard of running ``plan`` for ``graph`` (and inside its nodes' bodies); an empty
+    list means none was found."""
     order = PlanOrder(plan)
     findings = list(order.findings)
     names = {n.name for n in graph.nodes}
@@ -54,7 +69,7 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
                                     f"the plan runs {n} {order.runs[n]} times{what}: run each node once"))
     findings += _devices(plan, graph, order)
     findings += _hazards(order, graph)
-    return findings
+    return findings + body_findings(graph)
 
 
 def _devices(plan: Plan, graph: TaskGraph, order) -> list[Finding]:
@@ -78,11 +93,32 @@ def _devices(plan: Plan, graph: TaskGraph, order) -> list[Finding]:
     return out
 
 
-def verify_graph_edges(graph: TaskGraph, edges=None) -> list[Finding]:
+def verify_graph_edges(graph: TaskGraph, edges=None, *, programmatic=(),
+                       waits=None) -> list[Finding]:
     """Hazards when only ``edges`` (default: the graph's own) order the nodes, as in a CUDA
-    graph built from them; pass e.g. ``graph.reduced_edges()`` or hand-picked edges."""
-    order = GraphOrder(graph, edges)
-    return list(order.findings) + _hazards(order, graph)
+    graph built from them; pass e.g. ``graph.reduced_edges()`` or hand-picked edges. Bodies are
+    verified on their own edges (see the module doc).
+
+    ``programmatic``: the ``(producer, consumer)`` edges of ``edges`` that are programmatic;
+    ``waits(consumer)`` says whether the consumer kernel executes ``griddepcontrol.wait``
+    (default None: no consumer is known to wait, so programmatic edges order nothing). A
+    programmatic edge orders only where its consumer waits (the module doc's model)."""
+    order = GraphOrder(graph, edges, programmatic=programmatic, waits=waits)
+    return list(order.findings) + _hazards(order, graph) + body_findings(graph)
+
+
+def body_findings(graph: TaskGraph) -> list[Finding]:
+    """The findings of every body of ``graph``'s nodes, each verified on its own edges
+    (recursively), the message naming the body."""
+    out: list[Finding] = []
+    for node in graph.nodes:
+        for i, body in enumerate(node.bodies):
+            which = (f"body {i} of {node.name}" if len(node.bodies) > 1
+                     else f"the body of {node.name}")
+            for f in verify_graph_edges(body):
+                out.append(Finding(f.kind, f.buffer, f.nodes, f.streams,
+                                   f"in {which}: {f.message}"))
+    return out
 
 
 def check(plan: Plan, graph: TaskGraph) -> None:

@@ -24,6 +24,13 @@ attribute into programmatic edges: counted from ``cuGraphGetEdges`` and reported
 and uploaded once; each timed replay is one ``cuGraphLaunch`` between the events, so there are no
 host gaps to hide.
 
+Graph-build mode: the chain as an orchestra task graph (one `KernelNode` per link, the ``pdl``
+attribute on every link but the first) built node by node by the `GraphBuildExecutor`, which
+gives each PDL link a programmatic edge from the link before it (``cuGraphAddDependencies`` with
+``CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`` edge data from port
+``CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC``): the same link kernel, the same edges (type and port,
+reported for both graph forms) as the capture, timed the same way. Goal: <= 0.55 us per kernel.
+
 GPU microseconds per kernel = elapsed / kernels, median over ``repeats`` chains (after one
 warm-up). Every chain's final output is compared with numpy. Goal: <= 0.7 us per
 kernel with PDL, judged on the stream chains.
@@ -44,6 +51,7 @@ from orchestra.app.kernels_bench.common import median
 from orchestra.app.kernels_bench.pdl import require_grid_dependency_wait
 
 GOAL_US = 0.7
+BUILD_GOAL_US = 0.55  # the explicitly built graph with programmatic edges
 #: The link kernels timed, the default (trigger first) first.
 LINKS = ("pdl_chain_step", "pdl_chain_step_after_wait")
 MIN_GATE_MS = 5.0
@@ -88,13 +96,20 @@ class PdlReport:
         return b is not None and not b.host_bound and b.us_per_kernel <= GOAL_US
 
     @property
+    def build_goal_met(self) -> bool | None:
+        """The graph-build row with PDL within `BUILD_GOAL_US` (None without that row)."""
+        b = self.best(True, "graph-build")
+        return None if b is None else b.us_per_kernel <= BUILD_GOAL_US
+
+    @property
     def verified(self) -> bool:
         return all(r.verified for r in self.results)
 
     def as_dict(self) -> dict:
         d = attrs.asdict(self)
         d["results"] = [attrs.asdict(r) for r in self.results]
-        d.update(goal_us=GOAL_US, goal_met=self.goal_met, verified=self.verified)
+        d.update(goal_us=GOAL_US, goal_met=self.goal_met, build_goal_us=BUILD_GOAL_US,
+                 build_goal_met=self.build_goal_met, verified=self.verified)
         return d
 
 
@@ -104,7 +119,8 @@ class _Chain:
     def __init__(self, dev, kernel_key: str, kernels: int, n: int, block: int):
         from orchestra.driver import DeviceBuffer, Event, PinnedBuffer, Stream
 
-        spec = cat.spec(kernel_key)
+        spec = self.spec = cat.spec(kernel_key)
+        self.dev = dev
         ptx, entry = cat.ptx_text(spec, arch=dev.arch)
         require_grid_dependency_wait(ptx, entry)  # never PDL on a kernel that does not wait
         self.key = kernel_key
@@ -193,7 +209,7 @@ class _Chain:
     def graph_result(self, pdl: bool, repeats: int) -> ChainResult:
         from cuda.bindings import driver as d
 
-        from orchestra.driver import Event, cu
+        from orchestra.driver import cu
 
         h = self.stream.handle
         cu(d.cuStreamBeginCapture, h, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -208,33 +224,76 @@ class _Chain:
         gexec = None
         try:
             edges = _programmatic_edges(graph)
+            ports = _edge_ports(graph)
             gexec = cu(d.cuGraphInstantiate, graph, 0)
             cu(d.cuGraphUpload, gexec, h)
-            per_kernel, chains, hosts, ok_all, detail = [], [], [], True, ""
-            for rep in range(repeats + 1):  # the first replay warms up
-                self.reset()
-                self.start.record(self.stream)
-                t0 = time.perf_counter()
-                cu(d.cuGraphLaunch, gexec, h)
-                host_ms = (time.perf_counter() - t0) * 1e3
-                self.end.record(self.stream)
-                self.end.synchronize()
-                chain_ms = Event.elapsed_ms(self.start, self.end)
-                ok, det = self.verify()
-                ok_all &= ok
-                detail = detail if ok else det
-                if rep:
-                    per_kernel.append(chain_ms * 1e3 / self.kernels)
-                    chains.append(chain_ms)
-                    hosts.append(host_ms)
+            timed = self._timed_launches(lambda: cu(d.cuGraphLaunch, gexec, h), repeats)
         finally:
             if gexec is not None:
                 cu(d.cuGraphExecDestroy, gexec)
             cu(d.cuGraphDestroy, graph)
-        return ChainResult("graph", self.key, pdl, median(per_kernel), median(chains),
+        return self._graph_row("graph", pdl, edges, ports, timed)
+
+    def _timed_launches(self, launch: Callable[[], None], repeats: int) -> tuple:
+        """``repeats`` timed launches of a graph (after one warm-up), each between the two
+        events on the chain's stream and verified: ``(per kernel us, chain ms, host ms, ok,
+        detail)`` lists / values."""
+        from orchestra.driver import Event
+
+        per_kernel, chains, hosts, ok_all, detail = [], [], [], True, ""
+        for rep in range(repeats + 1):  # the first launch warms up
+            self.reset()
+            self.start.record(self.stream)
+            t0 = time.perf_counter()
+            launch()
+            host_ms = (time.perf_counter() - t0) * 1e3
+            self.end.record(self.stream)
+            self.end.synchronize()
+            chain_ms = Event.elapsed_ms(self.start, self.end)
+            ok, det = self.verify()
+            ok_all &= ok
+            detail = detail if ok else det
+            if rep:
+                per_kernel.append(chain_ms * 1e3 / self.kernels)
+                chains.append(chain_ms)
+                hosts.append(host_ms)
+        return per_kernel, chains, hosts, ok_all, detail
+
+    def _graph_row(self, mode: str, pdl: bool, edges, ports: str, timed) -> ChainResult:
+        per_kernel, chains, hosts, ok_all, detail = timed
+        return ChainResult(mode, self.key, pdl, median(per_kernel), median(chains),
                            median(hosts), 0.0, False, edges, ok_all,
                            detail if not ok_all else
-                           f"final output == x0 + {self.kernels} on all {self.n} floats")
+                           f"final output == x0 + {self.kernels} on all {self.n} floats"
+                           + (f"; edges {ports}" if ports else ""))
+
+    # -- explicitly built graphs ----------------------------------------------------------------
+
+    def build_result(self, pdl: bool, repeats: int) -> ChainResult:
+        """The chain as a task graph built node by node (`GraphBuildExecutor`): with ``pdl``,
+        every link but the first has the pdl attribute and so a programmatic edge from the link
+        before it; the exec is launched on the chain's stream between the events."""
+        from orchestra.execute import GraphBuildExecutor
+        from orchestra.graph import Buffer, In, KernelNode, KernelRef, Out, TaskGraph
+
+        ref = KernelRef(str(self.spec.path()), self.spec.name)
+        n = self.n
+        bufs = (Buffer("x0", 4 * n), Buffer("x1", 4 * n))
+        g = TaskGraph()
+        for i in range(self.kernels):
+            g.add(KernelNode(f"link{i}", ref, self.grid, self.block,
+                             (In(bufs[i % 2]), Out(bufs[(i + 1) % 2]), n),
+                             attributes={"pdl": True} if (pdl and i) else {}))
+        with GraphBuildExecutor(self.dev) as ex:
+            exe = ex.build(g, bindings={"x0": self.bufs[0], "x1": self.bufs[1]},
+                           stream=self.stream)
+            try:
+                edges = _programmatic_edges(exe.cugraph)
+                ports = _edge_ports(exe.cugraph)
+                timed = self._timed_launches(lambda: exe.launch(self.stream), repeats)
+            finally:
+                exe.close()
+        return self._graph_row("graph-build", pdl, edges, ports, timed)
 
 
 def _programmatic_edges(graph) -> int | None:
@@ -257,13 +316,37 @@ def _programmatic_edges(graph) -> int | None:
         return None
 
 
+def _edge_ports(graph) -> str:
+    """The kinds of ``graph``'s edges: ``"programmatic from port 1: 999, full: 0"`` (type and
+    ``from_port``, from ``cuGraphGetEdges``); empty when the driver cannot say."""
+    from collections import Counter
+
+    from cuda.bindings import driver as d
+
+    try:
+        err, *_, count = d.cuGraphGetEdges(graph, 0)
+        if int(err) or not int(count):
+            return ""
+        err, _from, _to, data, count = d.cuGraphGetEdges(graph, int(count))
+        if int(err) or data is None:
+            return ""
+        prog = int(d.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+        kinds = Counter(("programmatic" if int(e.type) == prog else "full", int(e.from_port))
+                        for e in list(data)[:int(count)])
+        return ", ".join(f"{t} from port {p}: {c}" for (t, p), c in sorted(kinds.items()))
+    except Exception:  # noqa: BLE001 - older bindings: no edge data
+        return ""
+
+
 def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeats: int = 5,
                   gate_ms: float | None = None, graphs: bool = True, links=LINKS,
                   device=None, progress: Callable[[str, int, int], None] | None = None
                   ) -> PdlReport:
     """Measure (see the module doc). ``gate_ms`` None: scaled from the host's enqueue time.
     ``graphs``: also time the chains as CUDA graph replays. ``links``: the link kernels.
-    ``progress(stage, done, total)`` is called before each measured configuration."""
+    ``progress(stage, done, total)`` is called before each measured configuration. With
+    ``graphs``, each link is also timed as a captured graph and as a task graph built node by
+    node (programmatic edges)."""
     from orchestra.driver import Device
 
     if kernels < 1 or n < 1 or repeats < 1 or (gate_ms is not None and gate_ms <= 0):
@@ -273,7 +356,7 @@ def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeat
     results: list[ChainResult] = []
     grid = -(-n // block)
     # without PDL the links behave alike: time one (the first) without, every one with PDL
-    total = (len(links) + 1) * (2 if graphs else 1)
+    total = (len(links) + 1) * (3 if graphs else 1)
 
     def step(what: str) -> None:
         if progress is not None:
@@ -291,6 +374,10 @@ def run_pdl_chain(*, kernels: int = 1000, n: int = 256, block: int = 256, repeat
                     if pdl or key == links[0]:
                         step(f"{key} graph chain{' with PDL' if pdl else ''}")
                         results.append(chain.graph_result(pdl, repeats))
+                for pdl in (False, True):
+                    if pdl or key == links[0]:
+                        step(f"{key} built graph chain{' with PDL' if pdl else ''}")
+                        results.append(chain.build_result(pdl, repeats))
         finally:
             chain.close()
     return PdlReport(dev.name, kernels, n, block, grid, repeats, tuple(results))

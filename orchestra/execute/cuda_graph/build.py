@@ -16,10 +16,17 @@ driver call, made by the node's entry in the lowering table (`Lowering.graph`):
     mem_alloc  cuGraphAddMemAllocNode   (the driver returns the address in params.dptr)
     memcpy     cuGraphAddMemcpyNode     (CUDA_MEMCPY3D, 1-D, host side pinned)
     kernel     cuGraphAddKernelNode     (+ cuGraphKernelNodeSetAttribute per launch attribute;
-                                         also a host copy lowered to the copy kernel)
+                                         a node with the pdl attribute: its kernel
+                                         dependencies added after it with programmatic edge
+                                         data, cuGraphAddDependencies; also a host copy
+                                         lowered to the copy kernel)
     memset     cuGraphAddMemsetNode
     host       cuGraphAddHostNode       (the executor's C trampoline, one token per function)
     mem_free   cuGraphAddMemFreeNode
+
+A node with bodies adds its own node and builds its bodies into the body graphs node by node
+the same way (`lowering.bodies.build_body`); before the first node, each node's entry makes what
+it needs on the graph (``begin_graph``: conditional handles).
 
 With ``trace=True`` every node sits between two event-record nodes
 (``cuGraphAddEventRecordNode``, `GraphTracer.pair`), and successors depend on the second one.
@@ -28,6 +35,8 @@ With ``trace=True`` every node sits between two event-record nodes
 from __future__ import annotations
 
 import time
+
+from cuda.bindings import driver as _d
 
 from orchestra.driver import cu
 from orchestra.errors import CudaError
@@ -42,6 +51,7 @@ from orchestra.execute.cuda_graph.spec import (
     translate,
 )
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.bodies import begin_graph
 from orchestra.execute.lowering.copy import copy_kernel_nodes
 from orchestra.execute.lowering.graph import GraphContext
 from orchestra.graph import TaskGraph
@@ -49,19 +59,34 @@ from orchestra.schedule import verify_graph_edges
 
 
 def prepare_build(graph: TaskGraph, *, auto_free: bool = False, verify: bool = True,
-                  plan=None, edges: str = "dag", copies=None) -> tuple[GraphSpec, list]:
+                  plan=None, edges: str = "dag", copies=None,
+                  waits=None) -> tuple[GraphSpec, list]:
     """The pre-CUDA checks of a graph build, in order: ``graph.validate()`` (`GraphError`),
     the graph-memory policy (`GraphMemoryError` unless ``auto_free``), the translation
     (`spec.translate` with ``edges`` and ``plan``), the hazard verifier on the edges the
-    CUDA graph gets (`HazardError`; allocations left unfreed on purpose are not findings with
-    ``auto_free``). ``copies``: the `CopyPolicy` (which host copies become kernel nodes).
+    CUDA graph gets, its programmatic edges ordering only consumers that ``waits(name)``
+    (`HazardError`; allocations left unfreed on purpose are not findings with ``auto_free``).
+    ``copies``: the `CopyPolicy` (which host copies become kernel nodes).
     Returns ``(spec, unfreed allocations)``."""
     graph.validate()
     unfreed = check_graph_memory(graph, auto_free=auto_free)
     spec = translate(graph, plan=plan, edges=edges, copies=copies)
     if verify:
-        check_findings(verify_graph_edges(graph, spec.edges), auto_free=auto_free)
+        check_findings(verify_graph_edges(graph, spec.edges, programmatic=spec.programmatic_edges,
+                                          waits=waits), auto_free=auto_free)
     return spec, unfreed
+
+
+def programmatic_edge():
+    """The ``CUgraphEdgeData`` of a programmatic edge: the consumer may launch once the
+    producer triggers (or its blocks exit) and waits for its completion in
+    ``griddepcontrol.wait`` (type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, from port
+    CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, to port 0)."""
+    e = _d.CUgraphEdgeData()
+    e.type = _d.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    e.from_port = _d.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    e.to_port = 0
+    return e
 
 
 class GraphBuildExecutor(GraphExecutorBase):
@@ -72,9 +97,14 @@ class GraphBuildExecutor(GraphExecutorBase):
     executor_name = "graph-build"
 
     def _plan_checks(self, graph, plan, *, auto_free: bool, edges: str, copies=None):
-        """`prepare_build`: ``(spec, unfreed)``."""
+        """`prepare_build`: ``(spec, unfreed)``; a programmatic edge's consumer waits when its
+        kernel executes griddepcontrol.wait (`KernelResolver.waits_on_grid_dependency`)."""
+        def waits(name: str) -> bool:
+            node = graph.node(name)
+            return self.kernels.waits_on_grid_dependency(node.kernel, name)
+
         return prepare_build(graph, auto_free=auto_free, verify=self.verify, plan=plan,
-                             edges=edges, copies=copies)
+                             edges=edges, copies=copies, waits=waits)
 
     def _build_graph(self, graph: TaskGraph, plan, bindings, *, trace: bool, policy: str,
                      streams: int, costs, auto_free: bool, edges: str = "plan",
@@ -120,16 +150,25 @@ class GraphBuildExecutor(GraphExecutorBase):
                 tracer.begin(plan.stream_names, policy=plan.policy, meta=meta)
                 built.tracer = tracer
             ctx = GraphContext(api, g, dev, resolved, built, table, copies)
+            begin_graph(graph.nodes, ctx, g)  # e.g. conditional handles, before their setters
             tail: dict[str, object] = {}  # node -> the CUgraphNode its successors depend on
+            edge = programmatic_edge()
             for sn in spec.nodes:
                 node = graph.node(sn.name)
-                deps = [tail[d] for d in sn.deps]
+                # programmatic edges come after the node (edge data); traced builds put event
+                # nodes between kernels, so their edges are all full ones
+                prog = [tail[d] for d in sn.programmatic] if tracer is None else []
+                deps = [tail[d] for d in sn.deps if tracer is not None
+                        or d not in sn.programmatic]
                 try:
                     if tracer is not None:
                         start, end = tracer.pair(plan.stream_of(sn.name), node)
                         deps = [cu(api.cuGraphAddEventRecordNode, g, deps or None, len(deps),
                                    start.handle)]
                     rec = lowering_for(node).graph(node, ctx, deps)
+                    if prog:
+                        cu(api.cuGraphAddDependencies, g, prog, [rec.gnode] * len(prog),
+                           [edge] * len(prog), len(prog))
                     if tracer is not None:
                         tail[sn.name] = cu(api.cuGraphAddEventRecordNode, g, [rec.gnode], 1,
                                            end.handle)

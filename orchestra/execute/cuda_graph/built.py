@@ -19,15 +19,17 @@ class NodeRecord:
     name: a node of the graph the exec was instantiated from), ``kind`` (the CUDA graph node
     kind: the node lowering's ``graph_node``) and ``params`` (the ``CUDA_MEMCPY3D`` /
     ``CUDA_KERNEL_NODE_PARAMS`` / ``CUDA_MEMSET_NODE_PARAMS`` / ``CUDA_HOST_NODE_PARAMS`` /
-    ``CUDA_MEM_ALLOC_NODE_PARAMS`` object it was created with, or None)."""
+    ``CUDA_MEM_ALLOC_NODE_PARAMS`` object it was created with, or None), ``container`` (the
+    node whose body holds it, None at the top level)."""
 
-    __slots__ = ("name", "kind", "gnode", "params", "__weakref__")
+    __slots__ = ("name", "kind", "gnode", "params", "container", "__weakref__")
 
-    def __init__(self, name: str, kind: str, gnode, params=None):
+    def __init__(self, name: str, kind: str, gnode, params=None, container: str | None = None):
         self.name = name
         self.kind = kind
         self.gnode = gnode
         self.params = params
+        self.container = container
 
     def __repr__(self) -> str:
         return f"<NodeRecord {self.name} ({self.kind})>"
@@ -41,7 +43,9 @@ class BuiltGraph:
         taskgraph, plan: the orchestra graph (and plan, when there is one).
         executor: ``"capture"`` or ``"graph-build"``.
         order: orchestra node names in node-creation order (how `update` pairs nodes).
-        records: name -> `NodeRecord`.
+        records: name -> `NodeRecord` of the top-level nodes.
+        inner: name -> `NodeRecord` of the nodes inside bodies (``container`` says whose);
+            not in ``order``: per-node updates never address them.
         bindings: the `BindingTable`: what is bound to each host buffer and external device
             buffer (leased), and every parameter field each one's address is written to.
         leases: the `Lease` on the `Module` of every kernel the graph launches (docs/errors.md,
@@ -65,6 +69,7 @@ class BuiltGraph:
         self.executor = executor
         self.order: list[str] = []
         self.records: dict[str, NodeRecord] = {}
+        self.inner: dict[str, NodeRecord] = {}
         self.bindings = bindings
         self.leases: list = []
         self.kernels: dict = {}
@@ -90,6 +95,13 @@ class BuiltGraph:
         self.records[name] = rec
         return rec
 
+    def inner_record(self, name: str, kind: str, container: str) -> NodeRecord:
+        """The `NodeRecord` of a node inside the body of ``container`` (made on first call)."""
+        rec = self.inner.get(name)
+        if rec is None:
+            rec = self.inner[name] = NodeRecord(name, kind, None, None, container)
+        return rec
+
     def node_name(self, gnode) -> str | None:
         """The orchestra node whose ``CUgraphNode`` is ``gnode`` (None if none)."""
         if gnode is None:
@@ -97,7 +109,7 @@ class BuiltGraph:
         key = int(gnode)
         if key == 0:
             return None
-        for r in self.records.values():
+        for r in (*self.records.values(), *self.inner.values()):
             if r.gnode is not None and int(r.gnode) == key:
                 return r.name
         return None

@@ -24,7 +24,11 @@ anything is enqueued):
    struct replays later rewrite), kernels ``cuLaunchKernel`` / ``cuLaunchKernelEx``, memsets
    ``cuMemsetD8/16/32Async``, host functions ``cuLaunchHostFunc`` (the driver's own entry
    point: cuda-bindings' wrapper would capture a one-shot record that the first launch frees),
-   plan events ``cuEventRecord`` / ``cuStreamWaitEvent``. After each node,
+   plan events ``cuEventRecord`` / ``cuStreamWaitEvent``; a node with bodies (a conditional
+   node, a child graph) adds its node to the capturing graph and captures its bodies into the
+   body graphs from a side stream (`lowering.bodies`). Before the first node, each node's
+   entry makes what it needs on the capturing graph (``begin_graph``: conditional handles,
+   which kernels before the conditional node take). After each node,
    ``cuStreamGetCaptureInfo`` on its stream returns the stream's dependency set, which is then
    exactly the node just captured: that ``CUgraphNode`` is what replays update;
 5. join: every plan stream records an event the origin waits for; then each stream's capture
@@ -63,6 +67,7 @@ from orchestra.execute.cuda_graph.executor import GraphExecutorBase
 from orchestra.execute.cuda_graph.spec import check_findings, check_graph_memory
 from orchestra.execute.errors import ExecutorArgumentTypeError
 from orchestra.execute.lowering import lowering_for
+from orchestra.execute.lowering.bodies import begin_graph
 from orchestra.execute.lowering.copy import copy_kernel_nodes
 from orchestra.execute.lowering.stream import Addresses, StreamContext, lower_plan
 from orchestra.execute.prepare import assign_event_slots, check_run
@@ -206,7 +211,8 @@ class CaptureExecutor(GraphExecutorBase):
         addresses = Addresses(table, slot_users=False)
         addresses.fill(table)
         ctx = StreamContext(self.api, self.executor_name, addresses, resolved, self.pool.handle,
-                            dev, built=built, bindings=table, copies=copies)
+                            dev, built=built, bindings=table, copies=copies,
+                            side_streams=pool.side)
         program = lower_plan(issue, graph, ctx, sm, events, slots)
         tracer = None
         if trace:
@@ -225,6 +231,7 @@ class CaptureExecutor(GraphExecutorBase):
         current: tuple[Node | None, Any] | None = None  # (node being captured, its stream)
         try:
             session.begin()
+            begin_graph(graph.nodes, ctx, session.capturing_graph())
             session.fork(*(s for _, s in ordered), names=names)
             for step, where, s, site in zip(program.steps, program.nodes, program.streams,
                                             program.sites):

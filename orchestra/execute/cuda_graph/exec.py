@@ -9,11 +9,13 @@ Both graph executors (`CaptureExecutor`, `GraphBuildExecutor`) produce a `BuiltG
     exe.replay({"b0.host_in": x2, "b0.host_out": y2})     # new pinned arrays, no re-instantiate
     exe.replay(scalars={"b0.kernel": {"iters": 8}})      # new scalar kernel arguments
     exe.update(other_graph)                               # cuGraphExecUpdate, else re-instantiate
+    exe.disable("b0.debug_copy"); exe.enable(...)         # cuGraphNodeSetEnabled
     exe.dot("graph.dot"); exe.close()
 
 This module instantiates (``cuGraphInstantiate``, ``cuGraphUpload``), launches
-(``cuGraphLaunch``), synchronizes and releases; replays (`cuda_graph.replay`) and updates
-(`cuda_graph.update`) are the exec's other two parts. Every driver call goes through the
+(``cuGraphLaunch``), synchronizes and releases; replays (`cuda_graph.replay`), updates
+(`cuda_graph.update`) and node enable / disable (`cuda_graph.toggle`) are the exec's other
+parts. Every driver call goes through the
 exec's `DriverAPI`, the functions its launches and replays call bound once.
 
 Lifetime (docs/errors.md, "Lifetimes"): the exec holds a lease on everything its graph refers
@@ -51,6 +53,7 @@ from orchestra.execute.closable import Closable
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.replay import SET_PARAMS, KernelScalars, Replay, plan_rebinds
 from orchestra.execute.cuda_graph.state import ExecState, release_exec
+from orchestra.execute.cuda_graph.toggle import Toggle
 from orchestra.execute.cuda_graph.update import Update, UpdateResult
 from orchestra.execute.errors import HostFunctionError
 
@@ -61,7 +64,7 @@ AUTO_FREE_ON_LAUNCH = int(
     _d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
 
 
-class GraphExec(Replay, Update, Closable):
+class GraphExec(Replay, Update, Toggle, Closable):
     """An instantiated CUDA graph of an orchestra task graph (make one with a graph executor's
     ``build``).
 
@@ -110,6 +113,7 @@ class GraphExec(Replay, Update, Closable):
         self._pending_timeline = False
         self._own_pending = False  # a launch on the exec's own stream since the last sync
         self._host_errors: list = []  # (node, exception) from host functions, not yet raised
+        self._disabled: set = set()  # nodes switched off (cuGraphNodeSetEnabled)
         self.launches = 0
         self.wall_ms: float | None = None  # set by an executor's run()
         self.last_update: UpdateResult | None = None
@@ -153,8 +157,9 @@ class GraphExec(Replay, Update, Closable):
         for b in (*table.host.values(), *table.external.values()):
             for u in b.users:
                 u.gnode = u.record.gnode if u.record is not None else None
+        # kernels inside bodies have no per-node replay (see lowering.bodies): not listed
         self._kernels = {name: KernelScalars(ka, built.records[name])
-                         for name, ka in built.kernels.items()}
+                         for name, ka in built.kernels.items() if name in built.records}
         self._table.where = f"a {built.executor} GraphExec"
         self._callbacks = built.callbacks
         self._tracer = built.tracer

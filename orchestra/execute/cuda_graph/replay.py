@@ -27,6 +27,11 @@ refuses that for a node, the exec is updated for the caller instead (`GraphExec.
 the new binding: ``cuGraphExecUpdate``, else a new instantiation), with a log warning and
 ``last_update`` saying so.
 
+Nodes inside bodies (conditional branches and loop bodies, child graphs) are not updated node
+by node: a rebinding of a host array a body node uses, or new scalars for a kernel inside a
+body, is refused before any call, naming the node (`GraphExec.update` rebuilds the whole graph
+and updates it, bodies included; see `orchestra.execute.lowering.bodies`).
+
 `Replay` is the part of `GraphExec` that does it.
 """
 
@@ -241,6 +246,12 @@ class Replay(ExecParts):
         """Check, lease and apply ``value`` for ``p.binding``; True when the exec was updated
         instead of re-pointed in place (its bindings and plans are new)."""
         b = p.binding
+        inner = next((u for u in b.users if getattr(u, "inside", None)), None)
+        if inner is not None:
+            raise BindingError(
+                f"binding {b.name}: host buffer {b.name} is used by node {inner.record.name} "
+                f"inside the body of {inner.inside}, which replays do not update node by node; "
+                f"bind it with update(graph, bindings=...) (a whole-graph update) or build anew")
         table = self._table
         fast = table.remembered(b, value, version)
         if fast is not None:  # checked and leased before: no checks, no new lease
@@ -342,6 +353,11 @@ class Replay(ExecParts):
 
     def _set_scalars(self, node: str, values: Mapping) -> None:
         entry = self._kernels.get(node)
+        if entry is None and node in self._built.inner:
+            raise KernelArgumentValueError(
+                f"scalars: kernel node {node} is inside the body of "
+                f"{self._built.inner[node].container}, which replays do not update node by "
+                "node; change it with update(graph) (a whole-graph update) or build anew")
         if entry is None:
             known = ", ".join(sorted(self._kernels)) or "none"
             raise KernelArgumentValueError(

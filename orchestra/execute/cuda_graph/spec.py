@@ -16,8 +16,15 @@ same order as the full edge set (a CUDA graph orders through paths), with the fe
     free             mem_free                            cuGraphAddMemFreeNode
 
 Each node's CUDA graph node kind comes from its entry in the lowering table
-(`orchestra.execute.lowering`, ``Lowering.graph_node``); the translation itself makes no driver
-call.
+(`orchestra.execute.lowering`, ``Lowering.graph_node_of``: a host copy's kind depends on the
+build's `CopyPolicy`); the translation itself makes no driver call.
+
+Programmatic edges: a kernel node with the ``pdl`` launch attribute (a consumer that executes
+``griddepcontrol.wait``, which the kernel lowering checks) gets programmatic edges from its
+kernel dependencies (``SpecNode.programmatic``): the graph-build executor adds them with
+``CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`` edge data, so the consumer may launch while its
+producer runs and waits for it in its ``griddepcontrol.wait``. Every other dependency, and
+every dependency of a node without the attribute, is a full edge.
 
 The graph-memory policy lives here too, because it is a property of the task graph:
 every `Alloc` of a graph that becomes a CUDA graph must have its `Free` in the same graph, so a
@@ -46,6 +53,7 @@ from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.graph.taskgraph import kahn_order, transitive_reduction
 from orchestra.schedule import Plan
 
+
 class GraphMemoryError(GraphError):
     """A task graph that is to become a CUDA graph allocates memory it never frees.
 
@@ -72,13 +80,15 @@ class SpecNode:
     """One CUDA graph node to create: ``name`` (the orchestra node), ``kind`` (CUDA node kind,
     see `cuda_kind`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
     depends on, in creation order), ``direction`` ("h2d" / "d2h" for host copies, memcpy
-    nodes and copy kernels alike, else None)."""
+    nodes and copy kernels alike, else None), ``programmatic`` (the deps whose edges are
+    programmatic; see the module doc)."""
 
     name: str
     kind: str
     source_kind: str
     deps: tuple[str, ...]
     direction: str | None = None
+    programmatic: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -95,6 +105,11 @@ class GraphSpec:
     def edges(self) -> frozenset[tuple[str, str]]:
         """Every ``(dependency, node)`` edge."""
         return frozenset((d, n.name) for n in self.nodes for d in n.deps)
+
+    @property
+    def programmatic_edges(self) -> frozenset[tuple[str, str]]:
+        """The ``(producer, consumer)`` edges that are programmatic."""
+        return frozenset((d, n.name) for n in self.nodes for d in n.programmatic)
 
     def kinds(self) -> dict[str, str]:
         """node name -> CUDA node kind."""
@@ -115,7 +130,8 @@ class GraphSpec:
         order. Two specs with equal topology give topologically identical CUDA graphs (what
         ``cuGraphExecUpdate`` needs); node names do not enter it."""
         index = {n.name: i for i, n in enumerate(self.nodes)}
-        return tuple((n.kind, tuple(sorted(index[d] for d in n.deps))) for n in self.nodes)
+        return tuple((n.kind, tuple(sorted(index[d] for d in n.deps)),
+                      tuple(sorted(index[d] for d in n.programmatic))) for n in self.nodes)
 
 
 def cuda_kind(node, copies=None) -> str:
@@ -183,6 +199,10 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
     become ``kernel`` nodes (the copy kernel); their `SpecNode` keeps ``source_kind`` and
     ``direction`` ("h2d" / "d2h").
 
+    A kernel node with the ``pdl`` attribute gets programmatic edges from its kernel
+    dependencies (``SpecNode.programmatic``; the module doc), copy kernels among them: a
+    capture turns the pdl launch after a copy kernel into the same edge.
+
     Raises `GraphError` for a cycle, an unknown ``after=`` name, a node kind without a CUDA
     graph node, or a plan whose stream order contradicts the edges; ``ValueError`` for an
     unknown ``edges`` or ``edges="plan"`` without a plan or with another graph's plan;
@@ -213,12 +233,16 @@ def translate(graph: TaskGraph, *, reduce: bool = True, plan=None,
         preds[s].append(p)
     pos = {n: i for i, n in enumerate(order)}
     out = []
+    kinds: dict[str, str] = {}
     for name in order:
         node = graph.node(name)
-        kind = cuda_kind(node, copies)
+        kind = kinds[name] = cuda_kind(node, copies)
         direction = node.kind if node.kind in ("h2d", "d2h") else None
-        out.append(SpecNode(name, kind, node.kind, tuple(sorted(preds[name], key=pos.__getitem__)),
-                            direction))
+        node_deps = tuple(sorted(preds[name], key=pos.__getitem__))
+        programmatic: tuple[str, ...] = ()
+        if kind == "kernel" and dict(getattr(node, "attributes", ())).get("pdl"):
+            programmatic = tuple(d for d in node_deps if kinds[d] == "kernel")
+        out.append(SpecNode(name, kind, node.kind, node_deps, direction, programmatic))
     return GraphSpec(tuple(out))
 
 

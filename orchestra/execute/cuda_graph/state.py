@@ -126,6 +126,7 @@ class ExecParts:
     _launch: Callable[..., Any]
     _launch_error: Callable[[Any], Any]
     _synchronize: Callable[..., Any]
+    _reapply_enabled: Callable[[], None]
 
 
 __all__ = ["ExecParts", "ExecState", "release_exec"]

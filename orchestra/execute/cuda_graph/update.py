@@ -78,6 +78,7 @@ class Update(ExecParts):
                 self._state.graphs.append(built.cugraph)  # kept: its nodes back the update
                 self._adopt(built)
                 self._plan_replays()
+                self._reapply_enabled()
                 self.last_update = UpdateResult(True, False, None, None, None,
                                                 "cuGraphExecUpdate accepted the new graph")
                 return self.last_update
@@ -103,6 +104,7 @@ class Update(ExecParts):
             msg += "; instantiated the new graph instead"
             log.warning(msg)
             self._reinstantiate(built)
+            self._reapply_enabled()
             self.last_update = UpdateResult(False, True, reason, node, from_node, msg)
             return self.last_update
 

@@ -2,13 +2,16 @@
 
     resolve     compile (cached), load and look the kernel up (`KernelResolver`), check and
                 pack the arguments and the launch configuration (`resolve_kernel_node`), all
-                before any CUDA call
+                before any CUDA call; a node with the ``pdl`` attribute must execute
+                griddepcontrol.wait (`PdlWithoutWaitError` otherwise): PDL, and a
+                programmatic edge, are applied only where the consumer waits
     stream      cuLaunchKernel; cuLaunchKernelEx with a CUlaunchConfig built once per node
                 and stream when launch attributes are set (cooperative, cluster, pdl,
                 priority); buffer arguments are written into the packed struct from the
-                address slots right before the call
+                address slots right before the call, conditional handles from the context's
+                handles (created when the capture began; none eagerly: 0)
     graph       cuGraphAddKernelNode (CUDA_KERNEL_NODE_PARAMS) + cuGraphKernelNodeSetAttribute
-                per launch attribute
+                per launch attribute; conditional handle arguments from the context
     replay      CUDA_KERNEL_NODE_PARAMS, whose kernelParams points into the packed struct: a
                 rewritten scalar field (or an external buffer's pointer field) plus one
                 cuGraphExecKernelNodeSetParams
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver as _d
 
+from orchestra.compiler.griddep import PdlWithoutWaitError
 from orchestra.compiler.launch import build_launch_config, launch_attribute_values
 from orchestra.driver.check import cu, error_from_result
 from orchestra.execute.kernel_args import resolve_kernel_node
@@ -48,8 +52,9 @@ def kernel_node_attributes(cfg) -> list:
     """``[(CUkernelNodeAttrID, CUkernelNodeAttrValue)]`` for ``cfg``'s launch attributes, for
     ``cuGraphKernelNodeSetAttribute`` (which takes ``CUkernelNodeAttrValue``, a subclass of the
     ``CUlaunchAttributeValue`` that `launch_attribute_values` builds). ``pdl`` is left out:
-    in an explicitly built graph the dependency is a full edge (programmatic edges are future
-    work), which is always correct."""
+    in an explicitly built graph it is carried by the node's programmatic edges (edge data of
+    type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC from its kernel dependencies, added by the
+    graph-build executor), not by a node attribute."""
     return launch_attribute_values(cfg, id_type=_d.CUkernelNodeAttrID,
                                    value_type=_d.CUkernelNodeAttrValue, pdl=False)
 
@@ -64,8 +69,15 @@ class KernelLowering(Lowering):
     def resolve(self, node, executor):
         """`KernelArgs`: fresh packed arguments per resolution, never shared between execs
         or prepared plans (one exec's scalar replays cannot change another's)."""
-        kernel = executor.kernel_resolver(node.device).resolve(node.kernel, node.name)
-        return resolve_kernel_node(node, kernel)
+        resolver = executor.kernel_resolver(node.device)
+        kernel = resolver.resolve(node.kernel, node.name)
+        ka = resolve_kernel_node(node, kernel)
+        if ka.config.pdl and not resolver.waits_on_grid_dependency(node.kernel, node.name):
+            exc = PdlWithoutWaitError(node.kernel.name)
+            exc.add_note(f"kernel node {node.name} has the pdl attribute (programmatic "
+                         "dependent launch; in a built graph, programmatic edges)")
+            raise exc
+        return ka
 
     def stream(self, node, ctx, stream):
         # the step launches with ka.packed's memory: its owner keeps ctx.resolved (eager: the
@@ -77,6 +89,15 @@ class KernelLowering(Lowering):
         # binding changes; only pointers into the run's own allocations are written per run
         patches = tuple((p.field, a.device_slot(p.buffer), p.offset) for p in ka.pointers
                         if not ctx.bound_field(p.buffer, struct, p.field, p.offset))
+        # conditional handles exist only once the graph that holds them does (capture: at its
+        # start), so a capture reads them when the step runs; eagerly there is no graph, the
+        # handles are 0 on every run, written once here
+        handles = ctx.handles
+        if ctx.capture:
+            hpatches = tuple((h.field, h.condition) for h in ka.handles)
+        else:
+            ka.bind_handles({})
+            hpatches = ()
         ptrs, sh = a.ptrs, stream.handle
         name = node.name
         if ctx.capture:
@@ -92,6 +113,8 @@ class KernelLowering(Lowering):
             def step():
                 for field, slot, off in patches:
                     setattr(struct, field, ptrs[slot] + off)
+                for field, cond in hpatches:
+                    setattr(struct, field, handles.get(cond, 0))
                 (err,) = launch_ex(config, func, address, 0)
                 if err:
                     raise error_from_result("cuLaunchKernelEx", err, context=f"kernel {name}")
@@ -99,7 +122,7 @@ class KernelLowering(Lowering):
         launch = ctx.api.cuLaunchKernel
         cfg = ka.config
         (gx, gy, gz), (bx, by, bz), smem = cfg.grid, cfg.block, cfg.shared_mem
-        if not patches:  # every pointer bound (or none): the launch alone
+        if not patches and not hpatches:  # every pointer bound (or none): the launch alone
             def step():
                 (err,) = launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
                 if err:
@@ -109,6 +132,8 @@ class KernelLowering(Lowering):
         def step():
             for field, slot, off in patches:
                 setattr(struct, field, ptrs[slot] + off)
+            for field, cond in hpatches:
+                setattr(struct, field, handles.get(cond, 0))
             (err,) = launch(func, gx, gy, gz, bx, by, bz, smem, sh, address, 0)
             if err:
                 raise error_from_result("cuLaunchKernel", err, context=f"kernel {name}")
@@ -119,6 +144,7 @@ class KernelLowering(Lowering):
         struct = ka.packed.struct
         for p in ka.pointers:
             setattr(struct, p.field, ctx.device_address(p.buffer) + p.offset)
+        ka.bind_handles(ctx.handles)
         params = kernel_params(ka)
         gnode = ctx.add("cuGraphAddKernelNode", deps, params)
         for attr_id, value in kernel_node_attributes(ka.config):

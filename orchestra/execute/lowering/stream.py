@@ -16,11 +16,13 @@ allocations exist and serves every run.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from orchestra.driver.check import error_from_result
 from orchestra.execute.bindings import BindingUser, SlotUser
 from orchestra.execute.hostfunc import HostCallbacks
+from orchestra.execute.lowering.bodies import InnerUser
 from orchestra.execute.lowering.table import lowering_for
 from orchestra.schedule import RecordEvent, RunNode
 
@@ -105,12 +107,17 @@ class StreamContext:
     `BuiltGraph` being captured; else None), ``pools`` (device ordinal -> its pool handle;
     `pool_for`), ``stream_devices`` (plan stream name -> `Device`, for plans over several
     devices; None for one), ``copies`` (the `CopyPolicy` the nodes were resolved with: which
-    host copies are copy kernels).
+    host copies are copy kernels, in bodies too), ``handles`` (condition name -> its
+    conditional handle as an int, filled when the graph that holds it exists: capture; empty
+    eagerly, so kernels get handle 0), ``container`` (the node whose body is being lowered,
+    None at the top), ``depth`` (how many bodies deep), ``side_streams`` (capture: depth ->
+    the pooled stream bodies at that depth are captured from; None eagerly). `sub` makes the
+    context of a body (`orchestra.execute.lowering.bodies`).
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
                  device, *, callbacks=None, built=None, bindings=None, pools=None,
-                 stream_devices=None, copies=None):
+                 stream_devices=None, copies=None, side_streams=None):
         self.api = api
         self.copies = copies
         self.executor_name = executor_name
@@ -125,7 +132,11 @@ class StreamContext:
         self.bindings = bindings
         self.tokens: list[int] = []
         self.allocations: dict[str, tuple[str, int]] = {}
-        self._callbacks = callbacks
+        self.handles: dict[str, int] = {}
+        self.container: str | None = None
+        self.depth = 0
+        self.side_streams = side_streams
+        self._callbacks = [callbacks]  # one cell the contexts of bodies share (`sub`)
 
     def pool_for(self, ordinal: int):
         """The memory pool handle allocations on device ``ordinal`` come from."""
@@ -135,19 +146,31 @@ class StreamContext:
     def callbacks(self):
         """The `HostCallbacks` table host-function steps register with (capture: the built
         graph's own, made on first use)."""
-        if self._callbacks is None:
-            self._callbacks = HostCallbacks()
+        cell = self._callbacks
+        if cell[0] is None:
+            cell[0] = HostCallbacks()
             if self.built is not None:
-                self.built.callbacks = self._callbacks
-        return self._callbacks
+                self.built.callbacks = cell[0]
+        return cell[0]
+
+    def sub(self, container: str) -> "StreamContext":
+        """The context of a body of node ``container``: everything shared (slots, resolutions,
+        handles, callbacks, tokens), one level deeper."""
+        sub = copy.copy(self)
+        sub.container = container
+        sub.depth = self.depth + 1
+        return sub
 
     def record(self, node, params):
-        """Capture: the `NodeRecord` of ``node`` (`lower_plan` made it; its graph node is
-        filled in once captured) with ``params``, the parameter struct the captured call used
-        (None when replays rewrite nothing of it); eager: None."""
+        """Capture: the `NodeRecord` of ``node`` (`lower_plan` made it, or `lower_body` for a
+        body node; its graph node is filled in once captured) with ``params``, the parameter
+        struct the captured call used (None when replays rewrite nothing of it); eager:
+        None."""
         if self.built is None:
             return None
-        rec = self.built.records[node.name]
+        rec = self.built.records.get(node.name) if self.container is None else None
+        if rec is None:
+            rec = self.built.inner[node.name]
         rec.params = params
         return rec
 
@@ -167,9 +190,14 @@ class StreamContext:
 
     def use(self, binding: str, record, params, field: str, offset: int) -> None:
         """Capture: ``params.<field>`` of ``record`` holds binding ``binding``'s address +
-        ``offset`` (what a replay rewrites); eager: nothing (the slots are the users)."""
+        ``offset`` (what a replay rewrites; inside a body an `InnerUser`, which replays
+        refuse); eager: nothing (the slots are the users)."""
         if self.built is not None and self.bindings is not None:
-            self.bindings.use(binding, BindingUser(record, params, field, offset))
+            if self.container is None:
+                user = BindingUser(record, params, field, offset)
+            else:
+                user = InnerUser(record, params, field, offset, self.container)
+            self.bindings.use(binding, user)
 
 
 class StreamProgram:

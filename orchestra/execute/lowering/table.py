@@ -10,10 +10,15 @@ through it (`lowering_for`); no executor names a node kind. An entry says:
 - ``graph(node, ctx, deps)``: add the node to a CUDA graph (graph-build), returning its
   `NodeRecord`;
 - ``resolve(node, executor)``: per-node work before any CUDA call (a kernel is compiled,
-  loaded, its arguments checked and packed); its result is ``ctx.resolved[node.name]``.
-  The executors call ``resolve_with(node, executor, copies)``, which is ``resolve`` unless an
-  entry needs the build's `CopyPolicy` (``copies``: the host copies, which may become copy
-  kernels);
+  loaded, its arguments checked and packed); its result is ``ctx.resolved[node.name]``
+  (every node is resolved, the nodes of bodies too). The executors call
+  ``resolve_with(node, executor, copies)``, which is ``resolve`` unless an entry needs the
+  build's `CopyPolicy` (``copies``: the host copies, which may become copy kernels);
+- ``begin_graph(node, ctx, cugraph)``: what the node needs made on the CUDA graph that will
+  hold it before any node of that graph is added or captured (a conditional node's handle,
+  which kernels before it take as an argument); ``ctx.handles`` keeps what it made. The
+  executors call it for every node of a graph (and `lowering.bodies` for every body) once
+  the ``CUgraph`` exists;
 - ``graph_node`` / ``driver_node_type``: the CUDA graph node kind it becomes (what
   `cuda_graph.spec.translate` gives and ``cuGraphNodeGetType`` reports); an entry whose node
   can become one of several kinds says which with ``graph_node_of(node, copies)`` (a host
@@ -30,7 +35,10 @@ through it (`lowering_for`); no executor names a node kind. An entry says:
 Adding a node kind: its record class in `orchestra.graph.nodes`, one module here with its
 `Lowering` subclass decorated with `register`, and that module's import in this package's
 ``__init__``. The contexts an entry receives: `lowering.stream.StreamContext` and
-`lowering.graph.GraphContext`.
+`lowering.graph.GraphContext`; a kind with bodies lowers them with `lowering.bodies`
+(``lower_body`` onto a stream, ``capture_body`` into a body graph inside a capture,
+``build_body`` into a body graph of an explicit build) and checks them with
+`lowering.restrictions`.
 """
 
 from __future__ import annotations
@@ -86,6 +94,11 @@ class Lowering:
         """The CUDA graph node kind ``node`` becomes under ``copies`` (a `CopyPolicy` or
         None). Default: ``graph_node``."""
         return self.graph_node
+
+    def begin_graph(self, node, ctx, cugraph) -> None:
+        """Make what ``node`` needs on ``cugraph`` (the ``CUgraph`` that will hold it) before
+        any node of that graph is added or captured; ``ctx``: the `StreamContext` (capture)
+        or `GraphContext`. Default: nothing."""
 
     def stream(self, node, ctx, stream) -> Callable[[], None]:
         """The step that enqueues ``node`` on ``stream`` (an orchestra `Stream`). ``ctx``: the
