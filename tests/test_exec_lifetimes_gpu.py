@@ -62,14 +62,23 @@ def expect_refused(fn, *fragments):
         raise AssertionError("no ClosedBindingError")
 
 
+trail = []  # (step, pool used bytes, graph memory used) along a case: shown when one fails
+
+
+def mark(step):
+    dev.synchronize()
+    trail.append((step, pool.used_bytes, graph_memory(dev).used))
+
+
 def memory_at_baseline(used0, gm0, what):
     s.synchronize()
     gc.collect()
+    mark("end")
     now = live_handles()
     assert {k: now[k] for k in MEMORY} == {k: base_live[k] for k in MEMORY}, (what, now)
     assert deferred_releases() == base_deferred, (what, deferred_releases())
-    assert pool.used_bytes == used0, (what, pool.used_bytes, used0)
-    assert graph_memory(dev).used == gm0, (what, graph_memory(dev).used, gm0)
+    assert pool.used_bytes == used0, (what, pool.used_bytes, used0, trail)
+    assert graph_memory(dev).used == gm0, (what, graph_memory(dev).used, gm0, trail)
 '''
 
 LIFETIME = COMMON + '''
@@ -132,16 +141,21 @@ if eager:
     assert hout.tobytes() == burn_ref(data, 3).tobytes(), "eager: wrong output"
     print(KIND, WHAT, "queued run right; closed memory released at the synchronize")
 else:
+    mark("executor made")
     exe = ex.build(g, None, bind)
+    mark("built")
     exe.launch(sync=True)
+    mark("launched")
     assert hout.tobytes() == burn_ref(data, 3).tobytes()
     for c in closers:
         c.close()
     assert all(c.closed for c in closers)
     assert deferred_releases() != base_deferred, "nothing was deferred"
+    mark("closed under the exec")
     decoy = DeviceBuffer.allocate(NB, s)
     decoy.memset(0xFF, s)
     s.synchronize()
+    mark("decoy")
     if external:
         assert all(disjoint(decoy.ptr, p, NB) for p in ptrs), "closed memory handed out again"
     for i in range(3):
@@ -150,6 +164,7 @@ else:
         hout[:] = np.nan
         exe.replay()
         assert hout.tobytes() == burn_ref(data, 3).tobytes(), f"replay {i} after the close"
+    mark("replayed")
     name, obj, what = refused
     expect_refused(lambda: exe.replay({name: obj}), f"binding {name} ({where})",
                    f"the {what} bound to it is closed")
@@ -159,11 +174,14 @@ else:
     decoy.close()
     check.close()
     del hin, hout, bind, obj
+    mark("decoy closed")
     exe.close()  # the closed resources' releases run now
+    mark("exec closed")
     assert deferred_releases() == base_deferred, ("not released at the exec's close",
                                                   deferred_releases())
     print(KIND, WHAT, "3 replays right after the close; released when the exec closed")
 ex.close()  # (eager: its prepared plan leases what is still open)
+mark("executor closed")
 for o in keep_open:
     o.close()
 memory_at_baseline(used0, gm0, f"{KIND} {WHAT}")
