@@ -38,8 +38,11 @@ import concurrent.futures
 import functools
 import json
 import logging
+import queue
 import threading
 import time
+import traceback
+import weakref
 from concurrent.futures import InvalidStateError
 from typing import Any, Callable, Sequence
 
@@ -144,41 +147,6 @@ class _Launch:
         return True
 
 
-class _Direct:
-    """The blocking call's stand-in for a future (no condition variable: the calling thread
-    itself completes it, or sees it completed)."""
-
-    __slots__ = ("state", "value", "_launches")
-
-    def __init__(self):
-        self.state = 0  # 0 pending, 1 result, 2 exception
-        self.value = None
-        self._launches: list = []
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True
-
-    def set_result(self, value) -> None:
-        if self.state:
-            raise InvalidStateError("already done")
-        self.value, self.state = value, 1
-
-    def set_exception(self, exc) -> None:
-        if self.state:
-            raise InvalidStateError("already done")
-        self.value, self.state = exc, 2
-
-    def done(self) -> bool:
-        return self.state != 0
-
-    def get(self):
-        while not self.state:  # another thread claimed the launch and is completing it
-            time.sleep(1e-4)
-        if self.state == 2:
-            raise self.value
-        return self.value
-
-
 class ServeFuture(concurrent.futures.Future):
     """A `concurrent.futures.Future` for one request.
 
@@ -194,7 +162,18 @@ class ServeFuture(concurrent.futures.Future):
     def __init__(self, engine=None):
         super().__init__()
         self._engine = engine
+        # the launches running this request, for result() to wait on; emptied when the future
+        # completes (a launch refers to its requests, which refer to this future: keeping the
+        # list would make a reference cycle per request, freed only by the cyclic GC)
         self._launches: list = []
+
+    def set_result(self, result):
+        self._launches = ()
+        super().set_result(result)
+
+    def set_exception(self, exception):
+        self._launches = ()
+        super().set_exception(exception)
 
     def result(self, timeout=None):
         if timeout is None and self._launches and not self.done():
@@ -339,7 +318,20 @@ class Engine:
         self._work = threading.Condition(self._lock)  # the dispatcher: requests, instances
         self._idle = threading.Condition(self._lock)  # close(): nothing queued or running
         self._built = threading.Condition(self._lock)  # warmup(): a bucket's build ended
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, _Bucket] = {}  # the buckets requests have touched
+        # rows -> the bucket a request of that many rows runs on (index 0 unused): one list
+        # lookup per request instead of a bisect and a dict lookup
+        table = {rows: _Bucket(rows) for rows in self.buckets.sizes}
+        self._by_rows: list[_Bucket | None] = [None] * (self.buckets.largest + 1)
+        for rows in range(1, self.buckets.largest + 1):
+            self._by_rows[rows] = table[self.buckets.pick(rows)]
+        self._table = table
+        self._inline = 0  # blocking calls running on their own thread (no _Launch object)
+        self._fast_in = (next(iter(self._inputs.values())) if len(self._inputs) == 1
+                         else None)
+        self._aio_q: queue.SimpleQueue | None = None  # the asyncio bridge (run())
+        self._cancel_all = False  # close(cancel=True): the bridge cancels what it still holds
+        self._aio_sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._running: set[_Launch] = set()
         self._queued = 0
         self._batchq: collections.deque = collections.deque()
@@ -354,7 +346,7 @@ class Engine:
         self._overloaded = 0
         self._cancelled = 0
         self._threads: list[threading.Thread] = []
-        self._cq = __import__("queue").SimpleQueue()
+        self._cq = queue.SimpleQueue()
         for i in range(completion_threads):
             self._start_thread(self._completion_loop, f"orchestra-serve-completion-{i}")
         if self.dispatch == "thread":
@@ -421,80 +413,253 @@ class Engine:
 
     def __call__(self, inputs, *, out=None, pinned: bool = False):
         """Run one request and wait for it in this thread: the lowest-latency path (no
-        future, no event, no completion thread when an instance is free). Returns the outputs;
-        raises what `submit` raises and what the request fails with (a bad request raises its
-        `BadRequest` here)."""
-        if self.dispatch == "caller":
-            d = _Direct()
-            try:
-                reqs = self._requests(inputs, out, pinned, d, _now())
-            except OrchestraError:
-                self._count_bad()
-                raise
-            if len(reqs) == 1:
-                r = reqs[0]
-                r.caller = threading.get_ident()
-                launch = None
+        future, no event, no completion thread, no thread hop when an instance is free: check,
+        lease, copy into the staging, launch, wait on the instance's stream, copy out, give
+        the instance back). Returns the outputs; raises what `submit` raises and what the
+        request fails with (a bad request raises its `BadRequest` here)."""
+        if self.dispatch == "caller" and out is None and not pinned:
+            t0 = _now()
+            spec = self._fast_in
+            if (spec is not None and type(inputs) is np.ndarray and inputs.dtype == spec.dtype
+                    and inputs.shape[1:] == spec.row_shape and inputs.flags.c_contiguous):
+                arrays, rows = None, inputs.shape[0]  # the checks _check_array makes, inline
+            else:
+                try:
+                    arrays, rows = check_inputs(self._inputs, inputs)
+                except OrchestraError:
+                    self._count_bad()
+                    raise
+            if 0 < rows <= self.buckets.largest:
+                b = self._by_rows[rows]
+                inst = None
                 with self._lock:
-                    b = self._buckets.get(r.bucket)
-                    if (b is not None and b.free and not b.queue and self._state == "open"
+                    if (b.ready and b.free and not b.queue and self._state == "open"
                             and self._broken is None):
+                        inst = b.free.pop()
+                        self._inline += 1
                         b.stats.hits += 1
-                        launch = _Launch(b.free.pop(), b, reqs)
-                        self._running.add(launch)
-                if launch is not None:
-                    self._run(launch)
-                    if not launch.done:
-                        self._wait_launch(launch)
-                    return d.get()
-        # queued, being built, split or dispatched by the thread: the general path
+                if inst is not None:
+                    return self._call_inline(b, inst, inputs if arrays is None else arrays,
+                                             rows, t0)
+        # queued, being built, split, out=/pinned, or dispatched by the thread: the general path
         fut = self._submit(inputs, out, pinned, self.submit_timeout, self.on_full == "block",
                            True)
         return fut.result()
 
+    def _call_inline(self, b: _Bucket, inst: Instance, inputs, rows: int, t0: int):
+        """The blocking call on a leased instance, in the calling thread (counted in
+        ``_inline`` until the instance is back). ``inputs``: the one input array, or the
+        checked ``{name: array}``."""
+        gpu_ms = None
+        try:
+            staging = inst.inputs
+            whole = rows == inst.rows
+            if type(inputs) is np.ndarray:
+                dst = staging[self._fast_in.name]
+                if whole:
+                    np.copyto(dst, inputs)
+                else:
+                    dst[:rows] = inputs
+            else:
+                for name, a in inputs.items():
+                    if whole:
+                        np.copyto(staging[name], a)
+                    else:
+                        staging[name][:rows] = a
+            if inst.dirty > rows and self.zero_padding:
+                for a in staging.values():
+                    a[rows:inst.dirty] = 0
+            inst.dirty = rows
+            every = self.timing_every
+            timed = False
+            if every:
+                self._nlaunch += 1
+                timed = every == 1 or self._nlaunch % every == 1
+            inst.launch(notify=False, timed=timed)
+            inst.wait()
+            gpu_ms = inst.finish(timed)
+            if self._single_output is not None:
+                a = inst.outputs[self._single_output]
+                result = a.copy() if whole else a[:rows].copy()
+            else:
+                result = {n: (a.copy() if whole else a[:rows].copy())
+                          for n, a in inst.outputs.items()}
+        except BaseException as exc:
+            self._inline_failed(b, inst, exc)
+            raise
+        nxt = self._inline_done(b, inst, rows, gpu_ms)
+        if nxt is not None:
+            self._run(nxt)
+        b.stats.latency_us.add((_now() - t0) / 1e3)
+        return result
+
+    def _inline_done(self, b: _Bucket, inst: Instance, rows: int, gpu_ms, failed: int = 0):
+        """Give an inline call's instance back (or to the bucket's next queued request:
+        returned, to start outside the lock)."""
+        st = b.stats
+        nxt = None
+        with self._lock:
+            self._inline -= 1
+            if failed:
+                st.failed += 1
+            else:
+                st.requests += 1
+                st.launches += 1
+                st.rows_served += rows
+                if gpu_ms is not None:
+                    st.gpu_ms.add(gpu_ms)
+            if self._broken is None:
+                if b.queue:
+                    r = b.queue.popleft()
+                    self._queued -= 1
+                    self._space.notify()
+                    nxt = _Launch(inst, b, [r])
+                    self._running.add(nxt)
+                else:
+                    b.free.append(inst)
+            if self._state != "open":
+                self._notify_idle()
+        return nxt
+
+    def _inline_failed(self, b: _Bucket, inst: Instance, exc: BaseException) -> None:
+        sticky = isinstance(exc, CudaError) and exc.sticky
+        if sticky:
+            with self._lock:
+                self._inline -= 1
+                b.stats.failed += 1
+                self._notify_idle()
+            self._break(exc)
+            return
+        try:  # a launch that failed part-way may still run: never lease staging it reads
+            inst.wait()
+        except BaseException:  # noqa: BLE001 - already failing this request
+            pass
+        nxt = self._inline_done(b, inst, 0, None, failed=1)
+        if nxt is not None:
+            self._run(nxt)
+
+    def _notify_idle(self) -> None:
+        """Under the lock: wake close() when nothing is queued or running. Only close() waits
+        for it, so the hot paths call this only once the engine is no longer open."""
+        if not self._running and not self._queued and not self._inline:
+            self._idle.notify_all()
+
     async def run(self, inputs, *, out=None, pinned: bool = False):
         """``await engine.run(x)``: the outputs, delivered on the caller's event loop through
-        ``call_soon_threadsafe``. The loop is never blocked: with a full queue and
-        ``on_full="block"`` the wait for space happens on a worker thread. Cancelling the
-        awaiting task cancels the request if it has not started. If the loop is closed before
-        the request completes, the result is dropped (nothing is raised on engine threads)."""
+        ``call_soon_threadsafe``.
+
+        The loop is never blocked: on the loop thread the request is only checked (a bad one
+        raises its `BadRequest` here) and handed to the engine's asyncio bridge thread
+        (a ``SimpleQueue``: no lock the engine holds), which leases an instance or queues the
+        request, copies and launches; the thread that completes the request (the completion
+        thread, or the bridge) wakes the loop. At most ``queue_limit`` requests of one loop
+        are in flight at once: further ones await a free slot (``on_full="block"``) or raise
+        `Overloaded` (``on_full="raise"``): back-pressure that awaits instead of blocking.
+        Cancelling the awaiting task cancels the request if it has not started. If the loop
+        is closed before the request completes, the result is dropped (nothing is raised on
+        engine threads)."""
         loop = asyncio.get_running_loop()
-        try:  # a bucket's first request builds it: on another thread, not on the loop
-            fut = self._submit(inputs, out, pinned, None, False, False, offload_builds=True)
-        except Overloaded:
-            if self.on_full != "block":
-                raise
-            fut = await loop.run_in_executor(None, functools.partial(
-                self._submit, inputs, out, pinned, self.submit_timeout, True, False))
+        t0 = _now()
+        try:
+            reqs = self._requests(inputs, out, pinned, t0)
+        except OrchestraError as exc:
+            self._count_bad()
+            raise
+        self._check_open()
+        sem = self._aio_sems.get(loop)
+        if sem is None:
+            sem = self._aio_sems[loop] = asyncio.Semaphore(self.queue_limit)
+        if sem.locked() and self.on_full != "block":
+            self._count_overloaded()
+            raise Overloaded(f"{self.queue_limit} requests of this event loop are in flight "
+                             f"(queue_limit={self.queue_limit}); retry later")
+        await sem.acquire()
+        fut = ServeFuture(self)
+        for r in reqs:
+            r.fut = fut
+        if reqs[0].group is not None:
+            reqs[0].group.fut = fut
         aio = loop.create_future()
-        fut.add_done_callback(functools.partial(_to_loop, loop, aio))
+        fut.add_done_callback(functools.partial(_to_loop, loop, aio, sem))
+        q = self._aio_q
+        if q is None:
+            q = self._start_bridge()
+        q.put(reqs)
         try:
             return await aio
         except asyncio.CancelledError:
             fut.cancel()
             raise
 
-    def _submit(self, inputs, out, pinned, timeout, block, inline,
-                offload_builds: bool = False) -> ServeFuture:
+    def _start_bridge(self) -> queue.SimpleQueue:
+        with self._lock:
+            if self._aio_q is None:
+                self._check_open()
+                q = queue.SimpleQueue()
+                self._start_thread(functools.partial(self._bridge_loop, q),
+                                   "orchestra-serve-asyncio")
+                self._aio_q = q
+            return self._aio_q
+
+    def _bridge_loop(self, q: queue.SimpleQueue) -> None:
+        """The asyncio bridge: admits what `run` handed over (waiting for queue space here,
+        never on a loop), starts launches, offloads bucket builds to their own thread."""
+        while True:
+            reqs = q.get()
+            if reqs is _STOP:
+                return
+            try:
+                fut = reqs[0].fut
+                if fut.cancelled():
+                    with self._lock:
+                        self._cancelled += 1
+                    continue
+                if self._cancel_all:
+                    if not fut.cancel():
+                        _set_exception(fut, EngineClosed("the engine closed with cancel=True"))
+                    with self._lock:
+                        self._cancelled += 1
+                    continue
+                try:
+                    launches, builds = self._admit(reqs, self.submit_timeout,
+                                                   self.on_full == "block", bridge=True)
+                except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
+                    for r in reqs:
+                        self._fail(r, exc)
+                    continue
+                for launch in launches:
+                    self._run(launch)
+                for b in builds:
+                    threading.Thread(target=self._build_quietly, args=(b,), daemon=True,
+                                     name=f"orchestra-serve-build-{b.rows}").start()
+            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
+                log.exception("serve: the asyncio bridge failed a request")
+                for r in reqs:
+                    if r.fut is not None and not r.fut.done():
+                        self._fail(r, exc)
+
+    def _count_overloaded(self) -> None:
+        with self._lock:
+            self._overloaded += 1
+
+    def _submit(self, inputs, out, pinned, timeout, block, inline) -> ServeFuture:
         t0 = _now()
-        fut = ServeFuture(self)
         try:
-            reqs = self._requests(inputs, out, pinned, fut, t0)
+            reqs = self._requests(inputs, out, pinned, t0)
         except OrchestraError as exc:  # a bad request fails its own future, nothing enqueued
-            self._count_bad()
-            fut.set_exception(exc)
-            return fut
+            return self._refused(exc)
+        fut = ServeFuture(self)
+        for r in reqs:
+            r.fut = fut
+        if reqs[0].group is not None:
+            reqs[0].group.fut = fut
         if inline:
             reqs[0].caller = threading.get_ident()
         launches, builds = self._admit(reqs, timeout, block)
         for launch in launches:
             self._run(launch)
         for b in builds:
-            if offload_builds:
-                threading.Thread(target=self._build_quietly, args=(b,), daemon=True,
-                                 name=f"orchestra-serve-build-{b.rows}").start()
-            else:
-                self._build(b)
+            self._build(b)
         return fut
 
     def _build_quietly(self, b) -> None:
@@ -505,11 +670,24 @@ class Engine:
             log.debug("serve: background build of the %d-row bucket failed", b.rows,
                       exc_info=True)
 
+    def _refused(self, exc: OrchestraError) -> ServeFuture:
+        """A future failed with a bad request's error. The frames of the checks are cleared
+        first: the exception's traceback would keep them (and the request's arrays) alive as
+        long as the future, and no frame of the raise may refer to the future itself (a
+        cycle per bad request, left to the cyclic GC)."""
+        self._count_bad()
+        traceback.clear_frames(exc.__traceback__)  # the caller's running frame is skipped
+        fut = ServeFuture(self)
+        fut.set_exception(exc)
+        return fut
+
     def _count_bad(self) -> None:
         with self._lock:
             self._bad += 1
 
-    def _requests(self, inputs, out, pinned, fut, t0) -> list[_Req]:
+    def _requests(self, inputs, out, pinned, t0) -> list[_Req]:
+        """The request's `_Req` list (one, or the chunks of a split); the caller sets their
+        future."""
         arrays, rows = check_inputs(self._inputs, inputs)
         outs = check_out(self._outputs, out, rows) if out is not None else None
         if pinned:
@@ -517,7 +695,7 @@ class Engine:
                 self.backend.check_pinned(name, a)
         bucket = self.buckets.pick(rows)
         if bucket is not None:
-            return [_Req(arrays, rows, bucket, outs, t0, fut, None, bool(pinned))]
+            return [_Req(arrays, rows, bucket, outs, t0, None, None, bool(pinned))]
         if not self.split:
             raise RequestTooLarge(rows, self.buckets.largest)
         # split into chunks of the largest bucket; outputs assembled in place
@@ -528,13 +706,13 @@ class Engine:
                 outs.setdefault(n, np.empty(s.shape(rows), s.dtype))
         step = self.buckets.largest
         starts = range(0, rows, step)
-        group = _Group(fut, len(starts), outs)
+        group = _Group(None, len(starts), outs)
         reqs = []
         for lo in starts:
             hi = min(rows, lo + step)
             reqs.append(_Req({n: a[lo:hi] for n, a in arrays.items()}, hi - lo,
                              self.buckets.pick(hi - lo), {n: a[lo:hi] for n, a in outs.items()},
-                             t0, fut, group, False))
+                             t0, None, group, False))
         return reqs
 
     def _check_open(self) -> None:
@@ -546,16 +724,19 @@ class Engine:
     def _bucket(self, rows: int) -> _Bucket:
         b = self._buckets.get(rows)
         if b is None:
-            b = self._buckets[rows] = _Bucket(rows)
+            b = self._buckets[rows] = self._table[rows]
         return b
 
-    def _admit(self, reqs: list[_Req], timeout, block) -> tuple[list, list]:
+    def _admit(self, reqs: list[_Req], timeout, block, bridge: bool = False
+               ) -> tuple[list, list]:
         """Lease instances or queue (under the lock); returns (launches to start, buckets
-        this thread must build)."""
+        this thread must build). ``bridge``: requests `run` accepted before close() began
+        are still admitted while the engine is closing (close() drains them)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
-                self._check_open()
+                if not (bridge and self._state == "closing" and self._broken is None):
+                    self._check_open()
                 if self.dispatch == "thread":
                     need = len(reqs)
                 else:
@@ -762,14 +943,14 @@ class Engine:
     def _deliver(self, r: _Req, outs: dict, stats: BucketStats) -> None:
         g = r.group
         if g is None:
-            stats.latency_us.append((_now() - r.t0) / 1e3)
+            stats.latency_us.add((_now() - r.t0) / 1e3)
             _set_result(r.fut, outs[self._single_output] if self._single_output else outs)
             return
         with g.lock:
             g.remaining -= 1
             last = g.remaining == 0
         if last:
-            stats.latency_us.append((_now() - r.t0) / 1e3)
+            stats.latency_us.add((_now() - r.t0) / 1e3)
             if g.error is not None:
                 _set_exception(g.fut, g.error)
             else:
@@ -833,7 +1014,7 @@ class Engine:
                 st.rows_served += launch.reqs[0].rows if n == 1 else sum(r.rows
                                                                          for r in launch.reqs)
                 if gpu_ms is not None:
-                    st.gpu_ms.append(gpu_ms)
+                    st.gpu_ms.add(gpu_ms)
             if self._broken is None:
                 if b.queue and self.dispatch == "caller":
                     r = b.queue.popleft()
@@ -845,8 +1026,8 @@ class Engine:
                     b.free.append(inst)
                     if self.dispatch == "thread":
                         self._work.notify()
-            if not self._running and not self._queued:
-                self._idle.notify_all()
+            if self._state != "open":
+                self._notify_idle()
         return nxt
 
     def _break(self, exc: BaseException) -> None:
@@ -931,8 +1112,8 @@ class Engine:
                     finally:
                         with self._lock:
                             self._dispatching -= 1
-                            if not self._running and not self._queued:
-                                self._idle.notify_all()
+                            if self._state != "open":
+                                self._notify_idle()
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
                 for r in reqs or ():
@@ -964,8 +1145,8 @@ class Engine:
             else:
                 launch = None
                 b.stats.failed += len(reqs)
-            if not self._running and not self._queued:
-                self._idle.notify_all()
+            if self._state != "open":
+                self._notify_idle()
         if launch is None:
             err = broken or b.error or EngineClosed("the bucket could not be built")
             for r in reqs:
@@ -1023,8 +1204,8 @@ class Engine:
                 self._space.notify_all()
             self._work.notify_all()
             self._built.notify_all()
-            if not self._running and not self._queued:
-                self._idle.notify_all()
+            if self._state != "open":
+                self._notify_idle()
         if err is not None:
             log.warning("serve: building the %d-row bucket failed: %s", b.rows, err)
             if isinstance(err, CudaError) and err.sticky:
@@ -1089,7 +1270,8 @@ class Engine:
         with self._lock:
             buckets = {rows: b.stats.as_dict(len(b.queue), len(b.instances), len(b.free))
                        for rows, b in sorted(self._buckets.items())}
-            all_lat = [x for b in self._buckets.values() for x in list(b.stats.latency_us)]
+            lat = [b.stats.latency_us.values() for b in self._buckets.values()]
+            all_lat = np.concatenate(lat) if lat else np.empty(0)
             eng = {
                 "state": "broken" if self._broken is not None else self._state,
                 "executor": self.executor,
@@ -1101,7 +1283,7 @@ class Engine:
                 "instances_per_bucket": self.instances,
                 "queue_limit": self.queue_limit,
                 "queued": self._queued,
-                "in_flight": len(self._running),
+                "in_flight": len(self._running) + self._inline,
                 "bad_requests": self._bad,
                 "overloaded": self._overloaded,
                 "cancelled": self._cancelled,
@@ -1140,8 +1322,10 @@ class Engine:
                     b.queue.clear()
                 self._queued = 0
                 self._cancelled += len(dropped)
+                self._cancel_all = True
             self._space.notify_all()
             self._work.notify_all()
+            bridge = self._aio_q
         for r in dropped:
             if r.group is None:
                 if not r.fut.cancel():
@@ -1150,6 +1334,20 @@ class Engine:
                 g = r.group
                 if not g.fut.cancel():
                     self._fail(r, EngineClosed("the engine closed with cancel=True"))
+        if bridge is not None:  # it admits (or cancels) what run() handed over, then stops
+            bridge.put(_STOP)
+            for t in self._threads:
+                if t.name == "orchestra-serve-asyncio":
+                    t.join()
+            while True:  # handed over while the bridge was stopping: refused
+                try:
+                    reqs = bridge.get_nowait()
+                except queue.Empty:
+                    break
+                if reqs is not _STOP:
+                    for r in reqs:
+                        self._fail(r, EngineClosed("the engine closed before the request "
+                                                   "was admitted"))
         self._drain()
         self._stopping = True
         with self._lock:
@@ -1175,7 +1373,8 @@ class Engine:
             with self._lock:
                 if self._broken is not None and not self._building:
                     return
-                if not (self._queued or self._running or self._building or self._dispatching):
+                if not (self._queued or self._running or self._building or self._dispatching
+                        or self._inline):
                     return
                 progressed = self._idle.wait(0.2)
                 stuck = [] if progressed else [x for x in self._running
@@ -1207,17 +1406,18 @@ def _close_quietly(obj) -> None:
         log.debug("serve: closing %r failed", obj, exc_info=True)
 
 
-def _to_loop(loop, aio, fut) -> None:
+def _to_loop(loop, aio, sem, fut) -> None:
     """Done-callback of an engine future (any thread): hand the outcome to ``aio`` on
-    ``loop``. A closed loop has nobody left to tell: drop it (case of a loop closed while
-    requests were in flight)."""
+    ``loop`` and give back the loop's in-flight slot ``sem``. A closed loop has nobody left
+    to tell: drop it (case of a loop closed while requests were in flight)."""
     try:
-        loop.call_soon_threadsafe(_copy_outcome, fut, aio)
+        loop.call_soon_threadsafe(_copy_outcome, fut, aio, sem)
     except RuntimeError:  # "Event loop is closed"
         pass
 
 
-def _copy_outcome(fut, aio) -> None:
+def _copy_outcome(fut, aio, sem) -> None:
+    sem.release()
     if aio.done():
         return
     if fut.cancelled():

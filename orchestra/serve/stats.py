@@ -1,29 +1,88 @@
 """Per-bucket counters and latency samples of a serving engine (plain Python).
 
-Latencies are kept as the most recent ``SAMPLES`` values per bucket (a ring), so percentiles
-describe recent traffic and memory stays flat however long the engine serves.
+Latencies are kept as the most recent ``SAMPLES`` values per bucket in a `Samples` ring: one
+preallocated block of float64 (512 KiB), allocated by the bucket's first sample and never
+grown, so percentiles describe recent traffic and memory stays flat however long the engine
+serves (a ``deque`` of Python floats costs 32 bytes per sample and grows until it is full).
 """
 
 from __future__ import annotations
 
-import collections
+import array
 
 import numpy as np
 
 SAMPLES = 1 << 16  # latency samples kept per bucket
 
 
+class Samples:
+    """The most recent ``capacity`` float samples (a power of two) in a fixed-size ring.
+
+    `add` is one array store and one attribute store (no allocation once the ring exists; the
+    ring itself is allocated by the first `add`, or at once with ``prealloc=True``). Several
+    threads may `add` at once without a lock: a race can overwrite one sample with another
+    (statistics, not bookkeeping); `values` copies a snapshot.
+    """
+
+    __slots__ = ("_ring", "_n", "_mask", "capacity")
+
+    def __init__(self, capacity: int = SAMPLES, prealloc: bool = False):
+        if capacity < 1 or capacity & (capacity - 1):
+            raise ValueError(f"capacity must be a power of two; got {capacity}")
+        self.capacity = capacity
+        self._mask = capacity - 1
+        self._n = 0
+        self._ring = array.array("d", bytes(8 * capacity)) if prealloc else None
+
+    def add(self, value: float) -> None:
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = array.array("d", bytes(8 * self.capacity))
+        n = self._n
+        ring[n & self._mask] = value
+        self._n = n + 1
+
+    append = add  # the deque spelling
+
+    def __len__(self) -> int:
+        return min(self._n, self.capacity)
+
+    @property
+    def total(self) -> int:
+        """Samples ever added (the ring keeps the last ``capacity``)."""
+        return self._n
+
+    def values(self) -> np.ndarray:
+        """The kept samples (oldest first once the ring wrapped), as a new float64 array."""
+        n, ring = self._n, self._ring
+        if ring is None or n == 0:
+            return np.empty(0, np.float64)
+        a = np.frombuffer(ring, np.float64)
+        if n <= self.capacity:
+            return a[:n].copy()
+        i = n & self._mask
+        return np.concatenate((a[i:], a[:i]))
+
+    def __iter__(self):
+        return iter(self.values().tolist())
+
+
 def percentiles(samples, qs=(50, 95, 99)) -> dict:
     """``{"p50": .., "p95": .., "p99": .., "count": n}`` of ``samples`` (None when empty)."""
-    a = np.fromiter(samples, dtype=np.float64)
+    if isinstance(samples, Samples):
+        a = samples.values()
+    elif isinstance(samples, np.ndarray):
+        a = samples.astype(np.float64, copy=False)
+    else:
+        a = np.fromiter(samples, dtype=np.float64)
     out = {f"p{q:g}": (float(np.percentile(a, q)) if a.size else None) for q in qs}
     out["count"] = int(a.size)
     return out
 
 
 class BucketStats:
-    """Counters of one bucket. Mutated under the engine's lock, except the sample rings
-    (``deque.append`` is atomic in CPython), read as a snapshot by `as_dict`."""
+    """Counters of one bucket. Mutated under the engine's lock, except the latency ring
+    (`Samples.add`, lock-free), read as a snapshot by `as_dict`."""
 
     def __init__(self, rows: int):
         self.rows = rows
@@ -39,12 +98,12 @@ class BucketStats:
         self.instantiate_ms = 0.0
         self.graph_bytes: int | None = None
         self.wall_ms: float | None = None  # the last build's wall time (all instances)
-        self.latency_us: collections.deque = collections.deque(maxlen=SAMPLES)
-        self.gpu_ms: collections.deque = collections.deque(maxlen=SAMPLES)
+        self.latency_us = Samples(SAMPLES)
+        self.gpu_ms = Samples(SAMPLES >> 4)  # sampled launches only (timing_every)
 
     def as_dict(self, queue_depth: int, instances: int, free: int) -> dict:
         padded = self.launches * self.rows
-        gpu = list(self.gpu_ms)
+        gpu = self.gpu_ms.values()
         return {
             "rows": self.rows,
             "instances": instances,
@@ -58,8 +117,8 @@ class BucketStats:
             "batch_fill": (self.rows_served / padded) if padded else None,
             "queue_depth": queue_depth,
             "queue_high": self.queue_high,
-            "latency_us": percentiles(list(self.latency_us)),
-            "gpu_ms": {"mean": (sum(gpu) / len(gpu)) if gpu else None,
+            "latency_us": percentiles(self.latency_us),
+            "gpu_ms": {"mean": float(gpu.mean()) if gpu.size else None,
                        **percentiles(gpu, (50, 99))},
             "builds": self.builds,
             "build_ms": self.build_ms,
@@ -69,4 +128,4 @@ class BucketStats:
         }
 
 
-__all__ = ["BucketStats", "SAMPLES", "percentiles"]
+__all__ = ["BucketStats", "SAMPLES", "Samples", "percentiles"]
