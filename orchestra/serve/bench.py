@@ -13,7 +13,8 @@ Modes (``--mode``):
   peers (one client per thread);
 - ``open``: Poisson arrivals at ``--rate`` requests/s from one generator thread; latency is
   measured from each request's scheduled arrival (no coordinated omission);
-- ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run``; the event loop's lag is
+- ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started in waves of 50 per
+  loop turn, as connections arrive); the event loop's lag is
   measured by a probe task sleeping 0.5 ms in a loop;
 - ``soak``: T threads, ``--requests`` requests or ``--duration`` seconds, 1% bad requests (each
   must fail only its own future with the specific error); RSS, pool bytes, graph memory and live
@@ -26,7 +27,6 @@ Exit status 1 when an output is wrong or a bad request was not refused as it sho
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import json
 import os
@@ -41,7 +41,7 @@ import numpy as np
 from orchestra.errors import BenchConfigError, MissingExtraError
 from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
-from orchestra.serve.stats import percentiles
+from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
 S, T = 0.5, 1.0  # the kernel's fmaf(v, s, t): bit-exact with numpy for these
@@ -575,7 +575,13 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
 
     p = asyncio.ensure_future(probe())
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(task(k) for k in range(tasks)), return_exceptions=True)
+    # the tasks start in waves of 50 per loop turn, as a server's connections arrive: the
+    # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
+    started = []
+    for lo in range(0, tasks, 50):
+        started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + 50))]
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*started, return_exceptions=True)
     res.seconds = time.perf_counter() - t0
     stop = True
     await p
@@ -645,6 +651,9 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
         pick = w.picker(1)
         for _ in range(200):
             e(pick()[0])
+        # the soak's own bookkeeping is fixed-size and allocated before the first snapshot:
+        # the RSS it reports is the engine's
+        rings = [Samples(1 << 15, prealloc=True) for _ in range(threads)]
         first = memory_snapshot(device)
         lock = threading.Lock()
         counter = [0]
@@ -655,8 +664,7 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
 
         def worker(k):
             pk = w.picker(100 + k)
-            # bounded: the soak's own bookkeeping must not grow the RSS it reports
-            lat, wrong, n = collections.deque(maxlen=20_000), 0, 0
+            lat, wrong, n = rings[k], 0, 0
             while True:
                 with lock:
                     i = counter[0]
@@ -676,11 +684,10 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 x, y_ref = pk()
                 t0 = _now()
                 y = e(x)
-                lat.append((_now() - t0) / 1e3)
+                lat.add((_now() - t0) / 1e3)
                 n += 1
                 wrong += y.tobytes() != y_ref.tobytes()
             with lock:
-                res.latency_us.extend(lat)
                 res.requests += n
                 res.wrong += wrong
 
@@ -692,6 +699,8 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
             t.join()
         res.seconds = time.perf_counter() - t0
         last = memory_snapshot(device)
+        for ring in rings:  # after the last snapshot
+            res.latency_us.extend(ring.values().tolist())
         res.errors = bad_wrong[0]
         res.extra.update(info)
         res.extra.update({"bad_requests": bad_ok[0] + bad_wrong[0], "bad_refused_ok": bad_ok[0],

@@ -168,11 +168,11 @@ class ServeFuture(concurrent.futures.Future):
         self._launches: list = []
 
     def set_result(self, result):
-        self._launches = ()
+        self._launches.clear()
         super().set_result(result)
 
     def set_exception(self, exception):
-        self._launches = ()
+        self._launches.clear()
         super().set_exception(exception)
 
     def result(self, timeout=None):
@@ -322,13 +322,14 @@ class Engine:
         # rows -> the bucket a request of that many rows runs on (index 0 unused): one list
         # lookup per request instead of a bisect and a dict lookup
         table = {rows: _Bucket(rows) for rows in self.buckets.sizes}
-        self._by_rows: list[_Bucket | None] = [None] * (self.buckets.largest + 1)
+        self._by_rows: list[_Bucket] = [table[self.buckets.sizes[0]]]  # [0]: never used
         for rows in range(1, self.buckets.largest + 1):
-            self._by_rows[rows] = table[self.buckets.pick(rows)]
+            self._by_rows.append(table[self.buckets.pick(rows) or self.buckets.largest])
         self._table = table
         self._inline = 0  # blocking calls running on their own thread (no _Launch object)
         self._fast_in = (next(iter(self._inputs.values())) if len(self._inputs) == 1
                          else None)
+        self._fast_name = self._fast_in.name if self._fast_in is not None else ""
         self._aio_q: queue.SimpleQueue | None = None  # the asyncio bridge (run())
         self._cancel_all = False  # close(cancel=True): the bridge cancels what it still holds
         self._aio_sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -346,7 +347,7 @@ class Engine:
         self._overloaded = 0
         self._cancelled = 0
         self._threads: list[threading.Thread] = []
-        self._cq = queue.SimpleQueue()
+        self._cq: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(completion_threads):
             self._start_thread(self._completion_loop, f"orchestra-serve-completion-{i}")
         if self.dispatch == "thread":
@@ -455,7 +456,7 @@ class Engine:
             staging = inst.inputs
             whole = rows == inst.rows
             if type(inputs) is np.ndarray:
-                dst = staging[self._fast_in.name]
+                dst = staging[self._fast_name]
                 if whole:
                     np.copyto(dst, inputs)
                 else:
@@ -478,6 +479,7 @@ class Engine:
             inst.launch(notify=False, timed=timed)
             inst.wait()
             gpu_ms = inst.finish(timed)
+            result: Any
             if self._single_output is not None:
                 a = inst.outputs[self._single_output]
                 result = a.copy() if whole else a[:rows].copy()
@@ -595,7 +597,7 @@ class Engine:
         with self._lock:
             if self._aio_q is None:
                 self._check_open()
-                q = queue.SimpleQueue()
+                q: queue.SimpleQueue = queue.SimpleQueue()
                 self._start_thread(functools.partial(self._bridge_loop, q),
                                    "orchestra-serve-asyncio")
                 self._aio_q = q
@@ -934,6 +936,9 @@ class Engine:
             self._run(self._launch_failed(launch, exc, claimed=True))
             return
         nxt = self._release(launch, gpu_ms)
+        # the completion thread's queue may still hold this launch: let it hold no request
+        # (and so no future, no result)
+        launch.reqs = ()
         if nxt is not None:
             self._run(nxt)  # the next queued request first: keep the GPU busy
         stats = launch.bucket.stats
@@ -994,7 +999,9 @@ class Engine:
             launch.inst.wait()
         except BaseException:  # noqa: BLE001 - already failing this launch
             pass
-        return self._release(launch, None, failed=len(launch.reqs))
+        nxt = self._release(launch, None, failed=len(launch.reqs))
+        launch.reqs = ()
+        return nxt
 
     def _release(self, launch: _Launch, gpu_ms, failed: int = 0) -> _Launch | None:
         """Return the launch's instance (or hand it to the bucket's next queued request:
