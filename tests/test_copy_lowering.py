@@ -612,3 +612,26 @@ def test_the_benchmarks_goal_lines():
     assert "goal host <= 100 µs and GPU <= 0.85x: met" in lines[0]
     assert "2.36x faster" in lines[1] and "goal >= 2.5x: NOT met" in lines[1]
     assert "goal within 2% of bare: NOT met" in lines[2]
+
+
+def test_each_direction_is_judged_by_the_best_variant_on_either_side():
+    from orchestra.execute.copy_tuning import direction_times
+
+    # D2H as kernels alone loses to the engines, but every copy as a kernel wins by far: the
+    # D2H side of that comparison is the both-kernel run (a graph with no memcpy node)
+    ms = {4096: {"copy-engine": 2.0, "h2d-kernel": 1.8, "d2h-kernel": 2.1, "both-kernel": 1.0},
+          65536: {"copy-engine": 2.2, "h2d-kernel": 1.8, "d2h-kernel": 2.3, "both-kernel": 1.2},
+          1 << 20: {"copy-engine": 1.9, "h2d-kernel": 2.2, "d2h-kernel": 2.0,
+                    "both-kernel": 2.4}}
+    eng, ker = direction_times(ms, "d2h")
+    assert eng == {4096: 1.8, 65536: 1.8, 1 << 20: 1.9}
+    assert ker == {4096: 1.0, 65536: 1.2, 1 << 20: 2.0}
+    sizes = sorted(ms)
+    assert crossover_size(sizes, eng, ker) == 1 << 20  # kernels below 1 MiB
+    eng, ker = direction_times(ms, "h2d")
+    assert eng == {4096: 2.0, 65536: 2.2, 1 << 20: 1.9}
+    assert ker == {4096: 1.0, 65536: 1.2, 1 << 20: 2.2}
+    assert crossover_size(sizes, eng, ker) == 1 << 20
+    # the old rule (D2H kernels against all engines) would have kept D2H on the engines
+    old = {s: ms[s]["copy-engine"] for s in sizes}
+    assert crossover_size(sizes, old, {s: ms[s]["d2h-kernel"] for s in sizes}) == 0

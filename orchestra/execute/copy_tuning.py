@@ -7,15 +7,17 @@ What it measures, per executor mode (``graph``: a CUDA graph built with `GraphBu
 and launched; ``eager``: `EagerExecutor` runs) and per copy size (4 KiB - 4 MiB; ``quick``:
 4 KiB, 64 KiB, 1 MiB): the main job's pipeline (`build_pipeline`: per batch H2D -> burn kernel
 with 1 iteration -> D2H, scheduled by-engine on 3 streams; 256 batches up to 64 KiB, 64 up to
-1 MiB, 16 at 4 MiB, so copies overlap in both directions as they do in real work), three ways:
+1 MiB, 16 at 4 MiB, so copies overlap in both directions as they do in real work), four ways:
 every copy on the copy engines, the H2D copies as copy kernels, the D2H copies as copy
-kernels. The variants take turns, run by run, ``repeats`` runs each after two warm-ups; the
+kernels, every copy as a copy kernel. The variants take turns, run by run, ``repeats`` runs each after two warm-ups; the
 wall time per run (launch or enqueue until the synchronize returns, host and GPU together) is
 the median. Every variant's output is checked once against numpy (the outputs poisoned with
 NaN first).
 
 The crossover of a direction is the smallest size from which the copy engines are no slower
-(within `MARGIN`) at it and at every larger size measured; copies below it become copy kernels
+(within `MARGIN`) at it and at every larger size measured, comparing the best variant with
+that direction on the copy engines against the best with it as copy kernels
+(`direction_times`); copies below it become copy kernels
 under ``copy_lowering="auto"``. When the copy engines win even at the smallest size the
 crossover is 0 (never a kernel); when the kernels win at every size it is twice the largest
 size measured. `save` (default) stores the table in orchestra's cache for this device
@@ -40,7 +42,7 @@ QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 MARGIN = 0.03
 """A copy kernel must be at least 3% faster than the copy engines to be chosen (timing noise
 must not move the crossover)."""
-VARIANTS = ("copy-engine", "h2d-kernel", "d2h-kernel")
+VARIANTS = ("copy-engine", "h2d-kernel", "d2h-kernel", "both-kernel")
 BURN_PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s", "float t")
 
 
@@ -122,7 +124,25 @@ def with_lowering(graph, h2d: str = "auto", d2h: str = "auto"):
 
 _LOWERINGS = {"copy-engine": ("copy-engine", "copy-engine"),
               "h2d-kernel": ("kernel", "copy-engine"),
-              "d2h-kernel": ("copy-engine", "kernel")}
+              "d2h-kernel": ("copy-engine", "kernel"),
+              "both-kernel": ("kernel", "kernel")}
+
+
+def direction_times(ms_by_size: dict, direction: str) -> tuple[dict, dict]:
+    """Per size, the best wall ms with ``direction``'s copies on the copy engines and the
+    best with them as copy kernels, over the variants (the other direction either way):
+    ``(engine_ms, kernel_ms)`` for `crossover_size`. Deciding each direction with the other
+    left on the engines misses that a graph with no memcpy node at all launches for about
+    nothing (every memcpy node costs 1.3-1.9 µs of host time at every launch)."""
+    as_kernel = {"h2d": ("h2d-kernel", "both-kernel"), "d2h": ("d2h-kernel", "both-kernel")}
+    kern = as_kernel[direction]
+    engine, kernel = {}, {}
+    for size, ms in ms_by_size.items():
+        e = [t for v, t in ms.items() if v not in kern]
+        k = [t for v, t in ms.items() if v in kern]
+        if e and k:
+            engine[size], kernel[size] = min(e), min(k)
+    return engine, kernel
 
 
 def _pipeline(size: int, batches: int):
@@ -226,10 +246,9 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
     old = load_crossover(dev)
     values = old.as_dict()
     for mode in modes:
-        mine = [r for r in rows if r.mode == mode]
-        engine = {r.size: r.ms["copy-engine"] for r in mine}
+        mine = {r.size: r.ms for r in rows if r.mode == mode}
         for direction in ("h2d", "d2h"):
-            kernel = {r.size: r.ms[f"{direction}-kernel"] for r in mine}
+            engine, kernel = direction_times(mine, direction)
             values[f"{mode}_{direction}"] = crossover_size(sizes, engine, kernel)
     verified = all(r.verified for r in rows)
     stamp = time.strftime("%Y-%m-%d")
@@ -245,4 +264,4 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
 
 
 __all__ = ["CrossoverReport", "CrossoverRow", "MARGIN", "QUICK_SIZES", "SIZES", "VARIANTS",
-           "batches_for", "crossover_size", "measure_copy_crossover", "with_lowering"]
+           "batches_for", "crossover_size", "direction_times", "measure_copy_crossover", "with_lowering"]
