@@ -14,9 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestra.execute import CopyPolicy, EagerExecutor, KernelResolver
-from orchestra.execute.cuda_graph.build import GraphBuildExecutor
-from orchestra.execute.cuda_graph.capture import CaptureExecutor
+from orchestra.execute import CopyPolicy, EagerExecutor
 from orchestra.execute.cuda_graph.spec import translate
 from orchestra.execute.errors import BindingError, ExecutorArgumentValueError
 from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, CopyKernelArgs
@@ -39,6 +37,7 @@ from orchestra.graph import (
 )
 from tests import fake_graph_cuda as fg
 from tests.fake_cuda import FakeCuda, FakeKernel, fake_kernel
+from tests.graphs_for_tests import fake_executor
 from tests.test_control import ADD, BURN, KERNELS, SETTER, STEP, chain_reference
 
 KINDS = ("eager", "capture", "graph-build")
@@ -58,14 +57,12 @@ def fakes(monkeypatch):
 def executor(kind, fakes, **kw):
     """An executor on the fakes whose kernels are the copy kernel, burn and test_control's
     control kernels (set_cond, add_to, while_step)."""
-    eager, graph = fakes
     if kind == "eager":
         made = {name: FakeKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
-        return EagerExecutor(eager.device, driver=eager, kernel_resolver=KernelResolver(
-            eager.device, lambda r, d: made.get(r.name) or fake_kernel(r, d)), **kw)
+        return fake_executor(kind, fakes, eager_kernel=lambda r, d: made.get(r.name)
+                             or fake_kernel(r, d), **kw)
     made = {name: fg.FakeGraphKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
-    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
-    return cls(graph.device, driver=graph, kernel_resolver=fg.resolver(graph, made), **kw)
+    return fake_executor(kind, fakes, eager_kernel=None, graph_kernels=made, **kw)
 
 
 def copy_log(fakes, kind):

@@ -43,6 +43,7 @@ from orchestra.graph import (
     TaskGraph,
     While,
 )
+from tests.graphs_for_tests import branch_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -120,23 +121,6 @@ def adds(*ks):
     return out
 
 
-def branch_graph(make_node):
-    """choice (host) -> src; acc = 0; set(cond, src, flag); the node; acc -> out."""
-    src, fl, acc = Buffer("src", 4), Buffer("flag", 4), Buffer("acc", 4)
-    cond = Condition("c", flag=fl)
-    g = TaskGraph()
-    for b in (src, fl, acc):
-        g.add(Alloc(f"a_{b.name}", b))
-    g.add(HostToDevice("up", HostBuffer("choice", 4), src))
-    g.add(Memset("zero", acc, 0))
-    g.add(KernelNode("set", SETTER, 1, 1, (cond, In(src), Out(fl))))
-    g.add(make_node(cond))
-    g.add(DeviceToHost("down", acc, HostBuffer("out", 4)))
-    for b in (src, fl, acc):
-        g.add(Free(f"f_{b.name}", b))
-    return g
-
-
 def outcomes(ex, kind, g, values, pinned):
     choice, out = pinned(1, np.uint32), pinned(1, np.int32)
     got = []
@@ -162,13 +146,13 @@ def outcomes(ex, kind, g, values, pinned):
 def test_if_else_and_switch_take_the_branch_the_kernel_chose(executors, pinned, kind):
     ex = executors[kind]
     then, otherwise = adds(1, 10)
-    g = branch_graph(lambda c: If("branch", c, then, otherwise))
+    g = branch_graph(SETTER, lambda c: If("branch", c, then, otherwise))
     assert outcomes(ex, kind, g, (1, 0, 5, 0), pinned) == [1, 10, 1, 10]
     (only,) = adds(1)
-    g = branch_graph(lambda c: If("branch", c, only))
+    g = branch_graph(SETTER, lambda c: If("branch", c, only))
     assert outcomes(ex, kind, g, (0, 1), pinned) == [0, 1]
     cases = adds(1, 10, 100)
-    s = branch_graph(lambda c: Switch("switch", c, cases))
+    s = branch_graph(SETTER, lambda c: Switch("switch", c, cases))
     assert outcomes(ex, kind, s, (0, 1, 2, 7), pinned) == [1, 10, 100, 0]
 
 
@@ -244,13 +228,13 @@ def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, p
     choice, out = pinned(1, np.uint32), pinned(1, np.int32)
     then, otherwise = adds(1, 10)
     choice[0] = 1
-    exe = ex.build(branch_graph(lambda c: If("branch", c, then, otherwise)),
+    exe = ex.build(branch_graph(SETTER, lambda c: If("branch", c, then, otherwise)),
                    bindings={"choice": choice, "out": out})
     try:
         exe.launch(sync=True)
         assert int(out[0]) == 1
         then, otherwise = adds(2, 20)
-        res = exe.update(branch_graph(lambda c: If("branch", c, then, otherwise)))
+        res = exe.update(branch_graph(SETTER, lambda c: If("branch", c, then, otherwise)))
         print(f"{kind} IF update: {res}")
         got = []
         for v in (1, 0, 1):
