@@ -246,6 +246,55 @@ def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, p
         exe.close()
 
 
+def while_graph_external(limit, n):
+    """`while_graph` on external device buffers: no memory nodes."""
+    counter, fl, v = Buffer("counter", 4), Buffer("flag", 4), Buffer("v", 4 * n)
+    go = Condition("go", default=1, flag=fl)
+    body = TaskGraph()
+    body.add(KernelNode("step", STEP, 1, 256, (go, InOut(counter), Out(fl), limit, InOut(v), n)))
+    g = TaskGraph()
+    g.add(HostToDevice("up", HostBuffer("vin", 4 * n), v))
+    g.add(Memset("zero", counter, 0))
+    g.add(While("loop", go, body))
+    g.add(DeviceToHost("down_v", v, HostBuffer("vout", 4 * n)))
+    g.add(DeviceToHost("down_counter", counter, HostBuffer("count", 4)))
+    return g
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_a_conditional_graph_without_memory_nodes_updates_in_place(dev, executors, pinned,
+                                                                   kind):
+    """On external buffers cuGraphExecUpdate takes the new WHILE limit in place (the driver
+    matches the handles by creation order) and the launches run it."""
+    n = 1000
+    s = Stream(dev)
+    bufs = {k: DeviceBuffer.allocate(nb, s) for k, nb in (("counter", 4), ("flag", 4),
+                                                           ("v", 4 * n))}
+    s.synchronize()
+    vin, vout, count = pinned(n, np.float32), pinned(n, np.float32), pinned(1, np.int32)
+    vin[:] = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+    exe = executors[kind].build(while_graph_external(37, n),
+                                bindings={"vin": vin, "vout": vout, "count": count, **bufs})
+    try:
+        exe.launch(sync=True)
+        assert int(count[0]) == 37
+        res = exe.update(while_graph_external(9, n))
+        print(f"\n{kind} WHILE update on external buffers: {res}")
+        assert res.updated and not res.reinstantiated
+        ref = vin.copy()
+        for _ in range(9):
+            ref = ref * np.float32(0.5) + np.float32(1)
+        for _ in range(2):
+            count[0] = -1
+            exe.launch(sync=True)
+            assert int(count[0]) == 9 and vout.tobytes() == ref.tobytes()
+    finally:
+        exe.close()
+        for b in bufs.values():
+            b.close()
+        s.close()
+
+
 @pytest.mark.parametrize("kind", ["capture", "graph-build", "eager"])
 def test_nested_if_inside_while(executors, pinned, kind):
     counter, fl, acc, fl2 = (Buffer(n, 4) for n in ("counter", "flag", "acc", "flag2"))
