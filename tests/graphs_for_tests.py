@@ -29,6 +29,7 @@ from orchestra.graph import (
     build_pipeline,
 )
 from tests import fake_graph_cuda as fg
+from tests.fake_cuda import FakeCuda
 
 
 def burn_reference(x, iters=3):
@@ -57,6 +58,17 @@ def check_burn_outputs(bs, bind, iters=3):
     for b in bs:
         np.testing.assert_array_equal(bind[b.host_out.buffer.name],
                                       burn_reference(bind[b.host_in.buffer.name], iters))
+
+
+def fake_drivers(monkeypatch, *, kernel_host_access=False):
+    """(eager fake, graph fake): the graph fake installed as the process's default driver API
+    (undone by ``monkeypatch``); ``kernel_host_access``: both devices' kernels address pinned
+    host memory (what the copy kernel needs)."""
+    eager = FakeCuda()
+    graph = fg.install(monkeypatch)
+    eager.device.kernel_host_access = kernel_host_access
+    graph.device.kernel_host_access = kernel_host_access
+    return eager, graph
 
 
 def fake_executor(kind, fakes, *, eager_kernel, graph_kernels=None, **kw):

@@ -36,8 +36,8 @@ from orchestra.graph import (
     While,
 )
 from tests import fake_graph_cuda as fg
-from tests.fake_cuda import FakeCuda, FakeKernel, fake_kernel
-from tests.graphs_for_tests import fake_executor
+from tests.fake_cuda import FakeKernel, fake_kernel
+from tests.graphs_for_tests import fake_drivers, fake_executor
 from tests.test_control import ADD, BURN, KERNELS, SETTER, STEP, chain_reference
 
 KINDS = ("eager", "capture", "graph-build")
@@ -47,11 +47,7 @@ N = 256  # floats per array: 1 KiB copies, below every default crossover
 @pytest.fixture
 def fakes(monkeypatch):
     """(eager fake, graph fake) on devices whose kernels address pinned host memory."""
-    eager = FakeCuda()
-    graph = fg.install(monkeypatch)
-    eager.device.kernel_host_access = True
-    graph.device.kernel_host_access = True
-    return eager, graph
+    return fake_drivers(monkeypatch, kernel_host_access=True)
 
 
 def executor(kind, fakes, **kw):

@@ -45,9 +45,14 @@ from orchestra.graph import (
 from orchestra.schedule import schedule
 from orchestra.trace import spans_from_event_pairs
 from orchestra.trace.chrome import to_chrome_trace
-from tests import fake_graph_cuda as fg
 from tests.fake_cuda import FakeCuda, fake_kernel, patch_eager_tracer
-from tests.graphs_for_tests import burn_pipeline, burn_reference, check_burn_outputs, fake_executor
+from tests.graphs_for_tests import (
+    burn_pipeline,
+    burn_reference,
+    check_burn_outputs,
+    fake_drivers,
+    fake_executor,
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 BURN = KernelRef("burn.cu", "burn", params=BURN_PARAMS)
@@ -62,11 +67,7 @@ def pipeline(batches=3, nbytes=N, seed=0):
 @pytest.fixture
 def fakes(monkeypatch):
     """(eager fake, graph fake), both with devices whose kernels address host memory."""
-    eager = FakeCuda()
-    graph = fg.install(monkeypatch)
-    eager.device.kernel_host_access = True
-    graph.device.kernel_host_access = True
-    return eager, graph
+    return fake_drivers(monkeypatch, kernel_host_access=True)
 
 
 def executor(kind, fakes, **kw):
