@@ -56,11 +56,12 @@ class TaskGraph:
         after = node.after
         if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
-        if any(b is self for b in node.bodies):
+        bodies = node.bodies
+        if bodies and any(b is self for b in bodies):
             raise GraphError(f"node {name!r}: a body of it is the graph it is added to; a body "
                              "must be a separate TaskGraph")
         accesses = node._accesses
-        if accesses is None or node.bodies:
+        if accesses is None or bodies:
             # a subclass that skipped Node's __attrs_post_init__, or a node with bodies (which
             # may have grown since the node was made: they are complete once it is added)
             accesses = node.accesses()
@@ -75,9 +76,9 @@ class TaskGraph:
                     self._control = True
             elif known is not buf:
                 self._register(buf, name)  # equal, or a clash to report
-        if node.bodies or node.tests is not None:
+        if bodies or node.tests is not None:
             self._control = True
-            for body in node.bodies:
+            for body in bodies:
                 body._container = name  # checked with the whole tree, from the top
         nodes[name] = node
         index = self._index
@@ -133,6 +134,11 @@ class TaskGraph:
     def nodes(self) -> tuple[Node, ...]:
         """Every node, in insertion order."""
         return tuple(self._nodes.values())
+
+    def node_map(self) -> dict[str, Node]:
+        """Every node name -> its node, in insertion order: the graph's own table, for
+        algorithms that visit every node (do not modify it)."""
+        return self._nodes
 
     def node(self, name: str) -> Node:
         try:
