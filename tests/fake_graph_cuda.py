@@ -658,6 +658,12 @@ class FakeGraphDriver(FakeAPI):
                 info.result = 3 if a[0] != b[0] else 2
                 info.errorNode = g.nodes[i].id
                 return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
+        if any(n.kind == "conditional" for n in g.nodes):
+            # as measured with driver 580 on an H200: a graph holding conditional nodes (whose
+            # handles belong to the graph that created them) is refused at its first node
+            info.result = 1  # CU_GRAPH_EXEC_UPDATE_ERROR
+            info.errorNode = g.nodes[0].id
+            return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
         e.slots = [dict(n.params) for n in g.nodes]
         return (OK, info)
 

@@ -823,6 +823,43 @@ def test_a_replay_flips_the_branch_and_the_loop_restarts_each_launch(fakes, kind
         w.close()
 
 
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_update_of_a_graph_with_conditional_nodes_instantiates_the_new_graph(fakes, kind):
+    _, graph = fakes
+    out = np.zeros(1, np.int32)
+    with control_executor(kind, fakes) as ex:
+        w = ex.build(while_graph(4), bindings={"out": out})
+        w.launch(sync=True)
+        assert out[0] == 4
+        out2 = np.zeros(1, np.int32)
+        updates = graph.counts["cuGraphExecUpdate"]
+        res = w.update(while_graph(9), bindings={"out": out2})
+        assert (res.updated, res.reinstantiated, res.reason) == (False, True,
+                                                                 "conditional nodes")
+        assert graph.counts["cuGraphExecUpdate"] == updates  # not tried: the driver refuses
+        for _ in range(2):
+            out2[0] = -1
+            w.launch(sync=True)
+            assert out2[0] == 9 and out[0] == 4
+        w.close()
+        then, otherwise = adds(1, 10)
+        choice = np.array([0], np.uint32)
+        exe = ex.build(branch_graph(lambda c: If("branch", c, then, otherwise)),
+                       bindings={"choice": choice, "out": out})
+        exe.launch(sync=True)
+        assert out[0] == 10
+        then, otherwise = adds(2, 20)
+        res = exe.update(branch_graph(lambda c: If("branch", c, then, otherwise)))
+        assert res.reinstantiated and res.reason == "conditional nodes"
+        got = []
+        for v in (1, 0):
+            choice[0] = v
+            exe.launch(sync=True)
+            got.append(int(out[0]))
+        assert got == [2, 20]
+        exe.close()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_nested_conditionals_get_their_handles_on_their_body_graphs(fakes, kind):
     counter, fl, acc, fl2 = Buffer("counter", 4), Buffer("flag", 4), Buffer("acc", 4), \

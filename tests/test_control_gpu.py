@@ -213,6 +213,55 @@ def test_while_runs_the_exact_number_of_iterations_and_matches_numpy(executors, 
         assert vout.tobytes() == ref.tobytes()
 
 
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, pinned, kind):
+    """update() of an exec holding a WHILE (new limit, new host arrays) and an IF / ELSE (new
+    constants in both bodies): the next launches run the new graph, whether the driver took
+    the update in place or the exec was instantiated anew."""
+    ex = executors[kind]
+    n = 1000
+    vin, count = pinned(n, np.float32), pinned(1, np.int32)
+    vin[:] = (np.random.default_rng(5).standard_normal(n) * 100).astype(np.float32)
+    vout = pinned(n, np.float32)
+    exe = ex.build(while_graph(37, n), bindings={"vin": vin, "vout": vout, "count": count})
+    try:
+        exe.launch(sync=True)
+        assert int(count[0]) == 37
+        vout2, count2 = pinned(n, np.float32), pinned(1, np.int32)
+        vout2[:], count2[0] = np.nan, -1
+        res = exe.update(while_graph(9, n), bindings={"vin": vin, "vout": vout2,
+                                                     "count": count2})
+        print(f"\n{kind} WHILE update: {res}")
+        for _ in range(2):
+            exe.launch(sync=True)
+            ref = vin.copy()
+            for _ in range(9):
+                ref = ref * np.float32(0.5) + np.float32(1)
+            assert int(count2[0]) == 9
+            assert vout2.tobytes() == ref.tobytes()
+    finally:
+        exe.close()
+    choice, out = pinned(1, np.uint32), pinned(1, np.int32)
+    then, otherwise = adds(1, 10)
+    choice[0] = 1
+    exe = ex.build(branch_graph(lambda c: If("branch", c, then, otherwise)),
+                   bindings={"choice": choice, "out": out})
+    try:
+        exe.launch(sync=True)
+        assert int(out[0]) == 1
+        then, otherwise = adds(2, 20)
+        res = exe.update(branch_graph(lambda c: If("branch", c, then, otherwise)))
+        print(f"{kind} IF update: {res}")
+        got = []
+        for v in (1, 0, 1):
+            choice[0], out[0] = v, -1
+            exe.launch(sync=True)
+            got.append(int(out[0]))
+        assert got == [2, 20, 2]
+    finally:
+        exe.close()
+
+
 @pytest.mark.parametrize("kind", ["capture", "graph-build", "eager"])
 def test_nested_if_inside_while(executors, pinned, kind):
     counter, fl, acc, fl2 = (Buffer(n, 4) for n in ("counter", "flag", "acc", "flag2"))

@@ -54,6 +54,8 @@ def test_sustained_times_are_physical(dev):
     assert su.pair_ms >= 0.8 * max(su.h2d_ms, su.d2h_ms)
     # 4 MiB over PCIe or NVLink-C2C: between 1 and 1000 GB/s
     assert 1.0 < (4 * n) / (su.h2d_ms * 1e6) < 1000.0
+    # each copy time is the faster of the copy engines and the copy kernel, and says which
+    assert su.copies.startswith("H2D by copy ") and "D2H by copy " in su.copies, su.copies
     b = single.bound(8)
     assert b.bound_ms >= 8 * min(su.h2d_ms, su.pair_ms)
 

@@ -156,7 +156,8 @@ def print_report(r) -> None:
                   else "")
         print(f"sustained per batch ({su['items']} back-to-back{spread}, GPU time behind a "
               f"gate): H2D {su['h2d_ms']:.3f} ms, kernel {su['kernel_ms']:.3f} ms, D2H "
-              f"{su['d2h_ms']:.3f} ms, H2D + D2H at once {su['pair_ms']:.3f} ms per pair")
+              f"{su['d2h_ms']:.3f} ms, H2D + D2H at once {su['pair_ms']:.3f} ms per pair"
+              + (f" ({su['copies']})" if su.get("copies") else ""))
     if r.bound_terms:
         terms = ", ".join(f"{k} {v:.3f}" for k, v in r.bound_terms.items())
         print(f"bound = the largest of ({terms}) ms: {r.bound_limiter}-bound; efficiency = "

@@ -6,12 +6,13 @@
 What it measures, per executor mode (``graph``: a CUDA graph built with `GraphBuildExecutor`
 and launched; ``eager``: `EagerExecutor` runs) and per copy size (4 KiB - 4 MiB; ``quick``:
 4 KiB, 64 KiB, 1 MiB): the main job's pipeline (`build_pipeline`: per batch H2D -> burn kernel
-with 1 iteration -> D2H, scheduled by-engine on 3 streams; 64 batches up to 1 MiB, 16 at 4 MiB,
-so copies overlap in both directions as they do in real work), three ways: every copy on the
-copy engines, the H2D copies as copy kernels, the D2H copies as copy kernels. Each variant is
-run ``repeats`` times after two warm-ups; the wall time per run (launch or enqueue until the
-synchronize returns, host and GPU together) is the median. Every variant's output is checked
-once against numpy (the outputs poisoned with NaN first).
+with 1 iteration -> D2H, scheduled by-engine on 3 streams; 256 batches up to 64 KiB, 64 up to
+1 MiB, 16 at 4 MiB, so copies overlap in both directions as they do in real work), three ways:
+every copy on the copy engines, the H2D copies as copy kernels, the D2H copies as copy
+kernels. The variants take turns, run by run, ``repeats`` runs each after two warm-ups; the
+wall time per run (launch or enqueue until the synchronize returns, host and GPU together) is
+the median. Every variant's output is checked once against numpy (the outputs poisoned with
+NaN first).
 
 The crossover of a direction is the smallest size from which the copy engines are no slower
 (within `MARGIN`) at it and at every larger size measured; copies below it become copy kernels
@@ -44,7 +45,12 @@ BURN_PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s",
 
 
 def batches_for(size: int) -> int:
-    """Batches per pipeline for copies of ``size`` bytes (64 up to 1 MiB, else 16)."""
+    """Batches per pipeline for copies of ``size`` bytes: 256 up to 64 KiB, 64 up to 1 MiB,
+    else 16. Small copies need many batches for a run to last milliseconds: a run of 64
+    x 4 KiB (a few hundred µs) is dominated by the launch and the first copies' latency,
+    where the sustained rate a real pipeline lives on decides nothing."""
+    if size <= 64 * KIB:
+        return 256
     return 64 if size <= MIB else 16
 
 
@@ -131,15 +137,19 @@ def _pipeline(size: int, batches: int):
     return g
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+def _interleaved_ms(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Median wall ms of each of ``fns`` (name -> callable that runs and waits), the
+    variants taking turns run by run so that clock and thermal drift reach all alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - t0) / 1e6)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t0 = time.perf_counter_ns()
+            fn()
+            times[k].append((time.perf_counter_ns() - t0) / 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repeats: int = 7,
@@ -182,28 +192,30 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
             bind = {"host_in": x, "host_out": y}
             try:
                 for mode in modes:
-                    ms, ok = {}, True
-                    for variant in VARIANTS:
-                        h2d, d2h = _LOWERINGS[variant]
-                        g = with_lowering(base, h2d, d2h)
-                        if mode == "graph":
-                            exe = graph_ex.build(g, bindings=bind)
-                            try:
-                                ms[variant] = _median_ms(lambda: exe.launch(sync=True), repeats)
-                                y[:] = np.nan
-                                exe.launch(sync=True)
-                            finally:
-                                exe.close()
-                        else:
-                            plan = eager_ex.prepare(g, policy="by-engine", streams=3)
-                            ms[variant] = _median_ms(lambda: eager_ex.run(g, plan, bind),
-                                                     repeats)
+                    graphs = {v: with_lowering(base, *_LOWERINGS[v]) for v in VARIANTS}
+                    runs, execs = {}, []
+                    try:
+                        for v, g in graphs.items():
+                            if mode == "graph":
+                                exe = graph_ex.build(g, bindings=bind)
+                                execs.append(exe)
+                                runs[v] = (lambda e: lambda: e.launch(sync=True))(exe)
+                            else:
+                                plan = eager_ex.prepare(g, policy="by-engine", streams=3)
+                                runs[v] = (lambda g, p: lambda: eager_ex.run(g, p, bind))(g,
+                                                                                        plan)
+                        ms = _interleaved_ms(runs, repeats)
+                        ok = True
+                        for v in VARIANTS:  # each variant's output, poisoned first
                             y[:] = np.nan
-                            eager_ex.run(g, plan, bind)
-                        ok = ok and bool(np.array_equal(y, want))
-                        done += 1
-                        if progress is not None:
-                            progress(f"{mode} {fmt_bytes(size)} {variant}", done, total)
+                            runs[v]()
+                            ok = ok and bool(np.array_equal(y, want))
+                            done += 1
+                            if progress is not None:
+                                progress(f"{mode} {fmt_bytes(size)} {v}", done, total)
+                    finally:
+                        for exe in execs:
+                            exe.close()
                     rows.append(CrossoverRow(mode, size, batches, ms, ok))
             finally:
                 pin_in.close()

@@ -52,7 +52,8 @@ class Sustained:
     items each: H2D, kernel, D2H alone, and ``pair_ms`` per H2D + D2H pair run at once.
 
     ``streams``: how many streams the items were also spread over (each time is the faster of
-    one stream and that many: small items overlap across streams).
+    one stream and that many: small items overlap across streams). ``copies``: which mechanism
+    each copy time came from (copy engine or copy kernel, the faster counts), for printouts.
     """
 
     nbytes: int
@@ -62,6 +63,7 @@ class Sustained:
     d2h_ms: float
     pair_ms: float
     streams: int = 1
+    copies: str = "copy engines"
 
     def __attrs_post_init__(self):
         for name in ("h2d_ms", "kernel_ms", "d2h_ms", "pair_ms"):

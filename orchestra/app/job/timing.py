@@ -18,6 +18,7 @@ import statistics
 from typing import Callable
 
 import attrs
+import numpy as np
 
 from orchestra.app.job.bound import PipelineBound, Sustained, pipeline_bound
 from orchestra.errors import JobConfigError
@@ -143,14 +144,45 @@ class BatchTimer:
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
 
-    def sustained(self, items: int, iters: int, *, streams: int = 1) -> Sustained:
+    def _copy_kernel(self):
+        """The copy kernel (``cuda_src/copy.cu``) and its grid and block for ``nbytes``, or None
+        where the graph executors would not lower a copy of ``nbytes`` to it under ``"auto"``
+        (at or above every crossover of `orchestra.execute.copy_table.load_crossover`; large
+        copies belong on the copy engines) or it cannot be loaded."""
+        from orchestra.compiler.sources import kernel_source_dir
+        from orchestra.errors import OrchestraError
+        from orchestra.execute.copy_table import load_crossover
+        from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, COPY_PARAMS
+        from orchestra.execute.lowering.copy_policy import COPY_BLOCK, MODES, copy_grid
+        from orchestra.kernel import load_kernel
+
+        dev = self.stream.device
+        try:
+            cross = load_crossover(dev)
+            if self.nbytes >= max(cross.threshold(m, d) for m in MODES for d in ("h2d", "d2h")):
+                return None
+            k = load_kernel(str(kernel_source_dir() / "copy.cu"), COPY_KERNEL_NAME,
+                            params=COPY_PARAMS, device=dev)
+        except OrchestraError:
+            return None
+        return k, copy_grid(self.nbytes, dev.sm_count), COPY_BLOCK
+
+    def sustained(self, items: int, iters: int, *, streams: int = 1,
+                  copy_kernel: bool = True) -> Sustained:
         """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
         H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once. Each kind is timed on
         one stream and, when ``streams`` > 1, spread round-robin over that many (pairs: the
         H2Ds over ``streams`` streams, the D2Hs over as many others); the faster counts, since
         small items overlap across streams (several copy engines, kernels smaller than the GPU)
         as round-robin and concurrent plans let them. Items on several streams write the same
-        device or host buffer: harmless for timing, and the contents are not used."""
+        device or host buffer: harmless for timing, and the contents are not used.
+
+        With ``copy_kernel`` (the default), a copy small enough for ``"auto"`` to lower it to
+        the copy kernel (below the largest crossover) is also timed as that kernel (the SMs
+        read or write pinned host memory through its UVA address, each item its own host
+        region; docs/graphs.md), and the faster mechanism counts: a bound is a lower bound
+        only if no lowering an executor may pick beats it. ``Sustained.copies`` says which
+        mechanism each copy time came from."""
         from orchestra.app.job.graphs import burn_scalars
         from orchestra.app.job.sustained import GatedTimer
         from orchestra.driver import Stream
@@ -197,17 +229,64 @@ class BatchTimer:
                 t = min(t, gated.median_ms(make(S), others_of(S)) / K)
             return t
 
+        ck = self._copy_kernel() if copy_kernel else None
+        spans = []  # the copy kernels' own pinned host memory, one region per item
+        if ck is not None:
+            from orchestra.driver import PinnedBuffer
+
+            ckern, cgrid, cblock = ck
+            nb = self.nbytes
+            # Each item its own host region, as in a pipeline: the SMs reach host memory
+            # through L2, so items re-reading or re-writing one region (the copy engines'
+            # timing above does) would be served by L2 and beat the link.
+            spans = [PinnedBuffer.empty(K * nb, np.uint8, s.device) for _ in range(2)]
+            hin, hout = (int(b.array.ctypes.data) for b in spans)
+            # dst, src, bytes, system fence (D2H: the host must see the bytes at the end)
+            ups = [ckern.pack([d_in.ptr, hin + i * nb, nb, 0]) for i in range(K)]
+            dns = [ckern.pack([hout + i * nb, d_out.ptr, nb, 1]) for i in range(K)]
+
+            def kh2ds(width):
+                def run():
+                    for i in range(K):
+                        ckern.launch(lanes[i % width], cgrid, cblock, ups[i])
+                return run
+
+            def kd2hs(width):
+                def run():
+                    for i in range(K):
+                        ckern.launch(lanes[i % width], cgrid, cblock, dns[i])
+                return run
+
+            def kpairs(width):
+                def run():
+                    for i in range(K):
+                        ckern.launch(lanes[i % width], cgrid, cblock, ups[i])
+                        ckern.launch(down[i % width], cgrid, cblock, dns[i])
+                return run
+
+        def fastest(engine, kernel, others):
+            t = best(engine, others)
+            if ck is None:
+                return t, "copy engine"
+            tk = best(kernel, others)
+            return (tk, "copy kernel") if tk < t else (t, "copy engine")
+
         try:
-            t_h = best(h2ds, lambda w: lanes[1:w])
-            t_d = best(d2hs, lambda w: lanes[1:w])
+            t_h, by_h = fastest(h2ds, kh2ds if ck else None, lambda w: lanes[1:w])
+            t_d, by_d = fastest(d2hs, kd2hs if ck else None, lambda w: lanes[1:w])
             t_k = best(kernels, lambda w: lanes[1:w])
-            t_p = best(pairs, lambda w: lanes[1:w] + down[:w])
+            t_p, by_p = fastest(pairs, kpairs if ck else None,
+                                lambda w: lanes[1:w] + down[:w])
         finally:
             gated.close()
             for e in extra:
                 e.synchronize()
                 e.close()
-        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S)
+            s.synchronize()
+            for b in spans:
+                b.close()
+        return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S,
+                         copies=f"H2D by {by_h}, D2H by {by_d}, pair by {by_p}")
 
     def measure(self, iters: int | None, *, items: int | None = None,
                 streams: int = 1) -> SingleBatch:

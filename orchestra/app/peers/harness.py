@@ -117,8 +117,8 @@ class PipelineData:
         return {**self.spec.as_dict(), "label": self.spec.label, "iters_used": self.iters,
                 "bound": self.bound.as_dict(),
                 "bound_line": (f"{self.bound.describe()}; sustained per batch ({su.items} "
-                               f"items): H2D {su.h2d_ms:.3f}, kernel {su.kernel_ms:.3f}, D2H "
-                               f"{su.d2h_ms:.3f}, pair {su.pair_ms:.3f} ms; burn "
+                               f"items): H2D {su.h2d_ms:.4f}, kernel {su.kernel_ms:.4f}, D2H "
+                               f"{su.d2h_ms:.4f}, pair {su.pair_ms:.4f} ms ({su.copies}); burn "
                                f"{self.iters} iters")}
 
     def close(self) -> None:
