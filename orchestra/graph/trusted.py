@@ -66,7 +66,7 @@ def make_each(cls: type, name: str, values) -> list:
     hundreds of thousands of plan steps of a long pipeline. Same contract as `maker`."""
     maker(cls, name)  # checks that ``name`` is every field of ``cls``
     values = values if isinstance(values, (list, tuple)) else list(values)
-    objs = list(map(object.__new__, repeat(cls, len(values))))
+    objs: list = list(map(object.__new__, repeat(cls, len(values))))
     deque(map(_slot(cls, name).__set__, objs, values), 0)
     return objs
 

@@ -11,7 +11,7 @@ dependencies. An event recorded after a node is shared by all the waits on that 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 from orchestra.errors import GraphError
 from orchestra.graph import TaskGraph
@@ -40,9 +40,11 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
         gpos = _checked_positions(graph, order, preds)
     at = gpos.__getitem__
     # node -> stream index, from the mapping in one pass; anything unusual goes the slow way
-    on = dict(zip(node_stream.keys(), map(sid.get, node_stream.values())))
-    if len(on) != len(gpos) or None in on.values() or on.keys() != gpos.keys():
+    fast = dict(zip(node_stream.keys(), map(sid.get, node_stream.values())))
+    if len(fast) != len(gpos) or None in fast.values() or fast.keys() != gpos.keys():
         on = _checked_streams(order, node_stream, sid)
+    else:
+        on = cast("dict[str, int]", fast)  # no None in it: checked just above
 
     S = len(specs)
     cur = [[0] * S for _ in specs]
@@ -108,8 +110,8 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
             recorded[k].append(rec.event)
     # what Plan() would derive by scanning every step, known here already
     stream_of: dict[str, str] = {}
-    for sp, ms in zip(specs, members):
-        stream_of.update(dict.fromkeys(ms, sp.name))
+    for spec, ms in zip(specs, members):
+        stream_of.update(dict.fromkeys(ms, spec.name))
     events = tuple(e for evs in recorded for e in evs)  # every waited event is recorded
     return Plan._derived(specs, {sp.name: tuple(x) for sp, x in zip(specs, lists)}, policy,
                          order, dict(meta or {}), stream_of, events, (len(events), n_waits))
@@ -140,4 +142,4 @@ def _checked_streams(order: tuple, node_stream, sid: dict) -> dict[str, int]:
         n = next(n for n in order if on[n] is None)
         raise GraphError(f"node {n} is assigned to stream {node_stream.get(n)!r}, "
                          f"not one of {list(sid)}")
-    return on
+    return cast("dict[str, int]", on)

@@ -9,6 +9,8 @@ within their level (one piece), as Taskflow's round-robin capturer does.
 
 from __future__ import annotations
 
+from typing import cast
+
 import heapq
 
 from orchestra.errors import GraphError, ScheduleError
@@ -83,7 +85,7 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
     nodes = graph.nodes
     key = {n.name: n.batch for n in nodes}
     if None not in key.values():  # the common case: no fallback to compute
-        return key
+        return cast("dict[str, int]", key)
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
