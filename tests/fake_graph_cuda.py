@@ -157,6 +157,7 @@ class FExec:
         self.live: set[int] = set()
         self.launches = 0
         self.disabled: set[int] = set()  # indices of disabled nodes
+        self.handle_graph: FGraph | None = None  # the graph of the last exec update, if any
 
 
 class Seq:
@@ -555,7 +556,10 @@ class FakeGraphDriver(FakeAPI):
         if e.flags & 1:  # AUTO_FREE_ON_LAUNCH: free what the previous launch left allocated
             e.live.clear()
         self.cond = {}
-        for g in e.graph.tree():  # every handle: its default when it has one, else undefined
+        # every handle: its default when it has one, else undefined; after an exec update, the
+        # updating graph's handles (the driver matches handles by creation order: on an H200 a
+        # WHILE and an IF / ELSE updated in place ran the new graph's bodies and limits)
+        for g in (e.handle_graph or e.graph).tree():
             for hh, (default, flags) in g.handles.items():
                 self.cond[hh] = default if flags & 1 else UNDEFINED
         for i, (kind, p) in enumerate(zip(e.kinds, e.slots)):
@@ -658,13 +662,8 @@ class FakeGraphDriver(FakeAPI):
                 info.result = 3 if a[0] != b[0] else 2
                 info.errorNode = g.nodes[i].id
                 return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
-        if any(n.kind == "conditional" for n in g.nodes):
-            # as measured with driver 580 on an H200: a graph holding conditional nodes (whose
-            # handles belong to the graph that created them) is refused at its first node
-            info.result = 1  # CU_GRAPH_EXEC_UPDATE_ERROR
-            info.errorNode = g.nodes[0].id
-            return (R.CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, info)
         e.slots = [dict(n.params) for n in g.nodes]
+        e.handle_graph = g
         return (OK, info)
 
     def cuDeviceGetGraphMemAttribute(self, dev, attr):

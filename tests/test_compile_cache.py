@@ -30,6 +30,14 @@ def kernel_src(include: str = '"kname.h"') -> str:
     return f'#include {include}\nextern "C" __global__ void KNAME(int* p) {{ p[0] = 1; }}\n'
 
 
+def write_source(tmp_path: Path, text: str) -> Path:
+    """``text`` as ``src/k.cu`` under ``tmp_path``."""
+    src = tmp_path / "src" / "k.cu"
+    src.parent.mkdir()
+    src.write_text(text)
+    return src
+
+
 def write_header(path: Path, name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"#pragma once\n#define KNAME {name}\n")
@@ -39,9 +47,7 @@ def write_header(path: Path, name: str) -> Path:
 @pytest.fixture
 def case(tmp_path):
     """A source in src/ including "kname.h", which lives in inc/ (reachable only via -I)."""
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text(kernel_src())
+    src = write_source(tmp_path, kernel_src())
     write_header(tmp_path / "inc" / "kname.h", "k_v1")
     return src, tmp_path / "inc"
 
@@ -74,12 +80,18 @@ def compile_names(src, **kw):
     return res, kernel_names(res.cubin)
 
 
+def recompiles_to(name: str, src, **kw):
+    """Compile ``src``; assert it missed the cache and the cubin's one kernel is ``name``."""
+    res, names = compile_names(src, **kw)
+    assert not res.cache_hit and names == [name]
+    return res
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_editing_a_header_recompiles_on_every_include_route(route, case, count_nvrtc):
     src, inc = case
     kw = ROUTES[route](inc)
-    a, names = compile_names(src, **kw)
-    assert not a.cache_hit and names == ["k_v1"]
+    a = recompiles_to("k_v1", src, **kw)
     b, _ = compile_names(src, **kw)
     assert b.cache_hit and b.key == a.key and len(count_nvrtc) == 1
     write_header(inc / "kname.h", "k_v2")
@@ -105,8 +117,7 @@ def test_relative_include_dir_is_taken_from_the_working_directory(case, monkeypa
     a, names = compile_names(src, options=("-Iinc",))
     assert names == ["k_v1"]
     write_header(inc / "kname.h", "k_v2")
-    b, names = compile_names(src, options=("-Iinc",))
-    assert not b.cache_hit and names == ["k_v2"]
+    recompiles_to("k_v2", src, options=("-Iinc",))
 
 
 def test_nested_header_edit_recompiles(tmp_path):
@@ -122,8 +133,7 @@ def test_nested_header_edit_recompiles(tmp_path):
     r1, names = compile_names(src, options=opts)
     assert names == ["k_deep1"]
     write_header(b / "deep.h", "k_deep2")
-    r2, names = compile_names(src, options=opts)
-    assert not r2.cache_hit and names == ["k_deep2"]
+    r2 = recompiles_to("k_deep2", src, options=opts)
     (a / "inner.h").write_text("#pragma once\n#include <deep.h>\n// edited, same includes\n")
     r3, names = compile_names(src, options=opts)
     assert not r3.cache_hit and names == ["k_deep2"] and r3.key != r2.key
@@ -133,16 +143,13 @@ def test_header_added_to_an_earlier_directory_shadows_a_later_one(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     write_header(second / "kname.h", "k_second")
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text(kernel_src("<kname.h>"))
+    src = write_source(tmp_path, kernel_src("<kname.h>"))
     opts = (f"-I{first}", f"-I{second}")
     a, names = compile_names(src, options=opts)
     assert names == ["k_second"]
     assert compile_names(src, options=opts)[0].cache_hit
     write_header(first / "kname.h", "k_first")  # now found first: NVRTC reads this one
-    b, names = compile_names(src, options=opts)
-    assert not b.cache_hit and names == ["k_first"]
+    recompiles_to("k_first", src, options=opts)
 
 
 def test_header_next_to_the_including_file_shadows_the_search_path(tmp_path):
@@ -151,14 +158,11 @@ def test_header_next_to_the_including_file_shadows_the_search_path(tmp_path):
     a.mkdir()
     (a / "outer.h").write_text('#pragma once\n#include "kname.h"\n')
     write_header(b / "kname.h", "k_b")
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text(kernel_src("<outer.h>"))
+    src = write_source(tmp_path, kernel_src("<outer.h>"))
     opts = (f"-I{b}", f"-I{a}")
     assert compile_names(src, options=opts)[1] == ["k_b"]
     write_header(a / "kname.h", "k_beside")
-    r, names = compile_names(src, options=opts)
-    assert not r.cache_hit and names == ["k_beside"]
+    recompiles_to("k_beside", src, options=opts)
     write_header(src.parent / "kname.h", "k_src")  # not beside outer.h: changes nothing
     r2, names = compile_names(src, options=opts)
     assert names == ["k_beside"]
@@ -167,16 +171,14 @@ def test_header_next_to_the_including_file_shadows_the_search_path(tmp_path):
 def test_a_header_that_appears_later_changes_the_key(tmp_path):
     inc = tmp_path / "inc"
     inc.mkdir()
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text('#if __has_include("opt.h")\n#include "opt.h"\n#else\n#define KNAME k_none\n'
-                   '#endif\nextern "C" __global__ void KNAME(int* p) { p[0] = 1; }\n')
+    src = write_source(tmp_path, '#if __has_include("opt.h")\n#include "opt.h"\n#else\n'
+                       '#define KNAME k_none\n#endif\n'
+                       'extern "C" __global__ void KNAME(int* p) { p[0] = 1; }\n')
     a, names = compile_names(src, include_dirs=[inc])
     assert names == ["k_none"]
     assert compile_names(src, include_dirs=[inc])[0].cache_hit
     write_header(inc / "opt.h", "k_opt")
-    b, names = compile_names(src, include_dirs=[inc])
-    assert not b.cache_hit and names == ["k_opt"]
+    recompiles_to("k_opt", src, include_dirs=[inc])
     (inc / "opt.h").unlink()
     c, names = compile_names(src, include_dirs=[inc])
     assert c.cache_hit and c.key == a.key and names == ["k_none"]
@@ -202,8 +204,7 @@ def test_pre_include_header_is_part_of_the_key(case):
     opts = ("-include", "kname.h", f"-I{inc}")
     assert compile_names(src, options=opts)[1] == ["k_v1"]
     write_header(inc / "kname.h", "k_v2")
-    r, names = compile_names(src, options=opts)
-    assert not r.cache_hit and names == ["k_v2"]
+    recompiles_to("k_v2", src, options=opts)
 
 
 def test_include_next_follows_the_later_directory(tmp_path):
@@ -211,14 +212,11 @@ def test_include_next_follows_the_later_directory(tmp_path):
     a.mkdir()
     (a / "kname.h").write_text("#include_next <kname.h>\n")
     write_header(b / "kname.h", "k_next1")
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text(kernel_src("<kname.h>"))
+    src = write_source(tmp_path, kernel_src("<kname.h>"))
     opts = (f"-I{a}", f"-I{b}")
     assert compile_names(src, options=opts)[1] == ["k_next1"]
     write_header(b / "kname.h", "k_next2")
-    r, names = compile_names(src, options=opts)
-    assert not r.cache_hit and names == ["k_next2"]
+    recompiles_to("k_next2", src, options=opts)
 
 
 def test_inline_source_quote_includes_resolve_from_the_working_directory(tmp_path, monkeypatch):
@@ -227,8 +225,7 @@ def test_inline_source_quote_includes_resolve_from_the_working_directory(tmp_pat
     a, names = compile_names(kernel_src())
     assert names == ["k_cwd1"]
     write_header(tmp_path / "kname.h", "k_cwd2")
-    b, names = compile_names(kernel_src())
-    assert not b.cache_hit and names == ["k_cwd2"]
+    recompiles_to("k_cwd2", kernel_src())
 
 
 def test_system_headers_count_by_version_not_content(tmp_path):
@@ -309,9 +306,7 @@ def settled_tree(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     write_header(second / "kname.h", "k_second")
-    src = tmp_path / "src" / "k.cu"
-    src.parent.mkdir()
-    src.write_text(kernel_src("<kname.h>"))
+    src = write_source(tmp_path, kernel_src("<kname.h>"))
     _age(second / "kname.h", src, first, second, src.parent, tmp_path)
     headers.clear_memo()
     return src, first, second, (f"-I{first}", f"-I{second}")
@@ -343,8 +338,7 @@ def test_settled_tree_shadowing_header_added_later(settled_tree):
     assert names == ["k_second"] and compile_names(src, options=opts)[0].cache_hit
     write_header(first / "kname.h", "k_first")
     _age(first / "kname.h", first, t=OLD + 5)  # still settled, but a new signature
-    b, names = compile_names(src, options=opts)
-    assert not b.cache_hit and names == ["k_first"]
+    recompiles_to("k_first", src, options=opts)
 
 
 def test_settled_tree_same_size_edit_with_the_old_mtime_restored(settled_tree):
@@ -356,8 +350,7 @@ def test_settled_tree_same_size_edit_with_the_old_mtime_restored(settled_tree):
     time.sleep(0.01)  # let the ctime clock tick
     h.write_text(h.read_text().replace("k_second", "k_secnd2"))
     os.utime(h, ns=(st.st_atime_ns, st.st_mtime_ns))
-    r, names = compile_names(src, options=opts)
-    assert not r.cache_hit and names == ["k_secnd2"]
+    recompiles_to("k_secnd2", src, options=opts)
 
 
 def test_settled_tree_new_subdirectory_header(settled_tree):
@@ -369,8 +362,7 @@ def test_settled_tree_new_subdirectory_header(settled_tree):
     assert compile_names(src, options=opts)[0].cache_hit
     write_header(first / "sub" / "kname.h", "k_sub_first")  # creates first/sub
     _age(first / "sub" / "kname.h", first / "sub", first, t=OLD + 5)
-    r, names = compile_names(src, options=opts)
-    assert not r.cache_hit and names == ["k_sub_first"]
+    recompiles_to("k_sub_first", src, options=opts)
 
 
 @pytest.mark.parametrize("opts, dirs, pre, src_inc", [

@@ -14,9 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestra.execute import CopyPolicy, EagerExecutor, KernelResolver
-from orchestra.execute.cuda_graph.build import GraphBuildExecutor
-from orchestra.execute.cuda_graph.capture import CaptureExecutor
+from orchestra.execute import CopyPolicy, EagerExecutor
 from orchestra.execute.cuda_graph.spec import translate
 from orchestra.execute.errors import BindingError, ExecutorArgumentValueError
 from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, CopyKernelArgs
@@ -38,7 +36,8 @@ from orchestra.graph import (
     While,
 )
 from tests import fake_graph_cuda as fg
-from tests.fake_cuda import FakeCuda, FakeKernel, fake_kernel
+from tests.fake_cuda import FakeKernel, fake_kernel
+from tests.graphs_for_tests import fake_drivers, fake_executor
 from tests.test_control import ADD, BURN, KERNELS, SETTER, STEP, chain_reference
 
 KINDS = ("eager", "capture", "graph-build")
@@ -48,24 +47,18 @@ N = 256  # floats per array: 1 KiB copies, below every default crossover
 @pytest.fixture
 def fakes(monkeypatch):
     """(eager fake, graph fake) on devices whose kernels address pinned host memory."""
-    eager = FakeCuda()
-    graph = fg.install(monkeypatch)
-    eager.device.kernel_host_access = True
-    graph.device.kernel_host_access = True
-    return eager, graph
+    return fake_drivers(monkeypatch, kernel_host_access=True)
 
 
 def executor(kind, fakes, **kw):
     """An executor on the fakes whose kernels are the copy kernel, burn and test_control's
     control kernels (set_cond, add_to, while_step)."""
-    eager, graph = fakes
     if kind == "eager":
         made = {name: FakeKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
-        return EagerExecutor(eager.device, driver=eager, kernel_resolver=KernelResolver(
-            eager.device, lambda r, d: made.get(r.name) or fake_kernel(r, d)), **kw)
+        return fake_executor(kind, fakes, eager_kernel=lambda r, d: made.get(r.name)
+                             or fake_kernel(r, d), **kw)
     made = {name: fg.FakeGraphKernel(p, name, behave=b) for name, (p, b) in KERNELS.items()}
-    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
-    return cls(graph.device, driver=graph, kernel_resolver=fg.resolver(graph, made), **kw)
+    return fake_executor(kind, fakes, eager_kernel=None, graph_kernels=made, **kw)
 
 
 def copy_log(fakes, kind):

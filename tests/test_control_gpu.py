@@ -43,6 +43,7 @@ from orchestra.graph import (
     TaskGraph,
     While,
 )
+from tests.graphs_for_tests import branch_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -120,23 +121,6 @@ def adds(*ks):
     return out
 
 
-def branch_graph(make_node):
-    """choice (host) -> src; acc = 0; set(cond, src, flag); the node; acc -> out."""
-    src, fl, acc = Buffer("src", 4), Buffer("flag", 4), Buffer("acc", 4)
-    cond = Condition("c", flag=fl)
-    g = TaskGraph()
-    for b in (src, fl, acc):
-        g.add(Alloc(f"a_{b.name}", b))
-    g.add(HostToDevice("up", HostBuffer("choice", 4), src))
-    g.add(Memset("zero", acc, 0))
-    g.add(KernelNode("set", SETTER, 1, 1, (cond, In(src), Out(fl))))
-    g.add(make_node(cond))
-    g.add(DeviceToHost("down", acc, HostBuffer("out", 4)))
-    for b in (src, fl, acc):
-        g.add(Free(f"f_{b.name}", b))
-    return g
-
-
 def outcomes(ex, kind, g, values, pinned):
     choice, out = pinned(1, np.uint32), pinned(1, np.int32)
     got = []
@@ -162,13 +146,13 @@ def outcomes(ex, kind, g, values, pinned):
 def test_if_else_and_switch_take_the_branch_the_kernel_chose(executors, pinned, kind):
     ex = executors[kind]
     then, otherwise = adds(1, 10)
-    g = branch_graph(lambda c: If("branch", c, then, otherwise))
+    g = branch_graph(SETTER, lambda c: If("branch", c, then, otherwise))
     assert outcomes(ex, kind, g, (1, 0, 5, 0), pinned) == [1, 10, 1, 10]
     (only,) = adds(1)
-    g = branch_graph(lambda c: If("branch", c, only))
+    g = branch_graph(SETTER, lambda c: If("branch", c, only))
     assert outcomes(ex, kind, g, (0, 1), pinned) == [0, 1]
     cases = adds(1, 10, 100)
-    s = branch_graph(lambda c: Switch("switch", c, cases))
+    s = branch_graph(SETTER, lambda c: Switch("switch", c, cases))
     assert outcomes(ex, kind, s, (0, 1, 2, 7), pinned) == [1, 10, 100, 0]
 
 
@@ -244,13 +228,13 @@ def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, p
     choice, out = pinned(1, np.uint32), pinned(1, np.int32)
     then, otherwise = adds(1, 10)
     choice[0] = 1
-    exe = ex.build(branch_graph(lambda c: If("branch", c, then, otherwise)),
+    exe = ex.build(branch_graph(SETTER, lambda c: If("branch", c, then, otherwise)),
                    bindings={"choice": choice, "out": out})
     try:
         exe.launch(sync=True)
         assert int(out[0]) == 1
         then, otherwise = adds(2, 20)
-        res = exe.update(branch_graph(lambda c: If("branch", c, then, otherwise)))
+        res = exe.update(branch_graph(SETTER, lambda c: If("branch", c, then, otherwise)))
         print(f"{kind} IF update: {res}")
         got = []
         for v in (1, 0, 1):
@@ -260,6 +244,55 @@ def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, p
         assert got == [2, 20, 2]
     finally:
         exe.close()
+
+
+def while_graph_external(limit, n):
+    """`while_graph` on external device buffers: no memory nodes."""
+    counter, fl, v = Buffer("counter", 4), Buffer("flag", 4), Buffer("v", 4 * n)
+    go = Condition("go", default=1, flag=fl)
+    body = TaskGraph()
+    body.add(KernelNode("step", STEP, 1, 256, (go, InOut(counter), Out(fl), limit, InOut(v), n)))
+    g = TaskGraph()
+    g.add(HostToDevice("up", HostBuffer("vin", 4 * n), v))
+    g.add(Memset("zero", counter, 0))
+    g.add(While("loop", go, body))
+    g.add(DeviceToHost("down_v", v, HostBuffer("vout", 4 * n)))
+    g.add(DeviceToHost("down_counter", counter, HostBuffer("count", 4)))
+    return g
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+def test_a_conditional_graph_without_memory_nodes_updates_in_place(dev, executors, pinned,
+                                                                   kind):
+    """On external buffers cuGraphExecUpdate takes the new WHILE limit in place (the driver
+    matches the handles by creation order) and the launches run it."""
+    n = 1000
+    s = Stream(dev)
+    bufs = {k: DeviceBuffer.allocate(nb, s) for k, nb in (("counter", 4), ("flag", 4),
+                                                           ("v", 4 * n))}
+    s.synchronize()
+    vin, vout, count = pinned(n, np.float32), pinned(n, np.float32), pinned(1, np.int32)
+    vin[:] = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+    exe = executors[kind].build(while_graph_external(37, n),
+                                bindings={"vin": vin, "vout": vout, "count": count, **bufs})
+    try:
+        exe.launch(sync=True)
+        assert int(count[0]) == 37
+        res = exe.update(while_graph_external(9, n))
+        print(f"\n{kind} WHILE update on external buffers: {res}")
+        assert res.updated and not res.reinstantiated
+        ref = vin.copy()
+        for _ in range(9):
+            ref = ref * np.float32(0.5) + np.float32(1)
+        for _ in range(2):
+            count[0] = -1
+            exe.launch(sync=True)
+            assert int(count[0]) == 9 and vout.tobytes() == ref.tobytes()
+    finally:
+        exe.close()
+        for b in bufs.values():
+            b.close()
+        s.close()
 
 
 @pytest.mark.parametrize("kind", ["capture", "graph-build", "eager"])

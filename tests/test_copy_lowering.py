@@ -28,8 +28,6 @@ from orchestra.execute import (
 )
 from orchestra.execute import copy_table
 from orchestra.execute.copy_tuning import crossover_size, with_lowering
-from orchestra.execute.cuda_graph.build import GraphBuildExecutor
-from orchestra.execute.cuda_graph.capture import CaptureExecutor
 from orchestra.execute.cuda_graph.spec import translate
 from orchestra.execute.lowering.copy import COPY_PARAMS, CopyKernelArgs
 from orchestra.execute.lowering.copy_policy import copy_grid
@@ -43,13 +41,18 @@ from orchestra.graph import (
     KernelRef,
     Out,
     TaskGraph,
-    build_pipeline,
 )
 from orchestra.schedule import schedule
 from orchestra.trace import spans_from_event_pairs
 from orchestra.trace.chrome import to_chrome_trace
-from tests import fake_graph_cuda as fg
 from tests.fake_cuda import FakeCuda, fake_kernel, patch_eager_tracer
+from tests.graphs_for_tests import (
+    burn_pipeline,
+    burn_reference,
+    check_burn_outputs,
+    fake_drivers,
+    fake_executor,
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 BURN = KernelRef("burn.cu", "burn", params=BURN_PARAMS)
@@ -57,46 +60,18 @@ KINDS = ("eager", "capture", "graph-build")
 N = 4096  # bytes per batch: below every default crossover
 
 
-def reference(x, iters=3):
-    v = x.copy()
-    for _ in range(iters):
-        v = v * np.float32(0.5) + np.float32(1)
-    return v
-
-
 def pipeline(batches=3, nbytes=N, seed=0):
-    g, bs = build_pipeline(batches, nbytes, BURN, scalars=(3, 0.5, 1.0))
-    rng = np.random.default_rng(seed)
-    bind = {}
-    for b in bs:
-        bind[b.host_in.buffer.name] = rng.standard_normal(nbytes // 4).astype(np.float32)
-        bind[b.host_out.buffer.name] = np.full(nbytes // 4, np.nan, np.float32)
-    return g, bs, bind
-
-
-def check(bs, bind):
-    for b in bs:
-        np.testing.assert_array_equal(bind[b.host_out.buffer.name],
-                                      reference(bind[b.host_in.buffer.name]))
+    return burn_pipeline(BURN, batches, nbytes, seed=seed)
 
 
 @pytest.fixture
 def fakes(monkeypatch):
     """(eager fake, graph fake), both with devices whose kernels address host memory."""
-    eager = FakeCuda()
-    graph = fg.install(monkeypatch)
-    eager.device.kernel_host_access = True
-    graph.device.kernel_host_access = True
-    return eager, graph
+    return fake_drivers(monkeypatch, kernel_host_access=True)
 
 
 def executor(kind, fakes, **kw):
-    eager, graph = fakes
-    if kind == "eager":
-        return EagerExecutor(eager.device, driver=eager,
-                             kernel_resolver=KernelResolver(eager.device, fake_kernel), **kw)
-    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
-    return cls(graph.device, driver=graph, kernel_resolver=fg.resolver(graph), **kw)
+    return fake_executor(kind, fakes, eager_kernel=fake_kernel, **kw)
 
 
 def run(ex, kind, g, bind, **kw):
@@ -244,7 +219,7 @@ def test_every_executor_runs_copy_kernels_with_the_right_bytes(fakes, kind):
     g, bs, bind = pipeline(3)
     with executor(kind, fakes, copy_lowering="kernel") as ex:
         res = run(ex, kind, g, bind)
-    check(bs, bind)
+    check_burn_outputs(bs, bind)
     log = copy_log(fakes, kind)
     assert len(log) == 6
     # D2H copies end with a system-scope fence, H2D copies do not
@@ -281,7 +256,7 @@ def test_graph_executors_choose_automatically_and_records_say_kernel(fakes, kind
         kinds = {n: r.kind for n, r in exe._records.items()}
         assert exe.copy_kernels == 4
         exe.close()
-    check(bs, bind)
+    check_burn_outputs(bs, bind)
     assert kinds["b0.h2d"] == kinds["b1.d2h"] == "kernel"
     assert kinds["big.h2d"] == "memcpy"  # 1 MiB: above the default crossover
 
@@ -292,7 +267,7 @@ def test_per_node_and_per_build_overrides(fakes, kind):
     g2 = with_lowering(g, h2d="copy-engine")
     with executor(kind, fakes) as ex:
         run(ex, kind, g2, bind, copy_lowering="kernel")  # the nodes' own choice wins for h2d
-        check(bs, bind)
+        check_burn_outputs(bs, bind)
         log = copy_log(fakes, kind)
         assert len(log) == 2 and all(f == 1 for *_, f in log)  # only the D2H copies
         log.clear()
@@ -311,7 +286,7 @@ def test_eager_keeps_one_prepared_program_per_lowering(fakes):
             for b in bs:
                 bind[b.host_out.buffer.name][:] = np.nan
             ex.run(g, bindings=bind, copy_lowering=lowering)
-            check(bs, bind)
+            check_burn_outputs(bs, bind)
         assert len(ex._prepared) == 3  # "kernel", "copy-engine" and the executor's "auto"
     assert eager.counts["cuMemcpyHtoDAsync"] == 2 * 2  # the two copy-engine runs
     assert len(eager.copy_kernels) == 2 * 4
@@ -327,7 +302,7 @@ def test_explicit_kernel_copies_on_a_device_that_cannot_are_refused_before_any_c
             with pytest.raises(CopyLoweringError):
                 run(ex, kind, g, bind, copy_lowering="kernel")
             run(ex, kind, g, bind)  # auto: the copy engines
-            check(bs, bind)
+            check_burn_outputs(bs, bind)
     assert not eager.copy_kernels and not graph.copy_kernels
 
 
@@ -376,17 +351,17 @@ def test_replay_rebinds_host_arrays_of_copy_kernels(fakes, kind):
     with executor(kind, fakes, copy_lowering="kernel") as ex:
         exe = ex.build(g, bindings=bind)
         exe.launch(sync=True)
-        check(bs, bind)
+        check_burn_outputs(bs, bind)
         before = graph.counts["cuGraphExecKernelNodeSetParams"]
         exe.replay(other)
-        check(bs, other)
+        check_burn_outputs(bs, other)
         # one SetParams per copy kernel whose host array changed, none for memcpy nodes
         assert graph.counts["cuGraphExecKernelNodeSetParams"] - before == 6
         assert not graph.counts["cuGraphExecMemcpyNodeSetParams"]
         for b in bs:
             bind[b.host_out.buffer.name][:] = np.nan
         exe.replay(bind)  # back on the first arrays
-        check(bs, bind)
+        check_burn_outputs(bs, bind)
         exe.replay(bind)  # the same objects: no SetParams at all
         assert graph.counts["cuGraphExecKernelNodeSetParams"] - before == 12
         exe.close()
@@ -402,7 +377,7 @@ def test_update_keeps_copy_kernels(fakes, kind):
         res = exe.update(g2, bindings=bind2)
         assert res.updated
         exe.launch(sync=True)
-        check(bs2, bind2)
+        check_burn_outputs(bs2, bind2)
         exe.close()
 
 
@@ -418,7 +393,7 @@ def test_eager_rebinding_writes_the_copy_kernels_host_field(fakes):
             for name in (x.host_out.buffer.name for x in bs):
                 b[name][:] = np.nan
             ex.run(g, bindings=b)
-            check(bs, b)
+            check_burn_outputs(bs, b)
     hosts = [src for _, src, _, f in eager.copy_kernels if f == 0]
     assert hosts[:2] != hosts[2:4] and hosts[:2] == hosts[4:6]
 
@@ -567,7 +542,7 @@ def test_one_request_makes_one_driver_call_per_node_and_no_event(fakes, external
             y[:] = np.nan
             eager.log.clear()
             res = ex.run(g, plan, bind)
-            np.testing.assert_array_equal(y, reference(x, 1))
+            np.testing.assert_array_equal(y, burn_reference(x, 1))
             calls = [c[0] for c in eager.log]
             assert calls.count("sync") == 1 and calls[-1] == "sync"
             assert len(eager.driver_calls()) == len(g) == res.steps
@@ -583,7 +558,7 @@ def test_eager_runs_on_three_streams_count_their_events(fakes):
         ex.run(g, plan, bind)
         eager.log.clear()
         res = ex.run(g, plan, bind)
-    check(bs, bind)
+    check_burn_outputs(bs, bind)
     n = len(eager.driver_calls())
     assert n == res.steps == len(g) + res.events + res.waits
     assert res.events == plan.event_count
@@ -612,3 +587,26 @@ def test_the_benchmarks_goal_lines():
     assert "goal host <= 100 µs and GPU <= 0.85x: met" in lines[0]
     assert "2.36x faster" in lines[1] and "goal >= 2.5x: NOT met" in lines[1]
     assert "goal within 2% of bare: NOT met" in lines[2]
+
+
+def test_each_direction_is_judged_by_the_best_variant_on_either_side():
+    from orchestra.execute.copy_tuning import direction_times
+
+    # D2H as kernels alone loses to the engines, but every copy as a kernel wins by far: the
+    # D2H side of that comparison is the both-kernel run (a graph with no memcpy node)
+    ms = {4096: {"copy-engine": 2.0, "h2d-kernel": 1.8, "d2h-kernel": 2.1, "both-kernel": 1.0},
+          65536: {"copy-engine": 2.2, "h2d-kernel": 1.8, "d2h-kernel": 2.3, "both-kernel": 1.2},
+          1 << 20: {"copy-engine": 1.9, "h2d-kernel": 2.2, "d2h-kernel": 2.0,
+                    "both-kernel": 2.4}}
+    eng, ker = direction_times(ms, "d2h")
+    assert eng == {4096: 1.8, 65536: 1.8, 1 << 20: 1.9}
+    assert ker == {4096: 1.0, 65536: 1.2, 1 << 20: 2.0}
+    sizes = sorted(ms)
+    assert crossover_size(sizes, eng, ker) == 1 << 20  # kernels below 1 MiB
+    eng, ker = direction_times(ms, "h2d")
+    assert eng == {4096: 2.0, 65536: 2.2, 1 << 20: 1.9}
+    assert ker == {4096: 1.0, 65536: 1.2, 1 << 20: 2.2}
+    assert crossover_size(sizes, eng, ker) == 1 << 20
+    # the old rule (D2H kernels against all engines) would have kept D2H on the engines
+    old = {s: ms[s]["copy-engine"] for s in sizes}
+    assert crossover_size(sizes, old, {s: ms[s]["d2h-kernel"] for s in sizes}) == 0

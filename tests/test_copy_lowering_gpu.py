@@ -102,7 +102,8 @@ def test_tune_copies_quick_in_a_child():
     rep = json.loads(proc.stdout)
     assert rep["verified"] and rep["saved"] is None
     assert [r["size"] for r in rep["rows"]] == [4096, 65536, 1 << 20]
-    assert all(set(r["ms"]) == {"copy-engine", "h2d-kernel", "d2h-kernel"} for r in rep["rows"])
+    assert all(set(r["ms"]) == {"copy-engine", "h2d-kernel", "d2h-kernel",
+                                   "both-kernel"} for r in rep["rows"])
     c = rep["crossover"]
     assert c["graph_h2d"] >= 0 and c["graph_d2h"] >= 0
     print("tune copies --quick (graph):", {k: c[k] for k in ("graph_h2d", "graph_d2h")},

@@ -521,6 +521,7 @@ from orchestra.execute.errors import (  # noqa: E402
 )
 from orchestra.execute.cuda_graph.build import GraphBuildExecutor  # noqa: E402
 from tests import fake_graph_cuda as fg  # noqa: E402
+from tests.graphs_for_tests import burn_pipeline, check_burn_outputs  # noqa: E402
 
 
 @pytest.fixture
@@ -533,31 +534,12 @@ def make_executor(kind, fake, **kw):
     return cls(fake.device, kernel_resolver=fg.resolver(fake), driver=fake, **kw)
 
 
-def reference(x, iters):
-    v = x.copy()
-    for _ in range(iters):
-        v = v * np.float32(0.5) + np.float32(1)
-    return v
-
-
 def job(batches=4, ragged=True, iters=3, seed=0):
     """A batch pipeline, its bindings (random inputs, NaN outputs) and the batches."""
     sizes = [N] * batches
     if ragged:
         sizes[-1] = N // 4
-    g, bs = build_pipeline(batches, sizes, BURN, scalars=(iters, 0.5, 1.0))
-    rng = np.random.default_rng(seed)
-    bind = {}
-    for b in bs:
-        bind[b.host_in.buffer.name] = rng.standard_normal(b.nbytes // 4).astype(np.float32)
-        bind[b.host_out.buffer.name] = np.full(b.nbytes // 4, np.nan, np.float32)
-    return g, bs, bind
-
-
-def check(bs, bind, iters):
-    for b in bs:
-        x, y = bind[b.host_in.buffer.name], bind[b.host_out.buffer.name]
-        np.testing.assert_array_equal(y, reference(x, iters))
+    return burn_pipeline(BURN, batches, sizes, iters=iters, seed=seed)
 
 
 KINDS = ("capture", "graph-build")
@@ -570,7 +552,7 @@ def test_fake_graph_outputs_match_numpy(fake, kind, policy, streams):
     g, bs, bind = job(5)
     with make_executor(kind, fake) as ex:
         exe = ex.run(g, None, bind, policy=policy, streams=streams)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         assert exe.executor == kind and exe.launches == 1
         assert exe.node_count == len(g)
         assert fake.counts["cuGraphInstantiate"] == 1
@@ -622,7 +604,7 @@ def test_fake_graph_build_with_plan_edges_has_the_captures_order(fake, policy, s
         assert closure(names, edges(gb, b)) == closure(names, edges(ga, a))
         assert edges(gb, b) == translate(g, plan=plan, edges="plan").edges
         b.launch(sync=True)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         with pytest.raises(ValueError, match="edges must be one of"):
             bx.build(g, plan, bind, edges="stream")
         a.close()
@@ -650,7 +632,7 @@ def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
         exe = ex.build(g, None, bind)
         for i in range(1, 8):
             exe.replay(sets[i % 2])
-            check(bs, sets[i % 2], 3)
+            check_burn_outputs(bs, sets[i % 2], 3)
         assert len(calls) == 2 * len(bind)  # each array checked once (the build its own set)
         out = bs[0].host_out.buffer.name
         exe.replay(sets[0])
@@ -671,7 +653,7 @@ def test_fake_rebinding_remembers_checked_arrays(fake, kind, monkeypatch):
         before = len(calls)
         exe.replay(sets[1])
         assert len(calls) == before + len(bind)
-        check(bs, sets[1], 3)
+        check_burn_outputs(bs, sets[1], 3)
         exe.close()
 
 
@@ -695,7 +677,7 @@ def test_fake_update_keeps_the_plan_so_the_topology_matches(fake, kind):
         r = exe2.update(g2, None, bind2)  # same nodes, new sizes: new costs
         assert r.updated and not r.reinstantiated
         exe2.launch(sync=True)
-        check(bs2, bind2, 3)
+        check_burn_outputs(bs2, bind2, 3)
         # a plan that no longer fits the new graph is not reused: a fresh schedule is made
         g3 = TaskGraph()
         for node in g.nodes:
@@ -706,7 +688,7 @@ def test_fake_update_keeps_the_plan_so_the_topology_matches(fake, kind):
         r = exe.update(g3)
         assert r.reinstantiated and exe.node_count == len(g) + 2
         exe.launch(sync=True)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         exe.close()
         exe2.close()
 
@@ -720,7 +702,7 @@ def test_fake_replay_with_fresh_arrays_updates_only_memcpy_nodes(fake, kind):
     with make_executor(kind, fake) as ex:
         exe = ex.build(g, None, bind)
         exe.launch(sync=True)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         rng = np.random.default_rng(1)
         for i in range(50):
             before = Counter(fake.counts)
@@ -729,7 +711,7 @@ def test_fake_replay_with_fresh_arrays_updates_only_memcpy_nodes(fake, kind):
                 new[b.host_in.buffer.name] = rng.standard_normal(b.nbytes // 4).astype(np.float32)
                 new[b.host_out.buffer.name] = np.full(b.nbytes // 4, np.nan, np.float32)
             exe.replay(new)
-            check(bs, new, 3)
+            check_burn_outputs(bs, new, 3)
             delta = fake.counts - before
             assert delta["cuGraphExecMemcpyNodeSetParams"] == 2 * len(bs)
             assert delta["cuGraphLaunch"] == 1
@@ -742,7 +724,7 @@ def test_fake_replay_with_fresh_arrays_updates_only_memcpy_nodes(fake, kind):
         before = Counter(fake.counts)
         outs = {b.host_out.buffer.name: np.full(b.nbytes // 4, np.nan, np.float32) for b in bs}
         exe.replay(outs)
-        check(bs, {**new, **outs}, 3)
+        check_burn_outputs(bs, {**new, **outs}, 3)
         assert (fake.counts - before)["cuGraphExecMemcpyNodeSetParams"] == len(bs)
         assert exe.bindings[bs[0].host_out.buffer.name] is outs[bs[0].host_out.buffer.name]
         exe.close()
@@ -753,11 +735,11 @@ def test_fake_scalar_update_takes_effect(fake, kind):
     g, bs, bind = job(2)
     with make_executor(kind, fake) as ex:
         exe = ex.run(g, None, bind)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         for b in bs:
             bind[b.host_out.buffer.name][:] = np.nan
         exe.replay(scalars={b.kernel.name: {"iters": 7} for b in bs})
-        check(bs, bind, 7)
+        check_burn_outputs(bs, bind, 7)
         assert exe.scalars(bs[0].kernel.name)["iters"] == 7
         # by index, and s / t: v = v * 0.25 + 2
         exe.replay(scalars={bs[0].kernel.name: {4: 0.25, "t": 2.0}})
@@ -839,14 +821,14 @@ def test_fake_update_same_topology_uses_exec_update(fake, kind):
         assert res.updated and not res.reinstantiated and res.reason is None
         assert fake.counts["cuGraphInstantiate"] == 1
         exe.launch(sync=True)
-        check(bs, bind, 5)
+        check_burn_outputs(bs, bind, 5)
         # per-node updates after the update still name instantiation-graph nodes (the fake
         # refuses others): rebinding and scalars keep working
         exe.replay(scalars={bs2[0].kernel.name: {"iters": 1}})
-        check(bs[:1], bind, 1)
+        check_burn_outputs(bs[:1], bind, 1)
         new_in = {bs[1].host_in.buffer.name: np.arange(N // 4, dtype=np.float32)}
         exe.replay(new_in)
-        check(bs[1:2], {**bind, **new_in}, 5)
+        check_burn_outputs(bs[1:2], {**bind, **new_in}, 5)
         exe.close()
     assert not fake.live_graphs
 
@@ -864,9 +846,9 @@ def test_fake_update_changed_topology_reports_and_reinstantiates(fake, kind, cap
         assert exe.last_update is res
         assert fake.counts["cuGraphInstantiate"] == 2
         exe.launch(sync=True)
-        check(bs2, bind2, 3)
+        check_burn_outputs(bs2, bind2, 3)
         exe.replay(scalars={bs2[3].kernel.name: {"iters": 2}})
-        check(bs2[3:], bind2, 2)
+        check_burn_outputs(bs2[3:], bind2, 2)
         # the same node count, one more edge: the offending node is named
         g3 = TaskGraph()
         g4 = TaskGraph()
@@ -911,7 +893,7 @@ def test_fake_c01_capture_with_a_stream_query_fails_cleanly(fake, monkeypatch):
     assert not fake.live_graphs  # nothing came back, nothing kept
     # the same executor captures the same graph fine afterwards
     exe = ex.run(g, None, bind)
-    check(bs, bind, 3)
+    check_burn_outputs(bs, bind, 3)
     exe.close()
     ex.close()
 
@@ -928,7 +910,7 @@ def test_fake_c01_then_eager_runs(fake, monkeypatch):
     with EagerExecutor(kernel_resolver=KernelResolver(eager_fake.device,
                                                       lambda ref, d: FakeKernel())) as eg:
         eg.run(g, None, bind)
-    check(bs, bind, 3)
+    check_burn_outputs(bs, bind, 3)
     ex.close()
 
 
@@ -1154,12 +1136,12 @@ def test_fake_graph_runner_has_the_eager_interface(fake, kind, tmp_path):
     with GraphRunner(kind, fake.device, kernel_resolver=fg.resolver(fake)) as runner:
         plan = runner.prepare(g, policy="by-engine", streams=3)
         r1 = runner.run(g, plan, bind)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         assert r1.prepare_ms > 0 and r1.nodes == len(g) and r1.wall_ms is not None
         for b in bs:
             bind[b.host_out.buffer.name][:] = np.nan
         r2 = runner.run(g, plan, bind)
-        check(bs, bind, 3)
+        check_burn_outputs(bs, bind, 3)
         assert r2.prepare_ms == 0.0 and r2.steps == 1
         assert fake.counts["cuGraphInstantiate"] == 1  # built once, replayed after
         assert runner.kernels is runner.executor.kernels

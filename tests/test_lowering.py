@@ -38,8 +38,6 @@ from orchestra.execute import (
     NoLoweringError,
 )
 from orchestra.execute import bindings as bindings_mod
-from orchestra.execute.cuda_graph.build import GraphBuildExecutor
-from orchestra.execute.cuda_graph.capture import CaptureExecutor
 from orchestra.execute.cuda_graph.spec import translate
 from orchestra.execute.lowering import LOWERINGS, Lowering, lowering_for, missing_lowerings, register
 from orchestra.execute.lru import IdentityLRU
@@ -60,13 +58,13 @@ from orchestra.graph import (
     Node,
     Out,
     TaskGraph,
-    build_pipeline,
 )
 from orchestra.graph import nodes as nodes_mod
 from orchestra.graph.buffers import as_range
 from tests import fake_graph_cuda as fg
 from tests.fake_pinned import Owned
 from tests.fake_cuda import FakeCuda, FakeKernel
+from tests.graphs_for_tests import burn_pipeline, burn_reference, check_burn_outputs, fake_executor
 
 BURN = KernelRef("burn.cu", "burn", params=BURN_PARAMS)
 N = 4096  # bytes per batch
@@ -81,27 +79,8 @@ def concrete_node_classes() -> list[type]:
             and "kind" in c.__dict__]
 
 
-def reference(x, iters=3):
-    v = x.copy()
-    for _ in range(iters):
-        v = v * np.float32(0.5) + np.float32(1)
-    return v
-
-
 def pipeline(batches=3, seed=0):
-    g, bs = build_pipeline(batches, N, BURN, scalars=(3, 0.5, 1.0))
-    rng = np.random.default_rng(seed)
-    bind = {}
-    for b in bs:
-        bind[b.host_in.buffer.name] = rng.standard_normal(N // 4).astype(np.float32)
-        bind[b.host_out.buffer.name] = np.full(N // 4, np.nan, np.float32)
-    return g, bs, bind
-
-
-def check(bs, bind):
-    for b in bs:
-        np.testing.assert_array_equal(bind[b.host_out.buffer.name],
-                                      reference(bind[b.host_in.buffer.name]))
+    return burn_pipeline(BURN, batches, N, seed=seed)
 
 
 @pytest.fixture
@@ -114,13 +93,7 @@ def fakes(monkeypatch):
 
 
 def executor(kind, fakes, **kw):
-    eager, graph = fakes
-    if kind == "eager":
-        return EagerExecutor(eager.device, driver=eager,
-                             kernel_resolver=KernelResolver(eager.device,
-                                                            lambda r, d: FakeKernel()), **kw)
-    cls = CaptureExecutor if kind == "capture" else GraphBuildExecutor
-    return cls(graph.device, driver=graph, kernel_resolver=fg.resolver(graph), **kw)
+    return fake_executor(kind, fakes, eager_kernel=lambda r, d: FakeKernel(), **kw)
 
 
 def run(ex, kind, g, bind, **kw):
@@ -228,7 +201,7 @@ def test_every_executor_lowers_every_node_through_its_entry(fakes, kind, monkeyp
     g, bs, bind = pipeline(3)
     with executor(kind, fakes) as ex:
         run(ex, kind, g, bind)
-    check(bs, bind)
+    check_burn_outputs(bs, bind)
     names = [n.name for n in g.nodes]
     kernels = [n.name for n in g.nodes if isinstance(n, KernelNode)]
     assert {k[1] for k in calls if k[0] == "resolve"} == set(names)
@@ -371,7 +344,7 @@ def test_an_executor_uses_the_api_it_was_given_not_the_default(monkeypatch):
     with EagerExecutor(mine.device, driver=mine,
                        kernel_resolver=KernelResolver(mine.device, lambda r, d: FakeKernel())) as ex:
         ex.run(g, bindings=bind)
-    check(bs, bind)
+    check_burn_outputs(bs, bind)
     assert mine.counts["cuLaunchKernel"] == 2
 
 
@@ -395,7 +368,7 @@ def test_the_eager_ex_launch_builds_its_config_once_per_node(fakes):
         for _ in range(3):
             y_out[:] = np.nan
             ex.run(g, bindings={"hin": x_in, "hout": y_out})
-            np.testing.assert_array_equal(y_out, reference(x_in))
+            np.testing.assert_array_equal(y_out, burn_reference(x_in))
     configs = eager.launch_configs
     assert len(configs) == 3 and configs[0] is configs[1] is configs[2]
     assert configs[0].numAttrs == 1 and (configs[0].gridDimX, configs[0].blockDimX) == (4, 256)
@@ -449,7 +422,7 @@ def test_bindings_list_every_field_their_address_is_written_to(fakes, kind):
         assert kernel_user.record.kind == "kernel" and kernel_user.cell is None
         assert kernel_user.params.a0 == xb.ptr
         assert table.get("x").value is xb and table.get("x").keep is xb  # no lease(): kept
-        ref = reference(np.concatenate([np.zeros(n // 2, np.float32), hin[:n // 2]]))
+        ref = burn_reference(np.concatenate([np.zeros(n // 2, np.float32), hin[:n // 2]]))
         np.testing.assert_array_equal(hout, ref)
         # the same external buffers again (what GraphRunner passes every run): no change
         launches = graph.counts["cuGraphLaunch"]
@@ -492,7 +465,7 @@ def test_eager_runs_take_the_replay_fast_path(fakes, monkeypatch):
     with executor("eager", fakes) as ex:
         for i in range(6):
             ex.run(g, bindings=sets[i % 2])
-            check(bs, sets[i % 2])
+            check_burn_outputs(bs, sets[i % 2])
         assert len(calls) == 2 * len(bind)
         host_mod.pinned_ranges().add(0x1000, 16)
         host_mod.pinned_ranges().discard(0x1000)
@@ -543,7 +516,7 @@ def test_an_exec_leases_bound_memory_until_no_launch_needs_it(fakes, kind, owned
         reg2.close()  # closed under the exec: kept until the exec closes
         assert owned.released[reg2.name] == 0
         exe.replay()
-        check(bs, {**bind, name: new})
+        check_burn_outputs(bs, {**bind, name: new})
         with pytest.raises(orchestra.execute.ClosedBindingError,
                            match=f"binding {name} .a {kind} GraphExec.: the HostRegistration"):
             exe.replay({name: new})  # bound again after the close: refused
@@ -569,7 +542,7 @@ def test_leases_kept_for_rebinding_are_bounded(fakes, kind, owned, monkeypatch):
                 ex.run(g, bindings={**bind, name: a})
             else:
                 exe.replay({name: a})
-            check(bs, {**bind, name: a})
+            check_burn_outputs(bs, {**bind, name: a})
         leased = [r.leases for r in regs]
         assert leased[-1] == 1 and sum(leased) <= 4 + 2, leased  # bound + at most HELD_MAX
         if exe is not None:
@@ -619,7 +592,7 @@ def test_an_eager_run_leases_bound_memory_until_queued_runs_are_done(fakes, owne
         with pytest.raises(orchestra.execute.PageableMemoryError):
             ex.run(g, bindings=bind)
         ex.run(g, bindings=other)
-        check(bs, other)
+        check_burn_outputs(bs, other)
     assert owned.leased() == []  # closed: after its last sync
 
 

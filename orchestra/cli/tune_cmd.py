@@ -3,7 +3,8 @@ GPU).
 
 Runs `orchestra.execute.copy_tuning.measure_copy_crossover`: the main job's pipeline at copy
 sizes 4 KiB - 4 MiB (``--quick``: 4 KiB, 64 KiB, 1 MiB), as a CUDA graph and eagerly, with every
-copy on the copy engines, the H2D copies as copy kernels, and the D2H copies as copy kernels;
+copy on the copy engines, the H2D copies as copy kernels, the D2H copies as copy kernels, and
+every copy as a copy kernel;
 prints the median wall ms of each and the crossover per mode and direction, and stores the table
 in orchestra's cache for this device (``--no-save``: print only), where every executor's
 ``copy_lowering="auto"`` finds it. Exit 1 when an output was wrong (nothing is saved then).
@@ -58,9 +59,9 @@ def run_copies(args: argparse.Namespace) -> int:
         rows.append((r.mode, fmt_bytes(r.size), r.batches,
                      *(f"{r.ms[v]:.3f}" for v in VARIANTS),
                      f"{r.ms['h2d-kernel'] / eng:.2f}", f"{r.ms['d2h-kernel'] / eng:.2f}",
-                     "ok" if r.verified else "WRONG"))
+                     f"{r.ms['both-kernel'] / eng:.2f}", "ok" if r.verified else "WRONG"))
     print(format_table(("mode", "copy", "batches", "copy engines", "H2D kernel", "D2H kernel",
-                        "H2D ratio", "D2H ratio", "output"), rows))
+                        "both kernels", "H2D ratio", "D2H ratio", "both ratio", "output"), rows))
     c = rep.crossover
     for mode in modes:
         print(f"{mode}: copy kernels below {fmt_bytes(c.threshold(mode, 'h2d'))} (H2D), "

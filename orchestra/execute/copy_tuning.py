@@ -6,15 +6,18 @@
 What it measures, per executor mode (``graph``: a CUDA graph built with `GraphBuildExecutor`
 and launched; ``eager``: `EagerExecutor` runs) and per copy size (4 KiB - 4 MiB; ``quick``:
 4 KiB, 64 KiB, 1 MiB): the main job's pipeline (`build_pipeline`: per batch H2D -> burn kernel
-with 1 iteration -> D2H, scheduled by-engine on 3 streams; 64 batches up to 1 MiB, 16 at 4 MiB,
-so copies overlap in both directions as they do in real work), three ways: every copy on the
-copy engines, the H2D copies as copy kernels, the D2H copies as copy kernels. Each variant is
-run ``repeats`` times after two warm-ups; the wall time per run (launch or enqueue until the
-synchronize returns, host and GPU together) is the median. Every variant's output is checked
-once against numpy (the outputs poisoned with NaN first).
+with 1 iteration -> D2H, scheduled by-engine on 3 streams; 256 batches up to 64 KiB, 64 up to
+1 MiB, 16 at 4 MiB, so copies overlap in both directions as they do in real work), four ways:
+every copy on the copy engines, the H2D copies as copy kernels, the D2H copies as copy
+kernels, every copy as a copy kernel. The variants take turns, run by run, ``repeats`` runs each after two warm-ups; the
+wall time per run (launch or enqueue until the synchronize returns, host and GPU together) is
+the median. Every variant's output is checked once against numpy (the outputs poisoned with
+NaN first).
 
 The crossover of a direction is the smallest size from which the copy engines are no slower
-(within `MARGIN`) at it and at every larger size measured; copies below it become copy kernels
+(within `MARGIN`) at it and at every larger size measured, comparing the best variant with
+that direction on the copy engines against the best with it as copy kernels
+(`direction_times`); copies below it become copy kernels
 under ``copy_lowering="auto"``. When the copy engines win even at the smallest size the
 crossover is 0 (never a kernel); when the kernels win at every size it is twice the largest
 size measured. `save` (default) stores the table in orchestra's cache for this device
@@ -39,12 +42,17 @@ QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 MARGIN = 0.03
 """A copy kernel must be at least 3% faster than the copy engines to be chosen (timing noise
 must not move the crossover)."""
-VARIANTS = ("copy-engine", "h2d-kernel", "d2h-kernel")
+VARIANTS = ("copy-engine", "h2d-kernel", "d2h-kernel", "both-kernel")
 BURN_PARAMS = ("const float* x", "float* y", "size_t n", "int iters", "float s", "float t")
 
 
 def batches_for(size: int) -> int:
-    """Batches per pipeline for copies of ``size`` bytes (64 up to 1 MiB, else 16)."""
+    """Batches per pipeline for copies of ``size`` bytes: 256 up to 64 KiB, 64 up to 1 MiB,
+    else 16. Small copies need many batches for a run to last milliseconds: a run of 64
+    x 4 KiB (a few hundred µs) is dominated by the launch and the first copies' latency,
+    where the sustained rate a real pipeline lives on decides nothing."""
+    if size <= 64 * KIB:
+        return 256
     return 64 if size <= MIB else 16
 
 
@@ -116,7 +124,25 @@ def with_lowering(graph, h2d: str = "auto", d2h: str = "auto"):
 
 _LOWERINGS = {"copy-engine": ("copy-engine", "copy-engine"),
               "h2d-kernel": ("kernel", "copy-engine"),
-              "d2h-kernel": ("copy-engine", "kernel")}
+              "d2h-kernel": ("copy-engine", "kernel"),
+              "both-kernel": ("kernel", "kernel")}
+
+
+def direction_times(ms_by_size: dict, direction: str) -> tuple[dict, dict]:
+    """Per size, the best wall ms with ``direction``'s copies on the copy engines and the
+    best with them as copy kernels, over the variants (the other direction either way):
+    ``(engine_ms, kernel_ms)`` for `crossover_size`. Deciding each direction with the other
+    left on the engines misses that a graph with no memcpy node at all launches for about
+    nothing (every memcpy node costs 1.3-1.9 µs of host time at every launch)."""
+    as_kernel = {"h2d": ("h2d-kernel", "both-kernel"), "d2h": ("d2h-kernel", "both-kernel")}
+    kern = as_kernel[direction]
+    engine, kernel = {}, {}
+    for size, ms in ms_by_size.items():
+        e = [t for v, t in ms.items() if v not in kern]
+        k = [t for v, t in ms.items() if v in kern]
+        if e and k:
+            engine[size], kernel[size] = min(e), min(k)
+    return engine, kernel
 
 
 def _pipeline(size: int, batches: int):
@@ -131,15 +157,19 @@ def _pipeline(size: int, batches: int):
     return g
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+def _interleaved_ms(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Median wall ms of each of ``fns`` (name -> callable that runs and waits), the
+    variants taking turns run by run so that clock and thermal drift reach all alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - t0) / 1e6)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t0 = time.perf_counter_ns()
+            fn()
+            times[k].append((time.perf_counter_ns() - t0) / 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repeats: int = 7,
@@ -182,28 +212,30 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
             bind = {"host_in": x, "host_out": y}
             try:
                 for mode in modes:
-                    ms, ok = {}, True
-                    for variant in VARIANTS:
-                        h2d, d2h = _LOWERINGS[variant]
-                        g = with_lowering(base, h2d, d2h)
-                        if mode == "graph":
-                            exe = graph_ex.build(g, bindings=bind)
-                            try:
-                                ms[variant] = _median_ms(lambda: exe.launch(sync=True), repeats)
-                                y[:] = np.nan
-                                exe.launch(sync=True)
-                            finally:
-                                exe.close()
-                        else:
-                            plan = eager_ex.prepare(g, policy="by-engine", streams=3)
-                            ms[variant] = _median_ms(lambda: eager_ex.run(g, plan, bind),
-                                                     repeats)
+                    graphs = {v: with_lowering(base, *_LOWERINGS[v]) for v in VARIANTS}
+                    runs, execs = {}, []
+                    try:
+                        for v, g in graphs.items():
+                            if mode == "graph":
+                                exe = graph_ex.build(g, bindings=bind)
+                                execs.append(exe)
+                                runs[v] = (lambda e: lambda: e.launch(sync=True))(exe)
+                            else:
+                                plan = eager_ex.prepare(g, policy="by-engine", streams=3)
+                                runs[v] = (lambda g, p: lambda: eager_ex.run(g, p, bind))(g,
+                                                                                        plan)
+                        ms = _interleaved_ms(runs, repeats)
+                        ok = True
+                        for v in VARIANTS:  # each variant's output, poisoned first
                             y[:] = np.nan
-                            eager_ex.run(g, plan, bind)
-                        ok = ok and bool(np.array_equal(y, want))
-                        done += 1
-                        if progress is not None:
-                            progress(f"{mode} {fmt_bytes(size)} {variant}", done, total)
+                            runs[v]()
+                            ok = ok and bool(np.array_equal(y, want))
+                            done += 1
+                            if progress is not None:
+                                progress(f"{mode} {fmt_bytes(size)} {v}", done, total)
+                    finally:
+                        for exe in execs:
+                            exe.close()
                     rows.append(CrossoverRow(mode, size, batches, ms, ok))
             finally:
                 pin_in.close()
@@ -214,10 +246,9 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
     old = load_crossover(dev)
     values = old.as_dict()
     for mode in modes:
-        mine = [r for r in rows if r.mode == mode]
-        engine = {r.size: r.ms["copy-engine"] for r in mine}
+        mine = {r.size: r.ms for r in rows if r.mode == mode}
         for direction in ("h2d", "d2h"):
-            kernel = {r.size: r.ms[f"{direction}-kernel"] for r in mine}
+            engine, kernel = direction_times(mine, direction)
             values[f"{mode}_{direction}"] = crossover_size(sizes, engine, kernel)
     verified = all(r.verified for r in rows)
     stamp = time.strftime("%Y-%m-%d")
@@ -233,4 +264,4 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
 
 
 __all__ = ["CrossoverReport", "CrossoverRow", "MARGIN", "QUICK_SIZES", "SIZES", "VARIANTS",
-           "batches_for", "crossover_size", "measure_copy_crossover", "with_lowering"]
+           "batches_for", "crossover_size", "direction_times", "measure_copy_crossover", "with_lowering"]

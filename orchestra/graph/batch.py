@@ -14,10 +14,11 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from orchestra.errors import GraphError
-from orchestra.graph.buffers import Buffer, BufferRange, HostBuffer, as_range
+from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode, as_range
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import Alloc, DeviceToHost, Free, HostToDevice, In, KernelNode, Node, Out
 from orchestra.graph.taskgraph import TaskGraph
+from orchestra.graph.trusted import maker
 
 def elementwise_args(inp: Buffer, out: Buffer, n: int, scalars: tuple) -> tuple:
     """Kernel arguments ``(In(inp), Out(out), n, *scalars)``: the elementwise convention
@@ -68,6 +69,10 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
     `elementwise_args`: input, output, element count, then ``scalars``).
     ``alloc_after``: names of nodes (typically an earlier batch's frees) the allocations must
     follow, so the memory pool can reuse that memory through an explicit event.
+
+    Raises `GraphError` (`NodeFieldTypeError` / `NodeFieldValueError` naming the record and the
+    field) for a bad value, `NameCollisionError` for a name the graph has; the nodes added
+    before the failing one stay in ``graph``. Not thread-safe (it adds to ``graph``).
     """
     if nbytes % element_size:
         raise GraphError(f"batch {index}: {nbytes} bytes is not a whole number of "
@@ -92,6 +97,133 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
     free_in = graph.add(Free(p + ("free" if in_place else "free_in"), inp, **kw))
     free_out = None if in_place else graph.add(Free(p + "free_out", out, **kw))
     return Batch(index, inp, out, hin, hout, alloc_in, alloc_out, h2d, knode, d2h, free_in, free_out)
+
+
+# Records of the batches after the first (`_Batches`), made without their checks (`trusted`).
+_make_buffer = maker(Buffer, "name", "nbytes", "device", "_whole")
+_make_host = maker(HostBuffer, "name", "nbytes", "_whole")
+_make_range = maker(BufferRange, "buffer", "offset", "nbytes")
+_make_access = maker(Access, "range", "mode")
+_make_in = maker(In, "target")
+_make_out = maker(Out, "target")
+_NODE = ("name", "batch", "device", "after", "_accesses")
+_make_alloc = maker(Alloc, *_NODE, "buffer")
+_make_free = maker(Free, *_NODE, "buffer")
+_make_h2d = maker(HostToDevice, *_NODE, "lowering", "src", "dst")
+_make_d2h = maker(DeviceToHost, *_NODE, "lowering", "src", "dst")
+_make_kernel = maker(KernelNode, *_NODE, "kernel", "grid", "block", "args", "shared_mem",
+                     "attributes")
+_make_batch = maker(Batch, *(f.name for f in attrs.fields(Batch)))
+_READ, _WRITE = Mode.READ, Mode.WRITE
+
+
+def _whole(make, *fields):
+    """A new buffer (``make(*fields, None)``) with its whole range made at once."""
+    buf = make(*fields, None)
+    object.__setattr__(buf, "_whole", _make_range(buf, 0, buf.nbytes))
+    return buf
+
+
+def _host_range(value, nbytes):
+    """``as_range(value)`` when ``value`` is a host buffer or range of ``nbytes`` bytes (what
+    `add_batch` accepts without an error), else None (the checked path decides)."""
+    t = type(value)
+    if t is BufferRange:
+        return value if type(value.buffer) is HostBuffer and value.nbytes == nbytes else None
+    if t is HostBuffer:
+        return value.whole if value.nbytes == nbytes else None
+    return None
+
+
+class _Batches:
+    """Adds batches of one shape (`add_batch`'s keywords other than the per-batch ``index``,
+    ``nbytes``, ``host_in``, ``host_out``, ``alloc_after``) to a graph.
+
+    The first batch goes through `add_batch`, every record checked; it proves the shape (the
+    kernel, grid, block, scalars, device and argument layout are the same for every batch).
+    A later batch whose own values pass the cheap checks here (an int index, a positive int
+    size that is a whole number of elements, host ranges of that size, ``alloc_after`` a tuple
+    of names) is made with trusted records: the same objects `add_batch` would make, without
+    running each field check again. Any other batch goes through `add_batch`, which raises the
+    error it always raised. The default argument layout is trusted too; any other
+    `ArgLayout` is called per batch and its kernel node is checked.
+    """
+
+    def __init__(self, kernel: KernelRef, kwargs: dict):
+        # kept as given: the first add_batch call refuses an unknown keyword as it always did
+        self._kw = {"kernel": kernel, **kwargs}
+        self._shape: tuple | None = None  # what the first batch proved (see _learn)
+
+    def add(self, graph: TaskGraph, index, nbytes, host_in=None, host_out=None,
+            alloc_after=()) -> Batch:
+        shape = self._shape
+        if shape is not None and type(index) is int and type(nbytes) is int and nbytes > 0 \
+                and not nbytes % shape[0] and type(alloc_after) is tuple \
+                and all(type(a) is str for a in alloc_after):
+            hin = (_whole(_make_host, f"b{index}.host_in", nbytes)._whole if host_in is None
+                   else _host_range(host_in, nbytes))
+            hout = (_whole(_make_host, f"b{index}.host_out", nbytes)._whole if host_out is None
+                    else _host_range(host_out, nbytes))
+            if hin is not None and hout is not None:
+                return self._trusted(graph, shape, index, nbytes, hin, hout, alloc_after)
+        batch = add_batch(graph, index=index, nbytes=nbytes, host_in=host_in, host_out=host_out,
+                          alloc_after=alloc_after, **self._kw)
+        if self._shape is None:
+            self._shape = self._learn(batch)
+        return batch
+
+    def _learn(self, batch: Batch) -> tuple | None:
+        """``(element_size, device, kernel, grid, block, bx, scalars, default layout,
+        in place)`` from
+        the first (checked) batch, or None when a value is not of the plain types the trusted
+        path computes with (then every batch is checked)."""
+        get = self._kw.get  # add_batch's defaults for what was not given
+        es, device, block, grid = get("element_size", 4), get("device", 0), get("block", 256), \
+            get("grid")
+        scalars = get("scalars", ())
+        bx = block if isinstance(block, int) else block[0]
+        if type(es) is not int or es < 1 or type(device) is not int or type(bx) is not int \
+                or type(scalars) not in (tuple, list):
+            return None
+        k = batch.kernel
+        return (es, device, k.kernel, None if grid is None else k.grid, k.block, bx,
+                tuple(scalars), get("arg_layout", elementwise_args) is elementwise_args,
+                bool(get("in_place", False)))
+
+    def _trusted(self, graph, shape, index, nbytes, hin, hout, after) -> Batch:
+        es, device, kernel, grid, block, bx, scalars, default_layout, in_place = shape
+        n = nbytes // es
+        p = f"b{index}."
+        inp = _whole(_make_buffer, p + ("buf" if in_place else "in"), nbytes, device)
+        out = inp if in_place else _whole(_make_buffer, p + "out", nbytes, device)
+        win, rin = _make_access(inp._whole, _WRITE), _make_access(inp._whole, _READ)
+        wout, rout = (win, rin) if in_place else (_make_access(out._whole, _WRITE),
+                                                  _make_access(out._whole, _READ))
+        if grid is None:
+            grid = (max(1, -(-n // bx)), 1, 1)
+        add = graph.add
+        alloc_in = add(_make_alloc(p + ("alloc" if in_place else "alloc_in"), index, device,
+                                   after, (win,), inp))
+        alloc_out = None if in_place else add(_make_alloc(p + "alloc_out", index, device, after,
+                                                          (wout,), out))
+        h2d = add(_make_h2d(p + "h2d", index, device, (), (_make_access(hin, _READ), win),
+                            "auto", hin, inp._whole))
+        if default_layout:  # elementwise_args: (In(inp), Out(out), n, *scalars)
+            args = (_make_in(inp._whole), _make_out(out._whole), n, *scalars)
+            knode = add(_make_kernel(p + "kernel", index, device, (), (rin, wout), kernel, grid,
+                                     block, args, 0, ()))
+        else:
+            knode = add(KernelNode(p + "kernel", kernel, grid, block,
+                                   self._kw["arg_layout"](inp, out, n, scalars), batch=index,
+                                   device=device))
+        d2h = add(_make_d2h(p + "d2h", index, device, (), (rout, _make_access(hout, _WRITE)),
+                            "auto", out._whole, hout))
+        free_in = add(_make_free(p + ("free" if in_place else "free_in"), index, device, (),
+                                 (win,), inp))
+        free_out = None if in_place else add(_make_free(p + "free_out", index, device, (),
+                                                        (wout,), out))
+        return _make_batch(index, inp, out, hin, hout, alloc_in, alloc_out, h2d, knode, d2h,
+                           free_in, free_out)
 
 
 def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: KernelRef, *,
@@ -120,15 +252,24 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
         raise GraphError(f"in_flight must be at least 1 batch; got {in_flight}")
     graph = TaskGraph()
     out: list[Batch] = []
+    make = _Batches(kernel, kwargs).add
     offset = 0
     for i, size in enumerate(sizes):
-        hin = host_in.range(offset, size) if host_in is not None else None
-        hout = host_out.range(offset, size) if host_out is not None else None
+        hin = _slice(host_in, offset, size) if host_in is not None else None
+        hout = _slice(host_out, offset, size) if host_out is not None else None
         after: tuple[str, ...] = ()
         if in_flight is not None and i >= in_flight:
             prev = out[i - in_flight]
             after = tuple(f.name for f in (prev.free_in, prev.free_out) if f is not None)
-        out.append(add_batch(graph, index=i, kernel=kernel, nbytes=size, host_in=hin,
-                             host_out=hout, alloc_after=after, **kwargs))
+        out.append(make(graph, i, size, hin, hout, after))
         offset += size
     return graph, out
+
+
+def _slice(host: HostBuffer, offset, size) -> BufferRange:
+    """``host.range(offset, size)``, without its checks when the values are plain ints in
+    bounds (else the checked range, which raises what it always raised)."""
+    if type(offset) is int and type(size) is int and offset >= 0 and size > 0 \
+            and offset + size <= host.nbytes:
+        return _make_range(host, offset, size)
+    return host.range(offset, size)

@@ -121,17 +121,37 @@ class Collective(Node):
         def count(self) -> int:
             """The element count the NCCL call takes (``sendcount`` / ``recvcount``)."""
 
-    def _pair(self, send: BufferRange, recv: BufferRange):
-        """Accesses of a send / recv pair: the same range (in place) is one read-write; an
-        overlap anywhere else is refused."""
-        if send == recv:
-            return (Access(recv, Mode.READ_WRITE),)
-        return (Access(send, Mode.READ), Access(recv, Mode.WRITE))
+    def _check_peer_is_another_rank(self, advice: str) -> None:
+        """``peer`` is a rank of the communicator other than this one; ``advice`` ends the
+        message (what to do instead)."""
+        peer = getattr(self, "peer")
+        self._peer_rank("peer")
+        if peer == self.comm.rank:
+            raise NodeFieldValueError(f"{self._record}: peer {peer} is this rank; {advice}")
 
-    def _check_overlap(self, send: BufferRange, recv: BufferRange, inner: str,
-                       outer: BufferRange, offset: int) -> None:
-        """``send`` and ``recv`` may overlap only in NCCL's in-place layout: ``inner`` (the
+
+@attrs.frozen
+class _SendRecvCollective(Collective):
+    """Base of the kinds with a ``send`` and a ``recv`` range (in that order in the call)."""
+
+    send: BufferRange = attrs.field(converter=to_range)
+    recv: BufferRange = attrs.field(converter=to_range)
+    range_fields: ClassVar[tuple[str, ...]] = ("send", "recv")
+
+    def _check_same_size_in_place_or_disjoint(self, what: str) -> None:
+        """send and recv of one size, either one range (in place) or disjoint (the
+        all-reduce and broadcast rule); ``what`` names the kind in the message."""
+        if self.send.nbytes != self.recv.nbytes:
+            raise NodeFieldValueError(f"{self._record}: send has {self.send.nbytes} bytes, "
+                                      f"recv {self.recv.nbytes}; {what} keeps the size")
+        if self.send != self.recv and self.send.overlaps(self.recv):
+            raise NodeFieldValueError(f"{self._record}: send {self.send} and recv {self.recv} "
+                                      "overlap; use one range for both (in place) or disjoint")
+
+    def _check_overlap(self, inner: str, outer: BufferRange, offset: int) -> None:
+        """send and recv may overlap only in NCCL's in-place layout: ``inner`` (the
         smaller one) is ``outer``'s chunk at ``offset`` bytes."""
+        send, recv = self.send, self.recv
         if not send.overlaps(recv) or send == recv:
             return
         small = send if inner == "send" else recv
@@ -142,45 +162,44 @@ class Collective(Node):
             f"chunk {self.comm.rank} of the other (bytes [{outer.offset + offset}, "
             f"{outer.offset + offset + small.nbytes}) of {outer.buffer.name})")
 
+    def _chunk_accesses(self, outer: BufferRange):
+        """Accesses of a gather / scatter: in place (the smaller range is a chunk of
+        ``outer``, the only overlap `_check_overlap` lets through) ``outer`` is one
+        read-write; otherwise send is read and recv written."""
+        if self.send.overlaps(self.recv):
+            return (Access(outer, Mode.READ_WRITE),)
+        return (Access(self.send, Mode.READ), Access(self.recv, Mode.WRITE))
+
 
 @attrs.frozen
-class AllReduce(Collective):
+class AllReduce(_SendRecvCollective):
     """``recv = op(send of every rank)`` (``ncclAllReduce``); in place when send is recv."""
 
-    send: BufferRange = attrs.field(converter=to_range)
-    recv: BufferRange = attrs.field(converter=to_range)
     op: str = attrs.field(default="sum", kw_only=True)
     kind: ClassVar[str] = "all_reduce"
     call: ClassVar[str] = "ncclAllReduce"
-    range_fields: ClassVar[tuple[str, ...]] = ("send", "recv")
 
     def _check_kind(self):
         self._op()
-        if self.send.nbytes != self.recv.nbytes:
-            raise NodeFieldValueError(f"{self._record}: send has {self.send.nbytes} bytes, "
-                                      f"recv {self.recv.nbytes}; an all-reduce keeps the size")
-        if self.send != self.recv and self.send.overlaps(self.recv):
-            raise NodeFieldValueError(f"{self._record}: send {self.send} and recv {self.recv} "
-                                      "overlap; use one range for both (in place) or disjoint")
+        self._check_same_size_in_place_or_disjoint("an all-reduce")
 
     @property
     def count(self) -> int:
         return self.recv.nbytes // self.itemsize
 
     def accesses(self):
-        return self._pair(self.send, self.recv)
+        if self.send == self.recv:
+            return (Access(self.recv, Mode.READ_WRITE),)
+        return (Access(self.send, Mode.READ), Access(self.recv, Mode.WRITE))
 
 
 @attrs.frozen
-class AllGather(Collective):
+class AllGather(_SendRecvCollective):
     """Every rank's send, concatenated in rank order, into every rank's recv
     (``ncclAllGather``; ``count`` = send elements)."""
 
-    send: BufferRange = attrs.field(converter=to_range)
-    recv: BufferRange = attrs.field(converter=to_range)
     kind: ClassVar[str] = "all_gather"
     call: ClassVar[str] = "ncclAllGather"
-    range_fields: ClassVar[tuple[str, ...]] = ("send", "recv")
 
     def _check_kind(self):
         n = self.comm.nranks
@@ -188,30 +207,24 @@ class AllGather(Collective):
             raise NodeFieldValueError(f"{self._record}: recv has {self.recv.nbytes} bytes; an "
                                       f"all-gather of {self.send.nbytes} bytes over {n} ranks "
                                       f"needs {n * self.send.nbytes}")
-        self._check_overlap(self.send, self.recv, "send", self.recv,
-                            self.comm.rank * self.send.nbytes)
+        self._check_overlap("send", self.recv, self.comm.rank * self.send.nbytes)
 
     @property
     def count(self) -> int:
         return self.send.nbytes // self.itemsize
 
     def accesses(self):
-        if self.send.overlaps(self.recv):  # in place: the own chunk is read, all written
-            return (Access(self.recv, Mode.READ_WRITE),)
-        return (Access(self.send, Mode.READ), Access(self.recv, Mode.WRITE))
+        return self._chunk_accesses(outer=self.recv)  # in place: own chunk read, all written
 
 
 @attrs.frozen
-class ReduceScatter(Collective):
+class ReduceScatter(_SendRecvCollective):
     """Chunk ``rank`` of ``op(send of every rank)`` into recv (``ncclReduceScatter``;
     ``count`` = recv elements)."""
 
-    send: BufferRange = attrs.field(converter=to_range)
-    recv: BufferRange = attrs.field(converter=to_range)
     op: str = attrs.field(default="sum", kw_only=True)
     kind: ClassVar[str] = "reduce_scatter"
     call: ClassVar[str] = "ncclReduceScatter"
-    range_fields: ClassVar[tuple[str, ...]] = ("send", "recv")
 
     def _check_kind(self):
         self._op()
@@ -220,39 +233,28 @@ class ReduceScatter(Collective):
             raise NodeFieldValueError(f"{self._record}: send has {self.send.nbytes} bytes; a "
                                       f"reduce-scatter into {self.recv.nbytes} bytes over {n} "
                                       f"ranks needs {n * self.recv.nbytes}")
-        self._check_overlap(self.send, self.recv, "recv", self.send,
-                            self.comm.rank * self.recv.nbytes)
+        self._check_overlap("recv", self.send, self.comm.rank * self.recv.nbytes)
 
     @property
     def count(self) -> int:
         return self.recv.nbytes // self.itemsize
 
     def accesses(self):
-        if self.send.overlaps(self.recv):
-            return (Access(self.send, Mode.READ_WRITE),)
-        return (Access(self.send, Mode.READ), Access(self.recv, Mode.WRITE))
+        return self._chunk_accesses(outer=self.send)
 
 
 @attrs.frozen
-class Broadcast(Collective):
+class Broadcast(_SendRecvCollective):
     """Rank ``root``'s send into every rank's recv (``ncclBroadcast``); send is read on the
     root only (other ranks may pass recv as send)."""
 
-    send: BufferRange = attrs.field(converter=to_range)
-    recv: BufferRange = attrs.field(converter=to_range)
     root: int = attrs.field(default=0, kw_only=True)
     kind: ClassVar[str] = "broadcast"
     call: ClassVar[str] = "ncclBroadcast"
-    range_fields: ClassVar[tuple[str, ...]] = ("send", "recv")
 
     def _check_kind(self):
         self._peer_rank("root")
-        if self.send.nbytes != self.recv.nbytes:
-            raise NodeFieldValueError(f"{self._record}: send has {self.send.nbytes} bytes, "
-                                      f"recv {self.recv.nbytes}; a broadcast keeps the size")
-        if self.send != self.recv and self.send.overlaps(self.recv):
-            raise NodeFieldValueError(f"{self._record}: send {self.send} and recv {self.recv} "
-                                      "overlap; use one range for both (in place) or disjoint")
+        self._check_same_size_in_place_or_disjoint("a broadcast")
 
     @property
     def count(self) -> int:
@@ -278,10 +280,8 @@ class Send(Collective):
     range_fields: ClassVar[tuple[str, ...]] = ("src",)
 
     def _check_kind(self):
-        self._peer_rank("peer")
-        if self.peer == self.comm.rank:
-            raise NodeFieldValueError(f"{self._record}: peer {self.peer} is this rank; send to "
-                                      "another rank (a copy within a rank is a PeerCopy)")
+        self._check_peer_is_another_rank(
+            "send to another rank (a copy within a rank is a PeerCopy)")
 
     @property
     def count(self) -> int:
@@ -302,10 +302,7 @@ class Recv(Collective):
     range_fields: ClassVar[tuple[str, ...]] = ("dst",)
 
     def _check_kind(self):
-        self._peer_rank("peer")
-        if self.peer == self.comm.rank:
-            raise NodeFieldValueError(f"{self._record}: peer {self.peer} is this rank; receive "
-                                      "from another rank")
+        self._check_peer_is_another_rank("receive from another rank")
 
     @property
     def count(self) -> int:

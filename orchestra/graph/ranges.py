@@ -14,6 +14,12 @@ of a whole buffer that earlier reads cut into N pieces is O(N), where a plain li
 O(1); a write over them finds those N readers either way.) Each entry carries the sequence number
 of the access that made it; dependencies are reported in that order, the order of the plain
 interval lists this replaced (`tests/test_graph.py` checks both against a brute force).
+
+Most buffers of a pipeline are only ever touched whole (an Alloc, an upload, a kernel, a
+Free): until an access covers part of a buffer, the tracker keeps its writers and readers as two
+plain lists (what a segment map with the one segment ``[0, nbytes)`` would hold) and switches to
+segment maps at the first partial access. Ranges that follow the last breakpoint (a pipeline
+walking through a host buffer) are appended without a search.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class SegmentMap:
     def overlapping(self, start: int, end: int) -> list[tuple[int, str]]:
         """The distinct entries covering any byte of ``[start, end)``, in ``seq`` order."""
         pts, segs = self.pts, self.segs
+        if not pts or start >= pts[-1] or end <= pts[0]:
+            return []  # past either end: nothing is there
         # from the segment holding byte ``start`` (each later one ends after it too)
         j = bisect_right(pts, start) - 1
         if j < 0:
@@ -91,9 +99,18 @@ class SegmentMap:
 
     def add(self, start: int, end: int, entry: tuple[int, str]) -> None:
         """Add ``entry`` to every byte of ``[start, end)``."""
-        if not self.pts:  # the first entry (most buffers of a long pipeline have few)
+        pts = self.pts
+        if not pts:  # the first entry (most buffers of a long pipeline have few)
             self.pts = [start, end]
             self.segs = [[entry]]
+            return
+        if start >= pts[-1]:  # after every breakpoint (a walk through a buffer): append
+            segs = self.segs
+            if start > pts[-1]:
+                pts.append(start)
+                segs.append([])
+            pts.append(end)
+            segs.append([entry])
             return
         i = self._split(start)
         j = self._split(end, i + 1)
@@ -106,8 +123,11 @@ class RangeTracker:
     """Infers RAW, WAR and WAW dependencies from accesses given in program order."""
 
     def __init__(self):
-        # buffer key -> (last writer(s) of each byte, readers since that write)
-        self._maps: dict[tuple, tuple[SegmentMap, SegmentMap]] = {}
+        # buffer key -> [writers, readers, split]: with ``split`` False every access so far
+        # covered the whole buffer and both are lists of entries (seq, node) in seq order;
+        # with ``split`` True they are `SegmentMap`s (last writer(s) of each byte, readers
+        # since that write)
+        self._maps: dict[tuple, list] = {}
         self._seq = 0
 
     def access(self, node: str, accesses: tuple[Access, ...]) -> dict[str, str]:
@@ -126,11 +146,28 @@ class RangeTracker:
             s = r.offset
             e = s + r.nbytes
             writes = acc.mode is not _READ
-            pair = maps.get(key)
-            if pair is None:  # a buffer's first access: nothing to wait for
-                pair = maps[key] = (SegmentMap(), SegmentMap())
+            st = maps.get(key)
+            if st is None:  # a buffer's first access: nothing to wait for
+                st = maps[key] = ([[], [], False] if s == 0 and e == buf.nbytes
+                                  else [SegmentMap(), SegmentMap(), True])
+            elif not st[2] and s == 0 and e == buf.nbytes:  # whole, as every access before
+                found = st[0]
+                if found:
+                    reason = ("WAW " if writes else "RAW ") + buf.name
+                    for _, w in found:
+                        if w != node and w not in deps:
+                            deps[w] = reason
+                if writes:
+                    found = st[1]
+                    if found:
+                        reason = "WAR " + buf.name
+                        for _, rd in found:
+                            if rd != node and rd not in deps:
+                                deps[rd] = reason
             else:
-                wm, rm = pair
+                if not st[2]:  # the first partial access: the lists become segment maps
+                    _split_state(st, buf.nbytes)
+                wm, rm = st[0], st[1]
                 if wm.pts:
                     found = wm.overlapping(s, e)
                     if found:
@@ -145,16 +182,35 @@ class RangeTracker:
                         for _, rd in found:
                             if rd != node and rd not in deps:
                                 deps[rd] = reason
-            todo.append((pair, s, e, writes))
+            todo.append((st, s, e, writes))
         # every write carves first, then every access is added: a node's accesses never hide
-        # each other
-        for pair, s, e, writes in todo:
+        # each other (a buffer that became split above is split for all of them)
+        for st, s, e, writes in todo:
             if writes:
-                pair[0].carve(s, e)
-                pair[1].carve(s, e)
+                if st[2]:
+                    st[0].carve(s, e)
+                    st[1].carve(s, e)
+                else:
+                    st[0] = []
+                    st[1] = []
         seq = self._seq
-        for pair, s, e, writes in todo:
+        for st, s, e, writes in todo:
             seq += 1
-            pair[0 if writes else 1].add(s, e, (seq, node))
+            if st[2]:
+                st[0 if writes else 1].add(s, e, (seq, node))
+            else:
+                st[0 if writes else 1].append((seq, node))
         self._seq = seq
         return deps
+
+
+def _split_state(st: list, nbytes: int) -> None:
+    """Turn a whole-buffer state ``[writers, readers, False]`` into the segment maps holding
+    the same entries over ``[0, nbytes)``."""
+    for k in (0, 1):
+        m = SegmentMap()
+        if st[k]:
+            m.pts = [0, nbytes]
+            m.segs = [list(st[k])]
+        st[k] = m
+    st[2] = True

@@ -37,6 +37,7 @@ class TaskGraph:
         self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
+        self._topo_pos: dict[str, int] | None = None  # node -> place in _topo (with _topo)
         self._control = False  # a node with bodies or touching a condition: check_bodies
         self._container: str | None = None  # the node whose body this graph is
         self._backward = False  # an edge to an earlier node (an after= naming a later one)
@@ -55,11 +56,12 @@ class TaskGraph:
         after = node.after
         if after and name in after:
             raise GraphError(f"node {name!r} lists itself in after=")
-        if any(b is self for b in node.bodies):
+        bodies = node.bodies
+        if bodies and any(b is self for b in bodies):
             raise GraphError(f"node {name!r}: a body of it is the graph it is added to; a body "
                              "must be a separate TaskGraph")
         accesses = node._accesses
-        if accesses is None or node.bodies:
+        if accesses is None or bodies:
             # a subclass that skipped Node's __attrs_post_init__, or a node with bodies (which
             # may have grown since the node was made: they are complete once it is added)
             accesses = node.accesses()
@@ -74,28 +76,33 @@ class TaskGraph:
                     self._control = True
             elif known is not buf:
                 self._register(buf, name)  # equal, or a clash to report
-        if node.bodies or node.tests is not None:
+        if bodies or node.tests is not None:
             self._control = True
-            for body in node.bodies:
+            for body in bodies:
                 body._container = name  # checked with the whole tree, from the top
         nodes[name] = node
-        self._index[name] = len(self._index)
+        index = self._index
+        index[name] = len(index)
         # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
         preds = self._preds[name] = self._tracker.access(name, accesses)
         succs = self._succs
         succs[name] = {}
         for pred, reason in preds.items():
             succs[pred][name] = reason
-        for pred in after:
-            if pred in nodes:
-                self._edge(pred, name, "after", explicit=True)
-            else:
-                self._waiting[pred].append(name)
+        if after:
+            explicit = self._explicit
+            for pred in after:
+                if pred in nodes:  # _edge(pred, name, "after", explicit=True), inline
+                    preds.setdefault(pred, "after")
+                    succs[pred].setdefault(name, "after")
+                    explicit.add((pred, name))
+                else:
+                    self._waiting[pred].append(name)
         if self._waiting:
             for succ in self._waiting.pop(name, ()):
                 self._edge(name, succ, "after", explicit=True)
                 self._backward = True
-        self._topo = None
+        self._topo = self._topo_pos = None
         return node
 
     def _register(self, buf, node_name):
@@ -127,6 +134,11 @@ class TaskGraph:
     def nodes(self) -> tuple[Node, ...]:
         """Every node, in insertion order."""
         return tuple(self._nodes.values())
+
+    def node_map(self) -> dict[str, Node]:
+        """Every node name -> its node, in insertion order: the graph's own table, for
+        algorithms that visit every node (do not modify it)."""
+        return self._nodes
 
     def node(self, name: str) -> Node:
         try:
@@ -264,6 +276,18 @@ class TaskGraph:
         """Node names in dependency order; among ready nodes, the earliest added goes first."""
         self.validate()
         return self._kahn()
+
+    def topological_positions(self) -> dict[str, int]:
+        """Node -> its place in `topological_order()` (which this validates), for sorting by
+        it. The graph's own table, made once per structure (the insertion index when program
+        order is that order): do not modify it. Not thread-safe while nodes are added."""
+        order = self.topological_order()
+        if not self._backward:
+            return self._index
+        pos = self._topo_pos
+        if pos is None:
+            pos = self._topo_pos = {n: i for i, n in enumerate(order)}
+        return pos
 
     def levels(self) -> tuple[tuple[str, ...], ...]:
         """Nodes grouped by longest-path depth from a source (level 0 has no predecessors)."""

@@ -9,6 +9,8 @@ within their level (one piece), as Taskflow's round-robin capturer does.
 
 from __future__ import annotations
 
+from typing import cast
+
 import heapq
 
 from orchestra.errors import GraphError, ScheduleError
@@ -81,8 +83,9 @@ def _used(specs, assign):
 def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
     nodes = graph.nodes
-    if all(n.batch is not None for n in nodes):  # the common case: no fallback to compute
-        return {n.name: b for n in nodes if (b := n.batch) is not None}
+    key = {n.name: n.batch for n in nodes}
+    if None not in key.values():  # the common case: no fallback to compute
+        return cast("dict[str, int]", key)
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
@@ -124,20 +127,22 @@ def _by_engine(graph, S):
                  StreamSpec("download", role="download"))
         up, down = "upload", "download"
     order = graph.topological_order()
-    gpos = {n: i for i, n in enumerate(order)}
+    latest = graph.topological_positions().__getitem__  # max(preds, key=latest): the latest
     key = _group_keys(graph)
-    assign = {}
-    by_name = {n.name: n for n in graph.nodes}
+    assign: dict[str, str] = {}
+    by_name = graph.node_map()
+    preds = graph.predecessor_map()
     nc = len(compute)
     for n in order:
         node = by_name[n]
         engine = node.engine
-        if node.kind == "free" or engine == "host":
-            assign[n] = _follow_latest_pred(graph, n, assign, gpos, compute[key[n] % nc])
-        elif engine == "upload" or engine == "memory":  # allocs go where the uploads are
-            assign[n] = up
+        if engine == "upload" or (engine == "memory" and node.kind != "free"):
+            assign[n] = up  # allocs go where the uploads are
         elif engine == "download":
             assign[n] = down
+        elif node.kind == "free" or engine == "host":  # the latest predecessor's stream
+            ps = preds[n]
+            assign[n] = assign[max(ps, key=latest)] if ps else compute[key[n] % nc]
         else:
             assign[n] = compute[key[n] % nc]
     return specs, assign, order, {}

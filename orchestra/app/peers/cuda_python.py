@@ -311,6 +311,20 @@ def _capture(d, stream, enqueue):
     return graph, gexec
 
 
+def _non_blocking_stream(d):
+    """A new ``CU_STREAM_NON_BLOCKING`` stream of priority 0 (``cuStreamCreateWithPriority``)."""
+    return _ok(d.cuStreamCreateWithPriority(d.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+
+
+def _drain_and_destroy_capture(d, stream, graph, gexec) -> None:
+    """Synchronize ``stream``, then destroy what `_capture` made (``gexec`` None: nothing was
+    captured)."""
+    d.cuStreamSynchronize(stream)
+    if gexec is not None:
+        d.cuGraphExecDestroy(gexec)
+        d.cuGraphDestroy(graph)
+
+
 class BareRequest(_Timed):
     """One request by hand: ``cuMemcpyHtoDAsync``, ``cuLaunchKernel`` (arguments packed once),
     ``cuMemcpyDtoHAsync``, ``cuStreamSynchronize`` on device buffers allocated once; with
@@ -328,8 +342,7 @@ class BareRequest(_Timed):
         r.dev.make_current()
         nb = 4 * r.n
         self.nb = nb
-        self.stream = _ok(d.cuStreamCreateWithPriority(
-            d.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        self.stream = _non_blocking_stream(d)
         self.din = _ok(d.cuMemAlloc(nb))
         self.dout = _ok(d.cuMemAlloc(nb))
         s_, t_ = burn_st(r)
@@ -360,10 +373,7 @@ class BareRequest(_Timed):
 
     def close(self):
         d = self.d
-        d.cuStreamSynchronize(self.stream)
-        if self.exec is not None:
-            d.cuGraphExecDestroy(self.exec)
-            d.cuGraphDestroy(self.cugraph)
+        _drain_and_destroy_capture(d, self.stream, self.cugraph, self.exec)
         d.cuMemFree(self.din)
         d.cuMemFree(self.dout)
         d.cuStreamDestroy(self.stream)
@@ -384,8 +394,7 @@ class BareChain(_Timed):
         how = "captured graph" if graph else "stream"
         self.name = f"cuda-python bare {how}" + (", PDL" if pdl else "")
         c.dev.make_current()
-        self.stream = _ok(d.cuStreamCreateWithPriority(
-            d.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        self.stream = _non_blocking_stream(d)
         self.func = c.step.function
         self._keep, self.addresses = [], []
         a, b = c.bufs[0].ptr, c.bufs[1].ptr
@@ -438,12 +447,8 @@ class BareChain(_Timed):
         _ok(d.cuStreamSynchronize(self.stream))
 
     def close(self):
-        d = self.d
-        d.cuStreamSynchronize(self.stream)
-        if self.exec is not None:
-            d.cuGraphExecDestroy(self.exec)
-            d.cuGraphDestroy(self.cugraph)
-        d.cuStreamDestroy(self.stream)
+        _drain_and_destroy_capture(self.d, self.stream, self.cugraph, self.exec)
+        self.d.cuStreamDestroy(self.stream)
 
 
 __all__ = ["BareChain", "BareGraph", "BareRequest", "ByHand", "burn_params"]

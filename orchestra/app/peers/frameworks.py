@@ -144,6 +144,17 @@ class CuPyGraph(_CuPyStreams):
         super().close()
 
 
+def _capture_cupy(stream, enqueue):
+    """``enqueue()`` captured on the CuPy ``stream``: its ``cupy.cuda.Graph`` (capture mode
+    is left whether or not ``enqueue`` raises)."""
+    stream.begin_capture()
+    try:
+        enqueue()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
 class CuPyRequest(_Peer):
     """One request with CuPy: memcpyAsync, the RawKernel, memcpyAsync, synchronize (device
     buffers allocated once); ``graph=True``: captured once, launched per request."""
@@ -166,13 +177,7 @@ class CuPyRequest(_Peer):
         with self.stream:
             self.kernel((r.grid,), (r.block,), self.args)  # load + check outside any capture
         self.stream.synchronize()
-        self.graph = None
-        if graph:
-            self.stream.begin_capture()
-            try:
-                self._enqueue()
-            finally:
-                self.graph = self.stream.end_capture()
+        self.graph = _capture_cupy(self.stream, self._enqueue) if graph else None
 
     def _enqueue(self):
         rt, r, s = self.cp.cuda.runtime, self.r, self.stream
@@ -215,13 +220,7 @@ class CuPyChain(_Peer):
         with self.stream:
             self.kernel((c.grid,), (c.block,), (self.bufs[0], self.bufs[1], self.n))
         self.stream.synchronize()
-        self.graph = None
-        if graph:
-            self.stream.begin_capture()
-            try:
-                self._enqueue()
-            finally:
-                self.graph = self.stream.end_capture()
+        self.graph = _capture_cupy(self.stream, self._enqueue) if graph else None
 
     def _enqueue(self):
         k, c, b, n = self.kernel, self.c, self.bufs, self.n

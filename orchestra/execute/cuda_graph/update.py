@@ -20,8 +20,6 @@ from orchestra.errors import OrchestraError
 from orchestra.execute.bindings import release_keep
 from orchestra.execute.cuda_graph.built import BuiltGraph
 from orchestra.execute.cuda_graph.state import ExecParts
-from orchestra.graph.bodies import walk
-from orchestra.graph.nodes import Conditional
 from orchestra.schedule import verify
 
 log = logging.getLogger(__name__)
@@ -42,11 +40,6 @@ class UpdateResult:
     message: str = ""
 
 
-def has_conditional_nodes(taskgraph) -> bool:
-    """Whether ``taskgraph`` or any body in it holds an If, While or Switch node."""
-    return any(isinstance(node, Conditional) for node, _ in walk(taskgraph))
-
-
 class Update(ExecParts):
     """`GraphExec.update` and what it needs (a part of `GraphExec`: it uses the exec's state,
     lock and driver API)."""
@@ -58,9 +51,7 @@ class Update(ExecParts):
         the current plan while it is still valid for ``taskgraph``, else a new schedule), try
         ``cuGraphExecUpdate``; when the driver refuses, report its ``CUgraphExecUpdateResult``
         and the offending node (``last_update``, a log warning) and instantiate the new graph
-        instead. A graph holding conditional nodes is instantiated without trying the update
-        (their handles belong to the CUDA graph that created them; the driver refuses).
-        ``bindings`` default: the current ones (they must fit the new graph).
+        instead. ``bindings`` default: the current ones (they must fit the new graph).
         Returns the `UpdateResult`."""
         with self._lock:
             self._check_open()
@@ -70,18 +61,6 @@ class Update(ExecParts):
             if bindings is None:  # the current host arrays and external device buffers
                 bindings = self._table.values()
             built = self._rebuild(taskgraph, self._plan_for(taskgraph, plan), bindings)
-            if has_conditional_nodes(taskgraph):
-                # a conditional node's handle belongs to the CUDA graph that created it, and
-                # the driver refuses the update (driver 580 on an H200: CU_GRAPH_EXEC_UPDATE_ERROR
-                # at the graph's first node); instantiating the new graph is what it comes to
-                self._reinstantiate(built)
-                self._reapply_enabled()
-                msg = ("the graph holds conditional nodes, whose handles belong to the graph "
-                       "that created them: instantiated the new graph")
-                log.info(msg)
-                self.last_update = UpdateResult(False, True, "conditional nodes", None, None,
-                                                msg)
-                return self.last_update
             try:
                 self.device.make_current()
                 err, result, error_node, error_from = self._api.exec_update(self._state.exec,

@@ -76,10 +76,19 @@ class _CollectiveLowering(Lowering):
     driver_node_type = "CU_GRAPH_NODE_TYPE_GRAPH"  # graph-build: a child graph
     captures_one_node = False
     method: str  # the NcclAPI method
+    #: the node field the call takes after count and element type: "op" (as NCCL's
+    #: operator), "root" or "peer" (ints as they are), None for no further argument
+    last_arg: str | None = None
 
     def static_args(self, node, api) -> tuple:
-        """The call's arguments between the addresses and the communicator (each kind's)."""
-        return ()
+        """The call's arguments between the addresses and the communicator: count, NCCL's
+        element type, then ``last_arg``'s value."""
+        args = (node.count, api.dtype(node.dtype))
+        if self.last_arg is None:
+            return args
+        if self.last_arg == "op":
+            return (*args, api.op(node.op))
+        return (*args, getattr(node, self.last_arg))
 
     def resolve(self, node, executor):
         from orchestra.nccl.errors import NcclUsageError
@@ -147,9 +156,7 @@ class _CollectiveLowering(Lowering):
 class AllReduceLowering(_CollectiveLowering):
     node_type = AllReduce
     method = "all_reduce"
-
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype), api.op(node.op))
+    last_arg = "op"
 
 
 @register
@@ -157,44 +164,33 @@ class AllGatherLowering(_CollectiveLowering):
     node_type = AllGather
     method = "all_gather"
 
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype))
-
 
 @register
 class ReduceScatterLowering(_CollectiveLowering):
     node_type = ReduceScatter
     method = "reduce_scatter"
-
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype), api.op(node.op))
+    last_arg = "op"
 
 
 @register
 class BroadcastLowering(_CollectiveLowering):
     node_type = Broadcast
     method = "broadcast"
-
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype), node.root)
+    last_arg = "root"
 
 
 @register
 class SendLowering(_CollectiveLowering):
     node_type = Send
     method = "send"
-
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype), node.peer)
+    last_arg = "peer"
 
 
 @register
 class RecvLowering(_CollectiveLowering):
     node_type = Recv
     method = "recv"
-
-    def static_args(self, node, api):
-        return (node.count, api.dtype(node.dtype), node.peer)
+    last_arg = "peer"
 
 
 __all__ = ["AllGatherLowering", "AllReduceLowering", "BroadcastLowering", "CollectiveCall",

@@ -41,15 +41,6 @@ class AllocLowering(Lowering):
         alloc = ctx.api.cuMemAllocFromPoolAsync
         nbytes, ptrs, objs = node.buffer.nbytes, a.ptrs, a.objs
         pool = ctx.pool_for(node.buffer.device)
-        if not ctx.capture:
-            def step():
-                err, dptr = alloc(nbytes, pool, sh)
-                if err:
-                    raise error_from_result("cuMemAllocFromPoolAsync", err)
-                objs[slot] = dptr
-                ptrs[slot] = int(dptr)
-            return step
-        allocations, name, buffer = ctx.allocations, node.name, node.buffer.name
 
         def step():
             err, dptr = alloc(nbytes, pool, sh)
@@ -57,8 +48,14 @@ class AllocLowering(Lowering):
                 raise error_from_result("cuMemAllocFromPoolAsync", err)
             objs[slot] = dptr
             ptrs[slot] = int(dptr)
-            allocations[name] = (buffer, int(dptr))
-        return step
+        if not ctx.capture:
+            return step
+        allocations, name, buffer = ctx.allocations, node.name, node.buffer.name
+
+        def captured_step():  # the capture also notes each address it allocates
+            step()
+            allocations[name] = (buffer, ptrs[slot])
+        return captured_step
 
     def graph(self, node, ctx, deps):
         params = alloc_params(node.buffer.nbytes, ctx.device.ordinal)

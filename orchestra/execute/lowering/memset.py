@@ -43,24 +43,21 @@ class MemsetLowering(Lowering):
         a = ctx.addresses
         slot, off = a.device_slot(node.dst.buffer.name), node.dst.offset
         value, count, sh, ptrs = node.unsigned_value, node.dst.nbytes // es, stream.handle, a.ptrs
-        if ctx.capture:
-            params = memset_params(node, 0)
-            rec = ctx.record(node, params)
-            ctx.use(node.dst.buffer.name, rec, params, "dst", off)
-
-            def step():
-                dst = ptrs[slot] + off
-                params.dst = dst
-                (err,) = fn(dst, value, count, sh)
-                if err:
-                    raise error_from_result(call, err)
-            return step
 
         def step():
             (err,) = fn(ptrs[slot] + off, value, count, sh)
             if err:
                 raise error_from_result(call, err)
-        return step
+        if not ctx.capture:
+            return step
+        params = memset_params(node, 0)
+        rec = ctx.record(node, params)
+        ctx.use(node.dst.buffer.name, rec, params, "dst", off)
+
+        def captured_step():  # the recorded params follow the address the capture used
+            params.dst = ptrs[slot] + off
+            step()
+        return captured_step
 
     def graph(self, node, ctx, deps):
         params = memset_params(node, ctx.device_address(node.dst.buffer.name))
