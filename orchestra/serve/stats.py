@@ -12,6 +12,8 @@ import array
 
 import numpy as np
 
+from orchestra.serve.errors import ServeConfigValueError
+
 SAMPLES = 1 << 16  # latency samples kept per bucket
 
 
@@ -28,7 +30,7 @@ class Samples:
 
     def __init__(self, capacity: int = SAMPLES, prealloc: bool = False):
         if capacity < 1 or capacity & (capacity - 1):
-            raise ValueError(f"capacity must be a power of two; got {capacity}")
+            raise ServeConfigValueError(f"capacity must be a power of two; got {capacity}")
         self.capacity = capacity
         self._mask = capacity - 1
         self._n = 0
