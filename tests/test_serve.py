@@ -1002,3 +1002,33 @@ def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
         with gated_engine(backend, buckets=[4], instances=1, queue_limit=4,
                           on_full=on_full) as e:
             asyncio.run(asyncio.wait_for(main(e, on_full == "raise"), 10))
+
+
+def test_asyncio_run_awaiting_its_slot_when_the_engine_closes_never_hangs():
+    """A run() that waits for a slot of its loop while another thread closes the engine ends:
+    with its output (admitted before the close) or `EngineClosed` (refused after it)."""
+    for attempt in range(20):
+        backend = GatedBackend()
+        e = gated_engine(backend, buckets=[4], instances=1, queue_limit=1)
+        outcome = []
+
+        async def main():
+            first = asyncio.ensure_future(e.run(rows(1)))
+            second = asyncio.ensure_future(e.run(rows(1)))  # awaits the only slot
+            await asyncio.sleep(0.005)
+            closer = threading.Thread(target=e.close)
+            closer.start()
+            await asyncio.sleep(0.001 * (attempt % 5))
+            while not (first.done() and second.done()):
+                backend.complete()
+                await asyncio.sleep(0.001)
+            for t in (first, second):
+                try:
+                    outcome.append((await t).tobytes() == f(rows(1)).tobytes())
+                except EngineClosed:
+                    outcome.append("closed")
+            await asyncio.get_running_loop().run_in_executor(None, closer.join, 10)
+            assert not closer.is_alive()
+
+        asyncio.run(asyncio.wait_for(main(), 10))
+        assert outcome[0] is True and outcome[1] in (True, "closed"), outcome

@@ -331,6 +331,7 @@ class Engine:
                          else None)
         self._fast_name = self._fast_in.name if self._fast_in is not None else ""
         self._aio_q: queue.SimpleQueue | None = None  # the asyncio bridge (run())
+        self._bridge_closed = False  # set by close() once the bridge is gone: run() refuses
         self._cancel_all = False  # close(cancel=True): the bridge cancels what it still holds
         self._aio_sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._running: set[_Launch] = set()
@@ -583,10 +584,20 @@ class Engine:
             reqs[0].group.fut = fut
         aio = loop.create_future()
         fut.add_done_callback(functools.partial(_to_loop, loop, aio, sem))
-        q = self._aio_q
-        if q is None:
-            q = self._start_bridge()
-        q.put(reqs)
+        try:
+            q = self._aio_q
+            if q is None:
+                q = self._start_bridge()
+            with self._lock:  # close() sets the flag under the lock before its last sweep
+                refused = self._bridge_closed
+                if not refused:
+                    q.put(reqs)
+        except BaseException:
+            sem.release()
+            raise
+        if refused:  # the engine closed while this request awaited its slot
+            sem.release()
+            raise EngineClosed("the engine closed before the request was admitted")
         try:
             return await aio
         except asyncio.CancelledError:
@@ -1346,6 +1357,8 @@ class Engine:
             for t in self._threads:
                 if t.name == "orchestra-serve-asyncio":
                     t.join()
+            with self._lock:  # from here run() refuses instead of handing over
+                self._bridge_closed = True
             while True:  # handed over while the bridge was stopping: refused
                 try:
                     reqs = bridge.get_nowait()
