@@ -61,6 +61,31 @@ def version_text() -> str:
     return f"orchestra {__version__} (Python {platform.python_version()}, {bindings})"
 
 
+def version_info() -> dict[str, str | None]:
+    """What ``orchestra --version --json`` prints: ``{"orchestra": ..., "python": ...,
+    "cuda_bindings": ...}`` (``cuda_bindings`` None when it is not installed)."""
+    from importlib import metadata
+
+    from orchestra import __version__
+
+    try:
+        bindings: str | None = metadata.version("cuda-bindings")
+    except metadata.PackageNotFoundError:
+        bindings = None
+    return {"orchestra": __version__, "python": platform.python_version(),
+            "cuda_bindings": bindings}
+
+
+class _ShowVersion(Exception):
+    """Raised by ``--version`` while parsing; `main` prints the version (text or JSON, as
+    ``--json`` anywhere on the line asks) and exits 0."""
+
+
+class _VersionAction(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        raise _ShowVersion()
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
     """The parsers directly below ``parser`` (each once, aliases or not)."""
     seen: set[int] = set()
@@ -72,11 +97,11 @@ def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
                     yield child
 
 
-def _add_common(parser: argparse.ArgumentParser, *, top: bool, leaf: bool) -> None:
-    """-v / -q on every parser, --json on every command that runs (a leaf).
+def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """-v / -q / --json on every parser, so each works before or after the subcommand.
 
     Below the top level their defaults are SUPPRESS, so a subcommand that was not given ``-v``
-    keeps the top level's value instead of resetting it."""
+    (or ``--json``) keeps the top level's value instead of resetting it."""
     own = parser._option_string_actions
     if "-v" not in own:
         parser.add_argument("-v", "--verbose", action="count",
@@ -87,15 +112,20 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool, leaf: bool) -> No
         parser.add_argument("-q", "--quiet", action="store_true",
                             default=False if top else argparse.SUPPRESS,
                             help="print errors only: no warnings, no progress bars")
-    if leaf and "--json" not in own:
+    if "--json" in own and not top:
+        # a command's own --json (its help names what it prints) must not reset the top
+        # level's: `orchestra --json devices`
+        own["--json"].default = argparse.SUPPRESS
+    elif "--json" not in own:
         parser.add_argument("--json", action="store_true",
+                            default=False if top else argparse.SUPPRESS,
                             help="print the result as JSON on stdout (errors too)")
 
 
 def _decorate(parser: argparse.ArgumentParser, *, top: bool = False) -> None:
     children = list(_subparsers(parser))
     leaf = not children
-    _add_common(parser, top=top, leaf=leaf)
+    _add_common(parser, top=top)
     if leaf:
         parser.set_defaults(_parser=parser)
     for child in children:
@@ -112,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="show orchestra's, Python's and cuda-bindings' versions and exit "
+                             "(with --json: a JSON object)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
         importlib.import_module(f"orchestra.cli.{name}").register(sub)
@@ -204,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parse_args(parser, argv)
         except UsageError as err:
             return _usage_failure(err, parser, as_json)
+        except _ShowVersion:
+            print(json.dumps(version_info()) if as_json else version_text())
+            sys.stdout.flush()
+            return 0
         prog = args._parser.prog
         as_json = bool(getattr(args, "json", False))
         logs.configure(args.verbose, args.quiet, prog)
