@@ -41,3 +41,63 @@ def test_version_as_json(argv, capsys):
 def test_version_as_text(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == version_text()
+
+
+# -- 2. run --output onto its --input; --output's folder ------------------------------------------
+
+@pytest.fixture
+def no_gpu_check(monkeypatch):
+    """Device.get fails the test: the refusal must come before the device check."""
+    import orchestra.driver as od
+
+    def refuse(*a, **k):
+        raise AssertionError("reached the device check")
+    monkeypatch.setattr(od.Device, "get", staticmethod(refuse))
+
+
+@pytest.mark.parametrize("how", ["same", "dotdot", "symlink", "hardlink"])
+def test_run_refuses_an_output_that_is_its_input(tmp_path, capsys, no_gpu_check, how):
+    import os
+
+    import numpy as np
+
+    src = tmp_path / "A.npy"
+    data = np.arange(10, dtype=np.float32)
+    np.save(src, data)
+    out = {"same": src, "dotdot": tmp_path / "sub" / ".." / "A.npy",
+           "symlink": tmp_path / "L.npy", "hardlink": tmp_path / "H.npy"}[how]
+    (tmp_path / "sub").mkdir()
+    if how == "symlink":
+        os.symlink(src, out)
+    if how == "hardlink":
+        os.link(src, out)
+    assert main(["run", "--input", str(src), "--output", str(out)]) == 2
+    assert "is the --input file" in capsys.readouterr().err
+    np.testing.assert_array_equal(np.load(src), data)  # untouched
+
+
+def test_run_refuses_an_output_in_a_missing_folder(tmp_path, capsys, no_gpu_check):
+    import numpy as np
+
+    np.save(tmp_path / "A.npy", np.zeros(4, np.float32))
+    out = tmp_path / "nope" / "B.npy"
+    assert main(["run", "--input", str(tmp_path / "A.npy"), "--output", str(out)]) == 2
+    assert f"the folder {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+# -- 4. the device-memory figure with an input smaller than a batch -------------------------------
+
+def test_memory_needs_with_a_small_input_counts_the_real_batch():
+    from orchestra.cli import job_options as jo
+    from orchestra.cli.main import build_parser, parse_args
+
+    args = parse_args(build_parser(), ["run", "--input", "x.npy", "--batch-mib", "100000"])
+    needs = jo.memory_needs(args, input_elements=10)  # 40 bytes: one batch of 40 bytes
+    assert needs["batches"] == 1
+    assert needs["pinned_bytes"] == 2 * 40
+    assert needs["device_batch_bytes"] == 2 * 40
+    assert needs["device_peak_bytes"] == 2 * 40
+    args = parse_args(build_parser(), ["run", "--input", "x.npy", "--batch-mib", "1"])
+    needs = jo.memory_needs(args, input_elements=3 << 20)  # 12 MiB: 12 batches of 1 MiB
+    assert needs["batches"] == 12
+    assert needs["device_batch_bytes"] == 2 << 20

@@ -51,6 +51,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an int >= 0 (``--warmup``, ``--device``), refused while parsing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same path once resolved (links and
+    ``..`` followed), or, both existing, the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -108,9 +130,10 @@ def host_memory_bytes() -> int | None:
 def memory_needs(args: argparse.Namespace, input_elements: int | None = None) -> dict[str, int]:
     """Bytes the job needs, from the options alone (no graph is built):
 
-    ``batch_bytes`` (one batch), ``batches``, ``pinned_bytes`` (page-locked host memory: the
+    ``batch_bytes`` (one batch, from ``--batch-mib``), ``batches``, ``pinned_bytes`` (page-locked host memory: the
     whole input and output, or the staging slots with ``--input``), ``device_batch_bytes`` (one
-    batch's input and output buffers on the device, at least what a run needs at once) and
+    batch's input and output buffers on the device, at least what a run needs at once; with
+    ``--input`` the largest batch is at most the file's size) and
     ``device_peak_bytes`` (what the batches that may be in flight together hold)."""
     from orchestra.app.job import batch_bytes_from_mib
     from orchestra.app.job.graphs import IN_FLIGHT
@@ -123,9 +146,11 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     else:
         batches = args.batches or DEFAULT_BATCHES
         pinned = 2 * batches * batch_bytes
+    # the largest batch the device holds: an input smaller than --batch-mib is one short batch
+    largest = batch_bytes if input_elements is None else min(batch_bytes, input_elements * 4)
     return {"batch_bytes": batch_bytes, "batches": batches, "pinned_bytes": pinned,
-            "device_batch_bytes": 2 * batch_bytes,
-            "device_peak_bytes": 2 * batch_bytes * min(IN_FLIGHT, batches)}
+            "device_batch_bytes": 2 * largest,
+            "device_peak_bytes": 2 * largest * min(IN_FLIGHT, batches)}
 
 
 def check_options(args: argparse.Namespace, command: str,

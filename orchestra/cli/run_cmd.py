@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, fmt_bytes,
-    positive_int,
+    nonnegative_int, positive_int, same_file,
 )
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --input: where to write the result (default: a temporary file)")
     p.add_argument("--repeat", type=positive_int, default=5,
                    help="timed runs; the wall time is their median (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed, verified runs first (1)")
+    p.add_argument("--warmup", type=nonnegative_int, default=1,
+                   help="untimed, verified runs first (1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated input (0)")
     p.add_argument("--executor", choices=EXECUTORS, default="eager",
                    help="eager (default: enqueue every node), capture (stream capture into a "
@@ -54,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and efficiency")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw the traced run as a Gantt chart (needs matplotlib)")
-    p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
+    p.add_argument("--device", type=nonnegative_int, default=0, help="device ordinal (0)")
     p.add_argument("--no-verify-plan", action="store_true",
                    help="skip the hazard verifier before the first run")
     p.set_defaults(func=run, no_device_hint="; `orchestra plan` shows the same plan without a GPU")
@@ -71,6 +73,15 @@ def run(args: argparse.Namespace) -> int:
                          "builds no CUDA graph)")
     if args.output and not args.input:
         raise UsageError("--output needs --input (the generated data is verified in memory)")
+    if args.output:
+        if same_file(args.input, args.output):
+            # the output is opened for writing (truncated) while the input is still read
+            raise UsageError(f"--output {args.output} is the --input file: writing the result "
+                             "would overwrite the input before it is read; pass another "
+                             "--output")
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--output {args.output}: the folder {folder} does not exist")
     if args.input and args.seed != 0:
         log.warning("--seed does not apply with --input: the file is the input")
     input_elements = None
