@@ -101,3 +101,32 @@ def test_memory_needs_with_a_small_input_counts_the_real_batch():
     needs = jo.memory_needs(args, input_elements=3 << 20)  # 12 MiB: 12 batches of 1 MiB
     assert needs["batches"] == 12
     assert needs["device_batch_bytes"] == 2 << 20
+
+
+# -- 3. compile -o onto its source ----------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], ["--ptx"]])
+@pytest.mark.parametrize("how", ["same", "dotdot", "symlink"])
+def test_compile_refuses_an_output_that_is_its_source(tmp_path, monkeypatch, capsys, extra, how):
+    import os
+
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "k.cu"
+    text = "extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n"
+    src.write_text(text)
+    (tmp_path / "sub").mkdir()
+    out = {"same": src, "dotdot": tmp_path / "sub" / ".." / "k.cu",
+           "symlink": tmp_path / "l.cu"}[how]
+    if how == "symlink":
+        os.symlink(src, out)
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(out), *extra]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert src.read_text() == text
+
+
+def test_compile_to_another_file_still_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "k.cu"
+    src.write_text("extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n")
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
+    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"

@@ -13,6 +13,7 @@ Runs on a machine without a GPU when `--arch` is given. Uses the on-disk compile
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -154,6 +155,13 @@ def _run(args) -> int:
     if not args.file.is_file():
         return _fail(args, f"no such file: {args.file}")
     ptx_input = args.file.suffix == ".ptx"
+    out = args.output or args.file.with_suffix(".ptx" if args.ptx and not ptx_input else ".cubin")
+    from orchestra.cli.job_options import same_file
+
+    if same_file(os.fspath(args.file), os.fspath(out)):
+        return _fail(args, f"-o {out} is the input file {args.file}: writing the "
+                           f"{'PTX' if args.ptx else 'cubin'} would overwrite the source; "
+                           "pass another -o")
     if ptx_input:
         if args.ptx:
             return _fail(args, "--ptx makes no sense for a .ptx input (it is PTX already)")
