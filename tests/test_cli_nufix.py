@@ -130,3 +130,51 @@ def test_compile_to_another_file_still_writes(tmp_path, monkeypatch, capsys):
     src.write_text("extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n")
     assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
     assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+
+
+# -- 5. a cache location that is a file -----------------------------------------------------------
+
+_KERNEL = "extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n"
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_compile_with_the_cache_dir_a_file_warns_and_compiles(tmp_path, monkeypatch, capsys,
+                                                              below):
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("not a folder")
+    where = blocker / "sub" if below else blocker
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(where))
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
+    err = capsys.readouterr().err
+    assert f"ORCHESTRA_CACHE_DIR={where} is not a directory" in err
+    assert "compiling without the cache" in err
+    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("action", ["info", "clear"])
+def test_cache_info_and_clear_say_the_dir_is_a_file(tmp_path, monkeypatch, capsys, action):
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("x")
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(blocker))
+    assert main(["cache", action]) == 2
+    err = capsys.readouterr().err
+    assert f"ORCHESTRA_CACHE_DIR={blocker} is not a directory" in err
+    assert main(["cache", action, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["type"] == "CacheDirError"
+
+
+def test_cache_api_raises_cache_dir_error(tmp_path, monkeypatch):
+    from orchestra.compiler import cache
+
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(blocker))
+    for call in (cache.cache_info, cache.cache_clear, cache.cache_dir):
+        with pytest.raises(cache.CacheDirError, match="is not a directory"):
+            call()
+    assert issubclass(cache.CacheDirError, ValueError)
+    assert cache.load("nvrtc", "0" * 64) is None  # a miss, not an error
+    assert cache.store("nvrtc", "0" * 64, b"img", "", {}) is None

@@ -1,7 +1,9 @@
 """The on-disk cache of compiled images (cubin or PTX) with their log and lowered names.
 
 Location: ``$ORCHESTRA_CACHE_DIR`` if set, else platformdirs' user cache directory +
-``/orchestra``; created with mode 0o700. ``ORCHESTRA_NO_CACHE=1`` turns the cache off.
+``/orchestra``; created with mode 0o700. ``ORCHESTRA_NO_CACHE=1`` turns the cache off. A
+location that is not a directory (a file there): a compile warns once and compiles without the
+cache; `cache_info` / `cache_clear` raise `CacheDirError`.
 
 Size cap: ``$ORCHESTRA_CACHE_MAX_BYTES`` (`max_bytes`), default `DEFAULT_MAX_BYTES` = 1 GiB:
 room for thousands of cubins (an orchestra cubin is typically 10 KiB - 1 MiB, a heavily
@@ -71,6 +73,12 @@ class CacheConfigError(OrchestraError, ValueError):
     """``$ORCHESTRA_CACHE_MAX_BYTES`` holds something that is not a size."""
 
 
+class CacheDirError(CacheConfigError):
+    """The cache location (``$ORCHESTRA_CACHE_DIR``) exists but is not a directory.
+
+    `cache_info` and `cache_clear` raise it; a compile warns and runs without the cache."""
+
+
 @attrs.frozen
 class CacheEntry:
     """One cached compile: ``image`` (cubin or PTX bytes), ``log`` (str), ``names``
@@ -108,8 +116,30 @@ def max_bytes() -> int | None:
     return DEFAULT_MAX_BYTES if not env.strip() else parse_size(env)
 
 
+def _blocker(d: Path) -> Path | None:
+    """The first of ``d`` and its parents that exists, when it is not a directory."""
+    for p in (d, *d.parents):
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
+
+
+def _not_a_directory(d: Path) -> CacheDirError:
+    where = (f"ORCHESTRA_CACHE_DIR={os.environ['ORCHESTRA_CACHE_DIR']}"
+             if os.environ.get("ORCHESTRA_CACHE_DIR") else f"the compile cache location {d}")
+    blocker = _blocker(d)
+    what = ("a file or something else is there" if blocker is None or blocker == d
+            else f"{blocker} is a file")
+    return CacheDirError(
+        f"{where} is not a directory ({what}): point ORCHESTRA_CACHE_DIR at a folder, move "
+        "the file away, or set ORCHESTRA_NO_CACHE=1")
+
+
 def cache_dir(create: bool = True) -> Path:
-    """The cache directory (see the module doc); created with mode 0o700 when ``create``."""
+    """The cache directory (see the module doc); created with mode 0o700 when ``create``.
+
+    Raises `CacheDirError` when ``create`` and the location (or a folder above it) exists but
+    is not a directory."""
     env = os.environ.get("ORCHESTRA_CACHE_DIR")
     if env:
         d = Path(env).expanduser()
@@ -118,8 +148,31 @@ def cache_dir(create: bool = True) -> Path:
 
         d = Path(platformdirs.user_cache_dir()) / "orchestra"
     if create:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise _not_a_directory(d) from None
     return d
+
+
+def _existing_cache_dir() -> Path:
+    """`cache_dir` without creating it, for `cache_info` / `cache_clear`: raises
+    `CacheDirError` when something that is not a directory is there."""
+    d = cache_dir(create=False)
+    if _blocker(d) is not None:
+        raise _not_a_directory(d)
+    return d
+
+
+_warned_dirs: set[str] = set()
+
+
+def _warn_no_cache(exc: CacheDirError) -> None:
+    """A cache location that is not a directory never fails a compile: warn (once per
+    location) and compile without the cache."""
+    if str(exc) not in _warned_dirs:
+        _warned_dirs.add(str(exc))
+        log.warning("%s; compiling without the cache", exc)
 
 
 def make_key(namespace: str, *parts) -> str:
@@ -205,7 +258,11 @@ def load(namespace: str, key: str) -> CacheEntry | None:
     if not cache_enabled():
         return None
     max_bytes()  # validate the cap before any work is done
-    path = entry_path(namespace, key)
+    try:
+        path = entry_path(namespace, key)
+    except CacheDirError as exc:
+        _warn_no_cache(exc)
+        return None
     try:
         data = path.read_bytes()
     except OSError:  # missing (never written, evicted, cleared) or unreadable: a miss
@@ -249,6 +306,9 @@ def store(namespace: str, key: str, image: bytes, log_text: str, names: dict) ->
             _unlink(Path(tmp))
             raise
     except OSError:
+        return None
+    except CacheDirError as exc:
+        _warn_no_cache(exc)
         return None
     log.debug("cache store %s (%d bytes)", path.name, len(data))
     if cap is not None:
@@ -336,9 +396,10 @@ class CacheInfo:
 
 def cache_info() -> CacheInfo:
     """The cache's location, entry count, total bytes, cap and on/off state. Creates nothing.
-    Raises `CacheConfigError` for a bad ``$ORCHESTRA_CACHE_MAX_BYTES``."""
+    Raises `CacheConfigError` for a bad ``$ORCHESTRA_CACHE_MAX_BYTES``, `CacheDirError` when
+    the location is not a directory."""
     cap = max_bytes()
-    d = cache_dir(create=False)
+    d = _existing_cache_dir()
     entries, _temps = _scan(d)
     return CacheInfo(d, len(entries), sum(e[2] for e in entries), cap, cache_enabled())
 
@@ -346,8 +407,9 @@ def cache_info() -> CacheInfo:
 def cache_clear() -> tuple[int, int]:
     """Delete every entry (and stale temporary files): returns ``(entries deleted, bytes
     freed)``. Entries another process deletes meanwhile are not counted. A compile running in
-    another process at the same time may still write its entry afterwards."""
-    d = cache_dir(create=False)
+    another process at the same time may still write its entry afterwards. Raises
+    `CacheDirError` when the location is not a directory."""
+    d = _existing_cache_dir()
     entries, temps = _scan(d)
     removed = freed = 0
     for _m, _n, size, p in entries:
