@@ -28,6 +28,7 @@ See docs/ARCHITECTURE.md. Everything here runs without a GPU; `Module`/`Kernel`/
 from orchestra.compiler.args import ArgLayout, PackedArgs
 from orchestra.compiler.cache import (
     CacheConfigError,
+    CacheDirError,
     CacheInfo,
     cache_clear,
     cache_dir,
@@ -78,7 +79,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "ArgLayout", "CacheConfigError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",
+    "ArgLayout", "CacheConfigError", "CacheDirError", "CacheInfo", "CompileJob", "CompileResult", "Kernel",
     "KernelAttributes", "KernelNotFoundError", "LaunchConfig", "Module", "NameExpressionError",
     "PackedArgs", "Param", "PtxVersionError", "build_launch_config", "cache_clear", "cache_dir",
     "cache_enabled", "cache_info", "check_launch", "check_ptx_loadable", "compile", "compile_to_file", "default_output_path", "kernel_names",
