@@ -32,14 +32,18 @@ def test_json_before_the_subcommand_makes_errors_json(capsys):
 
 @pytest.mark.parametrize("argv", [["--version", "--json"], ["--json", "--version"]])
 def test_version_as_json(argv, capsys):
-    assert main(argv) == 0
+    with pytest.raises(SystemExit) as exc:  # argparse's version action exits 0
+        main(argv)
+    assert exc.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert out == version_info()
     assert version_text().startswith(f"orchestra {out['orchestra']} (Python {out['python']}")
 
 
 def test_version_as_text(capsys):
-    assert main(["--version"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == version_text()
 
 

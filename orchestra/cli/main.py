@@ -76,14 +76,16 @@ def version_info() -> dict[str, str | None]:
             "cuda_bindings": bindings}
 
 
-class _ShowVersion(Exception):
-    """Raised by ``--version`` while parsing; `main` prints the version (text or JSON, as
-    ``--json`` anywhere on the line asks) and exits 0."""
-
-
 class _VersionAction(argparse.Action):
+    """``--version``: print `version_text`, or `version_info` as JSON when ``--json`` is
+    anywhere on the line (`main` sets the parser's ``version_json``), and exit 0 as argparse's
+    own version action does."""
+
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        raise _ShowVersion()
+        as_json = getattr(parser, "version_json", False)
+        print(json.dumps(version_info()) if as_json else version_text())
+        sys.stdout.flush()
+        parser.exit(0)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
@@ -232,14 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog, args = "orchestra", None
     try:
         parser = build_parser()
+        parser.version_json = as_json  # type: ignore[attr-defined]
         try:
             args = parse_args(parser, argv)
         except UsageError as err:
             return _usage_failure(err, parser, as_json)
-        except _ShowVersion:
-            print(json.dumps(version_info()) if as_json else version_text())
-            sys.stdout.flush()
-            return 0
         prog = args._parser.prog
         as_json = bool(getattr(args, "json", False))
         logs.configure(args.verbose, args.quiet, prog)
