@@ -182,3 +182,38 @@ def test_cache_api_raises_cache_dir_error(tmp_path, monkeypatch):
     assert issubclass(cache.CacheDirError, ValueError)
     assert cache.load("nvrtc", "0" * 64) is None  # a miss, not an error
     assert cache.store("nvrtc", "0" * 64, b"img", "", {}) is None
+
+
+# -- 6. a stdout that cannot be written -----------------------------------------------------------
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["plan"], ["plan", "--json"], ["--json", "devices"],
+                                  ["devices", "--json"], ["cache", "info"]])
+def test_a_full_stdout_is_one_line_and_exit_74(argv, tmp_path):
+    import subprocess
+    import sys
+
+    from orchestra.cli.exit_codes import OUTPUT_ERROR
+
+    env = dict(__import__("os").environ, ORCHESTRA_CACHE_DIR=str(tmp_path / "c"))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "orchestra", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    assert proc.returncode == OUTPUT_ERROR == 74, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "could not write the output to stdout: No space left on device" in lines[0]
+
+
+def test_an_input_oserror_is_still_a_usage_error(tmp_path, capsys):
+    assert main(["run", "--input", str(tmp_path / "missing.npy")]) == 2
+    assert "missing.npy" in capsys.readouterr().err
+
+
+def test_exit_74_is_documented():
+    from pathlib import Path
+
+    from orchestra.cli import exit_codes
+
+    assert "\n  74 " in exit_codes.EPILOG
+    assert "| 74 |" in (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()

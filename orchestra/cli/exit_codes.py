@@ -11,6 +11,7 @@ A script can tell the failures apart without reading the message:
 4     compile error: NVRTC or nvJitLink refused a program
 5     CUDA error: a driver call failed while running, or another runtime failure
 70    internal error: a bug in orchestra (the traceback is printed; please report it)
+74    the output could not be written to stdout (a full disk, ``> /dev/full``, an I/O error)
 130   interrupted (Ctrl-C)
 141   the output pipe was closed (``orchestra plan --json | head -1``)
 ====  ==================================================================================
@@ -35,6 +36,7 @@ NO_DEVICE = 3
 COMPILE_ERROR = 4
 CUDA_ERROR = 5
 INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE
+OUTPUT_ERROR = 74    # sysexits.h EX_IOERR: stdout could not be written
 INTERRUPTED = 130    # 128 + SIGINT, what a shell reports for Ctrl-C
 PIPE_CLOSED = 141    # 128 + SIGPIPE
 
@@ -49,6 +51,7 @@ exit codes:
   4    compile error: NVRTC or nvJitLink refused a program
   5    CUDA error: a driver call failed while running, or another runtime failure
   70   internal error (a bug: the traceback is printed)
+  74   the output could not be written to stdout (a full disk, an I/O error)
   130  interrupted (Ctrl-C)
   141  the output pipe was closed
 
@@ -93,4 +96,4 @@ def exit_code(exc: BaseException) -> int:
 
 
 __all__ = ["CHECK_FAILED", "COMPILE_ERROR", "CUDA_ERROR", "EPILOG", "INTERNAL_ERROR",
-           "INTERRUPTED", "NO_DEVICE", "OK", "PIPE_CLOSED", "USAGE", "UsageError", "exit_code"]
+           "INTERRUPTED", "NO_DEVICE", "OK", "OUTPUT_ERROR", "PIPE_CLOSED", "USAGE", "UsageError", "exit_code"]

@@ -10,7 +10,8 @@ parser and sets ``func(args) -> int`` (the exit code). What every command shares
 * every failure becomes one line on stderr (or, under ``--json``, one
   ``{"error": {"type": ..., "message": ...}}`` object on stdout) and a documented exit code
   (`orchestra.cli.exit_codes`), never a traceback, except for an internal error (a bug);
-* a closed output pipe exits quietly with 141, Ctrl-C with 130;
+* a closed output pipe exits quietly with 141, Ctrl-C with 130, a stdout that cannot be
+  written (a full disk, ``> /dev/full``) with one line on stderr and 74;
 * logging (`orchestra.cli.logs`) and progress bars (`orchestra.cli.progress`) are set up from
   the options.
 """
@@ -30,7 +31,7 @@ from typing import Any, NoReturn
 
 from orchestra.cli import logs, progress
 from orchestra.cli.exit_codes import (
-    EPILOG, INTERNAL_ERROR, INTERRUPTED, PIPE_CLOSED, USAGE, UsageError, exit_code,
+    EPILOG, INTERNAL_ERROR, INTERRUPTED, OUTPUT_ERROR, PIPE_CLOSED, USAGE, UsageError, exit_code,
 )
 from orchestra.errors import CompileError, CudaError, HazardError, NoDeviceError, OrchestraError
 
@@ -214,16 +215,64 @@ def _failure(exc: Exception, prog: str, args: argparse.Namespace | None, as_json
     return code
 
 
-def _pipe_closed() -> int:
-    """The reader went away (``| head``): point stdout at /dev/null so the flush at exit
-    cannot fail a second time, and exit 141 without a word."""
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the flush at exit cannot fail a second time."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
     except (OSError, ValueError):  # no real stdout (a test's captured one)
         pass
+
+
+def _pipe_closed() -> int:
+    """The reader went away (``| head``): exit 141 without a word."""
+    _discard_stdout()
     return PIPE_CLOSED
+
+
+class _WatchedStdout:
+    """sys.stdout while a command runs: the same stream, except that an `OSError` from
+    writing or flushing it is remembered (``failed``), so `main` can tell stdout failing
+    (a full disk, ``> /dev/full``) from a command's own `OSError` (an input file)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.failed: OSError | None = None
+
+    def _watch(self, fn: Any, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except BrokenPipeError:
+            raise  # a closed pipe is 141, handled apart
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def write(self, text: str) -> int:
+        return self._watch(self._stream.write, text)
+
+    def writelines(self, lines: Any) -> None:
+        self._watch(self._stream.writelines, lines)
+
+    def flush(self) -> None:
+        self._watch(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _stdout_failure(exc: OSError, prog: str) -> int:
+    """One line on stderr (stdout is what failed, so not even --json's error object goes
+    there) and exit `OUTPUT_ERROR`, never a traceback."""
+    _discard_stdout()
+    reason = exc.strerror or str(exc)
+    try:
+        print(f"{prog}: could not write the output to stdout: {reason} (errno {exc.errno})",
+              file=sys.stderr)
+    except OSError:
+        pass
+    return OUTPUT_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv  # known before parsing: a usage error under --json is JSON too
     prog, args = "orchestra", None
+    watched: _WatchedStdout | None = None
     try:
         parser = build_parser()
         parser.version_json = as_json  # type: ignore[attr-defined]
@@ -244,11 +294,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure(args.verbose, args.quiet, prog)
         progress.configure(progress.wanted(json=as_json, quiet=args.quiet))
         log.debug("%s; %s", " ".join(["orchestra", *argv]), version_text())
+        watched = _WatchedStdout(sys.stdout)
+        sys.stdout = watched  # type: ignore[assignment]
         try:
             code = int(args.func(args) or 0)
         except (KeyboardInterrupt, BrokenPipeError):
             raise
         except Exception as exc:  # noqa: BLE001 - every failure gets its exit code
+            if watched.failed is not None:
+                return _stdout_failure(watched.failed, prog)
             code = _failure(exc, prog, args, as_json)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return code
@@ -256,7 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED
     except BrokenPipeError:
         return _pipe_closed()
+    except OSError:  # printing an error object, or the flush above
+        if watched is not None and watched.failed is not None:
+            return _stdout_failure(watched.failed, prog)
+        raise
     finally:
+        if watched is not None and sys.stdout is watched:
+            sys.stdout = watched._stream
         progress.configure(False)
 
 
