@@ -217,3 +217,57 @@ def test_exit_74_is_documented():
 
     assert "\n  74 " in exit_codes.EPILOG
     assert "| 74 |" in (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+
+
+# -- 7. options checked before the device check (exit 2 without a GPU, not 3) ---------------------
+
+@pytest.fixture
+def no_device(monkeypatch):
+    """Device.get raises NoDeviceError (exit 3) as on a machine without a GPU, whatever this
+    machine has: an option error must come first."""
+    import orchestra.driver as od
+    from orchestra.errors import NoDeviceError
+
+    def none(*a, **k):
+        raise NoDeviceError("no CUDA device (test)")
+    monkeypatch.setattr(od.Device, "get", staticmethod(none))
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--duration", "-1"], "--duration must be a finite number > 0"),
+    (["--duration", "nan"], "--duration must be a finite number > 0"),
+    (["--mix", "garbage"], "request size 'garbage'"),
+    (["--mix", "64K:-1"], "weights must be > 0"),
+    (["--mix", "0K"], "must be positive"),
+    (["--mix", "64K:nan"], "weights must be finite"),
+    (["--mix", "64K:x"], "--mix '64K:x'"),
+    (["--mix", "3K"], "not a whole number of 4096-byte rows"),
+    (["--row-kib", "0"], "--row-kib must be a finite number > 0"),
+    (["--row-kib", "0.001"], "at least one float32"),
+    (["--rate", "-5"], "--rate must be a finite number > 0"),
+    (["--requests", "0"], "--requests must be >= 1"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-delay-us", "-1"], "--max-delay-us must be"),
+    (["--device", "-1"], "--device must be >= 0"),
+    (["--plot", "/nonexistent/x.png"], "--plot"),
+])
+def test_bench_serve_refuses_bad_options_before_the_device(option, says, no_device, capsys):
+    assert main(["bench", "serve", *option]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_serve_good_options_reach_the_device_check(no_device, capsys):
+    assert main(["bench", "serve", "--mix", "4K:1,64K:8", "--duration", "0.5"]) == 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["tune", "copies", "--repeats", "0"], ["tune", "copies", "--device", "-1"],
+    ["run", "--warmup", "-1"], ["run", "--device", "-1"],
+])
+def test_counts_and_ordinals_are_refused_while_parsing(argv, no_device, capsys):
+    assert main(argv) == 2
+    assert "expected an int >=" in capsys.readouterr().err
+
+
+def test_run_warmup_zero_is_allowed(no_device, capsys):
+    assert main(["run", "--warmup", "0"]) == 3  # reaches the device check

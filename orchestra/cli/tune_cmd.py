@@ -17,6 +17,7 @@ import json
 
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK
+from orchestra.cli.job_options import nonnegative_int, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "below which a copy kernel beats the copy engines, and "
                                     "keep it for this device (copy_lowering='auto').")
     c.add_argument("--quick", action="store_true", help="3 sizes instead of 6")
-    c.add_argument("--repeats", type=int, default=7, help="timed runs per variant (7)")
+    c.add_argument("--repeats", type=positive_int, default=7,
+                   help="timed runs per variant (7)")
     c.add_argument("--mode", choices=("both", "graph", "eager"), default="both",
                    help="which crossover to measure (default both)")
     c.add_argument("--no-save", action="store_true", help="print the result, keep nothing")
-    c.add_argument("--device", type=int, default=0, help="device ordinal (0)")
+    c.add_argument("--device", type=nonnegative_int, default=0, help="device ordinal (0)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=run_copies, no_device_hint=" (orchestra tune runs copies on the GPU)")
 

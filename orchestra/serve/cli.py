@@ -64,13 +64,62 @@ def register(bsub) -> None:
                    no_device_hint=" (orchestra bench serve runs kernels: it needs an NVIDIA GPU)")
 
 
-def options(args):
+def _check_numbers(args) -> None:
+    """Every option checked before the device is opened (a bad option is exit 2 with or
+    without a GPU, never 3): counts >= 1, finite positive rates and durations, the size mix
+    and row size the workload will parse, and --plot's folder and matplotlib."""
+    import math
+
     from orchestra.errors import BenchConfigError
-    from orchestra.serve.bench import BenchOptions, EngineConfig
+    from orchestra.serve.bench import parse_mix
 
     for name in ("threads", "window", "tasks", "instances", "iters"):
         if getattr(args, name) < 1:
             raise BenchConfigError(f"--{name} must be >= 1")
+    for name in ("requests", "max_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name, value in (("duration", args.duration), ("rate", args.rate),
+                        ("row-kib", args.row_kib)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise BenchConfigError(f"--{name} must be a finite number > 0, got {value}")
+    if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
+        raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
+                               f"{args.max_delay_us}")
+    row_floats = int(args.row_kib * 256)
+    if row_floats < 1:
+        raise BenchConfigError(f"--row-kib {args.row_kib}: a row must hold at least one float32 "
+                               "(--row-kib 0.00390625 or more)")
+    try:
+        mix = parse_mix(args.mix)
+    except ValueError as exc:  # a weight that is not a number (float('x'))
+        if isinstance(exc, BenchConfigError):
+            raise
+        raise BenchConfigError(f"--mix {args.mix!r}: give SIZE[:WEIGHT],... with a number "
+                               "> 0 as each weight, e.g. 4K:1,64K:8") from None
+    row_bytes = 4 * row_floats
+    for nbytes, weight in mix:
+        if not math.isfinite(weight):
+            raise BenchConfigError(f"--mix {args.mix!r}: weights must be finite numbers > 0")
+        if nbytes % row_bytes:
+            raise BenchConfigError(f"--mix {args.mix!r}: request size {nbytes} bytes is not a "
+                                   f"whole number of {row_bytes}-byte rows; pick a multiple or "
+                                   "change --row-kib")
+    if args.device < 0:
+        raise BenchConfigError(f"--device must be >= 0, got {args.device}")
+    if args.plot:
+        from orchestra.cli.trace_out import check_outputs
+
+        problem = check_outputs(None, args.plot)
+        if problem:
+            raise BenchConfigError(problem)
+
+
+def options(args):
+    from orchestra.serve.bench import BenchOptions, EngineConfig
+
+    _check_numbers(args)
     return BenchOptions(
         mode=args.mode, mix=args.mix, row_kib=args.row_kib, iters=args.iters,
         threads=args.threads, window=args.window, duration=args.duration,
