@@ -271,3 +271,63 @@ def test_counts_and_ordinals_are_refused_while_parsing(argv, no_device, capsys):
 
 def test_run_warmup_zero_is_allowed(no_device, capsys):
     assert main(["run", "--warmup", "0"]) == 3  # reaches the device check
+
+
+# -- 8. the Python API's raw exceptions -----------------------------------------------------------
+
+@pytest.mark.parametrize("kw, exc_type, says", [
+    (dict(options=5), TypeError, "options must be a string or a sequence of strings"),
+    (dict(include_dirs=5), TypeError, "include_dirs must be a string or a sequence"),
+    (dict(include_dirs=[5]), TypeError, "include_dirs must be paths"),
+    (dict(name_expressions=5), TypeError, "name_expressions must be a string or a sequence"),
+    (dict(options=[b"\xff"]), ValueError, "is not UTF-8"),
+])
+def test_compile_refuses_bad_argument_types_by_name(kw, exc_type, says):
+    import orchestra.compiler as oc
+    from orchestra.errors import CompilerArgumentError
+
+    with pytest.raises(CompilerArgumentError, match=says) as info:
+        oc.compile('extern "C" __global__ void k() {}', arch="sm_90", **kw)
+    assert isinstance(info.value, exc_type)
+
+
+def test_plan_from_json_nested_too_deep_is_a_plan_format_error():
+    from orchestra.errors import PlanFormatError
+    from orchestra.schedule import Plan
+
+    with pytest.raises(PlanFormatError, match="nested too deeply"):
+        Plan.from_json("[" * 100000 + "]" * 100000)
+
+
+@pytest.mark.parametrize("version, exc_type", [
+    ("9.5", TypeError), ((9,), ValueError), ((9, 5, 1), ValueError), ((9, "5"), ValueError),
+    ((9, -1), ValueError), (None, TypeError), (95, TypeError),
+])
+def test_required_cuda_for_ptx_refuses_a_bad_version(version, exc_type):
+    from orchestra.compiler.ptx import required_cuda_for_ptx
+    from orchestra.errors import CompilerArgumentError
+
+    with pytest.raises(CompilerArgumentError, match=r"\(9, 5\)") as info:
+        required_cuda_for_ptx(version)
+    assert isinstance(info.value, exc_type)
+
+
+def test_ptx_version_checks_still_answer():
+    from orchestra.compiler.ptx import PtxVersionError, check_ptx_loadable, required_cuda_for_ptx
+
+    assert required_cuda_for_ptx((9, 5)) == (13, 5)
+    assert required_cuda_for_ptx([9, 0]) == (13, 0)
+    check_ptx_loadable((9, 0), 13000)
+    with pytest.raises(PtxVersionError):
+        check_ptx_loadable((9, 5), 13000)
+
+
+@pytest.mark.parametrize("driver, exc_type", [(None, TypeError), ("13000", TypeError),
+                                              (-1, ValueError)])
+def test_check_ptx_loadable_refuses_a_bad_driver_version(driver, exc_type):
+    from orchestra.compiler.ptx import check_ptx_loadable
+    from orchestra.errors import CompilerArgumentError
+
+    with pytest.raises(CompilerArgumentError, match="driver_version") as info:
+        check_ptx_loadable((9, 5), driver)
+    assert isinstance(info.value, exc_type)

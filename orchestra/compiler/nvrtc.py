@@ -147,13 +147,29 @@ def _result_name(result) -> str:
         return f"nvrtcResult({int(result)})"
 
 
+def _iterable(items, what: str):
+    """``iter(items)``, or `CompilerArgumentTypeError` naming the argument (``options=5``)."""
+    try:
+        return iter(items)
+    except TypeError:
+        example = {"options": '("-DN=4",)', "include_dirs": '("include",)',
+                   "name_expressions": '("pipeline_block<2>",)'}.get(what, '("...",)')
+        raise CompilerArgumentTypeError(
+            f"{what} must be a string or a sequence of strings (e.g. {what}={example}), "
+            f"got {type(items).__name__}") from None
+
+
 def _as_str_tuple(items, what: str) -> tuple[str, ...]:
     if isinstance(items, (str, bytes)):
         items = (items,)
     out = []
-    for x in items:
+    for x in _iterable(items, what):
         if isinstance(x, bytes):
-            x = x.decode("utf-8")
+            try:
+                x = x.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CompilerArgumentValueError(
+                    f"{what}: {x!r} is not UTF-8; pass str") from None
         if not isinstance(x, str):
             raise CompilerArgumentTypeError(f"{what} must be strings, got {type(x).__name__}")
         out.append(x)
@@ -227,8 +243,15 @@ def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(
     arch = normalize_arch(default_arch() if arch is None else arch)
     if isinstance(include_dirs, (str, bytes, os.PathLike)):
         include_dirs = (include_dirs,)
-    user_dirs = tuple(str(Path(d).resolve()) for d in _as_str_tuple(
-        [os.fspath(d) for d in include_dirs], "include_dirs"))
+    paths = []
+    for d in _iterable(include_dirs, "include_dirs"):
+        try:
+            paths.append(os.fspath(d))
+        except TypeError:
+            raise CompilerArgumentTypeError(
+                f"include_dirs must be paths (str or os.PathLike), got {type(d).__name__}"
+            ) from None
+    user_dirs = tuple(str(Path(d).resolve()) for d in _as_str_tuple(paths, "include_dirs"))
     dirs = include_dirs_for(src.directory, user_dirs)
     opts = build_options(arch, bool(ptx), options, dirs)
     names = tuple(dict.fromkeys(_as_str_tuple(name_expressions, "name_expressions")))

@@ -17,7 +17,9 @@ from orchestra.compiler import cache
 from orchestra.compiler.elf import is_elf
 from orchestra.compiler.sources import read_source
 from orchestra.compiler.target import normalize_arch
-from orchestra.errors import CompileError, CompilerArgumentValueError, OrchestraError
+from orchestra.errors import (
+    CompileError, CompilerArgumentTypeError, CompilerArgumentValueError, OrchestraError,
+)
 
 _VERSION_RE = re.compile(rb"^[ \t]*\.version[ \t]+(\d+)\.(\d+)", re.MULTILINE)
 
@@ -82,14 +84,32 @@ _PTX_TO_CUDA = {
 }
 
 
+def _ptx_version_pair(ptx_version) -> tuple[int, int]:
+    """``ptx_version`` as (major, minor) ints >= 0, else a `CompilerArgumentError` saying
+    what to pass (``(9, 5)``, not ``"9.5"`` or ``(9,)``)."""
+    if isinstance(ptx_version, (str, bytes)) or not isinstance(ptx_version, (tuple, list)):
+        raise CompilerArgumentTypeError(
+            f"ptx_version must be a (major, minor) tuple of ints such as (9, 5) (the PTX "
+            f".version directive), got {ptx_version!r}")
+    if len(ptx_version) != 2 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ptx_version):
+        raise CompilerArgumentValueError(
+            f"ptx_version must be (major, minor) with two ints >= 0, such as (9, 5); got "
+            f"{tuple(ptx_version)!r}")
+    return int(ptx_version[0]), int(ptx_version[1])
+
+
 def required_cuda_for_ptx(ptx_version) -> tuple[int, int]:
     """The first CUDA version (major, minor) whose driver JIT reads PTX ISA ``ptx_version``.
 
     Uses ``cuda.bindings.utils.get_minimal_required_cuda_ver_from_ptx_ver`` when it knows the
     version, else the release table (ISA 9.x is CUDA 13.x: 9.0 -> 13.0, 9.5 -> 13.5; ISA 7.x and
     8.0-8.5 follow the same +4 rule, 8.6/8.7/8.8 are 12.7/12.8/12.9).
+
+    Raises `CompilerArgumentTypeError` / `CompilerArgumentValueError` when ``ptx_version`` is
+    not a (major, minor) pair of ints >= 0.
     """
-    major, minor = int(ptx_version[0]), int(ptx_version[1])
+    major, minor = _ptx_version_pair(ptx_version)
     try:
         from cuda.bindings.utils import get_minimal_required_cuda_ver_from_ptx_ver
 
@@ -111,9 +131,17 @@ def check_ptx_loadable(ptx_version, driver_version: int) -> None:
     """Raise `PtxVersionError` when a driver reporting ``driver_version`` (cuDriverGetVersion,
     e.g. 13000) is older than the CUDA release PTX ISA ``ptx_version`` (major, minor) needs.
 
-    Pure function (no driver call): `Module.load` passes the real driver version.
+    Pure function (no driver call): `Module.load` passes the real driver version. Raises
+    `CompilerArgumentTypeError` / `CompilerArgumentValueError` for a ``ptx_version`` that is not
+    (major, minor) or a ``driver_version`` that is not an int >= 0.
     """
     need = required_cuda_for_ptx(ptx_version)
+    if not isinstance(driver_version, int) or isinstance(driver_version, bool):
+        raise CompilerArgumentTypeError(
+            f"driver_version must be an int as cuDriverGetVersion reports it (13000 for CUDA "
+            f"13.0), got {driver_version!r}")
+    if driver_version < 0:
+        raise CompilerArgumentValueError(f"driver_version must be >= 0, got {driver_version}")
     have = cuda_version_tuple(int(driver_version))
     if have < need:
         raise PtxVersionError(ptx_version, need, driver_version)

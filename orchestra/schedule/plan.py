@@ -358,6 +358,9 @@ class Plan:
             d = json.loads(text)
         except (TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
             raise PlanFormatError(f"plan JSON: not valid JSON: {exc}") from None
+        except RecursionError:  # json.loads recurses per nesting level
+            raise PlanFormatError("plan JSON: nested too deeply to parse (a plan is an object "
+                                  "of flat lists, a few levels deep)") from None
         return cls.from_dict(d)
 
 
