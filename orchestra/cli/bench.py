@@ -5,6 +5,9 @@ same bytes (`orchestra.app.kernels_bench.stages`). ``pdl``: a chain of small dep
 and without programmatic dependent launch (`orchestra.app.kernels_bench.pdlchain`). Both print a
 table (or ``--json``) and check their output against numpy; exit 1 when the output is wrong, or
 with ``--check-goal`` when the benchmark's goal (printed under the table) is missed.
+``--check-goal`` belongs to ``stages``, ``pdl`` and ``multigpu`` (`orchestra.app.multigpu.cli`);
+``serve`` prints its goals without judging them and, like ``peers``, exits 1 only for a
+wrong output.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from orchestra.cli.exit_codes import CHECK_FAILED, OK
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: the kernel library (stages, pdl), serving "
-                                     "(serve), orchestra against its peers (peers)")
+                                     "(serve), orchestra against its peers (peers), several "
+                                     "GPUs (multigpu)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     s = bsub.add_parser("stages", help="block-scope pipeline at 1-4 stages vs a D2D copy")

@@ -4,8 +4,9 @@ A script can tell the failures apart without reading the message:
 
 ====  ==================================================================================
 0     success
-1     a check failed: the output did not verify, ``--check-goal`` missed its goal, the
-      plan has a hazard, ``compile --strict`` built no kernel
+1     a check failed: the output did not verify, ``--check-goal`` (``bench stages``,
+      ``bench pdl``, ``bench multigpu``) missed its goal, the plan has a hazard,
+      ``compile --strict`` built no kernel
 2     usage: a bad option, argument or input file (argparse's own code)
 3     no usable GPU: no NVIDIA driver or CUDA device, or a driver too old for CUDA 13
 4     compile error: NVRTC or nvJitLink refused a program
@@ -44,8 +45,8 @@ PIPE_CLOSED = 141    # 128 + SIGPIPE
 EPILOG = """\
 exit codes:
   0    success
-  1    a check failed (output not verified, --check-goal missed, a hazard in the plan,
-       compile --strict built no kernel)
+  1    a check failed (output not verified, a hazard in the plan, compile --strict
+       built no kernel, bench stages|pdl|multigpu --check-goal missed its goal)
   2    usage: a bad option, argument or input file
   3    no usable GPU: no NVIDIA driver or CUDA device, or a driver older than CUDA 13
   4    compile error: NVRTC or nvJitLink refused a program
