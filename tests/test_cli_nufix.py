@@ -331,3 +331,54 @@ def test_check_ptx_loadable_refuses_a_bad_driver_version(driver, exc_type):
     with pytest.raises(CompilerArgumentError, match="driver_version") as info:
         check_ptx_loadable((9, 5), driver)
     assert isinstance(info.value, exc_type)
+
+
+# -- 9. the docs ----------------------------------------------------------------------------------
+
+def _doc(name):
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "docs" / name).read_text(encoding="utf-8")
+
+
+def test_quickstart_serving_example_runs_without_a_gpu():
+    text = _doc("quickstart.md")
+    section = text[text.index("## 8. The serving engine"):text.index("## Where next")]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "NumpyBackend" in code
+    exec(compile(code, "quickstart.md section 8", "exec"), {})  # its asserts check the values
+
+
+def test_quickstart_no_longer_promises_what_exists():
+    text = _doc("quickstart.md")
+    assert "Coming with" not in text
+    assert "docs/interop.md" in text and "docs/serving.md" in text
+
+
+def test_bench_help_lists_every_benchmark():
+    from orchestra.cli.main import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    line = help_text[help_text.index("bench benchmarks:"):help_text.index("tune measure")]
+    for name in ("stages", "pdl", "serve", "peers", "multigpu"):
+        assert name in line, name
+
+
+def test_check_goal_is_documented_only_where_it_is_taken():
+    from orchestra.cli import exit_codes
+    from orchestra.cli.main import build_parser
+
+    parser = build_parser()
+    bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions
+                 if isinstance(getattr(a, "choices", None), dict))
+    takers = {name for name, p in bench.choices.items() if "--check-goal" in p._option_string_actions}
+    assert takers == {"stages", "pdl", "multigpu"}
+    epilog = " ".join(exit_codes.EPILOG.split())
+    assert "bench stages|pdl|multigpu --check-goal" in epilog
+    assert "only `bench stages`, `bench pdl` and `bench multigpu` take `--check-goal`" in _doc("cli.md")
+
+
+def test_errors_doc_says_the_root_is_raised_too():
+    text = _doc("errors.md")
+    assert "the root of the family; never raised itself" not in text
+    assert "also raised itself" in text
