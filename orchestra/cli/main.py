@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.configure(progress.wanted(json=as_json, quiet=args.quiet))
         log.debug("%s; %s", " ".join(["orchestra", *argv]), version_text())
         watched = _WatchedStdout(sys.stdout)
-        sys.stdout = watched  # type: ignore[assignment]
+        sys.stdout = watched
         try:
             code = int(args.func(args) or 0)
         except (KeyboardInterrupt, BrokenPipeError):
