@@ -9,7 +9,7 @@ times replace the model through ``costs=``.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -70,14 +70,31 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
     out = {}
     cost, accesses = model.cost, graph.accesses
     ours = type(model).cost is CostModel.cost  # a subclass's cost() may take the node alone
-    for node in graph.nodes:
-        value = given(node) if given is not None else None
-        if value is None:
-            value = cost(node, accesses(node.name)) if ours and node.kind == "kernel" else cost(node)
+    # The default model's per-kind constants and bandwidths, looked up once: `CostModel.cost`
+    # per node (a method call and a dict built per call) was most of this pass on a long
+    # pipeline. Kinds with bodies, kernels and the rest still go through `cost`.
+    fixed = {"alloc": model.alloc_us, "free": model.free_us, "host": model.host_us} \
+        if ours and given is None else {}
+    bandwidth = {"h2d": model.h2d_gbps * 1e3, "d2h": model.d2h_gbps * 1e3} if fixed else {}
+    value: float | None
+    node: Any  # the copy kinds' ``nbytes`` is read without naming each class
+    for name, node in graph.node_map().items():
+        kind = node.kind
+        if fixed and not node.bodies:
+            if kind in fixed:
+                value = fixed[kind]
+            elif kind in bandwidth:
+                value = node.nbytes / bandwidth[kind]
+            else:
+                value = cost(node, accesses(name)) if kind == "kernel" else cost(node)
+        else:
+            value = given(node) if given is not None else None
+            if value is None:
+                value = cost(node, accesses(name)) if ours and kind == "kernel" else cost(node)
         value = float(value)
         if not value >= 0:
-            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
-        out[node.name] = value
+            raise ScheduleError(f"cost of node {name} must be >= 0 µs; got {value!r}")
+        out[name] = value
     return out
 
 
@@ -94,11 +111,22 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     names = plan.stream_names
     recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
     busy = {r: 0.0 for r in RESOURCES.values()}
-    res_of = {node.name: resource_of(node) for node in graph.nodes}
+    # node -> (resource, cost) of its RunNode steps, made once per node (not per step)
+    run_of = {name: (RESOURCES.get(node.engine), cost[name])
+              for name, node in graph.node_map().items()}
     steps = [plan.steps[n] for n in names]
-    # per step of each stream: (resource, cost) of a RunNode, None for an event step
-    runs = [[((res_of[st.node] if st.node in res_of else resource_of(graph.node(st.node))),
-              cost[st.node]) if isinstance(st, RunNode) else None for st in ss] for ss in steps]
+
+    def run_step(st):  # a RunNode's (resource, cost); GraphError for a node the graph lacks
+        got = run_of.get(st.node)
+        if got is None:
+            graph.node(st.node)  # raises
+        return got
+
+    # per step of each stream: (resource, cost) of a RunNode, None for an event step (exact
+    # types first: the common case, and fast on long plans)
+    runs = [[run_of.get(st.node) or run_step(st) if type(st) is RunNode
+             else (run_step(st) if isinstance(st, RunNode) else None) for st in ss]
+            for ss in steps]
     S = len(names)
     t_stream = [0.0] * S
     head = [0] * S
