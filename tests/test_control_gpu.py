@@ -156,21 +156,26 @@ def test_if_else_and_switch_take_the_branch_the_kernel_chose(executors, pinned, 
     assert outcomes(ex, kind, s, (0, 1, 2, 7), pinned) == [1, 10, 100, 0]
 
 
-def while_graph(limit, n):
+def while_graph(limit, n, external=False):
+    """vin -> v; counter = 0; WHILE: v = v * 0.5 + 1, counter += 1 until ``limit``; v and the
+    counter back to the host. The graph allocates and frees counter, flag and v, unless
+    ``external`` (then they are device buffers the caller binds: no memory nodes)."""
     counter, fl, v = Buffer("counter", 4), Buffer("flag", 4), Buffer("v", 4 * n)
     go = Condition("go", default=1, flag=fl)
     body = TaskGraph()
     body.add(KernelNode("step", STEP, 1, 256, (go, InOut(counter), Out(fl), limit, InOut(v), n)))
     g = TaskGraph()
-    for b in (counter, fl, v):
-        g.add(Alloc(f"a_{b.name}", b))
+    if not external:
+        for b in (counter, fl, v):
+            g.add(Alloc(f"a_{b.name}", b))
     g.add(HostToDevice("up", HostBuffer("vin", 4 * n), v))
     g.add(Memset("zero", counter, 0))
     g.add(While("loop", go, body))
     g.add(DeviceToHost("down_v", v, HostBuffer("vout", 4 * n)))
     g.add(DeviceToHost("down_counter", counter, HostBuffer("count", 4)))
-    for b in (counter, fl, v):
-        g.add(Free(f"f_{b.name}", b))
+    if not external:
+        for b in (counter, fl, v):
+            g.add(Free(f"f_{b.name}", b))
     return g
 
 
@@ -246,21 +251,6 @@ def test_update_of_graphs_with_conditional_nodes_runs_the_new_graph(executors, p
         exe.close()
 
 
-def while_graph_external(limit, n):
-    """`while_graph` on external device buffers: no memory nodes."""
-    counter, fl, v = Buffer("counter", 4), Buffer("flag", 4), Buffer("v", 4 * n)
-    go = Condition("go", default=1, flag=fl)
-    body = TaskGraph()
-    body.add(KernelNode("step", STEP, 1, 256, (go, InOut(counter), Out(fl), limit, InOut(v), n)))
-    g = TaskGraph()
-    g.add(HostToDevice("up", HostBuffer("vin", 4 * n), v))
-    g.add(Memset("zero", counter, 0))
-    g.add(While("loop", go, body))
-    g.add(DeviceToHost("down_v", v, HostBuffer("vout", 4 * n)))
-    g.add(DeviceToHost("down_counter", counter, HostBuffer("count", 4)))
-    return g
-
-
 @pytest.mark.parametrize("kind", ["capture", "graph-build"])
 def test_a_conditional_graph_without_memory_nodes_updates_in_place(dev, executors, pinned,
                                                                    kind):
@@ -273,12 +263,12 @@ def test_a_conditional_graph_without_memory_nodes_updates_in_place(dev, executor
     s.synchronize()
     vin, vout, count = pinned(n, np.float32), pinned(n, np.float32), pinned(1, np.int32)
     vin[:] = np.random.default_rng(6).standard_normal(n).astype(np.float32)
-    exe = executors[kind].build(while_graph_external(37, n),
+    exe = executors[kind].build(while_graph(37, n, external=True),
                                 bindings={"vin": vin, "vout": vout, "count": count, **bufs})
     try:
         exe.launch(sync=True)
         assert int(count[0]) == 37
-        res = exe.update(while_graph_external(9, n))
+        res = exe.update(while_graph(9, n, external=True))
         print(f"\n{kind} WHILE update on external buffers: {res}")
         assert res.updated and not res.reinstantiated
         ref = vin.copy()
