@@ -131,24 +131,40 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     t_stream = [0.0] * S
     head = [0] * S
     ev_time: dict[str, float] = {}
+    # A stream's head changes only when its node runs or an event it waits for is recorded,
+    # so only those streams ("dirty") are walked again; the others keep their head's
+    # resource (ready[k]: the resource, "" for none, None when blocked or done), and their
+    # start is recomputed from busy[] as they are compared. Streams are still walked and
+    # compared in stream order, so events are recorded, and ties broken, as by walking every
+    # stream every step (what this loop did before: a third of a long plan's estimate).
+    dirty = [True] * S
+    ready: list[str | None] = [None] * S
+    waiting: dict[str, list[int]] = {}  # unrecorded event -> streams blocked on it
     while True:
         best, best_start = -1, 0.0
         for k in range(S):  # the stream whose next node can start first (ties: the first)
-            ss, rk, i, t = steps[k], runs[k], head[k], t_stream[k]
-            end = len(ss)
-            while i < end and rk[i] is None:
-                st = ss[i]
-                if isinstance(st, WaitEvent) and st.event in recorded:
-                    if st.event not in ev_time:
-                        break
-                    t = max(t, ev_time[st.event])
-                elif isinstance(st, RecordEvent):
-                    ev_time[st.event] = t
-                i += 1
-            head[k], t_stream[k] = i, t
-            run = rk[i] if i < end else None
-            if run is not None:
-                res = run[0]
+            if dirty[k]:
+                dirty[k] = False
+                ss, rk, i, t = steps[k], runs[k], head[k], t_stream[k]
+                end = len(ss)
+                while i < end and rk[i] is None:
+                    st = ss[i]
+                    if isinstance(st, WaitEvent) and st.event in recorded:
+                        if st.event not in ev_time:
+                            waiting.setdefault(st.event, []).append(k)
+                            break
+                        t = max(t, ev_time[st.event])
+                    elif isinstance(st, RecordEvent):
+                        ev_time[st.event] = t
+                        for j in waiting.pop(st.event, ()):
+                            dirty[j] = True  # walked later in this pass, or in the next
+                    i += 1
+                head[k], t_stream[k] = i, t
+                run = rk[i] if i < end else None
+                ready[k] = None if run is None else (run[0] or "")
+            res = ready[k]
+            if res is not None:
+                t = t_stream[k]
                 start = max(t, busy[res]) if res else t
                 if best < 0 or start < best_start:
                     best, best_start = k, start
@@ -162,3 +178,4 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
             busy[res] = end_t
         t_stream[best] = end_t
         head[best] += 1
+        dirty[best] = True
