@@ -22,6 +22,8 @@ own inferred edges.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +60,11 @@ def walk(graph, containers: tuple = ()) -> Iterator[tuple]:
 
 
 def _walk(graph, chain: tuple, seen: frozenset) -> Iterator[tuple]:
+    if not getattr(graph, "_control", True):
+        # no node of it has bodies (TaskGraph.add sets _control for one that has): the nodes
+        # alone, without asking each for its bodies (a long pipeline has hundreds of thousands)
+        yield from zip(graph.node_map().values(), repeat(chain))
+        return
     for node in graph.nodes:
         yield node, chain
         for body in node.bodies:

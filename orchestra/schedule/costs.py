@@ -9,7 +9,7 @@ times replace the model through ``costs=``.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -70,14 +70,31 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
     out = {}
     cost, accesses = model.cost, graph.accesses
     ours = type(model).cost is CostModel.cost  # a subclass's cost() may take the node alone
-    for node in graph.nodes:
-        value = given(node) if given is not None else None
-        if value is None:
-            value = cost(node, accesses(node.name)) if ours and node.kind == "kernel" else cost(node)
+    # The default model's per-kind constants and bandwidths, looked up once: `CostModel.cost`
+    # per node (a method call and a dict built per call) was most of this pass on a long
+    # pipeline. Kinds with bodies, kernels and the rest still go through `cost`.
+    fixed = {"alloc": model.alloc_us, "free": model.free_us, "host": model.host_us} \
+        if ours and given is None else {}
+    bandwidth = {"h2d": model.h2d_gbps * 1e3, "d2h": model.d2h_gbps * 1e3} if fixed else {}
+    value: float | None
+    node: Any  # the copy kinds' ``nbytes`` is read without naming each class
+    for name, node in graph.node_map().items():
+        kind = node.kind
+        if fixed and not node.bodies:
+            if kind in fixed:
+                value = fixed[kind]
+            elif kind in bandwidth:
+                value = node.nbytes / bandwidth[kind]
+            else:
+                value = cost(node, accesses(name)) if kind == "kernel" else cost(node)
+        else:
+            value = given(node) if given is not None else None
+            if value is None:
+                value = cost(node, accesses(name)) if ours and kind == "kernel" else cost(node)
         value = float(value)
         if not value >= 0:
-            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
-        out[node.name] = value
+            raise ScheduleError(f"cost of node {name} must be >= 0 µs; got {value!r}")
+        out[name] = value
     return out
 
 
@@ -94,33 +111,60 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     names = plan.stream_names
     recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
     busy = {r: 0.0 for r in RESOURCES.values()}
-    res_of = {node.name: resource_of(node) for node in graph.nodes}
+    # node -> (resource, cost) of its RunNode steps, made once per node (not per step)
+    run_of = {name: (RESOURCES.get(node.engine), cost[name])
+              for name, node in graph.node_map().items()}
     steps = [plan.steps[n] for n in names]
-    # per step of each stream: (resource, cost) of a RunNode, None for an event step
-    runs = [[((res_of[st.node] if st.node in res_of else resource_of(graph.node(st.node))),
-              cost[st.node]) if isinstance(st, RunNode) else None for st in ss] for ss in steps]
+
+    def run_step(st):  # a RunNode's (resource, cost); GraphError for a node the graph lacks
+        got = run_of.get(st.node)
+        if got is None:
+            graph.node(st.node)  # raises
+        return got
+
+    # per step of each stream: (resource, cost) of a RunNode, None for an event step (exact
+    # types first: the common case, and fast on long plans)
+    runs = [[run_of.get(st.node) or run_step(st) if type(st) is RunNode
+             else (run_step(st) if isinstance(st, RunNode) else None) for st in ss]
+            for ss in steps]
     S = len(names)
     t_stream = [0.0] * S
     head = [0] * S
     ev_time: dict[str, float] = {}
+    # A stream's head changes only when its node runs or an event it waits for is recorded,
+    # so only those streams ("dirty") are walked again; the others keep their head's
+    # resource (ready[k]: the resource, "" for none, None when blocked or done), and their
+    # start is recomputed from busy[] as they are compared. Streams are still walked and
+    # compared in stream order, so events are recorded, and ties broken, as by walking every
+    # stream every step (what this loop did before: a third of a long plan's estimate).
+    dirty = [True] * S
+    ready: list[str | None] = [None] * S
+    waiting: dict[str, list[int]] = {}  # unrecorded event -> streams blocked on it
     while True:
         best, best_start = -1, 0.0
         for k in range(S):  # the stream whose next node can start first (ties: the first)
-            ss, rk, i, t = steps[k], runs[k], head[k], t_stream[k]
-            end = len(ss)
-            while i < end and rk[i] is None:
-                st = ss[i]
-                if isinstance(st, WaitEvent) and st.event in recorded:
-                    if st.event not in ev_time:
-                        break
-                    t = max(t, ev_time[st.event])
-                elif isinstance(st, RecordEvent):
-                    ev_time[st.event] = t
-                i += 1
-            head[k], t_stream[k] = i, t
-            run = rk[i] if i < end else None
-            if run is not None:
-                res = run[0]
+            if dirty[k]:
+                dirty[k] = False
+                ss, rk, i, t = steps[k], runs[k], head[k], t_stream[k]
+                end = len(ss)
+                while i < end and rk[i] is None:
+                    st = ss[i]
+                    if isinstance(st, WaitEvent) and st.event in recorded:
+                        if st.event not in ev_time:
+                            waiting.setdefault(st.event, []).append(k)
+                            break
+                        t = max(t, ev_time[st.event])
+                    elif isinstance(st, RecordEvent):
+                        ev_time[st.event] = t
+                        for j in waiting.pop(st.event, ()):
+                            dirty[j] = True  # walked later in this pass, or in the next
+                    i += 1
+                head[k], t_stream[k] = i, t
+                run = rk[i] if i < end else None
+                ready[k] = None if run is None else (run[0] or "")
+            res = ready[k]
+            if res is not None:
+                t = t_stream[k]
                 start = max(t, busy[res]) if res else t
                 if best < 0 or start < best_start:
                     best, best_start = k, start
@@ -134,3 +178,4 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
             busy[res] = end_t
         t_stream[best] = end_t
         head[best] += 1
+        dirty[best] = True

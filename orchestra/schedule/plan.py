@@ -257,10 +257,11 @@ class Plan:
         for n in self.stream_names:
             last = None
             for st in self.steps[n]:
-                if isinstance(st, RunNode):
+                t = type(st)  # exact types first: the common case, and fast on long plans
+                if t is RunNode or (t is not RecordEvent and isinstance(st, RunNode)):
                     last = st.node
                     nodes += 1
-                elif isinstance(st, RecordEvent):
+                elif t is RecordEvent or isinstance(st, RecordEvent):
                     after[st.event] = f"after {last or '(start)'} on {n}"
         lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
                  f"{self.event_count} event(s), {self.wait_count} wait(s)"]

@@ -82,10 +82,10 @@ def _used(specs, assign):
 
 def _group_keys(graph: TaskGraph) -> dict[str, int]:
     """Per node: its batch, else its component (if several), else its index within its level."""
-    nodes = graph.nodes
-    key = {n.name: n.batch for n in nodes}
+    key = {name: n.batch for name, n in graph.node_map().items()}
     if None not in key.values():  # the common case: no fallback to compute
         return cast("dict[str, int]", key)
+    nodes = graph.nodes
     comp = graph.components()
     several = len(set(comp.values())) > 1
     in_level = {n: i for level in graph.levels() for i, n in enumerate(level)}
@@ -128,11 +128,13 @@ def _by_engine(graph, S):
         up, down = "upload", "download"
     order = graph.topological_order()
     latest = graph.topological_positions().__getitem__  # max(preds, key=latest): the latest
-    key = _group_keys(graph)
+    nc = len(compute)
+    # one compute stream: every node's group key would pick it, so none is computed
+    one = compute[0] if nc == 1 else None
+    key = _group_keys(graph) if one is None else {}
     assign: dict[str, str] = {}
     by_name = graph.node_map()
     preds = graph.predecessor_map()
-    nc = len(compute)
     for n in order:
         node = by_name[n]
         engine = node.engine
@@ -142,9 +144,13 @@ def _by_engine(graph, S):
             assign[n] = down
         elif node.kind == "free" or engine == "host":  # the latest predecessor's stream
             ps = preds[n]
-            assign[n] = assign[max(ps, key=latest)] if ps else compute[key[n] % nc]
+            if len(ps) == 1:  # the one predecessor is the latest (a Free's usual case)
+                assign[n] = assign[next(iter(ps))]
+            else:
+                assign[n] = assign[max(ps, key=latest)] if ps else \
+                    one if one is not None else compute[key[n] % nc]
         else:
-            assign[n] = compute[key[n] % nc]
+            assign[n] = one if one is not None else compute[key[n] % nc]
     return specs, assign, order, {}
 
 
