@@ -272,6 +272,11 @@ class ScheduleError(OrchestraError, ValueError):
     an unknown policy, a stream count that is not an int >= 1, a negative cost."""
 
 
+class ScheduleArgumentTypeError(ScheduleError, TypeError):
+    """`schedule()` or `verify()` given an object of the wrong type where a `TaskGraph` or a
+    `Plan` belongs (for example the two arguments of ``verify(plan, graph)`` swapped)."""
+
+
 class PlanError(OrchestraError, ValueError):
     """A `Plan`, `StreamSpec` or `PlanBuilder` is malformed: duplicate or unknown stream names,
     a step that is not a step, an unknown role, waits that form a cycle."""

@@ -382,3 +382,23 @@ def test_errors_doc_says_the_root_is_raised_too():
     text = _doc("errors.md")
     assert "the root of the family; never raised itself" not in text
     assert "also raised itself" in text
+
+
+def test_schedule_and_verify_refuse_wrong_argument_types_by_name():
+    from orchestra.errors import ScheduleArgumentTypeError
+    from orchestra.graph import Alloc, Buffer, Free, TaskGraph
+    from orchestra.schedule import schedule, verify
+
+    g = TaskGraph()
+    b = Buffer("b", 16)
+    g.add(Alloc("a", b))
+    g.add(Free("f", b))
+    plan = schedule(g)
+    assert verify(plan, g) == []
+    with pytest.raises(ScheduleArgumentTypeError, match="needs a TaskGraph.*got str"):
+        schedule("graph", "by-engine", streams=3)
+    with pytest.raises(ScheduleArgumentTypeError, match="a Plan and a TaskGraph, in that order; "
+                                                       "got TaskGraph and Plan"):
+        verify(g, plan)
+    with pytest.raises(TypeError):  # still a TypeError for existing except clauses
+        verify(None, g)

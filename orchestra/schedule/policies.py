@@ -13,7 +13,7 @@ from typing import cast
 
 import heapq
 
-from orchestra.errors import GraphError, ScheduleError
+from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
@@ -57,6 +57,9 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     ...; ``streams`` is then per device), and each edge between devices becomes an event
     recorded on one device's stream and waited on by the other's.
     """
+    if not isinstance(graph, TaskGraph):
+        raise ScheduleArgumentTypeError(f"schedule() needs a TaskGraph as its first argument; "
+                                        f"got {type(graph).__name__}")
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
     graph.validate()

@@ -35,7 +35,7 @@ its wait; when c does not wait it orders nothing (c may run entirely beside p).
 
 from __future__ import annotations
 
-from orchestra.errors import HazardError
+from orchestra.errors import HazardError, ScheduleArgumentTypeError
 from orchestra.graph import Alloc, Free, TaskGraph
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.happens_before import GraphOrder, PlanOrder
@@ -45,7 +45,12 @@ from orchestra.schedule.races import _LIFETIME_KINDS, VERB, accesses_by_buffer, 
 
 def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
     """Every hazard of running ``plan`` for ``graph`` (and inside its nodes' bodies); an empty
-    list means none was found."""
+    list means none was found. `ScheduleArgumentTypeError` when ``plan`` is not a `Plan` or
+    ``graph`` not a `TaskGraph` (the arguments swapped, say)."""
+    if not isinstance(plan, Plan) or not isinstance(graph, TaskGraph):
+        raise ScheduleArgumentTypeError(
+            f"verify(plan, graph) needs a Plan and a TaskGraph, in that order; got "
+            f"{type(plan).__name__} and {type(graph).__name__}")
     order = PlanOrder(plan)
     findings = list(order.findings)
     names = {n.name for n in graph.nodes}
