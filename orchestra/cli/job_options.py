@@ -41,25 +41,25 @@ def compute_iters(text: str):
     return value
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int) -> int:
+    """``text`` as an int >= ``minimum``, else the argparse error saying so."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (``--batches``, ``--repeat``), refused while parsing."""
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An argparse type: an int >= 0 (``--warmup``, ``--device``), refused while parsing."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def same_file(a: str, b: str) -> bool:
