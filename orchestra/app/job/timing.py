@@ -149,10 +149,9 @@ class BatchTimer:
         where the graph executors would not lower a copy of ``nbytes`` to it under ``"auto"``
         (at or above every crossover of `orchestra.execute.copy_table.load_crossover`; large
         copies belong on the copy engines) or it cannot be loaded."""
-        from orchestra.compiler.sources import kernel_source_dir
         from orchestra.errors import OrchestraError
         from orchestra.execute.copy_table import load_crossover
-        from orchestra.execute.lowering.copy import COPY_KERNEL_NAME, COPY_PARAMS
+        from orchestra.execute.lowering.copy import copy_kernel_ref
         from orchestra.execute.lowering.copy_policy import COPY_BLOCK, MODES, copy_grid
         from orchestra.kernel import load_kernel
 
@@ -161,8 +160,8 @@ class BatchTimer:
             cross = load_crossover(dev)
             if self.nbytes >= max(cross.threshold(m, d) for m in MODES for d in ("h2d", "d2h")):
                 return None
-            k = load_kernel(str(kernel_source_dir() / "copy.cu"), COPY_KERNEL_NAME,
-                            params=COPY_PARAMS, device=dev)
+            ref = copy_kernel_ref()  # the executors' copy kernel, as their lowering loads it
+            k = load_kernel(ref.source, ref.name, params=ref.params, device=dev)
         except OrchestraError:
             return None
         return k, copy_grid(self.nbytes, dev.sm_count), COPY_BLOCK
@@ -231,6 +230,7 @@ class BatchTimer:
 
         ck = self._copy_kernel() if copy_kernel else None
         spans = []  # the copy kernels' own pinned host memory, one region per item
+        kh2ds = kd2hs = kpairs = None  # the copy-kernel variants, where the kernel applies
         if ck is not None:
             from orchestra.driver import PinnedBuffer
 
@@ -266,17 +266,16 @@ class BatchTimer:
 
         def fastest(engine, kernel, others):
             t = best(engine, others)
-            if ck is None:
+            if kernel is None:
                 return t, "copy engine"
             tk = best(kernel, others)
             return (tk, "copy kernel") if tk < t else (t, "copy engine")
 
         try:
-            t_h, by_h = fastest(h2ds, kh2ds if ck else None, lambda w: lanes[1:w])
-            t_d, by_d = fastest(d2hs, kd2hs if ck else None, lambda w: lanes[1:w])
+            t_h, by_h = fastest(h2ds, kh2ds, lambda w: lanes[1:w])
+            t_d, by_d = fastest(d2hs, kd2hs, lambda w: lanes[1:w])
             t_k = best(kernels, lambda w: lanes[1:w])
-            t_p, by_p = fastest(pairs, kpairs if ck else None,
-                                lambda w: lanes[1:w] + down[:w])
+            t_p, by_p = fastest(pairs, kpairs, lambda w: lanes[1:w] + down[:w])
         finally:
             gated.close()
             for e in extra:
