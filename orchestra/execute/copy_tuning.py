@@ -26,6 +26,7 @@ size measured. `save` (default) stores the table in orchestra's cache for this d
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -210,20 +211,19 @@ def measure_copy_crossover(device=None, *, sizes=None, quick: bool = False, repe
             want = x * np.float32(0.5) + np.float32(1)
             base = _pipeline(size, batches)
             bind = {"host_in": x, "host_out": y}
+            graphs = {v: with_lowering(base, *_LOWERINGS[v]) for v in VARIANTS}
             try:
                 for mode in modes:
-                    graphs = {v: with_lowering(base, *_LOWERINGS[v]) for v in VARIANTS}
                     runs, execs = {}, []
                     try:
                         for v, g in graphs.items():
                             if mode == "graph":
                                 exe = graph_ex.build(g, bindings=bind)
                                 execs.append(exe)
-                                runs[v] = (lambda e: lambda: e.launch(sync=True))(exe)
+                                runs[v] = functools.partial(exe.launch, sync=True)
                             else:
                                 plan = eager_ex.prepare(g, policy="by-engine", streams=3)
-                                runs[v] = (lambda g, p: lambda: eager_ex.run(g, p, bind))(g,
-                                                                                        plan)
+                                runs[v] = functools.partial(eager_ex.run, g, plan, bind)
                         ms = _interleaved_ms(runs, repeats)
                         ok = True
                         for v in VARIANTS:  # each variant's output, poisoned first
