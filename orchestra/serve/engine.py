@@ -511,15 +511,8 @@ class Engine:
                 st.rows_served += rows
                 if gpu_ms is not None:
                     st.gpu_ms.add(gpu_ms)
-            if self._broken is None:
-                if b.queue:
-                    r = b.queue.popleft()
-                    self._queued -= 1
-                    self._space.notify()
-                    nxt = _Launch(inst, b, [r])
-                    self._running.add(nxt)
-                else:
-                    b.free.append(inst)
+            if self._broken is None:  # an inline call runs only with dispatch "caller"
+                nxt = self._hand_back(b, inst)
             if self._state != "open":
                 self._notify_idle()
         return nxt
@@ -1034,19 +1027,26 @@ class Engine:
                 if gpu_ms is not None:
                     st.gpu_ms.add(gpu_ms)
             if self._broken is None:
-                if b.queue and self.dispatch == "caller":
-                    r = b.queue.popleft()
-                    self._queued -= 1
-                    self._space.notify()
-                    nxt = _Launch(inst, b, [r])
-                    self._running.add(nxt)
-                else:
-                    b.free.append(inst)
-                    if self.dispatch == "thread":
-                        self._work.notify()
+                nxt = self._hand_back(b, inst)
             if self._state != "open":
                 self._notify_idle()
         return nxt
+
+    def _hand_back(self, b: _Bucket, inst: Instance) -> _Launch | None:
+        """Under the lock: ``inst`` goes to the bucket's next queued request (dispatch
+        "caller": the launch returned, to start outside the lock) or back to the free list
+        (dispatch "thread": the dispatcher is woken to use it)."""
+        if b.queue and self.dispatch == "caller":
+            r = b.queue.popleft()
+            self._queued -= 1
+            self._space.notify()
+            nxt = _Launch(inst, b, [r])
+            self._running.add(nxt)
+            return nxt
+        b.free.append(inst)
+        if self.dispatch == "thread":
+            self._work.notify()
+        return None
 
     def _break(self, exc: BaseException) -> None:
         """A sticky CUDA error: fail every pending request with it, refuse new work."""
