@@ -8,7 +8,7 @@ import pytest
 
 from orchestra.errors import GraphError, NodeFieldTypeError
 from orchestra.graph import (
-    HostBuffer, InOut, KernelRef, Out, TaskGraph, add_batch, build_pipeline,
+    Alloc, HostBuffer, HostFunc, InOut, KernelRef, Out, TaskGraph, add_batch, build_pipeline,
 )
 from orchestra.graph.trusted import make_each, maker
 from orchestra.schedule import schedule
@@ -71,6 +71,52 @@ def test_trusted_batches_match_checked_ones(kw, shared_host):
     assert g1.edges == g2.edges
     assert {e: g1.edge_reason(*e) for e in g1.edges} == {e: g2.edge_reason(*e) for e in g2.edges}
     assert schedule(g1, "by-engine", 4) == schedule(g2, "by-engine", 4)
+    _same_graph(g1, g2)
+
+
+def _same_graph(g1, g2):
+    """Every table of two graphs the same, in the same order: edges by name (each node's
+    predecessor dict in order), by index, explicit edges, buffers, the tracker's answers."""
+    assert [(n, list(ps.items())) for n, ps in g1.predecessor_map().items()] == \
+        [(n, list(ps.items())) for n, ps in g2.predecessor_map().items()]
+    assert [g1.successors(n.name) for n in g1.nodes] == [g2.successors(n.name) for n in g2.nodes]
+    assert g1._by_index()[1] == g2._by_index()[1]
+    assert g1.explicit_edges == g2.explicit_edges
+    assert g1.buffers == g2.buffers and g1.host_buffers == g2.host_buffers
+    assert [g1.index(n.name) for n in g1.nodes] == list(range(len(g1)))
+    assert g1.edge_count == g2.edge_count == len(g1.edges)
+
+
+def test_a_pipeline_extended_after_it_is_built_infers_what_the_checked_one_does():
+    # the nodes build_pipeline adds with known edges reach the dependency tracker before the
+    # next add: later nodes depend on them exactly as on checked ones
+    from orchestra.graph import Buffer, In, KernelNode
+    sizes = [4096] * 9 + [1024]
+    hin, hout = HostBuffer("hin", sum(sizes)), HostBuffer("hout", sum(sizes))
+    g1, _ = build_pipeline(len(sizes), sizes, K, host_in=hin, host_out=hout, in_flight=4,
+                           scalars=(1, 1.0, 0.0))
+    g2, _ = _checked(len(sizes), sizes, hin, hout, 4, scalars=(1, 1.0, 0.0))
+    w = Buffer("w", 64)
+    for g in (g1, g2):
+        g.add(KernelNode("late_read", KernelRef("k.cu", "k"), 1, 32, (In(w),)))
+        g.add(HostFunc("drain", lambda: None, reads=[hout.range(8192, 20000)]))
+        g.add(HostFunc("refill", lambda: None, writes=[hin]))
+        g.add(Alloc("b3.in2", Buffer("b3.in2", 16), after=["b9.free_out"]))
+    _same_graph(g1, g2)
+    assert g1.predecessors("refill") == g2.predecessors("refill") != ()
+    assert g1.predecessors("drain") == ("b2.d2h", "b3.d2h", "b4.d2h", "b5.d2h", "b6.d2h")
+
+
+def test_a_host_buffer_named_like_a_batch_buffer_is_refused_as_before():
+    # the later batches' names would clash with the host buffer's: the checked path says so
+    sizes = [4096] * 5
+    for name in ("b3.in", "b2.out"):
+        hin = HostBuffer(name, sum(sizes))
+        with pytest.raises(GraphError, match="already names"):
+            build_pipeline(len(sizes), sizes, K, host_in=hin, scalars=(1, 1.0, 0.0))
+    g, _ = build_pipeline(5, 4096, K, host_in=HostBuffer("b3.inx", 5 * 4096),
+                          scalars=(1, 1.0, 0.0))
+    assert len(g) == 35
 
 
 def test_bad_later_batch_raises_what_add_batch_raises():

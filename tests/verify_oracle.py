@@ -448,6 +448,7 @@ def estimate_makespan(plan, graph, costs=None) -> float:
     res_of = {node.name: resource_of(node) for node in graph.nodes}
     while True:
         best = None
+        woke = False  # an event recorded in this pass (a stream before may wait for it)
         for n in names:
             steps, i, t = plan.steps[n], head[n], t_stream[n]
             while i < len(steps) and not isinstance(steps[i], RunNode):
@@ -458,6 +459,7 @@ def estimate_makespan(plan, graph, costs=None) -> float:
                     t = max(t, ev_time[st.event])
                 elif isinstance(st, RecordEvent):
                     ev_time[st.event] = t
+                    woke = True
                 i += 1
             head[n], t_stream[n] = i, t
             if i < len(steps) and isinstance(steps[i], RunNode):
@@ -467,6 +469,8 @@ def estimate_makespan(plan, graph, costs=None) -> float:
                 if best is None or start < best[0]:
                     best = (start, n, res)
         if best is None:
+            if woke:  # walk the streams again: one may wait for what was just recorded (the
+                continue  # simulation once stopped here, under the plan's real end)
             return max(t_stream.values(), default=0.0)
         start, n, res = best
         end = start + cost[plan.steps[n][head[n]].node]

@@ -63,7 +63,7 @@ def _walk(graph, chain: tuple, seen: frozenset) -> Iterator[tuple]:
     if not getattr(graph, "_control", True):
         # no node of it has bodies (TaskGraph.add sets _control for one that has): the nodes
         # alone, without asking each for its bodies (a long pipeline has hundreds of thousands)
-        yield from zip(graph.node_map().values(), repeat(chain))
+        yield from zip(graph.nodes, repeat(chain))
         return
     for node in graph.nodes:
         yield node, chain

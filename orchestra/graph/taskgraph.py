@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from orchestra.errors import GraphError, NameCollisionError
 from orchestra.graph.bodies import check_bodies
@@ -25,15 +25,36 @@ N = TypeVar("N", bound=Node)
 
 
 class TaskGraph:
-    """A DAG of node records. Nodes keep insertion (program) order; every query is deterministic."""
+    """A DAG of node records. Nodes keep insertion (program) order; every query is deterministic.
+
+    Besides the tables by name, the graph keeps its edges by node index (insertion place):
+    ``_back[v]`` holds ``v - p`` for each predecessor ``p`` of node ``v``, in the order of its
+    predecessor dict, which the scheduler reads instead of the dicts. Nodes a builder adds with
+    edges it knows already (`_add_known`) get only those; their dicts (``_preds``, ``_succs``,
+    ``_explicit``) are made when something first asks for them (`_edges_by_name`), and the
+    dependency tracker is fed their accesses before the next `add` (a 350,000-node pipeline
+    that is only scheduled and printed never makes either).
+    """
 
     def __init__(self):
         self._nodes: dict[str, Node] = {}
         self._index: dict[str, int] = {}
+        self._list: list[Node] = []  # node index -> node
+        self._back: list[tuple[int, ...]] = []  # node index -> its predecessors' distances
         self._buffers: dict[str, Buffer | HostBuffer] = {}
         self._preds: dict[str, dict[str, str]] = {}  # node -> {pred: reason}
         self._succs: dict[str, dict[str, str]] = {}
         self._explicit: set[tuple[str, str]] = set()
+        # What `_add_known` added and the tables by name do not hold yet: ``_named`` nodes
+        # (in index order) are in ``_nodes`` / ``_index``, their new buffers in
+        # ``_new_buffers`` until then (`_sync_names`); the blocks whose edge dicts are not
+        # made, (first index, reasons) with reasons() -> per node of the block, its edges'
+        # reasons in ``_back`` order (`_edges_by_name`); the first node index the tracker has
+        # not seen (-1: none).
+        self._named = 0
+        self._new_buffers: list = []
+        self._lazy: list[tuple[int, Callable[[], Sequence[tuple[str, ...]]]]] = []
+        self._untracked = -1
         self._waiting: dict[str, list[str]] = defaultdict(list)  # unknown after-name -> nodes
         self._tracker = RangeTracker()
         self._topo: tuple[str, ...] | None = None
@@ -48,6 +69,8 @@ class TaskGraph:
         """Add ``node`` after every node added so far (program order); returns it."""
         if not isinstance(node, Node):
             raise GraphError(f"TaskGraph.add takes a node record (Alloc, HostToDevice, ...); got {node!r}")
+        if self._named != len(self._list) or self._lazy or self._untracked >= 0:
+            self._catch_up()
         name = node.name
         nodes = self._nodes
         if name in nodes:
@@ -82,7 +105,9 @@ class TaskGraph:
                 body._container = name  # checked with the whole tree, from the top
         nodes[name] = node
         index = self._index
-        index[name] = len(index)
+        i = index[name] = len(index)
+        self._list.append(node)
+        self._named += 1
         # inferred edges come first: none is there yet (the tracker's dict is a fresh one)
         preds = self._preds[name] = self._tracker.access(name, accesses)
         succs = self._succs
@@ -98,6 +123,7 @@ class TaskGraph:
                     explicit.add((pred, name))
                 else:
                     self._waiting[pred].append(name)
+        self._back.append(tuple([i - index[p] for p in preds]) if preds else ())
         if self._waiting:
             for succ in self._waiting.pop(name, ()):
                 self._edge(name, succ, "after", explicit=True)
@@ -114,33 +140,138 @@ class TaskGraph:
                              f"not {buf!r}; give different buffers different names")
 
     def _edge(self, pred, succ, reason, explicit=False):
-        self._preds[succ].setdefault(pred, reason)
+        preds = self._preds[succ]
+        if pred not in preds:
+            preds[pred] = reason
+            i = self._index[succ]
+            self._back[i] += (i - self._index[pred],)
         self._succs[pred].setdefault(succ, reason)
         if explicit:
             self._explicit.add((pred, succ))
 
+    def _add_known(self, nodes: Sequence[Node], back: Sequence[tuple[int, ...]],
+                   reasons: Callable[[], Sequence[tuple[str, ...]]],
+                   buffers: Sequence) -> bool:
+        """Add ``nodes`` (records of plain kinds: no bodies, no condition, ``_accesses``
+        filled) in program order, with the edges the caller knows `add` would give them:
+        ``back[i]`` holds, for each predecessor of ``nodes[i]`` in the order of the dict `add`
+        would make (inferred edges, then ``after=``; every one an earlier node), how many
+        places before it that predecessor is; ``reasons()`` returns those edges' reasons, per
+        node (called when something first asks for the edges by name). ``buffers``: the
+        buffers the nodes touch that the graph does not know yet, in order of first use (every
+        other one they touch is in the graph already, the same object). The caller
+        guarantees the names of ``nodes`` and ``buffers`` are new (a clash is an internal
+        error when the tables by name are made). For builders of many records of one shape
+        (`build_pipeline`), which learn the edges from a first batch that went through `add`.
+
+        The tables by name, the edge dicts and the dependency tracker get the nodes when
+        something first asks (the next `add`, a query by name): a graph only scheduled and
+        printed never pays for them. Returns False, having added nothing, while an
+        ``after=`` waits for a node that is not in the graph (then the caller adds the nodes
+        through `add`). Not thread-safe."""
+        if self._waiting:
+            return False
+        start = len(self._list)
+        self._list += nodes
+        self._back += back
+        self._new_buffers += buffers
+        self._lazy.append((start, reasons))
+        if self._untracked < 0:
+            self._untracked = start
+        self._topo = self._topo_pos = None
+        return True
+
+    def _sync_names(self) -> None:
+        """Put the nodes `_add_known` added, and their new buffers, in the tables by name."""
+        lst = self._list
+        k = self._named
+        if k == len(lst):
+            return
+        added = lst[k:]
+        names = [n.name for n in added]
+        nodes, index = self._nodes, self._index
+        nodes.update(zip(names, added))
+        index.update(zip(names, range(k, len(lst))))
+        bufs = self._new_buffers
+        self._new_buffers = []
+        known = self._buffers
+        had = len(known)
+        known.update(zip([b.name for b in bufs], bufs))
+        self._named = len(lst)
+        if len(nodes) != len(lst) or len(known) != had + len(bufs):
+            raise GraphError("internal error: a builder added nodes or buffers whose names "
+                             "the graph had (TaskGraph._add_known)")
+
+    def _edges_by_name(self) -> None:
+        """Make the edge dicts of the nodes `_add_known` added (predecessors, successors,
+        explicit edges), in node order."""
+        self._sync_names()
+        lazy, self._lazy = self._lazy, []
+        lst, back, preds, succs = self._list, self._back, self._preds, self._succs
+        explicit = self._explicit
+        for k, (start, reasons) in enumerate(lazy):
+            stop = lazy[k + 1][0] if k + 1 < len(lazy) else len(lst)
+            for v, why in zip(range(start, stop), reasons()):
+                name = lst[v].name
+                ps = preds[name] = dict(zip([lst[v - d].name for d in back[v]], why))
+                succs[name] = {}
+                for pred, reason in ps.items():
+                    succs[pred][name] = reason
+                for pred in lst[v].after:
+                    explicit.add((pred, name))
+
+    def _catch_up(self) -> None:
+        """Before an `add`: the tables by name and the edge dicts of the nodes `_add_known`
+        added, and their accesses fed to the tracker (its answers are their inferred edges,
+        known already)."""
+        self._sync_names()
+        if self._lazy:
+            self._edges_by_name()
+        if self._untracked >= 0:
+            access = self._tracker.access
+            for node in self._list[self._untracked:]:
+                access(node.name, node._accesses)
+            self._untracked = -1
+
+    def _program_order_is_topological(self) -> bool:
+        """Whether every edge goes from an earlier node to a later one (no ``after=`` named a
+        node added later): then node indices are a topological order."""
+        return not self._backward
+
+    def _by_index(self) -> tuple[list[Node], list[tuple[int, ...]]]:
+        """``(nodes, back)``: node index -> node, and node index ``v`` -> ``v - p`` for each
+        predecessor ``p`` (in `predecessor_map` order). The graph's own tables, for the
+        scheduler's passes over every node (do not modify them)."""
+        return self._list, self._back
+
     # -- queries ----------------------------------------------------------------------------
 
     def __len__(self):
-        return len(self._nodes)
+        return len(self._list)
 
     def __contains__(self, name):
+        if self._named != len(self._list):
+            self._sync_names()
         return name in self._nodes
 
     def __iter__(self):
-        return iter(self._nodes.values())
+        return iter(self._list)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
         """Every node, in insertion order."""
-        return tuple(self._nodes.values())
+        return tuple(self._list)
 
     def node_map(self) -> dict[str, Node]:
         """Every node name -> its node, in insertion order: the graph's own table, for
         algorithms that visit every node (do not modify it)."""
+        if self._named != len(self._list):
+            self._sync_names()
         return self._nodes
 
     def node(self, name: str) -> Node:
+        if self._named != len(self._list):
+            self._sync_names()
         try:
             return self._nodes[name]
         except KeyError:
@@ -149,6 +280,8 @@ class TaskGraph:
     def accesses(self, name: str) -> tuple:
         """Node ``name``'s ``accesses()``, computed once when it was added (nodes are
         immutable): what the scheduler and the verifier read instead of building them again."""
+        if self._named != len(self._list):
+            self._sync_names()
         try:
             accesses = self._nodes[name]._accesses
         except KeyError:
@@ -158,6 +291,8 @@ class TaskGraph:
 
     def index(self, name: str) -> int:
         """Insertion (program-order) position of node ``name``."""
+        if self._named != len(self._list):
+            self._sync_names()
         try:
             return self._index[name]
         except KeyError:
@@ -166,19 +301,23 @@ class TaskGraph:
     @property
     def buffers(self) -> tuple[Buffer, ...]:
         """Device buffers, in order of first use."""
+        self._sync_names()
         return tuple(b for b in self._buffers.values() if isinstance(b, Buffer))
 
     @property
     def host_buffers(self) -> tuple[HostBuffer, ...]:
         """Host buffers, in order of first use."""
+        self._sync_names()
         return tuple(b for b in self._buffers.values() if isinstance(b, HostBuffer))
 
     @property
     def conditions(self) -> tuple[Condition, ...]:
         """Conditions (conditional handles) the nodes set or test, in order of first use."""
+        self._sync_names()
         return tuple(b for b in self._buffers.values() if isinstance(b, Condition))
 
     def buffer(self, name: str):
+        self._sync_names()
         try:
             return self._buffers[name]
         except KeyError:
@@ -187,25 +326,33 @@ class TaskGraph:
     @property
     def edges(self) -> frozenset[tuple[str, str]]:
         """Every (pred, succ) edge: inferred from accesses and explicit ``after=``."""
+        if self._lazy:
+            self._edges_by_name()
         return frozenset((p, s) for s, ps in self._preds.items() for p in ps)
 
     @property
     def edge_count(self) -> int:
         """``len(self.edges)``, without building the set."""
-        return sum(len(ps) for ps in self._preds.values())
+        return sum(map(len, self._back))
 
     @property
     def explicit_edges(self) -> frozenset[tuple[str, str]]:
         """The edges that come from ``after=``."""
+        if self._lazy:
+            self._edges_by_name()
         return frozenset(self._explicit)
 
     def edge_reason(self, pred: str, succ: str) -> str:
         """Why the edge exists, e.g. ``"RAW b0.in"`` or ``"after"``."""
+        if self._lazy:
+            self._edges_by_name()
         return self._preds[succ][pred]
 
     def predecessor_map(self) -> dict[str, dict[str, str]]:
         """Every node -> ``{predecessor: edge reason}``, in no particular order: the graph's own
         table, for algorithms that visit every edge (do not modify it)."""
+        if self._lazy:
+            self._edges_by_name()
         return self._preds
 
     def predecessors(self, name: str) -> tuple[str, ...]:
@@ -217,6 +364,8 @@ class TaskGraph:
         return self._ordered(self._succs, name)
 
     def _ordered(self, adjacency, name):
+        if self._lazy:
+            self._edges_by_name()
         try:
             ns = adjacency[name]
         except KeyError:
@@ -245,8 +394,10 @@ class TaskGraph:
         if self._topo is not None:
             return self._topo
         if not self._backward:  # every edge goes forward: program order is Kahn's order
-            self._topo = tuple(self._nodes)
+            self._topo = tuple([n.name for n in self._list])
             return self._topo
+        if self._lazy:
+            self._edges_by_name()
         names = list(self._nodes)
         order = kahn_order(names, ((n, s) for n in names for s in self._succs[n]))
         if len(order) != len(names):
@@ -283,6 +434,8 @@ class TaskGraph:
         order is that order): do not modify it. Not thread-safe while nodes are added."""
         order = self.topological_order()
         if not self._backward:
+            if self._named != len(self._list):
+                self._sync_names()
             return self._index
         pos = self._topo_pos
         if pos is None:
@@ -292,6 +445,8 @@ class TaskGraph:
     def levels(self) -> tuple[tuple[str, ...], ...]:
         """Nodes grouped by longest-path depth from a source (level 0 has no predecessors)."""
         level: dict[str, int] = {}
+        if self._lazy:
+            self._edges_by_name()
         for n in self.topological_order():
             level[n] = max((level[p] + 1 for p in self._preds[n]), default=0)
         out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
@@ -302,6 +457,8 @@ class TaskGraph:
     def components(self) -> dict[str, int]:
         """Weakly connected component of each node, numbered by their first node's insertion."""
         comp: dict[str, int] = {}
+        if self._lazy:
+            self._edges_by_name()
         c = -1
         for start in self._nodes:
             if start in comp:
@@ -320,10 +477,12 @@ class TaskGraph:
     def reduced_edges(self) -> frozenset[tuple[str, str]]:
         """The transitive reduction: edges not implied by a longer path."""
         order = self.topological_order()
+        if self._lazy:
+            self._edges_by_name()
         return transitive_reduction(order, ((n, s) for n in order for s in self._succs[n]))
 
     def __repr__(self):
-        return (f"<TaskGraph {len(self._nodes)} nodes, {sum(len(p) for p in self._preds.values())} "
+        return (f"<TaskGraph {len(self._list)} nodes, {self.edge_count} "
                 f"edges, {len(self.buffers)} buffers, {len(self.host_buffers)} host buffers>")
 
 

@@ -36,6 +36,14 @@ def _slot(cls: type, name: str):
     raise NodeFieldTypeError(f"{cls.__name__} has no slot field {name!r}")
 
 
+def _check_fields(cls: type, names: tuple[str, ...]) -> None:
+    """`NodeFieldTypeError` unless ``names`` are every attrs field of ``cls``, once each."""
+    fields = {f.name for f in attrs.fields(cls)}
+    if len(names) != len(set(names)) or set(names) != fields:
+        raise NodeFieldTypeError(f"maker({cls.__name__}): names {sorted(names)} are not its fields "
+                        f"{sorted(fields)}")
+
+
 def maker(cls: type, *names: str) -> Callable[..., Any]:
     """A function ``make(*values)`` -> an instance of attrs class ``cls`` whose field
     ``names[i]`` is ``values[i]``, set directly (no converters, validators or post-init).
@@ -45,10 +53,7 @@ def maker(cls: type, *names: str) -> Callable[..., Any]:
     making the maker raises `NodeFieldTypeError` (a ``TypeError``) then. Thread-safe; the
     caller guarantees the values.
     """
-    fields = {f.name for f in attrs.fields(cls)}
-    if len(names) != len(set(names)) or set(names) != fields:
-        raise NodeFieldTypeError(f"maker({cls.__name__}): names {sorted(names)} are not its fields "
-                        f"{sorted(fields)}")
+    _check_fields(cls, names)
     # One straight-line function per maker (as attrs writes its own __init__): a loop over
     # the setters cost about twice as much per record.
     env = {"new": object.__new__, "cls": cls,
@@ -64,11 +69,30 @@ def make_each(cls: type, name: str, values) -> list:
     """``[make(v) for v in values]`` for a one-field class (``name`` its only attrs field), with
     both loops in C (``object.__new__`` and the slot's setter mapped over the values): for the
     hundreds of thousands of plan steps of a long pipeline. Same contract as `maker`."""
-    maker(cls, name)  # checks that ``name`` is every field of ``cls``
+    _check_fields(cls, (name,))
     values = values if isinstance(values, (list, tuple)) else list(values)
     objs: list = list(map(object.__new__, repeat(cls, len(values))))
     deque(map(_slot(cls, name).__set__, objs, values), 0)
     return objs
 
 
-__all__ = ["maker", "make_each"]
+def make_columns(cls: type, names: tuple[str, ...], columns, count: int) -> list:
+    """``count`` instances of attrs class ``cls``, instance ``i``'s field ``names[k]`` being
+    ``columns[k][i]`` (a column is any iterable: a list, or ``itertools.repeat(value)`` for a
+    value they all share): the records of many batches at once, each field set for all of
+    them in one loop in C (``map`` over the slot's setter). Same contract as `maker`."""
+    _check_fields(cls, names)
+    objs: list = list(map(object.__new__, repeat(cls, count)))
+    for name, column in zip(names, columns):
+        deque(map(_slot(cls, name).__set__, objs, column), 0)
+    return objs
+
+
+def set_column(cls: type, name: str, objs: list, values) -> None:
+    """Set field ``name`` of each of ``objs`` (instances of attrs class ``cls``) to the
+    matching item of ``values``, in one loop in C (a field left unset by `make_columns`, e.g.
+    a buffer's cached whole range, made after it)."""
+    deque(map(_slot(cls, name).__set__, objs, values), 0)
+
+
+__all__ = ["maker", "make_columns", "make_each", "set_column"]

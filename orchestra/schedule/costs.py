@@ -14,9 +14,10 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from orchestra.errors import ScheduleError
-from orchestra.graph import TaskGraph
+from orchestra.graph import Mode, Node, TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
+_WRITE = Mode.WRITE
 RESOURCES = {"upload": "upload", "download": "download", "compute": "compute"}
 
 
@@ -61,41 +62,79 @@ Costs = CostModel | Mapping[str, float] | Callable | None
 def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
     """µs per node name. ``costs``: None (default model), a `CostModel`, a dict name -> µs (others
     from the default model), or a callable node -> µs (None falls back to the model)."""
+    return dict(zip(graph.node_map(), cost_list(graph, costs)))
+
+
+def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
+    """`estimate_costs` by node index (`TaskGraph.index`): the same values, without a table by
+    name (on a long pipeline, making that table costs as much as the values)."""
     model = costs if isinstance(costs, CostModel) else CostModel()
     given = None  # node -> µs or None, from ``costs`` (decided once, not per node)
     if isinstance(costs, Mapping):
         given = lambda node: costs.get(node.name)  # noqa: E731
     elif callable(costs) and not isinstance(costs, CostModel):
         given = costs
-    out = {}
-    cost, accesses = model.cost, graph.accesses
+    out: list[float] = []
+    append = out.append
+    cost = model.cost
     ours = type(model).cost is CostModel.cost  # a subclass's cost() may take the node alone
-    # The default model's per-kind constants and bandwidths, looked up once: `CostModel.cost`
-    # per node (a method call and a dict built per call) was most of this pass on a long
-    # pipeline. Kinds with bodies, kernels and the rest still go through `cost`.
-    fixed = {"alloc": model.alloc_us, "free": model.free_us, "host": model.host_us} \
-        if ours and given is None else {}
-    bandwidth = {"h2d": model.h2d_gbps * 1e3, "d2h": model.d2h_gbps * 1e3} if fixed else {}
+    # The default model's cost per node class, decided once per class (kind and bodies are
+    # the class's): a constant, a copy's bandwidth, or `CostModel.cost` (kernels, kinds with
+    # bodies, the rest). `CostModel.cost` per node (a method call and a dict built per call)
+    # was most of this pass on a long pipeline.
+    rules: dict[type, tuple] = {}
+    fixed = {"alloc": model.alloc_us, "free": model.free_us, "host": model.host_us}
+    bandwidth = {"h2d": model.h2d_gbps * 1e3, "d2h": model.d2h_gbps * 1e3}
+    if model.kernel_us is None:
+        bandwidth["kernel"] = model.kernel_gbps * 1e3  # bytes read over kernel_gbps
     value: float | None
     node: Any  # the copy kinds' ``nbytes`` is read without naming each class
-    for name, node in graph.node_map().items():
-        kind = node.kind
-        if fixed and not node.bodies:
-            if kind in fixed:
-                value = fixed[kind]
-            elif kind in bandwidth:
-                value = node.nbytes / bandwidth[kind]
-            else:
-                value = cost(node, accesses(name)) if kind == "kernel" else cost(node)
+    for node in graph._by_index()[0]:  # `TaskGraph.accesses` of a node: its _accesses
+        cls = type(node)
+        rule = rules.get(cls)
+        if rule is None:
+            rule = rules[cls] = _cost_rule(cls, ours and given is None, fixed, bandwidth)
+        how = rule[0]
+        if how == 0:
+            value = rule[1]
+        elif how == 1:
+            value = node.nbytes / rule[1]
+        elif how == 4:  # a kernel: the bytes it reads (CostModel.cost, inline)
+            reads = 0
+            for a in node._accesses:
+                if a.mode is not _WRITE:
+                    reads += a.range.nbytes
+            value = (reads or 1) / rule[1]
+        elif how == 2:
+            value = float(cost(node, node._accesses) if node.kind == "kernel" else cost(node))
         else:
             value = given(node) if given is not None else None
             if value is None:
-                value = cost(node, accesses(name)) if ours and kind == "kernel" else cost(node)
-        value = float(value)
+                value = cost(node, node._accesses) if ours and node.kind == "kernel" \
+                    else cost(node)
+            value = float(value)
         if not value >= 0:
-            raise ScheduleError(f"cost of node {name} must be >= 0 µs; got {value!r}")
-        out[name] = value
+            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
+        append(value)
     return out
+
+
+def _cost_rule(cls, default: bool, fixed: dict, bandwidth: dict) -> tuple:
+    """How `estimate_costs` costs a node of class ``cls``: ``(0, µs)`` a constant, ``(1,
+    bytes per µs)`` a copy's size over a bandwidth, ``(4, bytes per µs)`` a kernel's bytes
+    read over a bandwidth, ``(2,)`` the model's `CostModel.cost`, ``(3,)`` ``costs=`` first
+    (``default``: the default model alone decides)."""
+    if not default:
+        return (3,)
+    if cls.bodies is not Node.bodies:  # a kind with bodies: its bodies' cost
+        return (2,)
+    if cls.kind in fixed:
+        return (0, float(fixed[cls.kind]))
+    if cls.kind == "kernel" and "kernel" in bandwidth:
+        return (4, bandwidth["kernel"])
+    if cls.kind in bandwidth and cls.kind != "kernel":
+        return (1, bandwidth[cls.kind])
+    return (2,)
 
 
 def resource_of(node) -> str | None:
@@ -107,27 +146,152 @@ def resource_of(node) -> str | None:
 def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> float:
     """Simulated end time (µs) of ``plan``: each stream in order, waits joined, one node at a time
     per engine, the node that can start first going next."""
+    by_index = plan._by_index(graph)
+    if by_index is not None:
+        end = _walk_by_index(by_index, graph, costs)
+        if end is not None:
+            return end
     cost = estimate_costs(graph, costs)
     names = plan.stream_names
-    recorded = {st.event for ss in plan.steps.values() for st in ss if isinstance(st, RecordEvent)}
-    busy = {r: 0.0 for r in RESOURCES.values()}
-    # node -> (resource, cost) of its RunNode steps, made once per node (not per step)
-    run_of = {name: (RESOURCES.get(node.engine), cost[name])
-              for name, node in graph.node_map().items()}
     steps = [plan.steps[n] for n in names]
+    by_name = graph.node_map()
+    res_of: dict[type, str | None] = {}  # node class -> its resource (engine is the class's)
+    uses: list[set] = []  # per stream: the resources its nodes occupy
+    records: list[str] = []
+    for ss in steps:
+        used = set()
+        for st in ss:
+            t = type(st)
+            if t is RunNode or (t is not RecordEvent and isinstance(st, RunNode)):
+                node = by_name.get(st.node)
+                if node is None:
+                    graph.node(st.node)  # raises GraphError naming it
+                cls = type(node)
+                res = res_of.get(cls, 0)
+                if res == 0:
+                    res = res_of[cls] = RESOURCES.get(cls.engine)
+                used.add(res)
+            elif t is RecordEvent or isinstance(st, RecordEvent):
+                records.append(st.event)
+        used.discard(None)
+        uses.append(used)
+    recorded = set(records)
+    shared = sum(len(u) for u in uses) != len(set().union(*uses))
+    if shared or len(recorded) != len(records):
+        return _simulate(steps, cost, by_name, recorded)
+    # No engine is used by two streams (by-engine's streams, say) and every event is recorded
+    # once: a node then starts when its stream reaches it, its engine being free by then (only
+    # its own stream used it), so the order in which the simulation picks streams changes no
+    # time. Each stream is walked on its own, until a wait for an event not recorded yet.
+    S = len(steps)
+    t_stream = [0.0] * S
+    head = [0] * S
+    ev_time: dict[str, float] = {}
+    waiting: dict[str, list[int]] = {}  # unrecorded event -> streams blocked on it
+    todo = list(range(S - 1, -1, -1))
+    while todo:
+        k = todo.pop()
+        ss, i, t = steps[k], head[k], t_stream[k]
+        end = len(ss)
+        while i < end:
+            st = ss[i]
+            tp = type(st)
+            if tp is RunNode:
+                t += cost[st.node]
+            elif tp is WaitEvent:
+                e = st.event
+                if e in recorded:
+                    at = ev_time.get(e)
+                    if at is None:
+                        waiting.setdefault(e, []).append(k)
+                        break
+                    if at > t:
+                        t = at
+            elif tp is RecordEvent:
+                ev_time[st.event] = t
+                for j in waiting.pop(st.event, ()):
+                    todo.append(j)
+            elif isinstance(st, RunNode):
+                t += cost[st.node]
+            elif isinstance(st, WaitEvent):
+                e = st.event
+                if e in recorded:
+                    at = ev_time.get(e)
+                    if at is None:
+                        waiting.setdefault(e, []).append(k)
+                        break
+                    if at > t:
+                        t = at
+            else:
+                ev_time[st.event] = t
+                for j in waiting.pop(st.event, ()):
+                    todo.append(j)
+            i += 1
+        head[k], t_stream[k] = i, t
+    return max(t_stream, default=0.0)
 
-    def run_step(st):  # a RunNode's (resource, cost); GraphError for a node the graph lacks
-        got = run_of.get(st.node)
-        if got is None:
-            graph.node(st.node)  # raises
-        return got
 
+def _walk_by_index(by_index, graph: TaskGraph, costs: Costs) -> float | None:
+    """`estimate_makespan` of a plan made by `insert_events` for ``graph``, from its steps by
+    index (`Plan._by_index`): ``(per stream a list of codes, event count)``, each code a node
+    index (a `RunNode`), ``-2e - 1`` (record event ``e``) or ``-2e - 2`` (wait for it); every
+    event is recorded once. When no engine is used by two streams, each stream is walked on
+    its own (as in `estimate_makespan`); else None (the simulation decides)."""
+    codes, n_events = by_index
+    nodes, _ = graph._by_index()
+    res_of: dict[type, str | None] = {}
+    for cls in {type(x) for x in nodes}:
+        res_of[cls] = RESOURCES.get(cls.engine)
+    res = [res_of[type(x)] for x in nodes]
+    uses = []
+    for cs in codes:
+        used = set(map(res.__getitem__, [c for c in cs if c >= 0]))
+        used.discard(None)
+        uses.append(used)
+    if sum(len(u) for u in uses) != len(set().union(*uses)):
+        return None
+    cost = cost_list(graph, costs)
+    S = len(codes)
+    t_stream = [0.0] * S
+    head = [0] * S
+    ev_time: list[float | None] = [None] * n_events
+    waiting: dict[int, list[int]] = {}  # event not recorded yet -> streams blocked on it
+    todo = list(range(S - 1, -1, -1))
+    while todo:
+        k = todo.pop()
+        cs, i, t = codes[k], head[k], t_stream[k]
+        end = len(cs)
+        while i < end:
+            c = cs[i]
+            if c >= 0:
+                t += cost[c]
+            else:
+                e = -c - 1
+                if e & 1:  # a wait
+                    at = ev_time[e >> 1]
+                    if at is None:
+                        waiting.setdefault(e >> 1, []).append(k)
+                        break
+                    if at > t:
+                        t = at
+                else:
+                    ev_time[e >> 1] = t
+                    todo.extend(waiting.pop(e >> 1, ()))
+            i += 1
+        head[k], t_stream[k] = i, t
+    return max(t_stream, default=0.0)
+
+
+def _simulate(steps, cost, by_name, recorded) -> float:
+    """`estimate_makespan`'s simulation: the stream whose next node can start first (ties: the
+    first stream) runs it, one node at a time per engine."""
+    busy = {r: 0.0 for r in RESOURCES.values()}
     # per step of each stream: (resource, cost) of a RunNode, None for an event step (exact
     # types first: the common case, and fast on long plans)
-    runs = [[run_of.get(st.node) or run_step(st) if type(st) is RunNode
-             else (run_step(st) if isinstance(st, RunNode) else None) for st in ss]
-            for ss in steps]
-    S = len(names)
+    runs = [[(RESOURCES.get(by_name[st.node].engine), cost[st.node])
+             if type(st) is RunNode or (type(st) is not RecordEvent and isinstance(st, RunNode))
+             else None for st in ss] for ss in steps]
+    S = len(steps)
     t_stream = [0.0] * S
     head = [0] * S
     ev_time: dict[str, float] = {}
@@ -169,6 +333,8 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
                 if best < 0 or start < best_start:
                     best, best_start = k, start
         if best < 0:
+            if any(dirty):  # a record late in the pass woke an earlier stream: walk it
+                continue
             return max(t_stream, default=0.0)
         chosen = runs[best][head[best]]
         assert chosen is not None  # the chosen stream's head is a RunNode

@@ -33,88 +33,131 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     sid = {s.name: i for i, s in enumerate(specs)}
     graph_order = graph.topological_order()
     order = graph_order if order is None else tuple(order)
-    preds = graph.predecessor_map()  # node -> {pred: reason}, unordered (cross is sorted below)
     if order == graph_order:  # the graph's own order (what the policies pass): valid as it is
         gpos = graph.topological_positions()
     else:
-        gpos = _checked_positions(graph, order, preds)
-    at = gpos.__getitem__
+        gpos = _checked_positions(graph, order, graph.predecessor_map())
     # node -> stream index, from the mapping in one pass; anything unusual goes the slow way
     fast = dict(zip(node_stream.keys(), map(sid.get, node_stream.values())))
     if len(fast) != len(gpos) or None in fast.values() or fast.keys() != gpos.keys():
-        on = _checked_streams(order, node_stream, sid)
+        fast = _checked_streams(order, node_stream, sid)
+    on = list(map(cast("dict[str, int]", fast).__getitem__, graph.node_map()))
+    if order == graph_order and graph._program_order_is_topological():
+        issue = None  # node indices are the issue order
     else:
-        on = cast("dict[str, int]", fast)  # no None in it: checked just above
+        issue = list(map(graph.index, order))
+    return plan_by_index(graph, on, specs, issue, policy, meta)
 
+
+def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...],
+                  issue: list[int] | None = None, policy: str = "manual",
+                  meta: dict | None = None) -> Plan:
+    """`insert_events` by node index (`TaskGraph.index`): node ``v`` runs on stream
+    ``specs[on[v]]``, nodes issued in the order of ``issue`` (node indices; None: index order,
+    which must then be a topological order). The caller checked what `insert_events` checks."""
+    nodes, back = graph._by_index()
+    n = len(nodes)
+    if issue is None:
+        rank = None
+        seq: Sequence[int] = range(n)
+    else:
+        rank = [0] * n
+        for i, v in enumerate(issue):
+            rank[v] = i
+        seq = issue
     S = len(specs)
     cur = [[0] * S for _ in specs]
     # cur[s] as a tuple, valid until a wait changes a counter other than s's own: the clock
     # every node run in between shares (its own counter there is stale; pos has it)
     shared: list[tuple[int, ...] | None] = [None] * S
-    seen: dict[str, tuple[int, ...]] = {}
-    pos: dict[str, int] = {}
-    waits: dict[str, list[str]] = {}  # node -> predecessors it waits for, in wait order
-    sources: set[str] = set()
-    for v in order:
+    seen: list = [None] * n
+    pos = [0] * n
+    waits: dict[int, list[int]] = {}  # node -> predecessors it waits for, in wait order
+    flags = bytearray(n)  # per node: WAITS (it waits for events) | RECORDS (one follows it)
+    for v in seq:
         s = on[v]
         c = cur[s]
-        ps = preds[v]
+        ps = back[v]
         if ps:
-            cross = [p for p in ps if on[p] != s]
-            if cross:
+            # the predecessors on other streams, latest first (one or two: no list needed)
+            if len(ps) == 1:
+                p = v - ps[0]
+                cross: Sequence[int] = (p,) if on[p] != s else ()
+            elif len(ps) == 2 and rank is None:
+                p, q = v - ps[0], v - ps[1]
+                if on[p] == s:
+                    cross = () if on[q] == s else (q,)
+                elif on[q] == s:
+                    cross = (p,)
+                else:
+                    cross = (p, q) if p > q else (q, p)
+            else:
+                cross = [v - d for d in ps if on[v - d] != s]
                 if len(cross) > 1:
-                    cross.sort(key=at, reverse=True)
-                for p in cross:
-                    sp = on[p]
-                    if c[sp] >= pos[p]:
-                        continue  # already ordered through an earlier wait or stream order
-                    w = waits.get(v)
-                    if w is None:
-                        waits[v] = [p]
+                    if rank is None:
+                        cross.sort(reverse=True)
                     else:
-                        w.append(p)
-                    sources.add(p)
-                    c[:] = map(max, c, seen[p])
-                    c[sp] = pos[p]  # the snapshot's own counter is stale
-                    shared[s] = None
-        n = c[s] = c[s] + 1
-        pos[v] = n
+                        cross.sort(key=rank.__getitem__, reverse=True)
+            for p in cross:
+                sp = on[p]
+                if c[sp] >= pos[p]:
+                    continue  # already ordered through an earlier wait or stream order
+                if flags[v]:
+                    waits[v].append(p)
+                else:
+                    waits[v] = [p]
+                    flags[v] = _WAITS
+                flags[p] |= _RECORDS
+                c[:] = map(max, c, seen[p])
+                c[sp] = pos[p]  # the snapshot's own counter is stale
+                shared[s] = None
+        k = c[s] = c[s] + 1
+        pos[v] = k
         snap = shared[s]
         if snap is None:
             snap = shared[s] = tuple(c)
         seen[v] = snap
 
-    # events numbered by their source's place in the global order: stable and readable. The
+    # events numbered by their source's place in the issue order: stable and readable. The
     # steps are made in bulk (`make_each`): one RunNode per node, one RecordEvent and one
     # WaitEvent per event (steps are frozen values: the waits on one event share one).
-    ordered = sorted(sources, key=at)
-    names = [f"e{i}" for i in range(len(ordered))]
-    record_of = dict(zip(ordered, make_each(RecordEvent, "event", names)))
-    wait_of = dict(zip(ordered, make_each(WaitEvent, "event", names)))
+    sources = [v for v in seq if flags[v] & _RECORDS]
+    names = list(map("e%d".__mod__, range(len(sources))))
+    record_of = dict(zip(sources, make_each(RecordEvent, "event", names)))
+    wait_of = dict(zip(sources, make_each(WaitEvent, "event", names)))
+    node_names = [x.name for x in nodes]
+    order_names = node_names if issue is None else [node_names[v] for v in issue]
+    runs = make_each(RunNode, "node", order_names)
     lists: list[list[RunNode | RecordEvent | WaitEvent]] = [[] for _ in specs]
-    recorded: list[list[str]] = [[] for _ in specs]  # events per stream, in record order
-    members: list[list[str]] = [[] for _ in specs]  # nodes per stream, in run order
+    # the same steps as codes (`Plan._by_index`): node index, -2i - 1 record, -2i - 2 wait
+    codes: list[list[int]] = [[] for _ in specs]
+    event = dict(zip(sources, range(len(sources))))
     n_waits = 0
-    for v, run in zip(order, make_each(RunNode, "node", order)):
+    for v, run in zip(seq, runs):
         k = on[v]
         out = lists[k]
-        w = waits.get(v)
-        if w is not None:
+        f = flags[v]
+        if not f:
+            out.append(run)
+            codes[k].append(v)
+            continue
+        code = codes[k]
+        if f & _WAITS:
+            w = waits[v]
             out.extend([wait_of[p] for p in w])
+            code.extend([-2 * event[p] - 2 for p in w])
             n_waits += len(w)
         out.append(run)
-        members[k].append(v)
-        rec = record_of.get(v)
-        if rec is not None:
-            out.append(rec)
-            recorded[k].append(rec.event)
-    # what Plan() would derive by scanning every step, known here already
-    stream_of: dict[str, str] = {}
-    for spec, ms in zip(specs, members):
-        stream_of.update(dict.fromkeys(ms, spec.name))
-    events = tuple(e for evs in recorded for e in evs)  # every waited event is recorded
+        code.append(v)
+        if f & _RECORDS:
+            out.append(record_of[v])
+            code.append(-2 * event[v] - 1)
     return Plan._derived(specs, {sp.name: tuple(x) for sp, x in zip(specs, lists)}, policy,
-                         order, dict(meta or {}), stream_of, events, (len(events), n_waits))
+                         tuple(order_names), dict(meta or {}), (len(sources), n_waits),
+                         graph, codes)
+
+
+_WAITS, _RECORDS = 1, 2  # plan_by_index's node flags
 
 
 def _checked_positions(graph: TaskGraph, order: tuple, preds: dict) -> dict[str, int]:

@@ -16,6 +16,8 @@ enqueue with `issue_order()`, which follows it while never issuing a wait before
 from __future__ import annotations
 
 import json
+import weakref
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -74,6 +76,7 @@ class WaitEvent:
 
 Step = RunNode | RecordEvent | WaitEvent
 _TAGS = {RunNode: "run", RecordEvent: "record", WaitEvent: "wait"}
+_STEP_TYPES = frozenset(_TAGS)
 _BY_TAG = {v: k for k, v in _TAGS.items()}
 
 
@@ -108,9 +111,12 @@ class Plan:
     policy: str = "manual"
     order: tuple[str, ...] = attrs.field(default=(), converter=_names)
     meta: dict = attrs.field(factory=dict, converter=dict)
-    node_stream: dict = attrs.field(init=False, eq=False, repr=False)
-    events: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+    # node_stream and events (the properties), made on first use when `_derived` made the plan
+    _node_stream: dict | None = attrs.field(init=False, eq=False, repr=False)
+    _events: tuple[str, ...] | None = attrs.field(init=False, eq=False, repr=False)
     _counts: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # records, waits
+    # from `_derived`: (weak reference to the graph, steps by node index, event count)
+    _hint: tuple | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         names = [s.name for s in self.streams]
@@ -137,19 +143,59 @@ class Plan:
                 else:
                     raise PlanError(
                         f"stream {n}: a step must be RunNode, RecordEvent or WaitEvent; got {st!r}")
-        object.__setattr__(self, "node_stream", node_stream)
-        object.__setattr__(self, "events", tuple(dict.fromkeys(recorded + waited)))
+        object.__setattr__(self, "_node_stream", node_stream)
+        object.__setattr__(self, "_events", tuple(dict.fromkeys(recorded + waited)))
         object.__setattr__(self, "_counts", (len(recorded), len(waited)))
 
     @classmethod
     def _derived(cls, streams: tuple, steps: dict, policy: str, order: tuple, meta: dict,
-                 node_stream: dict, events: tuple, counts: tuple[int, int]) -> "Plan":
-        """The plan of these fields, with the derived ones given instead of found by scanning
-        every step: for `insert_events`, which knows them as it makes the steps (a 50,000-batch
-        plan has over a million). The caller guarantees what ``__init__`` would check and
-        convert: distinct stream names, ``steps`` a dict of tuples with one entry per stream
-        in stream order, ``order`` a tuple, ``meta`` a fresh dict."""
-        return _make_plan(streams, steps, policy, order, meta, node_stream, events, counts)
+                 counts: tuple[int, int], graph=None, codes=None) -> "Plan":
+        """The plan of these fields, without scanning every step as ``__init__`` does: for
+        `insert_events`, which makes the steps of known types and knows their ``counts``
+        (records, waits; a 50,000-batch plan has over a million steps). ``node_stream`` and
+        ``events`` are found when first asked for. The caller guarantees what ``__init__``
+        would check and convert: distinct stream names, ``steps`` a dict of tuples of
+        `RunNode` / `RecordEvent` / `WaitEvent` with one entry per stream in stream order,
+        event ``e{i}`` recorded once for each ``i`` below ``counts[0]`` (and no other
+        event), ``order`` a tuple, ``meta`` a fresh dict. ``codes``: the steps by index for
+        ``graph`` (see `_by_index`)."""
+        plan = _make_plan(streams, steps, policy, order, meta, None, None, counts, None)
+        if graph is not None and codes is not None:
+            object.__setattr__(plan, "_hint", (weakref.ref(graph), codes, counts[0]))
+        return plan
+
+    def _by_index(self, graph) -> tuple | None:
+        """``(codes, event count)`` when `insert_events` made this plan for ``graph`` (this
+        very object), else None: per stream, a code per step (a node index for a `RunNode`,
+        ``-2i - 1`` for recording event ``e{i}``, ``-2i - 2`` for waiting for it), for
+        `estimate_makespan`."""
+        hint = self._hint
+        if hint is None or hint[0]() is not graph:
+            return None
+        return hint[1], hint[2]
+
+    @property
+    def node_stream(self) -> dict[str, str]:
+        """Node -> the stream of its first `RunNode` (streams in order, then steps); the plan's
+        own table (do not modify it)."""
+        ns = self._node_stream
+        if ns is None:  # a plan from `_derived`: exact step types, every node run once
+            ns = {}
+            for name in self.stream_names:
+                ns.update(dict.fromkeys([st.node for st in self.steps[name]
+                                         if type(st) is RunNode], name))
+            object.__setattr__(self, "_node_stream", ns)
+        return ns
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        """Every event name, in order of first record (then events only waited for)."""
+        ev = self._events
+        if ev is None:  # a plan from `_derived`: every waited event is recorded
+            ev = tuple(dict.fromkeys([st.event for name in self.stream_names
+                                      for st in self.steps[name] if type(st) is RecordEvent]))
+            object.__setattr__(self, "_events", ev)
+        return ev
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -252,6 +298,10 @@ class Plan:
         waits for. ``notes``: node name -> a note printed after the node's step (what an
         executor makes of it, e.g. ``"copy kernel"`` for a host copy lowered to the copy
         kernel)."""
+        streams = [(sp, self.steps[sp.name]) for sp in self.streams]
+        kinds = [list(map(type, ss)) for _, ss in streams]
+        if all(set(ks) <= _STEP_TYPES for ks in kinds):
+            return self._text_exact(streams, kinds, notes)
         after = {}  # event -> "node on stream" it follows
         nodes = 0
         for n in self.stream_names:
@@ -263,10 +313,7 @@ class Plan:
                     nodes += 1
                 elif t is RecordEvent or isinstance(st, RecordEvent):
                     after[st.event] = f"after {last or '(start)'} on {n}"
-        lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
-                 f"{self.event_count} event(s), {self.wait_count} wait(s)"]
-        for k, v in sorted(self.meta.items()):
-            lines.append(f"  {k}: {v}")
+        lines = self._text_head(nodes)
         add = lines.append
         several = len(self.devices) > 1
         for s in self.streams:
@@ -284,6 +331,45 @@ class Plan:
                     add(f"    wait   {st.event}   ({after.get(st.event, 'never recorded')})")
                 else:  # not a step type (the plan refuses those): as before, _TAGS says so
                     add(f"    {_TAGS[t]:<6} {_field(st)}")
+        return "\n".join(lines)
+
+    def _text_head(self, nodes: int) -> list[str]:
+        lines = [f"plan ({self.policy}): {len(self.streams)} stream(s), {nodes} node(s), "
+                 f"{self.event_count} event(s), {self.wait_count} wait(s)"]
+        for k, v in sorted(self.meta.items()):
+            lines.append(f"  {k}: {v}")
+        return lines
+
+    def _text_exact(self, streams, kinds, notes) -> str:
+        """`text` of a plan whose steps are all of the exact step types (not subclasses):
+        each stream's lines in one pass in C where it can (a long plan has a million)."""
+        after = {}  # event -> "node on stream" it follows
+        nodes = 0
+        for (sp, ss), ks in zip(streams, kinds):
+            runs = [i for i, k in enumerate(ks) if k is RunNode]
+            nodes += len(runs)
+            for i in [i for i, k in enumerate(ks) if k is RecordEvent]:
+                j = bisect_left(runs, i) - 1  # the stream's last run before the record
+                last = ss[runs[j]].node if j >= 0 else None
+                after[ss[i].event] = f"after {last or '(start)'} on {sp.name}"
+        lines = self._text_head(nodes)
+        several = len(self.devices) > 1
+        get = after.get
+        for (sp, ss), ks in zip(streams, kinds):
+            on = f", device {sp.device}" if several else ""
+            lines.append(f"stream {sp.name} (role {sp.role}, priority {sp.priority}{on}):")
+            # the tag column is padded to 6: "run   ", "record", "wait  "
+            if notes:
+                lines += [("    run    " + st.node if notes.get(st.node) is None else
+                           f"    run    {st.node}   [{notes[st.node]}]") if k is RunNode else
+                          "    record " + st.event if k is RecordEvent else
+                          f"    wait   {st.event}   ({get(st.event, 'never recorded')})"
+                          for st, k in zip(ss, ks)]
+            else:
+                lines += ["    run    " + st.node if k is RunNode else
+                          "    record " + st.event if k is RecordEvent else
+                          f"    wait   {st.event}   ({get(st.event, 'never recorded')})"
+                          for st, k in zip(ss, ks)]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -412,8 +498,8 @@ def _step(value, where: str):
 
 # Plan._derived's constructor (every field set as given; `maker` refuses a field list that
 # no longer matches the class)
-_make_plan = maker(Plan, "streams", "steps", "policy", "order", "meta", "node_stream", "events",
-                   "_counts")
+_make_plan = maker(Plan, "streams", "steps", "policy", "order", "meta", "_node_stream",
+                   "_events", "_counts", "_hint")
 
 
 def _chunks(steps):

@@ -9,16 +9,17 @@ within their level (one piece), as Taskflow's round-robin capturer does.
 
 from __future__ import annotations
 
+import heapq
 from typing import cast
 
-import heapq
+import attrs
 
 from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleError
 from orchestra.graph import TaskGraph
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
-from orchestra.schedule.devices import place_by_device
-from orchestra.schedule.events import insert_events
+from orchestra.schedule.devices import graph_devices, place_by_device
+from orchestra.schedule.events import insert_events, plan_by_index
 from orchestra.schedule.plan import Plan, StreamSpec
 
 POLICIES = ("round-robin", "by-engine", "critical-path", "concurrent")
@@ -63,10 +64,22 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
     graph.validate()
-    if policy == "round-robin":
-        specs, assign, order, meta = _round_robin(graph, streams)
-    elif policy == "by-engine":
-        specs, assign, order, meta = _by_engine(graph, streams)
+    if policy in _BY_INDEX:
+        specs, on, seq = _BY_INDEX[policy](graph, streams)
+        devs = graph_devices(graph)
+        if len(devs) == 1:  # one device: the policy's streams there, node indices kept
+            if devs != (0,):
+                specs = tuple(attrs.evolve(sp, device=devs[0]) for sp in specs)
+            used = sorted(set(on)) or [0]
+            if len(used) < len(specs):  # only the streams some node runs on (_used)
+                where = {k: i for i, k in enumerate(used)}
+                on = [where[k] for k in on]
+                specs = tuple(specs[k] for k in used)
+            return plan_by_index(graph, on, specs, seq, policy, {})
+        names = graph.node_map().keys()
+        assign = dict(zip(names, [specs[k].name for k in on]))
+        order = graph.topological_order()
+        meta: dict = {}
     elif policy == "critical-path":
         specs, assign, order, meta = _critical_path(graph, streams, costs)
     elif policy == "concurrent":
@@ -96,65 +109,113 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
             for n in nodes}
 
 
-def _follow_latest_pred(graph, name, assign, gpos, fallback):
-    preds = graph.predecessor_map()[name]
-    if not preds:
-        return fallback
-    return assign[max(preds, key=gpos.__getitem__)]
+def _group_key_list(graph: TaskGraph) -> list[int]:
+    """`_group_keys` by node index."""
+    nodes, _ = graph._by_index()
+    keys = [n.batch for n in nodes]
+    if None in keys:
+        return list(_group_keys(graph).values())
+    return cast("list[int]", keys)
+
+
+def _walk(graph: TaskGraph):
+    """``(nodes, back, seq, latest)``: the graph by node index (`TaskGraph._by_index`), the
+    node indices in topological order (None: index order is one) and ``latest(v)``, the
+    predecessor of node ``v`` latest in that order (v must have one)."""
+    nodes, back = graph._by_index()
+    if graph._program_order_is_topological():
+        return nodes, back, None, lambda v: v - min(back[v])
+    pos = graph.topological_positions()
+    index = graph.index
+    seq = [index(n) for n in graph.topological_order()]
+    rank = [0] * len(nodes)
+    for i, v in enumerate(seq):
+        rank[v] = i
+    return nodes, back, seq, lambda v: max((v - d for d in back[v]), key=rank.__getitem__)
+
+
+def _round_robin_index(graph, S):
+    """Round-robin by node index: ``(specs, stream index per node, issue order)``."""
+    specs = tuple(StreamSpec(f"s{i}") for i in range(S))
+    nodes, back, seq, latest = _walk(graph)
+    key = _group_key_list(graph)
+    on = [0] * len(nodes)
+    for v in (range(len(nodes)) if seq is None else seq):
+        node = nodes[v]
+        on[v] = on[latest(v)] if node.kind == "free" and back[v] else key[v] % S
+    return specs, on, seq
 
 
 def _round_robin(graph, S):
-    specs = tuple(StreamSpec(f"s{i}") for i in range(S))
-    order = graph.topological_order()
-    gpos = {n: i for i, n in enumerate(order)}
-    key = _group_keys(graph)
-    assign = {}
-    for n in order:
-        home = specs[key[n] % S].name
-        assign[n] = _follow_latest_pred(graph, n, assign, gpos, home) if graph.node(n).kind == "free" else home
-    return specs, assign, order, {}
+    specs, on, seq = _round_robin_index(graph, S)
+    return specs, _as_assign(graph, specs, on), graph.topological_order(), {}
 
 
-def _by_engine(graph, S):
+def _as_assign(graph, specs, on) -> dict[str, str]:
+    """Node name -> stream name, from stream indices by node index."""
+    return dict(zip(graph.node_map().keys(), [specs[k].name for k in on]))
+
+
+# by-engine: what a node's class decides (engine and kind are class attributes)
+_UP, _DOWN, _FOLLOW, _COMPUTE = range(4)
+
+
+def _engine_rule(cls) -> int:
+    engine, kind = cls.engine, cls.kind
+    if engine == "upload" or (engine == "memory" and kind != "free"):
+        return _UP  # allocs go where the uploads are
+    if engine == "download":
+        return _DOWN
+    if kind == "free" or engine == "host":
+        return _FOLLOW  # the latest predecessor's stream
+    return _COMPUTE
+
+
+def _by_engine_index(graph, S):
+    """By-engine by node index: ``(specs, stream index per node, issue order)``."""
     if S == 1:
         specs = (StreamSpec("main"),)
-        up = down = "main"
-        compute = ["main"]
+        up = down = 0
+        compute = [0]
     elif S == 2:
         specs = (StreamSpec("main"), StreamSpec("download", role="download"))
-        up, down, compute = "main", "download", ["main"]
+        up, down, compute = 0, 1, [0]
     else:
-        compute = ["compute"] if S == 3 else [f"compute{i}" for i in range(S - 2)]
+        names = ["compute"] if S == 3 else [f"compute{i}" for i in range(S - 2)]
         specs = (StreamSpec("upload", role="upload"),
-                 *(StreamSpec(c, role="compute") for c in compute),
+                 *(StreamSpec(c, role="compute") for c in names),
                  StreamSpec("download", role="download"))
-        up, down = "upload", "download"
-    order = graph.topological_order()
-    latest = graph.topological_positions().__getitem__  # max(preds, key=latest): the latest
+        up, down, compute = 0, len(specs) - 1, list(range(1, len(specs) - 1))
+    nodes, back, seq, latest = _walk(graph)
     nc = len(compute)
     # one compute stream: every node's group key would pick it, so none is computed
     one = compute[0] if nc == 1 else None
-    key = _group_keys(graph) if one is None else {}
-    assign: dict[str, str] = {}
-    by_name = graph.node_map()
-    preds = graph.predecessor_map()
-    for n in order:
-        node = by_name[n]
-        engine = node.engine
-        if engine == "upload" or (engine == "memory" and node.kind != "free"):
-            assign[n] = up  # allocs go where the uploads are
-        elif engine == "download":
-            assign[n] = down
-        elif node.kind == "free" or engine == "host":  # the latest predecessor's stream
-            ps = preds[n]
-            if len(ps) == 1:  # the one predecessor is the latest (a Free's usual case)
-                assign[n] = assign[next(iter(ps))]
-            else:
-                assign[n] = assign[max(ps, key=latest)] if ps else \
-                    one if one is not None else compute[key[n] % nc]
+    key = _group_key_list(graph) if one is None else []
+    on = [0] * len(nodes)
+    rules: dict[type, int] = {}
+    for v in (range(len(nodes)) if seq is None else seq):
+        cls = type(nodes[v])
+        rule = rules.get(cls)
+        if rule is None:
+            rule = rules[cls] = _engine_rule(cls)
+        if rule == _UP:
+            on[v] = up
+        elif rule == _DOWN:
+            on[v] = down
+        elif rule == _FOLLOW and back[v]:
+            ps = back[v]
+            on[v] = on[v - ps[0]] if len(ps) == 1 else on[latest(v)]
         else:
-            assign[n] = one if one is not None else compute[key[n] % nc]
-    return specs, assign, order, {}
+            on[v] = one if one is not None else compute[key[v] % nc]
+    return specs, on, seq
+
+
+def _by_engine(graph, S):
+    specs, on, seq = _by_engine_index(graph, S)
+    return specs, _as_assign(graph, specs, on), graph.topological_order(), {}
+
+
+_BY_INDEX = {"round-robin": _round_robin_index, "by-engine": _by_engine_index}
 
 
 def _critical_path(graph, S, costs):
