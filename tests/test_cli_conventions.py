@@ -345,15 +345,39 @@ def test_plan_and_run_refuse_a_block_over_1024_threads(command, capsys):
         "GPU; pass --block 1024 or fewer (256 is the default)\n")
 
 
-@pytest.mark.parametrize("command", ["plan", "run"])
-def test_plan_and_run_refuse_more_pinned_memory_than_the_host_has(command, monkeypatch, capsys):
+def test_run_refuses_more_pinned_memory_than_the_host_has(monkeypatch, capsys):
     monkeypatch.setattr(jo, "host_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(od.Device, "get", classmethod(lambda cls, ordinal=0: pytest.fail(
+        "run looked for a GPU before refusing the job")))
     # a 97.7 GiB batch (100,000 MiB): 32 of them in and out is 6.1 TiB of pinned memory
-    assert main([command, "--batch-mib", "100000"]) == 2
+    assert main(["run", "--batch-mib", "100000"]) == 2
     assert capsys.readouterr().err == (
-        f"orchestra {command}: the job needs 6.10 TiB of pinned host memory (the whole input "
+        "orchestra run: the job needs 6.10 TiB of pinned host memory (the whole input "
         "and output) but this machine has 64.0 GiB; pass a smaller --batch-mib or fewer "
         "--batches\n")
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_plan_prints_a_plan_run_would_refuse_and_warns(json_out, monkeypatch, capsys):
+    # plan allocates nothing: it prints the plan, and says on stderr that run would refuse it
+    monkeypatch.setattr(jo, "host_memory_bytes", lambda: 64 << 30)
+    assert main(["plan", "--batch-mib", "100000", "--batches", "3"]
+                + (["--json"] if json_out else [])) == 0
+    cap = capsys.readouterr()
+    assert cap.err == (
+        "orchestra plan: warning: `orchestra run` would refuse this job on this machine: the "
+        "job needs 585.9 GiB of pinned host memory (the whole input and output) but this "
+        "machine has 64.0 GiB; pass a smaller --batch-mib or fewer --batches\n")
+    if json_out:
+        d = json.loads(cap.out)
+        assert d["batches"] == 3 and d["nodes"] == 21 and d["pinned_bytes"] == 6 * 100000 << 20
+    else:
+        assert cap.out.startswith("orchestra plan: 3 batches x 97.7 GiB (293.0 GiB), policy "
+                                  "by-engine")
+        assert "memory: 585.9 GiB pinned host" in cap.out
+    # within the machine's memory: no warning
+    assert main(["plan", "--batch-mib", "1000", "--batches", "3", "--summary"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("command", ["plan", "run"])

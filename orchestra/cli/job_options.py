@@ -2,9 +2,10 @@
 and the checks both make of them.
 
 `check_options` is every check `orchestra run` makes of these options that does not need the
-GPU: ``plan`` calls it too, so ``plan`` refuses what ``run`` refuses (``--block 2048``, a batch
-whose pinned host memory exceeds this machine's memory) with the same message, and both warn
-about options that do not apply. `check_device` adds the checks against the device (its block
+GPU: ``plan`` calls it too, so ``plan`` refuses what ``run`` refuses (``--block 2048``) with the
+same message, and both warn about options that do not apply. Pinned host memory beyond this
+machine's memory is the exception: ``run`` refuses it before allocating anything, ``plan``
+(which allocates nothing) prints the plan and warns that ``run`` would refuse it here. `check_device` adds the checks against the device (its block
 limit and memory); ``run`` makes them before any work.
 """
 
@@ -158,9 +159,11 @@ def check_options(args: argparse.Namespace, command: str,
     """The checks `orchestra run` and `orchestra plan` both make, before any work.
 
     Raises `UsageError` for what cannot run anywhere: ``--staging-slots`` without ``--input``,
-    a block over `MAX_BLOCK` threads, pinned host memory beyond this machine's memory. Logs a
-    warning for each option that does not apply (``--batches`` with ``--input``). Returns
-    `memory_needs`. ``input_elements``: the ``--input`` array's size (after `open_input`).
+    a block over `MAX_BLOCK` threads, and (``command`` ``"run"``) pinned host memory beyond
+    this machine's memory, which ``"plan"`` only warns about (it allocates nothing; the
+    warning says `orchestra run` would refuse the job here, and why). Logs a warning for each
+    option that does not apply (``--batches`` with ``--input``). Returns `memory_needs`.
+    ``input_elements``: the ``--input`` array's size (after `open_input`).
     """
     if args.staging_slots is not None and not args.input:
         raise UsageError("--staging-slots needs --input (the generated data is made in pinned "
@@ -176,10 +179,13 @@ def check_options(args: argparse.Namespace, command: str,
     if host is not None and needs["pinned_bytes"] > host:
         what = ("two staging pools of --staging-slots batches" if args.input
                 else "the whole input and output")
-        raise UsageError(
-            f"the job needs {fmt_bytes(needs['pinned_bytes'])} of pinned host memory ({what}) "
-            f"but this machine has {fmt_bytes(host)}; pass a smaller --batch-mib"
-            + ("" if args.input else " or fewer --batches"))
+        why = (f"the job needs {fmt_bytes(needs['pinned_bytes'])} of pinned host memory "
+               f"({what}) but this machine has {fmt_bytes(host)}")
+        fix = "pass a smaller --batch-mib" + ("" if args.input else " or fewer --batches")
+        if command != "plan":
+            raise UsageError(f"{why}; {fix}")
+        # plan only plans: the plan is printed, and what run would refuse is said on stderr
+        log.warning("`orchestra run` would refuse this job on this machine: %s; %s", why, fix)
     log.debug("%s: %d batches of %s, %s pinned, %s device memory per batch (%s with every "
               "batch in flight)", command, needs["batches"], fmt_bytes(needs["batch_bytes"]),
               fmt_bytes(needs["pinned_bytes"]), fmt_bytes(needs["device_batch_bytes"]),
