@@ -149,3 +149,23 @@ def test_insert_events_derives_what_plan_derives(policy, streams):
     assert (plan.event_count, plan.wait_count) == (again.event_count, again.wait_count)
     assert all(type(v) is tuple for v in plan.steps.values())
     assert list(plan.steps) == [s.name for s in plan.streams]
+
+
+def test_a_scheduled_plan_copies_and_pickles_as_one_made_by_hand():
+    # the steps' codes insert_events keeps (Plan._by_index) are left behind by a pickle or a
+    # deep copy (a shallow copy shares them, as it shares the steps)
+    import copy
+    import pickle
+
+    from orchestra.schedule import estimate_makespan
+
+    g, _ = build_pipeline(9, 4096, K, scalars=(1, 1.0, 0.0), in_flight=3)
+    plan = schedule(g, "by-engine", 3)
+    assert plan._by_index(g) is not None and plan._by_index(TaskGraph()) is None
+    for other in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan), copy.copy(plan)):
+        assert other == plan
+        assert (other._by_index(g) is plan._by_index(g)) if other._hint is not None else True
+        assert other.node_stream == plan.node_stream and other.events == plan.events
+        assert str(other) == str(plan)
+        assert estimate_makespan(other, g) == estimate_makespan(plan, g)
+    assert pickle.loads(pickle.dumps(plan))._hint is None and copy.deepcopy(plan)._hint is None

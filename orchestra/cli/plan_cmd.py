@@ -137,7 +137,18 @@ def copy_lowering(args: argparse.Namespace, graph) -> dict:
     mode = "eager" if args.executor == "eager" else "graph"
     policy = CopyPolicy(args.copy_lowering, mode, DEFAULT_CROSSOVER, True, "the GPU")
     copies = [n for n, _ in walk(graph) if n.kind in ("h2d", "d2h")]  # bodies' copies too
-    notes = {n.name: "copy kernel" for n in copies if policy.choose(n) == "kernel"}
+    # what choose() reads of a copy: its kind, its own lowering and its size (a long pipeline
+    # has 100,000 copies of a few shapes)
+    chosen: dict[tuple, str] = {}
+    kernels = []
+    for n in copies:
+        key = (n.kind, getattr(n, "lowering", "auto"), n.nbytes)
+        how = chosen.get(key)
+        if how is None:
+            how = chosen[key] = policy.choose(n)
+        if how == "kernel":
+            kernels.append(n.name)
+    notes = dict.fromkeys(kernels, "copy kernel")
     info = {"lowering": args.copy_lowering, "executor": args.executor, "mode": mode,
             "copies": len(copies), "copy_kernels": len(notes),
             "copy_engine": len(copies) - len(notes),

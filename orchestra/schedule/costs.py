@@ -146,9 +146,9 @@ def resource_of(node) -> str | None:
 def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> float:
     """Simulated end time (µs) of ``plan``: each stream in order, waits joined, one node at a time
     per engine, the node that can start first going next."""
-    by_index = plan._by_index(graph)
-    if by_index is not None:
-        end = _walk_by_index(by_index, graph, costs)
+    index = plan._by_index(graph)
+    if index is not None:
+        end = _walk_by_index(index, graph, costs)
         if end is not None:
             return end
     cost = estimate_costs(graph, costs)
@@ -231,30 +231,31 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     return max(t_stream, default=0.0)
 
 
-def _walk_by_index(by_index, graph: TaskGraph, costs: Costs) -> float | None:
-    """`estimate_makespan` of a plan made by `insert_events` for ``graph``, from its steps by
-    index (`Plan._by_index`): ``(per stream a list of codes, event count)``, each code a node
-    index (a `RunNode`), ``-2e - 1`` (record event ``e``) or ``-2e - 2`` (wait for it); every
-    event is recorded once. When no engine is used by two streams, each stream is walked on
-    its own (as in `estimate_makespan`); else None (the simulation decides)."""
-    codes, n_events = by_index
+def _walk_by_index(index, graph: TaskGraph, costs: Costs) -> float | None:
+    """`estimate_makespan` of a plan made by `insert_events` for ``graph``, from its steps'
+    codes (`PlanIndex`; every event recorded once). When no engine is used by two streams,
+    each stream is walked on its own (as in `estimate_makespan`); else None (the simulation
+    decides)."""
+    codes, n = index.codes, index.n
     nodes, _ = graph._by_index()
     res_of: dict[type, str | None] = {}
-    for cls in {type(x) for x in nodes}:
+    for cls in set(map(type, nodes)):
         res_of[cls] = RESOURCES.get(cls.engine)
-    res = [res_of[type(x)] for x in nodes]
+    res = list(map(res_of.__getitem__, map(type, nodes)))
     uses = []
     for cs in codes:
-        used = set(map(res.__getitem__, [c for c in cs if c >= 0]))
+        used = set(map(res.__getitem__, [c - 1 for c in cs if c <= n]))
         used.discard(None)
         uses.append(used)
     if sum(len(u) for u in uses) != len(set().union(*uses)):
         return None
-    cost = cost_list(graph, costs)
+    cost = [0.0]
+    cost += cost_list(graph, costs)  # by code: a run's code is 1 + its node's index
+    R, W = 1 + n, 1 + 2 * n
     S = len(codes)
     t_stream = [0.0] * S
     head = [0] * S
-    ev_time: list[float | None] = [None] * n_events
+    ev_time: list[float | None] = [None] * n  # by the event's source node
     waiting: dict[int, list[int]] = {}  # event not recorded yet -> streams blocked on it
     todo = list(range(S - 1, -1, -1))
     while todo:
@@ -263,20 +264,18 @@ def _walk_by_index(by_index, graph: TaskGraph, costs: Costs) -> float | None:
         end = len(cs)
         while i < end:
             c = cs[i]
-            if c >= 0:
+            if c < R:
                 t += cost[c]
-            else:
-                e = -c - 1
-                if e & 1:  # a wait
-                    at = ev_time[e >> 1]
-                    if at is None:
-                        waiting.setdefault(e >> 1, []).append(k)
-                        break
-                    if at > t:
-                        t = at
-                else:
-                    ev_time[e >> 1] = t
-                    todo.extend(waiting.pop(e >> 1, ()))
+            elif c < W:  # a record
+                ev_time[c - R] = t
+                todo.extend(waiting.pop(c - R, ()))
+            else:  # a wait
+                at = ev_time[c - W]
+                if at is None:
+                    waiting.setdefault(c - W, []).append(k)
+                    break
+                if at > t:
+                    t = at
             i += 1
         head[k], t_stream[k] = i, t
     return max(t_stream, default=0.0)

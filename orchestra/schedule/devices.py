@@ -23,6 +23,7 @@ takes an event of another device). The critical-path estimate treats the devices
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Sequence
 
 import attrs
@@ -33,8 +34,13 @@ from orchestra.schedule.plan import StreamSpec
 
 def graph_devices(graph: TaskGraph) -> tuple[int, ...]:
     """The devices the graph's device-bound nodes run on, ascending (``(0,)`` when none does)."""
-    devs = {int(n.device) for n in graph.nodes if n.device_bound and n.device is not None}
-    return tuple(sorted(devs)) or (0,)
+    nodes = graph.nodes
+    if all(t.device_bound for t in set(map(type, nodes))):  # device_bound is the class's
+        devs = set(map(attrgetter("device"), nodes))  # one pass in C over a long pipeline
+        devs.discard(None)
+    else:
+        devs = {n.device for n in nodes if n.device_bound and n.device is not None}
+    return tuple(sorted({int(d) for d in devs})) or (0,)
 
 
 def stream_name(device: int, name: str) -> str:

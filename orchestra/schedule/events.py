@@ -11,12 +11,17 @@ dependencies. An event recorded after a node is shared by all the waits on that 
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import compress, repeat
+from operator import add, mod, setitem
 from typing import Sequence, cast
 
 from orchestra.errors import GraphError
 from orchestra.graph import TaskGraph
 from orchestra.graph.trusted import make_each
-from orchestra.schedule.plan import Plan, RecordEvent, RunNode, StreamSpec, WaitEvent
+from orchestra.schedule.plan import (
+    Plan, PlanIndex, RecordEvent, RunNode, StreamSpec, WaitEvent,
+)
 
 
 def insert_events(graph: TaskGraph, node_stream: dict[str, str],
@@ -54,7 +59,13 @@ def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...]
                   meta: dict | None = None) -> Plan:
     """`insert_events` by node index (`TaskGraph.index`): node ``v`` runs on stream
     ``specs[on[v]]``, nodes issued in the order of ``issue`` (node indices; None: index order,
-    which must then be a topological order). The caller checked what `insert_events` checks."""
+    which must then be a topological order). The caller checked what `insert_events` checks.
+
+    Each stream's steps are written as codes while the clocks are kept (`PlanIndex`: ``1 +
+    v`` runs node ``v``, ``1 + n + p`` records the event of node ``p``, ``1 + 2n + p`` waits
+    for it), with a place (0) kept after each run for its record: a node becomes an event's
+    source only when a later node waits for it. The step objects, the listing and the makespan
+    are then made from the codes by lookups in C, not step by step in Python."""
     nodes, back = graph._by_index()
     n = len(nodes)
     if issue is None:
@@ -72,11 +83,15 @@ def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...]
     shared: list[tuple[int, ...] | None] = [None] * S
     seen: list = [None] * n
     pos = [0] * n
-    waits: dict[int, list[int]] = {}  # node -> predecessors it waits for, in wait order
-    flags = bytearray(n)  # per node: WAITS (it waits for events) | RECORDS (one follows it)
+    codes: list[list[int]] = [[] for _ in specs]
+    slot = [0] * n  # where node v's record goes in codes[on[v]] (a 0 until then)
+    source = bytearray(n)  # 1: an event is recorded after node v
+    R, W = 1 + n, 1 + 2 * n  # records' and waits' codes (runs' from 1)
+    n_waits = 0
     for v in seq:
         s = on[v]
         c = cur[s]
+        cs = codes[s]
         ps = back[v]
         if ps:
             # the predecessors on other streams, latest first (one or two: no list needed)
@@ -102,15 +117,17 @@ def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...]
                 sp = on[p]
                 if c[sp] >= pos[p]:
                     continue  # already ordered through an earlier wait or stream order
-                if flags[v]:
-                    waits[v].append(p)
-                else:
-                    waits[v] = [p]
-                    flags[v] = _WAITS
-                flags[p] |= _RECORDS
+                cs.append(W + p)
+                n_waits += 1
+                if not source[p]:
+                    source[p] = 1
+                    codes[sp][slot[p]] = R + p
                 c[:] = map(max, c, seen[p])
                 c[sp] = pos[p]  # the snapshot's own counter is stale
                 shared[s] = None
+        cs.append(1 + v)
+        slot[v] = len(cs)
+        cs.append(0)
         k = c[s] = c[s] + 1
         pos[v] = k
         snap = shared[s]
@@ -118,46 +135,26 @@ def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...]
             snap = shared[s] = tuple(c)
         seen[v] = snap
 
-    # events numbered by their source's place in the issue order: stable and readable. The
-    # steps are made in bulk (`make_each`): one RunNode per node, one RecordEvent and one
-    # WaitEvent per event (steps are frozen values: the waits on one event share one).
-    sources = [v for v in seq if flags[v] & _RECORDS]
-    names = list(map("e%d".__mod__, range(len(sources))))
-    record_of = dict(zip(sources, make_each(RecordEvent, "event", names)))
-    wait_of = dict(zip(sources, make_each(WaitEvent, "event", names)))
-    node_names = [x.name for x in nodes]
-    order_names = node_names if issue is None else [node_names[v] for v in issue]
-    runs = make_each(RunNode, "node", order_names)
-    lists: list[list[RunNode | RecordEvent | WaitEvent]] = [[] for _ in specs]
-    # the same steps as codes (`Plan._by_index`): node index, -2i - 1 record, -2i - 2 wait
-    codes: list[list[int]] = [[] for _ in specs]
-    event = dict(zip(sources, range(len(sources))))
-    n_waits = 0
-    for v, run in zip(seq, runs):
-        k = on[v]
-        out = lists[k]
-        f = flags[v]
-        if not f:
-            out.append(run)
-            codes[k].append(v)
-            continue
-        code = codes[k]
-        if f & _WAITS:
-            w = waits[v]
-            out.extend([wait_of[p] for p in w])
-            code.extend([-2 * event[p] - 2 for p in w])
-            n_waits += len(w)
-        out.append(run)
-        code.append(v)
-        if f & _RECORDS:
-            out.append(record_of[v])
-            code.append(-2 * event[v] - 1)
-    return Plan._derived(specs, {sp.name: tuple(x) for sp, x in zip(specs, lists)}, policy,
-                         tuple(order_names), dict(meta or {}), (len(sources), n_waits),
-                         graph, codes)
-
-
-_WAITS, _RECORDS = 1, 2  # plan_by_index's node flags
+    # events numbered by their source's place in the issue order: stable and readable; the
+    # steps made in bulk (`make_each`): one RunNode per node, one RecordEvent and one
+    # WaitEvent per event (steps are frozen values: the waits on one event share one)
+    sources = (list(compress(seq, source)) if rank is None else
+               [v for v in seq if source[v]])
+    events = list(map(mod, repeat("e%d"), range(len(sources))))
+    names = [x.name for x in nodes]
+    table: list = [None]
+    table += make_each(RunNode, "node", names)
+    table += repeat(None, 2 * n)
+    at_record = list(map(add, repeat(R), sources))
+    deque(map(setitem, repeat(table), at_record, make_each(RecordEvent, "event", events)), 0)
+    deque(map(setitem, repeat(table), map(add, repeat(n), at_record),
+              make_each(WaitEvent, "event", events)), 0)
+    codes = [list(filter(None, cs)) for cs in codes]  # without the places no record took
+    steps = {sp.name: tuple(map(table.__getitem__, cs)) for sp, cs in zip(specs, codes)}
+    order = tuple(names) if issue is None else tuple([names[v] for v in issue])
+    hint = PlanIndex(graph, codes, n, names, sources, events, on)
+    return Plan._derived(specs, steps, policy, order, dict(meta or {}), (len(sources), n_waits),
+                         hint)
 
 
 def _checked_positions(graph: TaskGraph, order: tuple, preds: dict) -> dict[str, int]:

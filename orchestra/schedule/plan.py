@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 import weakref
 from bisect import bisect_left
+from collections import deque
+from itertools import repeat
+from operator import add, setitem
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -77,6 +80,29 @@ class WaitEvent:
 Step = RunNode | RecordEvent | WaitEvent
 _TAGS = {RunNode: "run", RecordEvent: "record", WaitEvent: "wait"}
 _STEP_TYPES = frozenset(_TAGS)
+
+
+class PlanIndex:
+    """A plan's steps as integer codes, kept by `insert_events` (which writes them while it
+    places the events) for the passes over every step: `Plan.text` and `estimate_makespan`
+    look codes up in tables instead of visiting step objects one by one.
+
+    For a graph of ``n`` nodes (`TaskGraph.index`): code ``1 + v`` runs node ``v``, ``1 + n +
+    p`` records the event whose source is node ``p``, ``1 + 2n + p`` waits for that event.
+    ``codes[k]``: stream ``k``'s steps; ``names``: node names by index; ``sources``: the
+    events' source nodes (event ``events[i]`` is recorded after node ``sources[i]``); ``on``:
+    each node's stream index. ``graph`` is a weak reference to the graph the plan is for.
+    Immutable once made; copying or pickling a plan leaves it behind (it is derived data)."""
+
+    __slots__ = ("graph", "codes", "n", "names", "sources", "events", "on")
+
+    def __init__(self, graph, codes, n, names, sources, events, on):
+        self.graph = weakref.ref(graph)
+        self.codes, self.n, self.names = codes, n, names
+        self.sources, self.events, self.on = sources, events, on
+
+    def __reduce__(self):  # a copy or an unpickled plan has none (it is only a shortcut)
+        return (type(None), ())
 _BY_TAG = {v: k for k, v in _TAGS.items()}
 
 
@@ -115,8 +141,8 @@ class Plan:
     _node_stream: dict | None = attrs.field(init=False, eq=False, repr=False)
     _events: tuple[str, ...] | None = attrs.field(init=False, eq=False, repr=False)
     _counts: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # records, waits
-    # from `_derived`: (weak reference to the graph, steps by node index, event count)
-    _hint: tuple | None = attrs.field(init=False, default=None, eq=False, repr=False)
+    # from `_derived`: the steps as codes by node index (`PlanIndex`), or None
+    _hint: "PlanIndex | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         names = [s.name for s in self.streams]
@@ -149,30 +175,25 @@ class Plan:
 
     @classmethod
     def _derived(cls, streams: tuple, steps: dict, policy: str, order: tuple, meta: dict,
-                 counts: tuple[int, int], graph=None, codes=None) -> "Plan":
+                 counts: tuple[int, int], index: "PlanIndex | None" = None) -> "Plan":
         """The plan of these fields, without scanning every step as ``__init__`` does: for
         `insert_events`, which makes the steps of known types and knows their ``counts``
         (records, waits; a 50,000-batch plan has over a million steps). ``node_stream`` and
         ``events`` are found when first asked for. The caller guarantees what ``__init__``
         would check and convert: distinct stream names, ``steps`` a dict of tuples of
         `RunNode` / `RecordEvent` / `WaitEvent` with one entry per stream in stream order,
-        event ``e{i}`` recorded once for each ``i`` below ``counts[0]`` (and no other
-        event), ``order`` a tuple, ``meta`` a fresh dict. ``codes``: the steps by index for
-        ``graph`` (see `_by_index`)."""
-        plan = _make_plan(streams, steps, policy, order, meta, None, None, counts, None)
-        if graph is not None and codes is not None:
-            object.__setattr__(plan, "_hint", (weakref.ref(graph), codes, counts[0]))
-        return plan
+        every node run once, event ``e{i}`` recorded once for each ``i`` below ``counts[0]``
+        (and no other event), ``order`` a tuple, ``meta`` a fresh dict. ``index``: the same
+        steps as codes (`PlanIndex`)."""
+        return _make_plan(streams, steps, policy, order, meta, None, None, counts, index)
 
-    def _by_index(self, graph) -> tuple | None:
-        """``(codes, event count)`` when `insert_events` made this plan for ``graph`` (this
-        very object), else None: per stream, a code per step (a node index for a `RunNode`,
-        ``-2i - 1`` for recording event ``e{i}``, ``-2i - 2`` for waiting for it), for
-        `estimate_makespan`."""
+    def _by_index(self, graph) -> "PlanIndex | None":
+        """The plan's steps as codes (`PlanIndex`) when `insert_events` made it for ``graph``
+        (this very object), else None: for `estimate_makespan`."""
         hint = self._hint
-        if hint is None or hint[0]() is not graph:
+        if hint is None or hint.graph() is not graph:
             return None
-        return hint[1], hint[2]
+        return hint
 
     @property
     def node_stream(self) -> dict[str, str]:
@@ -298,6 +319,8 @@ class Plan:
         waits for. ``notes``: node name -> a note printed after the node's step (what an
         executor makes of it, e.g. ``"copy kernel"`` for a host copy lowered to the copy
         kernel)."""
+        if self._hint is not None:
+            return self._text_indexed(self._hint, notes)
         streams = [(sp, self.steps[sp.name]) for sp in self.streams]
         kinds = [list(map(type, ss)) for _, ss in streams]
         if all(set(ks) <= _STEP_TYPES for ks in kinds):
@@ -339,6 +362,30 @@ class Plan:
         for k, v in sorted(self.meta.items()):
             lines.append(f"  {k}: {v}")
         return lines
+
+    def _text_indexed(self, index: PlanIndex, notes) -> str:
+        """`text` from the steps' codes (`PlanIndex`): a line per code, looked up in C."""
+        n, names, sources, events = index.n, index.names, index.sources, index.events
+        table: list = [None]
+        table += map(add, repeat("    run    "), names)
+        if notes:
+            for v in [i for i, name in enumerate(names) if notes.get(name) is not None]:
+                table[1 + v] = f"    run    {names[v]}   [{notes[names[v]]}]"
+        table += repeat(None, 2 * n)
+        at_record = list(map(add, repeat(1 + n), sources))
+        deque(map(setitem, repeat(table), at_record, map(add, repeat("    record "), events)), 0)
+        stream_names = self.stream_names
+        deque(map(setitem, repeat(table), map(add, repeat(n), at_record),
+                  map("    wait   {}   (after {} on {})".format, events,
+                      map(names.__getitem__, sources),
+                      map(stream_names.__getitem__, map(index.on.__getitem__, sources)))), 0)
+        lines = self._text_head(n)
+        several = len(self.devices) > 1
+        for sp, cs in zip(self.streams, index.codes):
+            on = f", device {sp.device}" if several else ""
+            lines.append(f"stream {sp.name} (role {sp.role}, priority {sp.priority}{on}):")
+            lines += map(table.__getitem__, cs)
+        return "\n".join(lines)
 
     def _text_exact(self, streams, kinds, notes) -> str:
         """`text` of a plan whose steps are all of the exact step types (not subclasses):
