@@ -457,3 +457,31 @@ def test_random_dags_every_policy_is_hazard_free(g, streams, policy):
     assert_plan_respects_graph(plan, g)
     assert plan.wait_count == brute_force_min_waits(plan, g)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def _keys_graph(backward: bool, pieces: int):
+    """Nodes without a batch: ``pieces`` independent diamonds, one node given a batch; with
+    ``backward``, an after= that names a node added later."""
+    g = TaskGraph()
+    for k in range(pieces):
+        x, y1, y2, z = (Buffer(f"{n}{k}", 64) for n in ("x", "y1", "y2", "z"))
+        g.add(kern(f"top{k}", Out(x), after=(f"bottom{k}x",) if backward and k == 0 else ()))
+        g.add(kern(f"left{k}", In(x), Out(y1), batch=7 if k == 0 else None))
+        g.add(kern(f"right{k}", In(x), Out(y2)))
+        g.add(kern(f"bottom{k}", In(y1), In(y2), Out(z)))
+    if backward:
+        g.add(kern("bottom0x", In(Buffer("w", 4))))
+    return g
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_group_keys_by_index_are_the_keys_by_name(backward, pieces):
+    # policies place nodes without a batch by component, else by place within a level: the
+    # index-based keys (what by-engine and round-robin use) match the name-based ones
+    from orchestra.schedule import policies
+
+    g = _keys_graph(backward, pieces)
+    by_name = policies._group_keys(g)
+    assert policies._group_key_list(g) == [by_name[n.name] for n in g.nodes]
+    assert len(set(by_name.values())) > 1

@@ -233,6 +233,11 @@ class TaskGraph:
                 access(node.name, node._accesses)
             self._untracked = -1
 
+    def _may_have_bodies(self) -> bool:
+        """False when no node holds bodies or touches a condition (then passes that look
+        into bodies, `check_bodies` and the verifier's, have nothing to do)."""
+        return self._control
+
     def _program_order_is_topological(self) -> bool:
         """Whether every edge goes from an earlier node to a later one (no ``after=`` named a
         node added later): then node indices are a topological order."""

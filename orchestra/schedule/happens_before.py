@@ -17,6 +17,8 @@ ancestor bitsets it replaced.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from orchestra.graph.reach import ChainClocks
 from orchestra.graph.taskgraph import kahn_order
 from orchestra.schedule.finding import Finding
@@ -32,30 +34,61 @@ class PlanOrder:
     def __init__(self, plan: Plan):
         names = plan.stream_names
         self.plan = plan
-        self.stream_of: dict[str, str] = {}
         self.findings: list[Finding] = []
+        self._names = names
         self._sid = {n: i for i, n in enumerate(names)}
-        self._on: dict[str, int] = {}  # node -> index of the stream of its first run
-        self._pos: dict[str, int] = {}  # node -> its position on that stream (1-based)
-        self._seen: dict[str, tuple[int, ...]] = {}  # node -> its stream's clock when it ran
-        self._record_after: dict[str, tuple[str, str | None]] = {}  # event -> (stream, node)
-        self.runs: dict[str, int] = {}
+        # node -> (index of the stream of its first run, its position on that stream (1-based),
+        # its stream's clock when it ran): one table, one lookup per node a query asks about
+        self._at: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._extra_runs: dict[str, int] = {}  # node -> runs after its first (a broken plan)
         self.device_of = {s.name: s.device for s in plan.streams}  # stream -> its device
+        self._stream_of: dict[str, str] | None = None
+        self._runs: dict[str, int] | None = None
         self._build(plan, names)
+
+    @property
+    def stream_of(self) -> dict[str, str]:
+        """Node -> the stream of its first run (made on first use: findings read it)."""
+        if self._stream_of is None:
+            names = self._names
+            self._stream_of = {n: names[at[0]] for n, at in self._at.items()}
+        return self._stream_of
+
+    @property
+    def runs(self) -> dict[str, int]:
+        """Node -> how many times the plan runs it (made on first use; `nodes_run` and
+        `run_twice` answer what the verifier asks without it)."""
+        if self._runs is None:
+            runs = dict.fromkeys(self._at, 1)
+            for n, k in self._extra_runs.items():
+                runs[n] += k
+            self._runs = runs
+        return self._runs
+
+    def nodes_run(self):
+        """The nodes the plan runs (a view, in order of first run)."""
+        return self._at.keys()
+
+    def run_twice(self) -> bool:
+        """Whether the plan runs some node more than once."""
+        return bool(self._extra_runs)
 
     def _build(self, plan, names):
         S = len(names)
-        recorded_in_plan = {}
-        for n in names:
-            for st in plan.steps[n]:
-                if type(st) is RecordEvent:
-                    recorded_in_plan.setdefault(st.event, []).append(n)
-        for ev, where in recorded_in_plan.items():
-            if len(where) > 1:
-                self.findings.append(Finding(
-                    "EVENT_REUSED", None, (None, None), tuple(where),
-                    f"event {ev} is recorded {len(where)} times (on {', '.join(where)}): a plan records "
-                    f"each event once; use a new event for each record"))
+        records = [[st.event for st in plan.steps[n] if type(st) is RecordEvent] for n in names]
+        every = [e for evs in records for e in evs]
+        recorded_in_plan = set(every)
+        if len(recorded_in_plan) != len(every):  # an event recorded more than once: where
+            streams: dict[str, list[str]] = {}
+            for n, evs in zip(names, records):
+                for e in evs:
+                    streams.setdefault(e, []).append(n)
+            for ev, where in streams.items():
+                if len(where) > 1:
+                    self.findings.append(Finding(
+                        "EVENT_REUSED", None, (None, None), tuple(where),
+                        f"event {ev} is recorded {len(where)} times (on {', '.join(where)}): a "
+                        f"plan records each event once; use a new event for each record"))
         cur = [[0] * S for _ in names]
         # cur[s] as a tuple, valid until a wait changes a counter other than s's own: the
         # snapshot every node run in between shares (its own counter there is stale; `before`
@@ -63,10 +96,9 @@ class PlanOrder:
         shared: list[tuple[int, ...] | None] = [None] * S
         snap: dict[str, tuple[int, ...]] = {}
         head = [0] * S
-        last_node: list[str | None] = [None] * S
         steps = [plan.steps[n] for n in names]
         reported_unrecorded = set()
-        runs, on, pos, seen, stream_of = self.runs, self._on, self._pos, self._seen, self.stream_of
+        at, extra = self._at, self._extra_runs
         while True:
             progress = False
             for s in range(S):
@@ -77,18 +109,14 @@ class PlanOrder:
                     t = type(st)
                     if t is RunNode:
                         node = st.node
-                        c[s] += 1
-                        if node in runs:
-                            runs[node] += 1  # run twice: reported by the verifier; the first
-                        else:              # run defines the order
-                            runs[node] = 1
-                            stream_of[node] = name
-                            on[node] = s
-                            pos[node] = c[s]
-                            if shared[s] is None:
-                                shared[s] = tuple(c)
-                            seen[node] = shared[s]
-                        last_node[s] = node
+                        k = c[s] = c[s] + 1
+                        if node in at:  # run twice: reported by the verifier; the first run
+                            extra[node] = extra.get(node, 0) + 1  # defines the order
+                        else:
+                            clock = shared[s]
+                            if clock is None:
+                                clock = shared[s] = tuple(c)
+                            at[node] = (s, k, clock)
                     elif t is WaitEvent:
                         if st.event in snap:
                             other = snap[st.event]
@@ -109,7 +137,6 @@ class PlanOrder:
                                 f"{st.event} after the node it should wait for"))
                     else:
                         snap[st.event] = tuple(c)  # a re-record overwrites (reported above)
-                        self._record_after.setdefault(st.event, (name, last_node[s]))
                     i += 1
                     progress = True
                 head[s] = i
@@ -129,35 +156,59 @@ class PlanOrder:
                 head[s] += 1  # treat the first blocked wait as a no-op and go on
 
     def has(self, node: str) -> bool:
-        return node in self._on
+        return node in self._at
+
+    def by_index(self, graph) -> tuple[Callable[[int, int], bool], list[bool]]:
+        """``(before, known)`` by `graph`'s node indices (`TaskGraph.index`): ``before(i, j)``
+        is `before` of nodes ``i`` and ``j``; ``known[i]`` whether the plan runs node ``i``.
+        For the verifier's passes over every access (a table by index, not by name)."""
+        get = self._at.get
+        rec = [get(n.name) for n in graph.nodes]
+
+        def before(i: int, j: int) -> bool:
+            if i == j:
+                return False
+            sa, pa, _ = rec[i]
+            sb, pb, kb = rec[j]
+            if sa == sb:
+                return pa < pb
+            return kb[sa] >= pa
+
+        return before, [r is not None for r in rec]
 
     def before(self, a: str, b: str) -> bool:
         """True when node ``a`` finishes before node ``b`` starts in every execution."""
         if a == b:
             return False
-        sa = self._on[a]
-        if sa == self._on[b]:
-            return self._pos[a] < self._pos[b]
-        return self._seen[b][sa] >= self._pos[a]
+        at = self._at
+        sa, pa, _ = at[a]
+        sb, pb, kb = at[b]
+        if sa == sb:
+            return pa < pb
+        return kb[sa] >= pa
 
     def maximal(self, nodes) -> set[str]:
         """The nodes of ``nodes`` that finish before none of the others starts: per stream, the
         highest position any of them runs at or knows of, O(len(nodes) x streams)."""
-        on, pos, seen = self._on, self._pos, self._seen
+        at = self._at
         S = len(self._sid)
         own = [0] * S  # highest position run on each stream
         known = [0] * S  # highest position of each stream known to a node of another stream
         for v in nodes:
-            sv = on[v]
-            if pos[v] > own[sv]:
-                own[sv] = pos[v]
-            snap = seen[v]
+            sv, pv, snap = at[v]
+            if pv > own[sv]:
+                own[sv] = pv
             for s in range(S):
                 if s != sv and snap[s] > known[s]:
                     known[s] = snap[s]
         # u (on s) is before another node v exactly when v runs later on s, or v is on another
         # stream that knew u's position when v ran
-        return {u for u in nodes if not (own[on[u]] > pos[u] or known[on[u]] >= pos[u])}
+        out = set()
+        for u in nodes:
+            su, pu, _ = at[u]
+            if not (own[su] > pu or known[su] >= pu):
+                out.add(u)
+        return out
 
     def where(self, node: str) -> str:
         return f"{node} (stream {self.stream_of[node]})"
@@ -221,6 +272,12 @@ class GraphOrder:
 
     def has(self, node: str) -> bool:
         return node in self._reach.chain
+
+    def by_index(self, graph) -> tuple[Callable[[int, int], bool], list[bool]]:
+        """As `PlanOrder.by_index`."""
+        names = [n.name for n in graph.nodes]
+        reaches, chain = self._reach.reaches, self._reach.chain
+        return (lambda i, j: reaches(names[i], names[j])), [n in chain for n in names]
 
     def maximal(self, nodes) -> set[str]:
         """The nodes of ``nodes`` that reach none of the others (`ChainClocks.maximal`)."""

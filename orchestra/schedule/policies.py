@@ -16,6 +16,7 @@ import attrs
 
 from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleError
 from orchestra.graph import TaskGraph
+from orchestra.graph.collector import paused
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, estimate_costs, resource_of
 from orchestra.schedule.devices import graph_devices, place_by_device
@@ -63,6 +64,11 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                                         f"got {type(graph).__name__}")
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
+    with paused():  # no cycles made: the collector's passes over the graph would find nothing
+        return _schedule(graph, policy, streams, costs, resident_blocks)
+
+
+def _schedule(graph, policy, streams, costs, resident_blocks) -> Plan:
     graph.validate()
     if policy in _BY_INDEX:
         specs, on, seq = _BY_INDEX[policy](graph, streams)
@@ -110,12 +116,48 @@ def _group_keys(graph: TaskGraph) -> dict[str, int]:
 
 
 def _group_key_list(graph: TaskGraph) -> list[int]:
-    """`_group_keys` by node index."""
-    nodes, _ = graph._by_index()
+    """`_group_keys` by node index, from the edges by index (no table by name)."""
+    nodes, back = graph._by_index()
     keys = [n.batch for n in nodes]
-    if None in keys:
-        return list(_group_keys(graph).values())
-    return cast("list[int]", keys)
+    if None not in keys:
+        return cast("list[int]", keys)
+    n = len(nodes)
+    # components: union-find over the edges, numbered by their first node
+    parent = list(range(n))
+    for v in range(n):
+        for d in back[v]:
+            a, b = v, v - d
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            while parent[b] != b:
+                parent[b] = parent[parent[b]]
+                b = parent[b]
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    comp = [0] * n
+    number: dict[int, int] = {}
+    for v in range(n):
+        r = v
+        while parent[r] != r:
+            r = parent[r]
+        comp[v] = number.setdefault(r, len(number))
+    if len(number) > 1:
+        return [k if k is not None else c for k, c in zip(keys, comp)]
+    # one piece: each node's place within its level (longest path from a source), the levels'
+    # nodes in program order
+    level = [0] * n
+    for v in (range(n) if graph._program_order_is_topological()
+              else map(graph.index, graph.topological_order())):
+        ps = back[v]
+        if ps:
+            level[v] = max([level[v - d] for d in ps]) + 1
+    seen: dict[int, int] = {}
+    in_level = [0] * n
+    for v, lv in enumerate(level):
+        in_level[v] = seen.get(lv, 0)
+        seen[lv] = in_level[v] + 1
+    return [k if k is not None else i for k, i in zip(keys, in_level)]
 
 
 def _walk(graph: TaskGraph):

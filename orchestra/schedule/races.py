@@ -30,21 +30,36 @@ VERB = {Mode.READ: "reads", Mode.WRITE: "writes", Mode.READ_WRITE: "reads and wr
 
 
 class _Buffer:
-    """The sweep state of one buffer: frontier maps and the log of every access so far."""
+    """The sweep state of one buffer: frontier maps and the log of every access so far.
 
-    __slots__ = ("buffer", "rank", "writers", "readers", "log", "pairs")
+    Most buffers are only ever accessed whole (a pipeline's device buffers, a kernel chain's
+    workspace): until an access covers part of the buffer, the frontier is two plain lists of
+    entries in ``seq`` order (``whole``), what segment maps with the one segment ``[0,
+    nbytes)`` would hold, as the dependency tracker keeps them (`orchestra.graph.ranges`); the
+    first partial access turns them into segment maps."""
+
+    __slots__ = ("buffer", "rank", "writers", "readers", "log", "pairs", "whole")
 
     def __init__(self, buffer, rank):
         self.buffer, self.rank = buffer, rank
-        self.writers, self.readers = SegmentMap(), SegmentMap()
-        self.log: list[tuple[int, int, Mode, str]] = []  # (start, end, mode, node); seq = index
-        self.pairs: list[tuple[str, str]] = []  # (earlier, later) not ordered, in discovery order
+        self.writers: list | SegmentMap = []
+        self.readers: list | SegmentMap = []
+        self.whole = True
+        self.log: list[tuple[int, int, Mode, int]] = []  # (start, end, mode, node); seq = index
+        self.pairs: list[tuple[int, int]] = []  # (earlier, later) not ordered, in discovery order
 
     def visit(self, node, xs, before):
         """Check node ``node``'s accesses ``xs`` [(start, end, mode)] against the frontier, then
-        record them."""
+        record them. Nodes are node indices, ``before`` the order by index."""
+        if self.whole:
+            nbytes = self.buffer.nbytes
+            if all(s == 0 and e == nbytes for s, e, _ in xs):
+                self._visit_whole(node, xs, before)
+                return
+            self._split()
         writers, readers = self.writers, self.readers
-        verdict: dict[str, bool] = {}
+        assert isinstance(writers, SegmentMap) and isinstance(readers, SegmentMap)
+        verdict: dict[int, bool] = {}
         unordered: set[int] = set()  # frontier entries (seq) not ordered before node
         for s, e, mode in xs:
             found = writers.overlapping(s, e) if writers.pts else ()
@@ -75,6 +90,82 @@ class _Buffer:
             log.append((s, e, mode, node))
             (readers if mode is _READ else writers).add(s, e, entry)
 
+    def _visit_whole(self, node, xs, before):
+        """`visit` for accesses of the whole buffer while every access so far was whole: the
+        frontier lists hold every entry of its one segment, so what overlaps is all of them
+        and a write's carve keeps only the entries not ordered before it."""
+        writers, readers = self.writers, self.readers
+        assert isinstance(writers, list) and isinstance(readers, list)
+        verdict: dict[int, bool] = {}
+        unordered: set[int] = set()
+        for _, _, mode in xs:
+            found = writers + readers if mode is not _READ and readers else writers
+            for seq, a in found:
+                ok = verdict.get(a)
+                if ok is None:
+                    ok = verdict[a] = before(a, node)
+                if not ok:
+                    unordered.add(seq)
+        if unordered:
+            self._exhaustive(node, xs, before, verdict)
+        if any(mode is not _READ for _, _, mode in xs):
+            if unordered:
+                writers[:] = [en for en in writers if en[0] in unordered]
+                readers[:] = [en for en in readers if en[0] in unordered]
+            else:
+                writers.clear()
+                readers.clear()
+        log = self.log
+        for s, e, mode in xs:
+            entry = (len(log), node)
+            log.append((s, e, mode, node))
+            (readers if mode is _READ else writers).append(entry)
+
+    def visit_one_whole(self, node, mode, before):
+        """`visit` of one access, of the whole buffer, while every access so far was whole
+        (what most accesses are), without building the access list."""
+        writers, readers = self.writers, self.readers
+        assert isinstance(writers, list) and isinstance(readers, list)
+        writes = mode is not _READ
+        found = (writers + readers if readers else writers) if writes else writers
+        unordered = None
+        if found:
+            verdict: dict[int, bool] = {}
+            for seq, a in found:
+                ok = verdict.get(a)
+                if ok is None:
+                    ok = verdict[a] = before(a, node)
+                if not ok:
+                    if unordered is None:
+                        unordered = set()
+                    unordered.add(seq)
+            if unordered:
+                self._exhaustive(node, [(0, self.buffer.nbytes, mode)], before, verdict)
+        if writes:
+            if unordered:
+                writers[:] = [en for en in writers if en[0] in unordered]
+                readers[:] = [en for en in readers if en[0] in unordered]
+            else:
+                writers.clear()
+                readers.clear()
+        log = self.log
+        entry = (len(log), node)
+        log.append((0, self.buffer.nbytes, mode, node))
+        (writers if writes else readers).append(entry)
+
+    def _split(self):
+        """The first partial access: the frontier lists become segment maps."""
+        nbytes = self.buffer.nbytes
+        maps = []
+        for entries in (self.writers, self.readers):
+            m = SegmentMap()
+            if entries:
+                m.pts = [0, nbytes]
+                m.segs = [list(entries)]
+            maps.append(m)
+        self.writers, self.readers = maps
+        self.whole = False
+
     def _exhaustive(self, node, xs, before, verdict):
         """Every earlier node with an access conflicting with one of ``xs`` and not ordered
         before ``node``."""
@@ -95,63 +186,66 @@ _LIFETIME_KINDS = ("alloc", "free")
 
 
 def accesses_by_buffer(order, graph):
-    """One pass over the nodes ``order`` knows: ``(per_buffer, race_rank)``. ``per_buffer``:
-    buffer key -> ``[buffer, node, access, node, access, ...]``, the nodes touching it and
-    their `Access` records in program order (buffers in order of first access; one list of the
-    graph's own objects per buffer, so a big graph adds few objects for the garbage collector
-    to scan; `by_node` splits one);
-    ``race_rank``: buffer key -> its place in the order of first access by a node that is not
-    an Alloc or Free (the order race findings tie-break by)."""
-    flat: dict[tuple, list] = {}  # buffer key -> [buffer, node, access, node, access, ...]
-    race_rank: dict[tuple, int] = {}
-    has, accesses = order.has, graph.accesses
-    for node in graph.nodes:
-        name = node.name
-        if not has(name):
+    """One pass over the nodes ``order`` knows: ``(per_buffer, race_rank, before)``.
+    ``per_buffer``: buffer name -> ``[buffer, node index, access, node index, access, ...]``,
+    the nodes touching it (`TaskGraph.index`) and their `Access` records in program order
+    (buffers in order of first access; `by_node` splits one); ``race_rank``: buffer name -> its
+    place in the order of first access by a node that is not an Alloc or Free (the order race
+    findings tie-break by); ``before(i, j)``: ``order.before`` by node index
+    (``order.by_index``)."""
+    flat: dict[str, list] = {}  # buffer name -> [buffer, node, access, node, access, ...]
+    race_rank: dict[str, int] = {}
+    before, known = order.by_index(graph)
+    for i, node in enumerate(graph.nodes):
+        if not known[i]:
             continue
         racy = node.kind not in _LIFETIME_KINDS
-        for acc in accesses(name):
+        for acc in node._accesses:  # TaskGraph.accesses(name), without the lookup
             buf = acc.range.buffer
-            key = (buf.is_host, buf.name)  # Buffer.key, without the property call
+            key = buf.name  # one namespace per graph: TaskGraph refuses two buffers of a name
             entry = flat.get(key)
             if entry is None:
                 entry = flat[key] = [buf]
             if racy and key not in race_rank:
                 race_rank[key] = len(race_rank)
-            entry += (node, acc)
-    return flat, race_rank
+            entry += (i, acc)
+    return flat, race_rank, before
 
 
 def by_node(entry):
-    """``(buffer, nodes, accesses)`` of one `accesses_by_buffer` entry."""
+    """``(buffer, node indices, accesses)`` of one `accesses_by_buffer` entry."""
     return entry[0], entry[1::2], entry[2::2]
 
 
 def races(order, graph, collected=None) -> list[Finding]:
     """The data-race findings of ``order`` (a `PlanOrder` or `GraphOrder`) for ``graph``;
-    ``collected``: `accesses_by_buffer`'s result, when the caller has it already."""
-    per_buffer, race_rank = collected or accesses_by_buffer(order, graph)
-    before = order.before
+    ``collected``: `accesses_by_buffer`'s result, when the caller has it already. The sweep
+    works by node index (`TaskGraph.index`); findings name the nodes."""
+    per_buffer, race_rank, before = collected or accesses_by_buffer(order, graph)
     out = []
-    index = graph.index
+    nodes = graph.nodes
     for key, rank in race_rank.items():  # buffers are independent: one sweep state at a time
-        buf, nodes, accs = by_node(per_buffer[key])
+        buf, idx, accs = by_node(per_buffer[key])
         state = _Buffer(buf, rank)
-        cur = ""  # the node whose accesses of this buffer are being gathered
-        xs: list[tuple[int, int, Mode]] = []
-        for node, acc in zip(nodes, accs):
-            if node.kind in _LIFETIME_KINDS:
-                continue  # lifetimes are checked separately
-            if node.name != cur:
-                if xs:
-                    state.visit(cur, xs, before)
-                cur, xs = node.name, []
-            r = acc.range
-            xs.append((r.offset, r.offset + r.nbytes, acc.mode))
-        if xs:
-            state.visit(cur, xs, before)
+        nbytes = buf.nbytes
+        i, m = 0, len(idx)
+        while i < m:  # one node's accesses of the buffer are next to each other
+            v = idx[i]
+            j = i + 1
+            while j < m and idx[j] == v:
+                j += 1
+            if nodes[v].kind in _LIFETIME_KINDS:
+                pass  # lifetimes are checked separately
+            elif j == i + 1 and state.whole and accs[i].range.offset == 0 \
+                    and accs[i].range.nbytes == nbytes:
+                state.visit_one_whole(v, accs[i].mode, before)  # the usual access
+            else:
+                state.visit(v, [(r.offset, r.offset + r.nbytes, a.mode)
+                                for a in accs[i:j] for r in (a.range,)], before)
+            i = j
         for a, b in state.pairs:
-            out.append(((index(b), index(a), rank), _finding(order, graph, buf, a, b)))
+            out.append(((b, a, rank), _finding(order, graph, buf, nodes[a].name,
+                                               nodes[b].name)))
     out.sort(key=lambda x: x[0])
     return [f for _, f in out]
 

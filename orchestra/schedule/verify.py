@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from orchestra.errors import HazardError, ScheduleArgumentTypeError
 from orchestra.graph import Alloc, Free, TaskGraph
+from orchestra.graph.collector import paused
+from orchestra.schedule.devices import graph_devices
 from orchestra.schedule.finding import Finding
 from orchestra.schedule.happens_before import GraphOrder, PlanOrder
 from orchestra.schedule.plan import Plan
@@ -51,15 +53,28 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
         raise ScheduleArgumentTypeError(
             f"verify(plan, graph) needs a Plan and a TaskGraph, in that order; got "
             f"{type(plan).__name__} and {type(graph).__name__}")
+    with paused():  # no cycles made: the collector's passes over the graph would find nothing
+        return _verify(plan, graph)
+
+
+def _verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
     order = PlanOrder(plan)
     findings = list(order.findings)
-    names = {n.name for n in graph.nodes}
-    for n in plan.node_stream:
-        if n not in names:
-            findings.append(Finding("UNKNOWN_NODE", None, (n, None), (plan.node_stream[n], None),
-                                    f"the plan runs {n} on stream {plan.node_stream[n]}, but the "
-                                    f"graph has no node named {n}"))
-    for node in graph.nodes:
+    ran = order.nodes_run()
+    # the usual plan runs every node of the graph once: two passes in C say so
+    unknown = ran - graph.node_map().keys()
+    if unknown:
+        for n in plan.node_stream:
+            if n in unknown:
+                findings.append(Finding("UNKNOWN_NODE", None, (n, None),
+                                        (plan.node_stream[n], None),
+                                        f"the plan runs {n} on stream {plan.node_stream[n]}, but "
+                                        f"the graph has no node named {n}"))
+    if len(ran) - len(unknown) == len(graph) and not order.run_twice():
+        nodes: tuple = ()  # every node run, none twice
+    else:
+        nodes = graph.nodes
+    for node in nodes:
         n = node.name
         if n not in order.runs:
             findings.append(Finding("MISSING", None, (n, None), (None, None),
@@ -81,8 +96,7 @@ def _devices(plan: Plan, graph: TaskGraph, order) -> list[Finding]:
     """WRONG_DEVICE: a device-bound node on a stream of another device. A plan whose streams all
     say device 0 for a graph on one device is device-agnostic (its executor runs its streams on
     that device), so only plans over several devices, or naming one, are checked."""
-    devs = {n.device for n in graph.nodes if n.device_bound}
-    if set(plan.devices) == {0} and len(devs) <= 1:
+    if set(plan.devices) == {0} and len(graph_devices(graph)) <= 1:
         return []
     out = []
     for node in graph.nodes:
@@ -108,14 +122,17 @@ def verify_graph_edges(graph: TaskGraph, edges=None, *, programmatic=(),
     ``waits(consumer)`` says whether the consumer kernel executes ``griddepcontrol.wait``
     (default None: no consumer is known to wait, so programmatic edges order nothing). A
     programmatic edge orders only where its consumer waits (the module doc's model)."""
-    order = GraphOrder(graph, edges, programmatic=programmatic, waits=waits)
-    return list(order.findings) + _hazards(order, graph) + body_findings(graph)
+    with paused():  # as in verify
+        order = GraphOrder(graph, edges, programmatic=programmatic, waits=waits)
+        return list(order.findings) + _hazards(order, graph) + body_findings(graph)
 
 
 def body_findings(graph: TaskGraph) -> list[Finding]:
     """The findings of every body of ``graph``'s nodes, each verified on its own edges
     (recursively), the message naming the body."""
     out: list[Finding] = []
+    if not graph._may_have_bodies():
+        return out
     for node in graph.nodes:
         for i, body in enumerate(node.bodies):
             which = (f"body {i} of {node.name}" if len(node.bodies) > 1
@@ -138,7 +155,16 @@ def _hazards(order, graph) -> list[Finding]:
     out = races(order, graph, collected)
     out += _lifetimes(order, graph, collected)
     index = graph.index
-    for p, s in sorted(graph.explicit_edges, key=lambda e: (index(e[1]), index(e[0]))):
+    # the explicit (after=) edges, by (successor, predecessor) program order: each node's
+    # after= names that are nodes of the graph (the others are still waiting: no edge)
+    explicit = []
+    for node in graph.nodes:
+        after = node.after
+        if after:
+            s = node.name
+            explicit += [(p, s) for p in sorted({p for p in after if p in graph and p != s},
+                                                key=index)]
+    for p, s in explicit:
         if order.has(p) and order.has(s) and not order.before(p, s):
             out.append(Finding("ORDER", None, (p, s), (order.stream_of[p], order.stream_of[s]),
                                f"{order.where(s)} must run after {order.where(p)} (after=), "
@@ -151,49 +177,61 @@ def _streams(order, a, b):
 
 
 def _lifetimes(order, graph, collected=None) -> list[Finding]:
-    per_buffer, _ = collected or accesses_by_buffer(order, graph)
+    per_buffer, _, before = collected or accesses_by_buffer(order, graph)
     out: list[Finding] = []
+    nodes = graph.nodes
     for entry in per_buffer.values():  # one buffer at a time, in order of first use
-        buf, nodes, accs = by_node(entry)
-        if buf.is_host or not any(n.kind in _LIFETIME_KINDS for n in nodes):
+        buf, idx, accs = by_node(entry)
+        if buf.is_host or not any(nodes[v].kind in _LIFETIME_KINDS for v in idx):
             continue  # external buffer: bound by the caller, not allocated by the plan
-        life = _Life(order, buf.name, out)
-        seen = None
-        for node, acc in zip(nodes, accs):
-            if node is not seen:  # a node's first access to the buffer stands for all of them
-                seen = node
-                life.step(node.name, node.kind, acc.mode)
+        life = _Life(order, buf.name, out, nodes, before)
+        seen = -1
+        for v, acc in zip(idx, accs):
+            if v != seen:  # a node's first access to the buffer stands for all of them
+                seen = v
+                life.step(v, nodes[v].kind, acc.mode)
         if life.live is not None:
-            out.append(Finding("NEVER_FREED", buf.name, (life.live, None),
-                               _streams(order, life.live, None),
-                               f"buffer {buf.name} is allocated by {order.where(life.live)} but "
+            live = nodes[life.live].name
+            out.append(Finding("NEVER_FREED", buf.name, (live, None),
+                               _streams(order, live, None),
+                               f"buffer {buf.name} is allocated by {order.where(live)} but "
                                f"never freed: add a Free after its last use"))
     return out
 
 
 class _Life:
-    """Walks one buffer's Alloc / uses / Free in program order. Lifetime findings report only
-    the frontier: the first uses not ordered after the alloc and the last uses not ordered before
-    the free (fixing those orders the rest)."""
+    """Walks one buffer's Alloc / uses / Free in program order, by node index (``before``:
+    the order by index; findings name the nodes). Lifetime findings report only the frontier:
+    the first uses not ordered after the alloc and the last uses not ordered before the free
+    (fixing those orders the rest)."""
 
-    def __init__(self, order, buf, out):
-        self.order, self.buf, self.out = order, buf, out
+    def __init__(self, order, buf, out, nodes, before):
+        self.order, self.buf, self.out, self.nodes, self.before = order, buf, out, nodes, before
         self.live, self.last_free = None, None
         self.uses, self.unalloc = [], []
 
     def add(self, kind, a, b, text):
+        a = self.nodes[a].name
+        b = self.nodes[b].name if b is not None else None
         self.out.append(Finding(kind, self.buf, (a, b), _streams(self.order, a, b), text))
 
+    def _where(self, v):
+        return self.order.where(self.nodes[v].name)
+
+    def _fix(self, a, b):
+        return self.order.fix(self.nodes[a].name, self.nodes[b].name)
+
     def step(self, n, kind, mode):
-        o, w, buf = self.order, self.order.where, self.buf
+        o, buf, before, nodes = self.order, self.buf, self.before, self.nodes
+        w, fix = self._where, self._fix
         if kind == "alloc":
             if self.live is not None:
                 self.add("DOUBLE_ALLOC", self.live, n, f"buffer {buf} is allocated by {w(n)} while "
                          f"still allocated by {w(self.live)}: free it first")
-            elif self.last_free is not None and not o.before(self.last_free, n):
+            elif self.last_free is not None and not before(self.last_free, n):
                 self.add("DOUBLE_ALLOC", self.last_free, n, f"buffer {buf} is allocated again by "
                          f"{w(n)} before its free {w(self.last_free)} is known done, "
-                         f"{o.fix(self.last_free, n)}")
+                         f"{fix(self.last_free, n)}")
             self.live, self.uses, self.unalloc = n, [], []
             return
         verb = "frees" if kind == "free" else VERB[mode]
@@ -211,29 +249,33 @@ class _Life:
             if kind == "free":
                 self.last_free = n
             return
-        if not o.before(self.live, n) and not any(o.before(u, n) for u in self.unalloc):
+        if not before(self.live, n) and not any(before(u, n) for u in self.unalloc):
             self.unalloc.append(n)
             self.add("USE_BEFORE_ALLOC", self.live, n, f"use before alloc of buffer {buf}: {w(n)} "
-                     f"{verb} it, {o.fix(self.live, n)}")
+                     f"{verb} it, {fix(self.live, n)}")
         if kind != "free":
             self.uses.append((n, mode))
             return
         racing = []
         for u, umode in self.uses:
-            if o.before(u, n):
+            if before(u, n):
                 continue
-            if o.before(n, u):
+            if before(n, u):
                 self.add("USE_AFTER_FREE", n, u, f"use after free of buffer {buf}: {w(u)} "
                          f"{VERB[umode]} it after {w(n)} frees it: move the Free after the "
                          f"buffer's last use")
             else:
                 racing.append((u, umode))
-        last = o.maximal([u for u, _ in racing]) if len(racing) > 1 else {u for u, _ in racing}
+        if len(racing) > 1:
+            last_names = o.maximal([nodes[u].name for u, _ in racing])
+            last = {u for u, _ in racing if nodes[u].name in last_names}
+        else:
+            last = {u for u, _ in racing}
         for u, umode in racing:
             if u not in last:
                 continue  # a later racing use is reported; ordering it orders this one
-            hint = (f" (or put the free on {o.stream_of[u]}, the stream of the buffer's last use)"
-                    if o.mode == "plan" and u == self.uses[-1][0] else "")
+            hint = (f" (or put the free on {o.stream_of[nodes[u].name]}, the stream of the "
+                    f"buffer's last use)" if o.mode == "plan" and u == self.uses[-1][0] else "")
             self.add("FREE_RACE", u, n, f"free of buffer {buf} not ordered after its use: {w(u)} "
-                     f"{VERB[umode]} it, {w(n)} frees it, {o.fix(u, n)}{hint}")
+                     f"{VERB[umode]} it, {w(n)} frees it, {fix(u, n)}{hint}")
         self.live, self.last_free, self.uses, self.unalloc = None, n, [], []
