@@ -97,6 +97,21 @@ class SegmentMap:
         else:
             self.segs[i] = []
 
+    def assign(self, start: int, end: int, entry: tuple[int, str]) -> None:
+        """`carve` then `add` of ``[start, end)``: ``entry`` becomes the only entry of those
+        bytes (a write's frontier), in one pass."""
+        pts = self.pts
+        if not pts or end <= pts[0] or start >= pts[-1]:
+            self.add(start, end, entry)  # nothing there to carve
+            return
+        i = self._split(start)
+        j = self._split(end, i + 1)
+        if j > i + 1:
+            del pts[i + 1:j]
+            self.segs[i:j] = [[entry]]
+        else:
+            self.segs[i] = [entry]
+
     def add(self, start: int, end: int, entry: tuple[int, str]) -> None:
         """Add ``entry`` to every byte of ``[start, end)``."""
         pts = self.pts

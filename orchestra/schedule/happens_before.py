@@ -44,14 +44,71 @@ class PlanOrder:
         self.device_of = {s.name: s.device for s in plan.streams}  # stream -> its device
         self._stream_of: dict[str, str] | None = None
         self._runs: dict[str, int] | None = None
-        self._build(plan, names)
+        # a plan made by insert_events: the same table by node index, from the steps' codes
+        # (`PlanIndex`), and ``_at`` made from it when a query by name first asks
+        self._rec: list | None = None
+        self._index = None
+        index = plan._hint
+        if index is None or not self._build_codes(index):
+            self._build(plan, names)
+
+    def _table(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """``_at``, made from the table by index when the plan's codes built that one."""
+        if self._rec is not None and not self._at:
+            names = self._index.names
+            self._at = {names[v]: r for v, r in enumerate(self._rec) if r is not None}
+        return self._at
+
+    def _build_codes(self, index) -> bool:
+        """`_build` from the steps' codes (`PlanIndex`: the same steps, ints instead of step
+        objects): the table by node index. False, having built nothing, when the waits can
+        never all be issued (then `_build` walks the steps and reports it)."""
+        codes, n = index.codes, index.n
+        S = len(codes)
+        R, W = 1 + n, 1 + 2 * n
+        cur = [[0] * S for _ in range(S)]
+        shared: list[tuple[int, ...] | None] = [None] * S  # as in _build
+        snap: list[tuple[int, ...] | None] = [None] * n  # by the event's source node
+        rec: list = [None] * n
+        head = [0] * S
+        while True:
+            progress = False
+            for s in range(S):
+                cs, c = codes[s], cur[s]
+                i, end = head[s], len(cs)
+                while i < end:
+                    x = cs[i]
+                    if x < R:  # a run (every node runs once in such a plan)
+                        k = c[s] = c[s] + 1
+                        clock = shared[s]
+                        if clock is None:
+                            clock = shared[s] = tuple(c)
+                        rec[x - 1] = (s, k, clock)
+                    elif x < W:  # a record
+                        snap[x - R] = tuple(c)
+                    else:  # a wait
+                        other = snap[x - W]
+                        if other is None:
+                            break  # its record is not reached yet: try other streams
+                        joined = list(map(max, c, other))
+                        if joined != c:
+                            c = cur[s] = joined
+                            shared[s] = None
+                    i += 1
+                    progress = True
+                head[s] = i
+            if all(head[s] == len(codes[s]) for s in range(S)):
+                self._rec, self._index = rec, index
+                return True
+            if not progress:
+                return False
 
     @property
     def stream_of(self) -> dict[str, str]:
         """Node -> the stream of its first run (made on first use: findings read it)."""
         if self._stream_of is None:
             names = self._names
-            self._stream_of = {n: names[at[0]] for n, at in self._at.items()}
+            self._stream_of = {n: names[at[0]] for n, at in self._table().items()}
         return self._stream_of
 
     @property
@@ -59,15 +116,15 @@ class PlanOrder:
         """Node -> how many times the plan runs it (made on first use; `nodes_run` and
         `run_twice` answer what the verifier asks without it)."""
         if self._runs is None:
-            runs = dict.fromkeys(self._at, 1)
+            runs = dict.fromkeys(self._table(), 1)
             for n, k in self._extra_runs.items():
                 runs[n] += k
             self._runs = runs
         return self._runs
 
     def nodes_run(self):
-        """The nodes the plan runs (a view, in order of first run)."""
-        return self._at.keys()
+        """The nodes the plan runs (a view)."""
+        return self._table().keys()
 
     def run_twice(self) -> bool:
         """Whether the plan runs some node more than once."""
@@ -156,14 +213,29 @@ class PlanOrder:
                 head[s] += 1  # treat the first blocked wait as a no-op and go on
 
     def has(self, node: str) -> bool:
-        return node in self._at
+        return node in self._table()
+
+    def covers(self, graph) -> bool:
+        """True when the plan runs every node of ``graph`` once and no other node (known
+        without a table by name for a plan `insert_events` made for ``graph``); False when
+        that is not known so (then the verifier looks node by node)."""
+        index = self._index
+        return (index is not None and index.graph() is graph and len(graph) == index.n
+                and not self._extra_runs)
 
     def by_index(self, graph) -> tuple[Callable[[int, int], bool], list[bool]]:
         """``(before, known)`` by `graph`'s node indices (`TaskGraph.index`): ``before(i, j)``
         is `before` of nodes ``i`` and ``j``; ``known[i]`` whether the plan runs node ``i``.
         For the verifier's passes over every access (a table by index, not by name)."""
-        get = self._at.get
-        rec = [get(n.name) for n in graph.nodes]
+        index = self._index
+        if index is not None and index.graph() is graph:
+            rec = self._rec
+            assert rec is not None
+            if len(graph) > len(rec):  # nodes added since the plan was made: not run
+                rec = rec + [None] * (len(graph) - len(rec))
+        else:
+            get = self._table().get
+            rec = [get(n.name) for n in graph.nodes]
 
         def before(i: int, j: int) -> bool:
             if i == j:
@@ -180,7 +252,7 @@ class PlanOrder:
         """True when node ``a`` finishes before node ``b`` starts in every execution."""
         if a == b:
             return False
-        at = self._at
+        at = self._table()
         sa, pa, _ = at[a]
         sb, pb, kb = at[b]
         if sa == sb:
@@ -190,7 +262,7 @@ class PlanOrder:
     def maximal(self, nodes) -> set[str]:
         """The nodes of ``nodes`` that finish before none of the others starts: per stream, the
         highest position any of them runs at or knows of, O(len(nodes) x streams)."""
-        at = self._at
+        at = self._table()
         S = len(self._sid)
         own = [0] * S  # highest position run on each stream
         known = [0] * S  # highest position of each stream known to a node of another stream

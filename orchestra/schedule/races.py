@@ -121,6 +121,59 @@ class _Buffer:
             log.append((s, e, mode, node))
             (readers if mode is _READ else writers).append(entry)
 
+    def visit_one(self, node, s, e, mode, before):
+        """`visit` of one access ``[s, e)`` (without building the access list)."""
+        if self.whole:
+            self._split()
+        writers, readers = self.writers, self.readers
+        assert isinstance(writers, SegmentMap) and isinstance(readers, SegmentMap)
+        writes = mode is not _READ
+        found = writers.overlapping(s, e) if writers.pts else ()
+        if writes and readers.pts:
+            more = readers.overlapping(s, e)
+            found = found + more if found else more
+        unordered = None
+        if found:
+            verdict: dict[int, bool] = {}
+            for seq, a in found:
+                ok = verdict.get(a)
+                if ok is None:
+                    ok = verdict[a] = before(a, node)
+                if not ok:
+                    if unordered is None:
+                        unordered = set()
+                    unordered.add(seq)
+            if unordered:  # the general visit: exact findings, entries kept
+                self._visit_unordered(node, s, e, mode, before, verdict, unordered)
+                return
+        log = self.log
+        entry = (len(log), node)
+        log.append((s, e, mode, node))
+        if writes:
+            if readers.pts:
+                readers.carve(s, e)
+            writers.assign(s, e, entry)
+        else:
+            readers.add(s, e, entry)
+
+    def _visit_unordered(self, node, s, e, mode, before, verdict, unordered):
+        """The rest of `visit_one` when a frontier entry is not ordered before ``node``."""
+        self._exhaustive(node, [(s, e, mode)], before, verdict)
+        writers, readers = self.writers, self.readers
+        log = self.log
+        if mode is not _READ:
+            for m in (writers, readers):
+                if not m.pts:
+                    continue
+                kept = [en for en in m.overlapping(s, e) if en[0] in unordered]
+                m.carve(s, e)
+                for en in kept:
+                    ks, ke = log[en[0]][:2]
+                    m.add(max(s, ks), min(e, ke), en)
+        entry = (len(log), node)
+        log.append((s, e, mode, node))
+        (readers if mode is _READ else writers).add(s, e, entry)
+
     def visit_one_whole(self, node, mode, before):
         """`visit` of one access, of the whole buffer, while every access so far was whole
         (what most accesses are), without building the access list."""
@@ -186,13 +239,13 @@ _LIFETIME_KINDS = ("alloc", "free")
 
 
 def accesses_by_buffer(order, graph):
-    """One pass over the nodes ``order`` knows: ``(per_buffer, race_rank, before)``.
+    """One pass over the nodes ``order`` knows: ``(per_buffer, race_rank, before, known)``.
     ``per_buffer``: buffer name -> ``[buffer, node index, access, node index, access, ...]``,
     the nodes touching it (`TaskGraph.index`) and their `Access` records in program order
     (buffers in order of first access; `by_node` splits one); ``race_rank``: buffer name -> its
     place in the order of first access by a node that is not an Alloc or Free (the order race
-    findings tie-break by); ``before(i, j)``: ``order.before`` by node index
-    (``order.by_index``)."""
+    findings tie-break by); ``before(i, j)`` and ``known[i]``: ``order.before`` and
+    ``order.has`` by node index (``order.by_index``)."""
     flat: dict[str, list] = {}  # buffer name -> [buffer, node, access, node, access, ...]
     race_rank: dict[str, int] = {}
     before, known = order.by_index(graph)
@@ -209,7 +262,7 @@ def accesses_by_buffer(order, graph):
             if racy and key not in race_rank:
                 race_rank[key] = len(race_rank)
             entry += (i, acc)
-    return flat, race_rank, before
+    return flat, race_rank, before, known
 
 
 def by_node(entry):
@@ -221,7 +274,7 @@ def races(order, graph, collected=None) -> list[Finding]:
     """The data-race findings of ``order`` (a `PlanOrder` or `GraphOrder`) for ``graph``;
     ``collected``: `accesses_by_buffer`'s result, when the caller has it already. The sweep
     works by node index (`TaskGraph.index`); findings name the nodes."""
-    per_buffer, race_rank, before = collected or accesses_by_buffer(order, graph)
+    per_buffer, race_rank, before, _ = collected or accesses_by_buffer(order, graph)
     out = []
     nodes = graph.nodes
     for key, rank in race_rank.items():  # buffers are independent: one sweep state at a time
@@ -236,9 +289,12 @@ def races(order, graph, collected=None) -> list[Finding]:
                 j += 1
             if nodes[v].kind in _LIFETIME_KINDS:
                 pass  # lifetimes are checked separately
-            elif j == i + 1 and state.whole and accs[i].range.offset == 0 \
-                    and accs[i].range.nbytes == nbytes:
-                state.visit_one_whole(v, accs[i].mode, before)  # the usual access
+            elif j == i + 1:  # one access (the usual case)
+                r = accs[i].range
+                if state.whole and r.offset == 0 and r.nbytes == nbytes:
+                    state.visit_one_whole(v, accs[i].mode, before)
+                else:
+                    state.visit_one(v, r.offset, r.offset + r.nbytes, accs[i].mode, before)
             else:
                 state.visit(v, [(r.offset, r.offset + r.nbytes, a.mode)
                                 for a in accs[i:j] for r in (a.range,)], before)

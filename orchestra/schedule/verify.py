@@ -60,6 +60,9 @@ def verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
 def _verify(plan: Plan, graph: TaskGraph) -> list[Finding]:
     order = PlanOrder(plan)
     findings = list(order.findings)
+    if order.covers(graph):  # every node of the graph run once, no other: nothing to report
+        return findings + _devices(plan, graph, order) + _hazards(order, graph) + \
+            body_findings(graph)
     ran = order.nodes_run()
     # the usual plan runs every node of the graph once: two passes in C say so
     unknown = ran - graph.node_map().keys()
@@ -154,21 +157,22 @@ def _hazards(order, graph) -> list[Finding]:
     collected = accesses_by_buffer(order, graph)
     out = races(order, graph, collected)
     out += _lifetimes(order, graph, collected)
-    index = graph.index
     # the explicit (after=) edges, by (successor, predecessor) program order: each node's
-    # after= names that are nodes of the graph (the others are still waiting: no edge)
-    explicit = []
-    for node in graph.nodes:
+    # after= names that are its predecessors (the others still wait for a node: no edge)
+    before, known = collected[2], collected[3]
+    nodes, back = graph._by_index()
+    for v, node in enumerate(nodes):
         after = node.after
-        if after:
-            s = node.name
-            explicit += [(p, s) for p in sorted({p for p in after if p in graph and p != s},
-                                                key=index)]
-    for p, s in explicit:
-        if order.has(p) and order.has(s) and not order.before(p, s):
-            out.append(Finding("ORDER", None, (p, s), (order.stream_of[p], order.stream_of[s]),
-                               f"{order.where(s)} must run after {order.where(p)} (after=), "
-                               f"{order.fix(p, s)}"))
+        if not after or not known[v]:
+            continue
+        preds = {nodes[v - d].name: v - d for d in back[v]}
+        for p in sorted({preds[a] for a in after if a in preds}):
+            if known[p] and not before(p, v):
+                a, b = nodes[p].name, node.name
+                out.append(Finding("ORDER", None, (a, b), (order.stream_of[a],
+                                                           order.stream_of[b]),
+                                   f"{order.where(b)} must run after {order.where(a)} "
+                                   f"(after=), {order.fix(a, b)}"))
     return out
 
 
@@ -177,7 +181,7 @@ def _streams(order, a, b):
 
 
 def _lifetimes(order, graph, collected=None) -> list[Finding]:
-    per_buffer, _, before = collected or accesses_by_buffer(order, graph)
+    per_buffer, _, before, _ = collected or accesses_by_buffer(order, graph)
     out: list[Finding] = []
     nodes = graph.nodes
     for entry in per_buffer.values():  # one buffer at a time, in order of first use
