@@ -30,181 +30,174 @@ VERB = {Mode.READ: "reads", Mode.WRITE: "writes", Mode.READ_WRITE: "reads and wr
 
 
 class _Buffer:
-    """The sweep state of one buffer: frontier maps and the log of every access so far.
+    """The sweep state of one buffer: the frontier of its accesses so far.
+
+    The buffer's accesses are ``accs[k]``, by node ``idx[k]`` (a node index), in program
+    order (`accesses_by_buffer`); a frontier entry is such a place ``k`` (so entries sort in
+    program order, and an entry's bytes and node are looked up there). ``lifetime[v]``: node
+    ``v`` is an Alloc or Free (checked by `verify`'s lifetime walk, not here).
 
     Most buffers are only ever accessed whole (a pipeline's device buffers, a kernel chain's
     workspace): until an access covers part of the buffer, the frontier is two plain lists of
-    entries in ``seq`` order (``whole``), what segment maps with the one segment ``[0,
-    nbytes)`` would hold, as the dependency tracker keeps them (`orchestra.graph.ranges`); the
-    first partial access turns them into segment maps."""
+    entries (``whole``), what segment maps with the one segment ``[0, nbytes)`` would hold, as
+    the dependency tracker keeps them (`orchestra.graph.ranges`); the first partial access
+    turns them into segment maps."""
 
-    __slots__ = ("buffer", "rank", "writers", "readers", "log", "pairs", "whole")
+    __slots__ = ("buffer", "rank", "idx", "accs", "lifetime", "writers", "readers", "pairs",
+                 "whole")
 
-    def __init__(self, buffer, rank):
+    def __init__(self, buffer, rank, idx, accs, lifetime):
         self.buffer, self.rank = buffer, rank
+        self.idx, self.accs, self.lifetime = idx, accs, lifetime
         self.writers: list | SegmentMap = []
         self.readers: list | SegmentMap = []
         self.whole = True
-        self.log: list[tuple[int, int, Mode, int]] = []  # (start, end, mode, node); seq = index
         self.pairs: list[tuple[int, int]] = []  # (earlier, later) not ordered, in discovery order
 
-    def visit(self, node, xs, before):
-        """Check node ``node``'s accesses ``xs`` [(start, end, mode)] against the frontier, then
-        record them. Nodes are node indices, ``before`` the order by index."""
+    def visit(self, i, j, before):
+        """Check the accesses at places ``i`` to ``j - 1`` (all of one node) against the
+        frontier, then record them; ``before`` is the order by node index."""
+        node, accs = self.idx[i], self.accs
+        xs = [(r.offset, r.offset + r.nbytes, a.mode, k)
+              for k, a in zip(range(i, j), accs[i:j]) for r in (a.range,)]
         if self.whole:
             nbytes = self.buffer.nbytes
-            if all(s == 0 and e == nbytes for s, e, _ in xs):
-                self._visit_whole(node, xs, before)
+            if all(s == 0 and e == nbytes for s, e, _, _ in xs):
+                self._visit_whole(node, i, xs, before)
                 return
             self._split()
         writers, readers = self.writers, self.readers
         assert isinstance(writers, SegmentMap) and isinstance(readers, SegmentMap)
         verdict: dict[int, bool] = {}
-        unordered: set[int] = set()  # frontier entries (seq) not ordered before node
-        for s, e, mode in xs:
+        unordered: set[int] = set()  # frontier entries not ordered before node
+        idx = self.idx
+        for s, e, mode, _ in xs:
             found = writers.overlapping(s, e) if writers.pts else ()
             if mode is not _READ and readers.pts:
                 more = readers.overlapping(s, e)
                 found = found + more if found else more
-            for seq, a in found:
+            for k in found:
+                a = idx[k]
                 ok = verdict.get(a)
                 if ok is None:
                     ok = verdict[a] = before(a, node)
                 if not ok:
-                    unordered.add(seq)
+                    unordered.add(k)
         if unordered:
-            self._exhaustive(node, xs, before, verdict)
-        log = self.log
-        for s, e, mode in xs:  # every write carves first, then every access is added
+            self._exhaustive(node, i, xs, before, verdict)
+        for s, e, mode, _ in xs:  # every write carves first, then every access is added
             if mode is not _READ:
                 for m in (writers, readers):
                     if not m.pts:
                         continue
-                    kept = [en for en in m.overlapping(s, e) if en[0] in unordered] if unordered else ()
+                    if not unordered:
+                        m.carve(s, e)
+                        continue
+                    kept = [k for k in m.overlapping(s, e) if k in unordered]
                     m.carve(s, e)
-                    for en in kept:
-                        ks, ke = log[en[0]][:2]
-                        m.add(max(s, ks), min(e, ke), en)
-        for s, e, mode in xs:
-            entry = (len(log), node)
-            log.append((s, e, mode, node))
-            (readers if mode is _READ else writers).add(s, e, entry)
+                    for k in kept:
+                        r = accs[k].range
+                        m.add(max(s, r.offset), min(e, r.offset + r.nbytes), k)
+        for s, e, mode, k in xs:
+            (readers if mode is _READ else writers).add(s, e, k)
 
-    def _visit_whole(self, node, xs, before):
-        """`visit` for accesses of the whole buffer while every access so far was whole: the
-        frontier lists hold every entry of its one segment, so what overlaps is all of them
-        and a write's carve keeps only the entries not ordered before it."""
+    def visit_whole(self, i, before):
+        """`visit` of the one access at place ``i``, of the whole buffer, while every access
+        so far was whole (what most accesses are), without building the access list."""
         writers, readers = self.writers, self.readers
         assert isinstance(writers, list) and isinstance(readers, list)
-        verdict: dict[int, bool] = {}
-        unordered: set[int] = set()
-        for _, _, mode in xs:
-            found = writers + readers if mode is not _READ and readers else writers
-            for seq, a in found:
+        mode = self.accs[i].mode
+        writes = mode is not _READ
+        found = (writers + readers if readers else writers) if writes else writers
+        if found:
+            node, idx = self.idx[i], self.idx
+            unordered = None
+            verdict: dict[int, bool] = {}
+            for k in found:
+                a = idx[k]
                 ok = verdict.get(a)
                 if ok is None:
                     ok = verdict[a] = before(a, node)
                 if not ok:
-                    unordered.add(seq)
-        if unordered:
-            self._exhaustive(node, xs, before, verdict)
-        if any(mode is not _READ for _, _, mode in xs):
+                    if unordered is None:
+                        unordered = set()
+                    unordered.add(k)
             if unordered:
-                writers[:] = [en for en in writers if en[0] in unordered]
-                readers[:] = [en for en in readers if en[0] in unordered]
-            else:
-                writers.clear()
-                readers.clear()
-        log = self.log
-        for s, e, mode in xs:
-            entry = (len(log), node)
-            log.append((s, e, mode, node))
-            (readers if mode is _READ else writers).append(entry)
+                self._exhaustive(node, i, [(0, self.buffer.nbytes, mode, i)], before, verdict)
+                if writes:
+                    writers[:] = [k for k in writers if k in unordered]
+                    readers[:] = [k for k in readers if k in unordered]
+                (writers if writes else readers).append(i)
+                return
+        if writes:
+            writers.clear()
+            readers.clear()
+            writers.append(i)
+        else:
+            readers.append(i)
 
-    def visit_one(self, node, s, e, mode, before):
-        """`visit` of one access ``[s, e)`` (without building the access list)."""
+    def visit_one(self, i, before):
+        """`visit` of the one access at place ``i`` (a part of the buffer, or the buffer once
+        its frontier is segment maps), without building the access list."""
         if self.whole:
             self._split()
         writers, readers = self.writers, self.readers
         assert isinstance(writers, SegmentMap) and isinstance(readers, SegmentMap)
+        acc = self.accs[i]
+        r, mode = acc.range, acc.mode
+        s, e = r.offset, r.offset + r.nbytes
         writes = mode is not _READ
         found = writers.overlapping(s, e) if writers.pts else ()
         if writes and readers.pts:
             more = readers.overlapping(s, e)
             found = found + more if found else more
-        unordered = None
         if found:
+            node, idx = self.idx[i], self.idx
             verdict: dict[int, bool] = {}
-            for seq, a in found:
+            for k in found:
+                a = idx[k]
                 ok = verdict.get(a)
                 if ok is None:
                     ok = verdict[a] = before(a, node)
-                if not ok:
-                    if unordered is None:
-                        unordered = set()
-                    unordered.add(seq)
-            if unordered:  # the general visit: exact findings, entries kept
-                self._visit_unordered(node, s, e, mode, before, verdict, unordered)
-                return
-        log = self.log
-        entry = (len(log), node)
-        log.append((s, e, mode, node))
+                if not ok:  # an entry not ordered before: the general visit reports it
+                    self.visit(i, i + 1, before)
+                    return
         if writes:
             if readers.pts:
                 readers.carve(s, e)
-            writers.assign(s, e, entry)
+            writers.assign(s, e, i)
         else:
-            readers.add(s, e, entry)
+            readers.add(s, e, i)
 
-    def _visit_unordered(self, node, s, e, mode, before, verdict, unordered):
-        """The rest of `visit_one` when a frontier entry is not ordered before ``node``."""
-        self._exhaustive(node, [(s, e, mode)], before, verdict)
-        writers, readers = self.writers, self.readers
-        log = self.log
-        if mode is not _READ:
-            for m in (writers, readers):
-                if not m.pts:
-                    continue
-                kept = [en for en in m.overlapping(s, e) if en[0] in unordered]
-                m.carve(s, e)
-                for en in kept:
-                    ks, ke = log[en[0]][:2]
-                    m.add(max(s, ks), min(e, ke), en)
-        entry = (len(log), node)
-        log.append((s, e, mode, node))
-        (readers if mode is _READ else writers).add(s, e, entry)
-
-    def visit_one_whole(self, node, mode, before):
-        """`visit` of one access, of the whole buffer, while every access so far was whole
-        (what most accesses are), without building the access list."""
+    def _visit_whole(self, node, i, xs, before):
+        """`visit` for accesses of the whole buffer while every access so far was whole: the
+        frontier lists hold every entry of its one segment, so what overlaps is all of them
+        and a write's carve keeps only the entries not ordered before it."""
         writers, readers = self.writers, self.readers
         assert isinstance(writers, list) and isinstance(readers, list)
-        writes = mode is not _READ
-        found = (writers + readers if readers else writers) if writes else writers
-        unordered = None
-        if found:
-            verdict: dict[int, bool] = {}
-            for seq, a in found:
+        idx = self.idx
+        verdict: dict[int, bool] = {}
+        unordered: set[int] = set()
+        for _, _, mode, _ in xs:
+            found = writers + readers if mode is not _READ and readers else writers
+            for k in found:
+                a = idx[k]
                 ok = verdict.get(a)
                 if ok is None:
                     ok = verdict[a] = before(a, node)
                 if not ok:
-                    if unordered is None:
-                        unordered = set()
-                    unordered.add(seq)
+                    unordered.add(k)
+        if unordered:
+            self._exhaustive(node, i, xs, before, verdict)
+        if any(mode is not _READ for _, _, mode, _ in xs):
             if unordered:
-                self._exhaustive(node, [(0, self.buffer.nbytes, mode)], before, verdict)
-        if writes:
-            if unordered:
-                writers[:] = [en for en in writers if en[0] in unordered]
-                readers[:] = [en for en in readers if en[0] in unordered]
+                writers[:] = [k for k in writers if k in unordered]
+                readers[:] = [k for k in readers if k in unordered]
             else:
                 writers.clear()
                 readers.clear()
-        log = self.log
-        entry = (len(log), node)
-        log.append((0, self.buffer.nbytes, mode, node))
-        (writers if writes else readers).append(entry)
+        for _, _, mode, k in xs:
+            (readers if mode is _READ else writers).append(k)
 
     def _split(self):
         """The first partial access: the frontier lists become segment maps."""
@@ -219,14 +212,21 @@ class _Buffer:
         self.writers, self.readers = maps
         self.whole = False
 
-    def _exhaustive(self, node, xs, before, verdict):
+    def _exhaustive(self, node, i, xs, before, verdict):
         """Every earlier node with an access conflicting with one of ``xs`` and not ordered
-        before ``node``."""
+        before ``node`` (its accesses start at place ``i``)."""
         found = {}
-        for s, e, mode in xs:
+        idx, accs, lifetime = self.idx, self.accs, self.lifetime
+        for s, e, mode, _ in xs:
             writes = mode is not _READ
-            for ys, ye, ymode, a in self.log:
-                if ys < e and s < ye and (writes or ymode is not _READ) and a not in found:
+            for k in range(i):
+                a = idx[k]
+                if lifetime[a]:
+                    continue
+                acc = accs[k]
+                r = acc.range
+                if r.offset < e and s < r.offset + r.nbytes \
+                        and (writes or acc.mode is not _READ) and a not in found:
                     ok = verdict.get(a)
                     if ok is None:
                         ok = verdict[a] = before(a, node)
@@ -277,9 +277,10 @@ def races(order, graph, collected=None) -> list[Finding]:
     per_buffer, race_rank, before, _ = collected or accesses_by_buffer(order, graph)
     out = []
     nodes = graph.nodes
+    lifetime = [n.kind in _LIFETIME_KINDS for n in nodes]  # checked by verify's lifetime walk
     for key, rank in race_rank.items():  # buffers are independent: one sweep state at a time
         buf, idx, accs = by_node(per_buffer[key])
-        state = _Buffer(buf, rank)
+        state = _Buffer(buf, rank, idx, accs, lifetime)
         nbytes = buf.nbytes
         i, m = 0, len(idx)
         while i < m:  # one node's accesses of the buffer are next to each other
@@ -287,17 +288,16 @@ def races(order, graph, collected=None) -> list[Finding]:
             j = i + 1
             while j < m and idx[j] == v:
                 j += 1
-            if nodes[v].kind in _LIFETIME_KINDS:
-                pass  # lifetimes are checked separately
+            if lifetime[v]:
+                pass
             elif j == i + 1:  # one access (the usual case)
                 r = accs[i].range
                 if state.whole and r.offset == 0 and r.nbytes == nbytes:
-                    state.visit_one_whole(v, accs[i].mode, before)
+                    state.visit_whole(i, before)
                 else:
-                    state.visit_one(v, r.offset, r.offset + r.nbytes, accs[i].mode, before)
+                    state.visit_one(i, before)
             else:
-                state.visit(v, [(r.offset, r.offset + r.nbytes, a.mode)
-                                for a in accs[i:j] for r in (a.range,)], before)
+                state.visit(i, j, before)
             i = j
         for a, b in state.pairs:
             out.append(((b, a, rank), _finding(order, graph, buf, nodes[a].name,
