@@ -88,11 +88,11 @@ def plan_by_index(graph: TaskGraph, on: list[int], specs: tuple[StreamSpec, ...]
     source = bytearray(n)  # 1: an event is recorded after node v
     R, W = 1 + n, 1 + 2 * n  # records' and waits' codes (runs' from 1)
     n_waits = 0
-    for v in seq:
-        s = on[v]
+    # each node with its stream and its predecessors' distances, in issue order
+    walk = zip(seq, on, back) if rank is None else ((v, on[v], back[v]) for v in seq)
+    for v, s, ps in walk:
         c = cur[s]
         cs = codes[s]
-        ps = back[v]
         if ps:
             # the predecessors on other streams, latest first (one or two: no list needed)
             if len(ps) == 1:
