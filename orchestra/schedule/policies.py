@@ -151,12 +151,13 @@ def _group_key_list(graph: TaskGraph) -> list[int]:
               else map(graph.index, graph.topological_order())):
         ps = back[v]
         if ps:
-            level[v] = max([level[v - d] for d in ps]) + 1
-    seen: dict[int, int] = {}
+            level[v] = (level[v - ps[0]] if len(ps) == 1
+                        else max([level[v - d] for d in ps])) + 1
+    count = [0] * (max(level, default=0) + 1)  # nodes seen so far per level
     in_level = [0] * n
     for v, lv in enumerate(level):
-        in_level[v] = seen.get(lv, 0)
-        seen[lv] = in_level[v] + 1
+        in_level[v] = count[lv]
+        count[lv] += 1
     return [k if k is not None else i for k, i in zip(keys, in_level)]
 
 

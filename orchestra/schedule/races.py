@@ -101,27 +101,31 @@ class _Buffer:
         for s, e, mode, k in xs:
             (readers if mode is _READ else writers).add(s, e, k)
 
-    def visit_whole(self, i, before):
-        """`visit` of the one access at place ``i``, of the whole buffer, while every access
-        so far was whole (what most accesses are), without building the access list."""
+    def visit_whole(self, i, mode, before):
+        """`visit` of the one access at place ``i``, of the whole buffer in ``mode``, while
+        every access so far was whole (what most accesses are), without the access list."""
         writers, readers = self.writers, self.readers
         assert isinstance(writers, list) and isinstance(readers, list)
-        mode = self.accs[i].mode
         writes = mode is not _READ
         found = (writers + readers if readers else writers) if writes else writers
         if found:
             node, idx = self.idx[i], self.idx
             unordered = None
-            verdict: dict[int, bool] = {}
-            for k in found:
-                a = idx[k]
-                ok = verdict.get(a)
-                if ok is None:
-                    ok = verdict[a] = before(a, node)
-                if not ok:
-                    if unordered is None:
-                        unordered = set()
-                    unordered.add(k)
+            if len(found) == 1:  # the usual frontier: one writer
+                a = idx[found[0]]
+                if not before(a, node):
+                    unordered, verdict = {found[0]}, {a: False}
+            else:
+                verdict = {}
+                for k in found:
+                    a = idx[k]
+                    ok = verdict.get(a)
+                    if ok is None:
+                        ok = verdict[a] = before(a, node)
+                    if not ok:
+                        if unordered is None:
+                            unordered = set()
+                        unordered.add(k)
             if unordered:
                 self._exhaustive(node, i, [(0, self.buffer.nbytes, mode, i)], before, verdict)
                 if writes:
@@ -240,7 +244,7 @@ _LIFETIME_KINDS = ("alloc", "free")
 
 def accesses_by_buffer(order, graph):
     """One pass over the nodes ``order`` knows: ``(per_buffer, race_rank, before, known)``.
-    ``per_buffer``: buffer name -> ``[buffer, node index, access, node index, access, ...]``,
+    ``per_buffer``: buffer name -> ``[buffer, node index, access, whole, ...]``,
     the nodes touching it (`TaskGraph.index`) and their `Access` records in program order
     (buffers in order of first access; `by_node` splits one); ``race_rank``: buffer name -> its
     place in the order of first access by a node that is not an Alloc or Free (the order race
@@ -254,20 +258,24 @@ def accesses_by_buffer(order, graph):
             continue
         racy = node.kind not in _LIFETIME_KINDS
         for acc in node._accesses:  # TaskGraph.accesses(name), without the lookup
-            buf = acc.range.buffer
+            r = acc.range
+            buf = r.buffer
             key = buf.name  # one namespace per graph: TaskGraph refuses two buffers of a name
             entry = flat.get(key)
             if entry is None:
                 entry = flat[key] = [buf]
             if racy and key not in race_rank:
                 race_rank[key] = len(race_rank)
-            entry += (i, acc)
+            # the access's mode when it covers the whole buffer (the sweep's usual case,
+            # known without reading the access again), else None
+            entry += (i, acc, acc.mode if r.offset == 0 and r.nbytes == buf.nbytes else None)
     return flat, race_rank, before, known
 
 
 def by_node(entry):
-    """``(buffer, node indices, accesses)`` of one `accesses_by_buffer` entry."""
-    return entry[0], entry[1::2], entry[2::2]
+    """``(buffer, node indices, accesses, whole)`` of one `accesses_by_buffer` entry:
+    ``whole[k]`` is access ``k``'s mode when it covers the whole buffer, else None."""
+    return entry[0], entry[1::3], entry[2::3], entry[3::3]
 
 
 def races(order, graph, collected=None) -> list[Finding]:
@@ -279,9 +287,8 @@ def races(order, graph, collected=None) -> list[Finding]:
     nodes = graph.nodes
     lifetime = [n.kind in _LIFETIME_KINDS for n in nodes]  # checked by verify's lifetime walk
     for key, rank in race_rank.items():  # buffers are independent: one sweep state at a time
-        buf, idx, accs = by_node(per_buffer[key])
+        buf, idx, accs, whole = by_node(per_buffer[key])
         state = _Buffer(buf, rank, idx, accs, lifetime)
-        nbytes = buf.nbytes
         i, m = 0, len(idx)
         while i < m:  # one node's accesses of the buffer are next to each other
             v = idx[i]
@@ -291,9 +298,9 @@ def races(order, graph, collected=None) -> list[Finding]:
             if lifetime[v]:
                 pass
             elif j == i + 1:  # one access (the usual case)
-                r = accs[i].range
-                if state.whole and r.offset == 0 and r.nbytes == nbytes:
-                    state.visit_whole(i, before)
+                mode = whole[i]
+                if mode is not None and state.whole:
+                    state.visit_whole(i, mode, before)
                 else:
                     state.visit_one(i, before)
             else:

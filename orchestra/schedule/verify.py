@@ -185,7 +185,7 @@ def _lifetimes(order, graph, collected=None) -> list[Finding]:
     out: list[Finding] = []
     nodes = graph.nodes
     for entry in per_buffer.values():  # one buffer at a time, in order of first use
-        buf, idx, accs = by_node(entry)
+        buf, idx, accs, _ = by_node(entry)
         if buf.is_host or not any(nodes[v].kind in _LIFETIME_KINDS for v in idx):
             continue  # external buffer: bound by the caller, not allocated by the plan
         life = _Life(order, buf.name, out, nodes, before)
