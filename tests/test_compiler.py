@@ -645,7 +645,8 @@ def test_int_that_does_not_fit():
     layout = ArgLayout(normalize_params(("int n", "size_t m", "unsigned char c")), "k")
     with pytest.raises(ValueError) as info:
         layout.pack([4294967296, 0, 0])
-    assert str(info.value) == "parameter n (int): 4294967296 does not fit in int32"
+    assert str(info.value) == ("parameter n (int): 4294967296 does not fit in int32: pass an int"
+                               " from -2147483648 to 2147483647")
     with pytest.raises(ValueError, match=r"parameter m \(size_t\): -1 does not fit in uint64"):
         layout.pack([0, -1, 0])
     with pytest.raises(ValueError, match="does not fit in uint8"):
