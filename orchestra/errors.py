@@ -428,7 +428,8 @@ class ExportError(InteropError, BufferError):
 
 class CompilerArgumentError(OrchestraError):
     """An argument to the compiler (`compile`, `link_ptx`, `Module.load`, ``arch=``, options,
-    name expressions, a kernel source) is unusable. Root of the three below."""
+    name expressions, a kernel source) is unusable. Root of the three below (and
+    `UnsupportedArchError`, a `CompilerArgumentValueError`)."""
 
 
 class CompilerArgumentTypeError(CompilerArgumentError, TypeError):
@@ -439,6 +440,27 @@ class CompilerArgumentTypeError(CompilerArgumentError, TypeError):
 class CompilerArgumentValueError(CompilerArgumentError, ValueError):
     """A compiler argument with an unusable value (an unknown architecture, an option that sets
     the architecture, an empty name expression, text that is not PTX)."""
+
+
+class UnsupportedArchError(CompilerArgumentValueError):
+    """The compiler in use (NVRTC, or nvJitLink for PTX) cannot target this architecture: too
+    old for it (``sm_35`` with NVRTC 13) or too new. Attributes: ``arch`` (``"sm_35"``),
+    ``supported`` (the real architectures it offers, ``("sm_75", ...)``, from
+    ``nvrtcGetSupportedArchs``), ``compiler`` (``"NVRTC 13.0"``). The message lists them."""
+
+    def __init__(self, arch: str, supported=(), compiler: str = "NVRTC", detail: str = ""):
+        self.arch = arch
+        self.supported = tuple(supported)
+        self.compiler = compiler
+        self.detail = detail
+        listed = ", ".join(self.supported) or "none"
+        super().__init__(
+            f"{compiler} cannot compile for {arch}{f' ({detail})' if detail else ''}: it"
+            f" supports {listed} (nvrtcGetSupportedArchs); pass one of those, or use a CUDA"
+            f" toolkit whose NVRTC supports {arch}")
+
+    def __reduce__(self):
+        return (type(self), (self.arch, self.supported, self.compiler, self.detail))
 
 
 class KernelSourceNotFoundError(CompilerArgumentError, FileNotFoundError):
