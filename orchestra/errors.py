@@ -322,8 +322,8 @@ class BufferLifetimeError(GraphError, ValueError):
 
 class HostBufferUseError(GraphError, ValueError):
     """`GraphBuilder`: a host buffer used against its declared role: a host input written by a
-    node, a host output that no node writes, or host bytes written twice with no node reading
-    them in between (the first write is lost)."""
+    node or read by none, a host output that no node writes, or host bytes written twice with no
+    node reading them in between (the first write is lost)."""
 
 
 class KernelArgumentError(OrchestraError):
