@@ -15,6 +15,8 @@ class, its bases and what raises it.
 
 from __future__ import annotations
 
+import math
+
 
 class OrchestraError(Exception):
     """Base class of every error orchestra raises on purpose."""
@@ -505,6 +507,21 @@ class UnsupportedDeviceError(OrchestraError, RuntimeError):
 class PrebuiltCubinError(OrchestraError, RuntimeError):
     """A prebuilt cubin directory is incomplete or was built from another source or for another
     architecture; the message says how to rebuild it."""
+
+
+def int_text(v: int) -> str:
+    """``v`` in decimal, or for a huge int (over 40 digits) its magnitude and bit length
+    (``1.000e+400 (a 1329-bit int)``): ``str()`` of an int over 4300 digits raises, and a
+    message of hundreds of digits helps nobody. For messages about a value a user gave."""
+    v = int(v)
+    if -10 ** 40 < v < 10 ** 40:
+        return str(v)
+    lg = math.log10(abs(v))  # exact enough for four significant digits at any size
+    exp = math.floor(lg)
+    mantissa = 10 ** (lg - exp)
+    if mantissa >= 9.9995:  # would print as 10.000
+        mantissa, exp = 1.0, exp + 1
+    return f"{'-' if v < 0 else ''}{mantissa:.3f}e+{exp} (a {abs(v).bit_length()}-bit int)"
 
 
 def prefixed(exc: Exception, prefix: str, type_error: type, value_error: type) -> Exception:

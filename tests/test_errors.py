@@ -273,7 +273,7 @@ def test_schedule_refuses_an_unknown_policy():
 
 
 def test_schedule_refuses_a_negative_cost():
-    _raises(ScheduleError, ValueError, "cost of node a must be >= 0 µs; got -1.0",
+    _raises(ScheduleError, ValueError, "cost of node a must be a finite number >= 0 µs; got -1.0",
             schedule, _tiny_graph(), policy="critical-path", costs={"a": -1, "f": 1})
 
 

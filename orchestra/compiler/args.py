@@ -56,6 +56,7 @@ from orchestra.errors import (
     KernelArgumentValueError,
     ParameterIndexError,
     UnknownParameterError,
+    int_text,
 )
 
 _CTYPES = {
@@ -81,21 +82,6 @@ _U64 = (1 << 64) - 1
 # Ints at or beyond DBL_MAX + half an ulp (2**1024 - 2**970) overflow float(): they round to
 # 2**1024. Those below convert (to DBL_MAX at most).
 _INT_TO_FLOAT = (1 << 1024) - (1 << 970)
-
-
-def int_text(v: int) -> str:
-    """``v`` in decimal, or for a huge int (over 40 digits) its magnitude and bit length
-    (``1.000e+400 (a 1329-bit int)``): ``str()`` of an int over 4300 digits raises, and a
-    message of hundreds of digits helps nobody."""
-    v = int(v)
-    if -10 ** 40 < v < 10 ** 40:
-        return str(v)
-    lg = math.log10(abs(v))  # exact enough for four significant digits at any size
-    exp = math.floor(lg)
-    mantissa = 10 ** (lg - exp)
-    if mantissa >= 9.9995:  # would print as 10.000
-        mantissa, exp = 1.0, exp + 1
-    return f"{'-' if v < 0 else ''}{mantissa:.3f}e+{exp} (a {abs(v).bit_length()}-bit int)"
 
 
 def value_text(v) -> str:
