@@ -52,6 +52,17 @@ def _int_at_least(text: str, minimum: int) -> int:
     return value
 
 
+def streams_count(text: str):
+    """An argparse type: ``auto`` or an int >= 1 (``--streams``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int_at_least(text, 1)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}") \
+            from None
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1 (``--batches``, ``--repeat``), refused while parsing."""
     return _int_at_least(text, 1)
@@ -89,9 +100,13 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                         "size sets it)")
     p.add_argument("--batch-mib", type=positive_float, default=64.0,
                    help="MiB of float32 per batch (default 64; may be fractional)")
-    p.add_argument("--streams", type=positive_int, default=3, help="streams (default 3)")
-    p.add_argument("--policy", choices=POLICIES, default="by-engine",
-                   help="stream placement (default by-engine)")
+    p.add_argument("--streams", type=streams_count, default="auto", metavar="N|auto",
+                   help="streams; 'auto' (default): 16 lanes (at most the batches) for "
+                        "round-robin when the copies run as copy kernels, else 3")
+    p.add_argument("--policy", choices=("auto", *POLICIES), default="auto",
+                   help="stream placement; 'auto' (default): round-robin lanes (batch b on "
+                        "stream b %% N) when most copies run as copy kernels (small copies in "
+                        "a CUDA graph, or --copy-lowering kernel), else by-engine")
     p.add_argument("--compute-iters", type=compute_iters, default="auto", metavar="N|auto",
                    help="burn iterations per element; 'auto' (default) makes the kernel take "
                         "as long as the slower copy")
