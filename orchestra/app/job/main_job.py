@@ -11,7 +11,10 @@ What `MainJob.run` does, in order:
    ``t_h2d``, ``t_d2h``, then ``--compute-iters auto`` calibrates the kernel to the slower copy,
    then ``t_kernel``; then the sustained times of K back-to-back items (H2Ds, D2Hs, kernels,
    H2D/D2H pairs at once; `sustained`) for the bound;
-3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once;
+3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once,
+   with the policy and stream count ``"auto"`` resolves to (`policy.choose_policy`: round-robin
+   lanes when most copies run as copy kernels, else by-engine on 3 streams), decided before
+   the timings so that the sustained times are measured at the plan's concurrency;
 4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
    many iterations every output converges to 2.0 whatever its input, so only a short run shows
    that each batch's output came from its own input;
@@ -23,10 +26,10 @@ What `MainJob.run` does, in order:
 
 ``efficiency = bound / wall`` with the fill-aware pipeline bound from the sustained times, the
 duplex rate where both directions overlap (`bound.pipeline_bound`; N counts a shorter last
-batch by its fraction of a full one). An efficiency above 1.01 is a bug in the bound:
-``JobReport.bound_warning`` says so, unless copies ran as copy kernels (``copy_lowering``,
-``JobReport.copy_kernels``): the bound is made of copy-engine times, which copy kernels may
-beat.
+batch by its fraction of a full one). The sustained times are measured at the plan's
+concurrency (items spread over its streams: a lane plan runs that many batches at once) and
+with the copy mechanism the run uses (the copy kernel too when any copy runs as one). An
+efficiency above 1.01 is a bug in the bound: ``JobReport.bound_warning`` says so.
 
 With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
 flattened) and goes through a pool of pinned staging slots (`graphs.build_staged_graph`); the
@@ -58,10 +61,14 @@ from orchestra.app.job.graphs import (
     build_staged_graph,
     burn_grid,
     burn_kernel_ref,
+    in_flight_for,
     job_costs,
 )
 from orchestra.app.job.inputs import open_input
 from orchestra.app.job.bound import bound_warning
+from orchestra.app.job.policy import (
+    AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies,
+)
 from orchestra.app.job.sustained import items_for
 from orchestra.app.job.timing import BatchTimer, SingleBatch
 
@@ -80,8 +87,8 @@ class JobReport:
 
     device: str
     executor: str
-    policy: str
-    streams: int  # the streams the plan runs on (at most the requested number)
+    policy: str  # the policy the plan ran with ("auto" resolved)
+    streams: int  # the streams the plan runs on (at most the resolved number)
     batches: int
     batch_bytes: int
     data_bytes: int
@@ -112,6 +119,9 @@ class JobReport:
     bound_warning: str | None = None  # set when efficiency > 1.01: the bound is wrong
     copy_lowering: str = "auto"  # the run's --copy-lowering
     copy_kernels: int = 0  # host copies of one run that ran as the copy kernel
+    policy_requested: str = AUTO  # what was asked for: "auto" or a policy
+    streams_requested: int | str = AUTO  # "auto" or a count
+    policy_reason: str = ""  # why the policy and stream count (policy.PolicyChoice.reason)
     timing: str = TIMING_NOTE
     timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
@@ -146,6 +156,9 @@ def parse_iters(value) -> int | None:
 class MainJob:
     """The main job (see the module doc). Arguments mirror ``orchestra run``'s options.
 
+    ``policy``: a `orchestra.schedule.POLICIES` name or "auto" (default), ``streams``: an int
+    >= 1 or "auto" (default): resolved by `orchestra.app.job.policy.choose_policy` from how the
+    executor lowers the job's copies (`JobConfigError` for anything else).
     ``compute_iters``: an int, or "auto" (default) to match the kernel to the slower copy.
     ``elements``: total float32 elements (default ``batches * batch elements``; a value that is
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
@@ -158,8 +171,8 @@ class MainJob:
     (`orchestra.app.job.graphs.in_flight_for`; default 8 GiB).
     """
 
-    def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
-                 policy: str = "by-engine", compute_iters="auto", repeat: int = 5, seed: int = 0,
+    def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int | str = AUTO,
+                 policy: str = AUTO, compute_iters="auto", repeat: int = 5, seed: int = 0,
                  executor: str = "eager", *, device=None, elements: int | None = None,
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
@@ -167,12 +180,14 @@ class MainJob:
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
                  progress: Callable[[str, int, int], None] | None = None,
                  copy_lowering: str = "auto", device_budget: int = DEVICE_BUDGET):
-        if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
-            raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
+        if batches < 1 or repeat < 1 or warmup < 0:
+            raise JobConfigError("batches and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
         self.batches = int(batches)
-        self.streams = int(streams)
-        self.policy = policy
+        self.streams = check_streams(streams)
+        self.policy = check_policy(policy)
+        # the resolved policy and streams, once run() knows the executor's copy lowering
+        self.choice: PolicyChoice | None = None
         self.iters = parse_iters(compute_iters)
         self.repeat, self.warmup, self.seed = int(repeat), int(warmup), seed
         self.executor_name = executor
@@ -202,20 +217,42 @@ class MainJob:
         total = total_elements or self.elements or self.batches * per
         return batch_sizes(total, per)
 
+    def _choose(self, executor, sizes, in_flight: int | None):
+        """Resolve ``policy`` / ``streams`` (`choose_policy`) from how ``executor`` lowers the
+        job's copies over ``sizes``; ``in_flight``: the batches that may run together."""
+        copies, kernels = count_copies(sizes, executor.copy_policy())
+        c = self.choice = choose_policy(self.policy, self.streams, copies=copies,
+                                        copy_kernels=kernels, batches=len(sizes),
+                                        in_flight=in_flight,
+                                        executor=f"{self.executor_name} executor")
+        log.debug("main job: %s", c.describe())
+        return c
+
+    def _resolved(self) -> PolicyChoice:
+        """The `PolicyChoice` `_choose` made (run() makes it before any timing)."""
+        if self.choice is None:
+            raise JobConfigError("the policy is resolved when the job runs (MainJob.run)")
+        return self.choice
+
     def _plan(self, executor, graph, single: SingleBatch):
+        c = self._resolved()
         costs = None
-        if self.policy == "critical-path":
+        if c.policy == "critical-path":
             costs = job_costs(single.nbytes, single.t_h2d_ms, single.t_kernel_ms,
                               single.t_d2h_ms)
-        return executor.prepare(graph, policy=self.policy, streams=self.streams, costs=costs), costs
+        return executor.prepare(graph, policy=c.policy, streams=c.streams, costs=costs), costs
 
     def _timings(self, kernel, stream, host_in, host_out, grid, batches: int) -> SingleBatch:
+        """Single-batch and sustained times; the sustained items spread over the plan's
+        streams (its concurrency), with the copy kernel timed too when the run has any."""
         self._step("single-batch timings", 0, self.warmup + self.repeat + int(self.trace))
+        c = self._resolved()
         timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
                            repeats=self.timing_repeats)
         try:
-            return timer.measure(self.iters, items=items_for(batches, host_in.nbytes),
-                                 streams=self.streams)
+            return timer.measure(self.iters,
+                                 items=items_for(batches, host_in.nbytes, streams=c.streams),
+                                 streams=c.streams, copy_kernel=c.copy_kernels > 0)
         finally:
             timer.close()
 
@@ -228,8 +265,9 @@ class MainJob:
         last = runs[-1]
         ok = all(c.ok for c in checks) and routing is not False
         bad = next((c for c in checks if not c.ok), checks[-1])
+        c = self._resolved()
         return JobReport(
-            device=dev.name, executor=self.executor_name, policy=self.policy,
+            device=dev.name, executor=self.executor_name, policy=c.policy,
             streams=last.streams, batches=len(sizes), batch_bytes=single.nbytes,
             data_bytes=sum(sizes), compute_iters=single.iters,
             compute_iters_auto=self.iters is None, t_h2d_ms=single.t_h2d_ms,
@@ -243,11 +281,11 @@ class MainJob:
             output=None if self.output is None else str(self.output), timeline=timeline,
             bound_limiter=bound.limiter, bound_terms=bound.terms,
             sustained=None if single.sustained is None else single.sustained.as_dict(),
-            # the bound is made of copy-engine times: copies run as copy kernels may beat it,
-            # which says nothing about the bound
-            bound_warning=None if last.copy_kernels else bound_warning(
-                efficiency, f"{self.executor_name} {self.policy}"),
-            copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels)
+            bound_warning=bound_warning(efficiency, f"{self.executor_name} {c.policy} "
+                                                    f"({c.streams} streams)"),
+            copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels,
+            policy_requested=c.requested_policy, streams_requested=c.requested_streams,
+            policy_reason=c.reason)
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):
@@ -315,6 +353,7 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         pin_in = pin_out = stream = None
         try:
+            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget))
             pin_in = PinnedBuffer.empty(total, np.float32, dev)
             pin_out = PinnedBuffer.empty(total, np.float32, dev)
             x, y = pin_in.array, pin_out.array
@@ -375,6 +414,8 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         stage_in = stage_out = stream = None
         try:
+            # a slot's next batch waits for the batch before it: at most ``slots`` at once
+            self._choose(executor, sizes, slots)
             stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")
             stage_out = StagingPool(slots, max(sizes), dev, prefix="stage_out")
             ins = [stage_in.view(k) for k in range(slots)]
