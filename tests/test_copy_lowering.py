@@ -614,6 +614,16 @@ def test_the_benchmarks_goal_lines():
     assert "goal host <= 100 µs and GPU <= 0.85x: met" in lines[0]
     assert "2.36x faster" in lines[1] and "goal >= 2.5x: NOT met" in lines[1]
     assert "goal within 2% of bare: NOT met" in lines[2]
+    # with the by-engine row of the same exec, the line says what the auto policy gained
+    lanes = bench.goals({"4096x4KiB@1": [
+        {"contender": "bare", "host_us": 28007, "gpu_ms": 28.0, "wall_ms": 28.0},
+        {"contender": "graph auto", "plan": "round-robin x16", "host_us": 110,
+         "gpu_ms": 2.5, "wall_ms": 2.8},
+        {"contender": "graph auto by-engine", "plan": "by-engine x3", "host_us": 146,
+         "gpu_ms": 11.9, "wall_ms": 11.9}]})
+    assert "graph auto (round-robin x16) host 110 µs" in lanes[0]
+    assert "10.00x faster than bare (by-engine x3: 2.35x, so the auto policy 4.25x faster)" \
+        in lanes[0] and "goal >= 2.5x: met" in lanes[0]
 
 
 def test_each_direction_is_judged_by_the_best_variant_on_either_side():
