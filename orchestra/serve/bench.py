@@ -27,10 +27,13 @@ Exit status 1 when an output is wrong or a bad request was not refused as it sho
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import gc
 import json
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -106,6 +109,9 @@ class Workload:
                 x = (rng.standard_normal((rows, row_floats)) * 10).astype(np.float32)
                 reqs.append((x, demo_reference(x, iters, S, T)))
             self.requests.append(reqs)
+        # what pickers hand out: the input and the expected output's bytes (made once: the
+        # check of every output is then one copy and one comparison)
+        self._checked = [[(x, y.tobytes()) for x, y in reqs] for reqs in self.requests]
         cum = np.cumsum(self.weights)
         self._cum = (cum / cum[-1]).tolist()
 
@@ -117,9 +123,10 @@ class Workload:
     def shapes(self) -> list[tuple[int, int]]:
         return [(r, self.row_floats) for r in self.sizes]
 
-    def picker(self, seed: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    def picker(self, seed: int) -> Callable[[], tuple[np.ndarray, bytes]]:
+        """A function returning a random request: ``(x, expected output bytes)``."""
         rnd = random.Random(seed)
-        cum, reqs = self._cum, self.requests
+        cum, reqs = self._cum, self._checked
         single = len(reqs) == 1
 
         def pick():
@@ -207,6 +214,15 @@ class EngineConfig:
     backend_factory: Callable | None = None  # tests: a CPU backend instead of CUDA
 
 
+def cpu_backend_factory(w: Workload):
+    """``--cpu``: the demo's function on `NumpyBackend` with a device thread (launches complete
+    on a worker thread, so the engine's host path runs as on a GPU)."""
+    from orchestra.serve.backend import NumpyBackend
+
+    iters = w.iters
+    return NumpyBackend(lambda d: demo_reference(d["x"], iters, S, T), device_thread=True)
+
+
 def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
                 dispatch: str = "caller", instances: int | None = None) -> Engine:
     from orchestra.serve.demo import demo_graph
@@ -274,16 +290,16 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
         try:
             if isinstance(client, tuple) and window > 1:
                 submit, wait = client
-                inflight = []
+                inflight: collections.deque = collections.deque()
                 while not stop.is_set():
                     while len(inflight) < window:
                         x, y_ref = pick()
                         inflight.append((_now(), submit(x), y_ref))
-                    t0, h, y_ref = inflight.pop(0)
+                    t0, h, y_ref = inflight.popleft()
                     y = wait(h)
                     lat.append((_now() - t0) / 1e3)
                     n += 1
-                    wrong += y.tobytes() != y_ref.tobytes()
+                    wrong += y.tobytes() != y_ref
                 for t0, h, y_ref in inflight:
                     wait(h)
             else:
@@ -293,7 +309,7 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
                     y = _call(client, x)
                     lat.append((_now() - t0) / 1e3)
                     n += 1
-                    wrong += y.tobytes() != y_ref.tobytes()
+                    wrong += y.tobytes() != y_ref
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
         finally:
@@ -351,6 +367,8 @@ class BenchOptions:
     batching: str = "both"  # off | on | both
     dispatch: str = "both"  # caller | thread | both
     peers: bool = True
+    gc_freeze: bool = True  # asyncio: gc.freeze() after the warm-up
+    switch_interval_ms: float | None = None  # sys.setswitchinterval for the run (None: as is)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
 
@@ -430,7 +448,7 @@ def _sequential(name: str, w: Workload, fn, n: int) -> Result:
         s = _now()
         y = fn(x)
         res.latency_us.append((_now() - s) / 1e3)
-        res.wrong += y.tobytes() != y_ref.tobytes()
+        res.wrong += y.tobytes() != y_ref
     res.seconds = time.perf_counter() - t0
     res.requests = n
     return res
@@ -444,7 +462,7 @@ def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
         if o.dispatch in ("thread", "both"):
             out.append(("engine, dispatcher thread", False, "thread"))
     if o.batching in ("on", "both"):
-        out.append(("engine, dynamic batching", True, "thread"))
+        out.append(("engine, dynamic batching", True, "caller"))
     return out
 
 
@@ -496,7 +514,7 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
         t = _now()
         try:
             y = fut.result()
-            wrong = y.tobytes() != y_ref.tobytes()
+            wrong = y.tobytes() != y_ref
             err = 0
         except BaseException:  # noqa: BLE001
             wrong, err = 0, 1
@@ -537,30 +555,95 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
 def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
     total = o.requests or 20 * o.tasks
+    if o.gc_freeze:
+        notes.append("asyncio: gc.freeze() after the engine's warm-up (docs/serving.md "
+                     "recommends it for servers with a lag bound; --no-gc-freeze measures "
+                     "without)")
     for name, batching, dispatch in _engine_variants(o):
         if dispatch == "thread" and not batching and o.dispatch == "both":
             continue  # asyncio: the caller design and batching
         with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
                          instances=max(o.engine.instances, 8)) as e:
             info = _warm(e)
-            r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+            if o.gc_freeze:
+                gc.collect()
+                gc.freeze()
+            try:
+                r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+            finally:
+                if o.gc_freeze:
+                    gc.unfreeze()
             r.batch_fill = _fill(e)
             r.extra.update(info)
             out.append(r)
     return out
 
 
+class _GcPauses:
+    """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[float, float, int]] = []
+        self._t = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append((self._t, time.perf_counter(), info["generation"]))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
+
+
+def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
+    """Why the probe woke late, for every sample above ``bound_ms``.
+
+    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep; ``pauses``:
+    `_GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
+    within the sleep cover half the lag or more; else to the loop's own callbacks when the
+    loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
+    loop iteration); else to waiting: the loop thread was ready but did not run (another
+    thread held the GIL, or no CPU was free). Returns ``{cause: {"count", "max_ms"}}``.
+    """
+    out: dict = {}
+    for t0, t1, lag, cpu in samples:
+        if lag <= bound_ms:
+            continue
+        gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
+        gens = [g for a, b, g in pauses if b > t0 and a < t1]
+        if gc_ms >= lag / 2:
+            cause = f"garbage collector (generation {max(gens)})"
+        elif cpu >= (t1 - t0) * 1e3 / 2:
+            cause = "loop busy running callbacks"
+        else:
+            cause = "loop thread waiting for the GIL or a CPU"
+        c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
+        c["count"] += 1
+        c["max_ms"] = max(c["max_ms"], lag)
+    return out
+
+
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
-    lags = []
+    samples = []
     stop = False
     period = 0.0005
 
     async def probe():
+        clock, cpu = time.perf_counter, time.thread_time
         while not stop:
-            t = time.perf_counter()
+            t, c = clock(), cpu()
             await asyncio.sleep(period)
-            lags.append((time.perf_counter() - t - period) * 1e3)
+            t1 = clock()
+            samples.append((t, t1, (t1 - t - period) * 1e3, (cpu() - c) * 1e3))
 
     per = max(1, total // tasks)
 
@@ -571,32 +654,62 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
             t0 = _now()
             y = await e.run(x)
             res.latency_us.append((_now() - t0) / 1e3)
-            res.wrong += y.tobytes() != y_ref.tobytes()
+            res.wrong += y.tobytes() != y_ref
 
-    p = asyncio.ensure_future(probe())
-    t0 = time.perf_counter()
-    # the tasks start in waves of 50 per loop turn, as a server's connections arrive: the
-    # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
-    started = []
-    for lo in range(0, tasks, 50):
-        started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + 50))]
-        await asyncio.sleep(0)
-    results = await asyncio.gather(*started, return_exceptions=True)
-    res.seconds = time.perf_counter() - t0
-    stop = True
-    await p
+    with _GcPauses() as gcp:
+        p = asyncio.ensure_future(probe())
+        t0 = time.perf_counter()
+        # the tasks start in waves of completions_per_turn per loop turn, as a server's
+        # connections arrive: the first steps of 1,000 coroutines in one turn would be the
+        # benchmark's own lag, not the engine's
+        wave = e.completions_per_turn
+        started = []
+        for lo in range(0, tasks, wave):
+            started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + wave))]
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*started, return_exceptions=True)
+        res.seconds = time.perf_counter() - t0
+        stop = True
+        await p
     errs = [r for r in results if isinstance(r, BaseException)]
     res.errors = len(errs)
     if errs:
-        res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120]
+        res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120] + "; "
     res.requests = len(res.latency_us)
-    lag = np.array(lags) if lags else np.zeros(1)
-    res.extra.update({"loop_lag_max_ms": float(lag.max()),
+    lag = np.array([s[2] for s in samples]) if samples else np.zeros(1)
+    causes = lag_causes(samples, gcp.pauses)
+    gens = {}
+    for a, b, g in gcp.pauses:
+        d = gens.setdefault(g, [0, 0.0])
+        d[0] += 1
+        d[1] = max(d[1], (b - a) * 1e3)
+    res.extra.update({"loop_lag_p50_ms": float(np.percentile(lag, 50)),
                       "loop_lag_p99_ms": float(np.percentile(lag, 99)),
-                      "loop_lag_samples": len(lags)})
-    res.note = (res.note or "") + (f"loop lag max {lag.max():.3f} ms, p99 "
-                                   f"{np.percentile(lag, 99):.3f} ms")
+                      "loop_lag_max_ms": float(lag.max()),
+                      "loop_lag_samples": len(samples),
+                      "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
+                      "loop_lag_causes": causes,
+                      "gc_collections": {str(g): {"count": c, "max_ms": m}
+                                         for g, (c, m) in sorted(gens.items())}})
+    res.note = (res.note or "") + (f"loop lag p50 {np.percentile(lag, 50):.3f} / p99 "
+                                   f"{np.percentile(lag, 99):.3f} / max {lag.max():.3f} ms")
     return res
+
+
+def format_lag(r: Result) -> list[str]:
+    """The asyncio rows' lag distribution and, above the bound, its causes."""
+    x = r.extra
+    lines = [f"  {r.name}: event-loop lag p50 {x['loop_lag_p50_ms']:.3f} ms, p99 "
+             f"{x['loop_lag_p99_ms']:.3f} ms, max {x['loop_lag_max_ms']:.3f} ms over "
+             f"{x['loop_lag_samples']:,} probes (0.5 ms sleeps); "
+             f"{x['loop_lag_over_1ms']:,} above {LAG_BOUND_MS:g} ms"]
+    for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
+        lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "
+                     f"(max {c['max_ms']:.3f} ms)")
+    gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
+                    for g, v in x["gc_collections"].items())
+    lines.append(f"    garbage collections during the run: {gcs or 'none'}")
+    return lines
 
 
 # -- soak -------------------------------------------------------------------------------------
@@ -686,7 +799,7 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 y = e(x)
                 lat.add((_now() - t0) / 1e3)
                 n += 1
-                wrong += y.tobytes() != y_ref.tobytes()
+                wrong += y.tobytes() != y_ref
             with lock:
                 res.requests += n
                 res.wrong += wrong
@@ -719,8 +832,16 @@ def run(o: BenchOptions) -> tuple[list[Result], list[str], Workload]:
     notes: list[str] = []
     modes = ("latency", "closed") if o.mode == "all" else (o.mode,)
     results = []
-    for m in modes:
-        results += MODES[m](w, o, notes)
+    was = sys.getswitchinterval()
+    if o.switch_interval_ms is not None:
+        sys.setswitchinterval(o.switch_interval_ms / 1e3)
+        notes.append(f"sys.setswitchinterval({o.switch_interval_ms / 1e3:g}) for this run "
+                     f"(default {was:g} s)")
+    try:
+        for m in modes:
+            results += MODES[m](w, o, notes)
+    finally:
+        sys.setswitchinterval(was)
     return results, notes, w
 
 
@@ -743,7 +864,12 @@ def goal_lines(results: list[Result]) -> list[str]:
             lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
         if r.mode == "asyncio":
             lag = r.extra.get("loop_lag_max_ms")
-            lines.append(f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)")
+            line = f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)"
+            causes = r.extra.get("loop_lag_causes") or {}
+            if causes:
+                worst = max(causes.items(), key=lambda kv: kv[1]["max_ms"])[0]
+                line += f"; the worst: {worst}"
+            lines.append(line)
         if "warmup_ms" in r.extra and r.extra.get("buckets", 0) >= 8 and r.mode == "closed":
             lines.append(f"warmup: {r.extra['buckets']} buckets in {r.extra['warmup_ms']:.0f} ms"
                          f" ({r.name}; goal <= 1,000 ms for 8)")
@@ -813,6 +939,9 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
                 continue
             print(f"\n{mode}:")
             print(format_results(rs))
+            if mode == "asyncio":
+                for r in rs:
+                    print("\n".join(format_lag(r)))
         for line in goal_lines(results) + notes:
             print(line)
     if plot:
@@ -822,5 +951,5 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
     return 0 if ok else 1
 
 
-__all__ = ["BenchOptions", "EngineConfig", "Result", "Workload", "closed_loop", "main",
+__all__ = ["BenchOptions", "EngineConfig", "Result", "Workload", "closed_loop", "cpu_backend_factory", "main",
            "make_engine", "memory_snapshot", "parse_mix", "parse_size", "run"]
