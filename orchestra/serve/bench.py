@@ -760,24 +760,31 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     with make_engine(w, o.engine, instances=max(o.engine.instances, threads)) as e:
         info = _warm(e)
         largest = e.buckets.largest
-        # one pass first: allocator caches warm, then the first snapshot
-        pick = w.picker(1)
-        for _ in range(200):
-            e(pick()[0])
         # the soak's own bookkeeping is fixed-size and allocated before the first snapshot:
         # the RSS it reports is the engine's
         rings = [Samples(1 << 15, prealloc=True) for _ in range(threads)]
-        first = memory_snapshot(device)
+        rss_trace = np.zeros(4096, np.float64)  # RSS once a second (the ring's last 4,096)
+        # every thread serves a first pass (the allocator's per-thread caches warm up), then
+        # the first snapshot, then the soak
+        ready = threading.Barrier(threads + 1)
+        go = threading.Barrier(threads + 1)
         lock = threading.Lock()
         counter = [0]
         bad_ok = [0]
         bad_wrong = [0]
-        # whichever comes first: the requests or the duration
-        deadline = time.perf_counter() + _dur(o, 50.0)
+        # whichever comes first: the requests or the duration (default 10 minutes)
+        limit_s = _dur(o, SOAK_SECONDS)
+        deadline = time.perf_counter() + limit_s
 
         def worker(k):
             pk = w.picker(100 + k)
             lat, wrong, n = rings[k], 0, 0
+            try:
+                for _ in range(200):
+                    e(pk()[0])
+            finally:
+                ready.wait()
+                go.wait()
             while True:
                 with lock:
                     i = counter[0]
@@ -804,23 +811,43 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 res.requests += n
                 res.wrong += wrong
 
-        t0 = time.perf_counter()
         ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
         for t in ts:
             t.start()
-        for t in ts:
-            t.join()
+        ready.wait()
+        first = memory_snapshot(device)
+        t0 = time.perf_counter()
+        deadline = t0 + limit_s
+        go.wait()
+        samples = 0
+        while True:
+            alive = [t for t in ts if t.is_alive()]
+            if not alive:
+                break
+            alive[0].join(1.0)
+            rss = _rss_bytes()
+            if rss is not None:
+                rss_trace[samples % rss_trace.size] = rss
+                samples += 1
         res.seconds = time.perf_counter() - t0
         last = memory_snapshot(device)
         for ring in rings:  # after the last snapshot
             res.latency_us.extend(ring.values().tolist())
         res.errors = bad_wrong[0]
         res.extra.update(info)
+        reached = min(counter[0], total) >= total
         res.extra.update({"bad_requests": bad_ok[0] + bad_wrong[0], "bad_refused_ok": bad_ok[0],
-                          "first": first, "last": last,
+                          "first": first, "last": last, "target_requests": total,
+                          "limit_s": limit_s,
+                          "stopped_by": "requests" if reached else "duration",
+                          "rss_trace_mib": (rss_trace[:min(samples, rss_trace.size)]
+                                            / 2**20).round(2).tolist(),
                           "engine_bad_requests": e.stats()["engine"]["bad_requests"]})
         res.note = f"{bad_ok[0]:,} bad refused, each only its own future"
     return [res]
+
+
+SOAK_SECONDS = 600.0  # the soak's default duration: 1,000,000 requests or 10 minutes
 
 
 MODES = {"latency": run_latency, "closed": run_closed, "open": run_open,
@@ -882,14 +909,28 @@ def format_soak(r: Result) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:,.1f} MiB"
 
-    lines = [f"soak: {r.requests:,} good requests in {r.seconds:.1f} s ({r.rps:,.0f} req/s), "
-             f"{r.wrong} wrong; {r.extra['bad_requests']:,} bad requests, "
-             f"{r.extra['bad_refused_ok']:,} failed their own future with the expected error",
-             f"  {'':18}{'first':>16}{'last':>16}"]
+    x = r.extra
+    total = r.requests + x["bad_requests"]
+    why = (f"reached {x['target_requests']:,} requests" if x["stopped_by"] == "requests" else
+           f"stopped by the {x['limit_s']:g} s limit before {x['target_requests']:,} requests "
+           "(--duration to run longer)")
+    lines = [f"soak: {total:,} requests in {r.seconds:.1f} s ({why}): {r.requests:,} good "
+             f"({r.rps:,.0f} req/s), {r.wrong} wrong; {x['bad_requests']:,} bad requests, "
+             f"{x['bad_refused_ok']:,} failed their own future with the expected error",
+             f"  {'':18}{'first':>16}{'last':>16}{'change':>16}"]
     for key, label, f in (("rss_bytes", "RSS", mib), ("pool_used_bytes", "pool used", mib),
                           ("graph_used_bytes", "graph memory", mib),
                           ("live_handles", "live handles", lambda v: "-" if v is None else str(v))):
-        lines.append(f"  {label:18}{f(first[key]):>16}{f(last[key]):>16}")
+        a, b = first[key], last[key]
+        delta = "-" if a is None or b is None else (
+            f"{b - a:+,d}" if key == "live_handles" else f"{(b - a) / 2**20:+,.1f} MiB")
+        lines.append(f"  {label:18}{f(a):>16}{f(b):>16}{delta:>16}")
+    trace = x.get("rss_trace_mib") or []
+    if len(trace) >= 4:
+        q = len(trace) // 4
+        lines.append(f"  RSS once a second: min {min(trace):,.1f} MiB, max {max(trace):,.1f} MiB; "
+                     f"last three quarters of the run {trace[q]:,.1f} -> {trace[-1]:,.1f} MiB "
+                     f"({trace[-1] - trace[q]:+,.1f} MiB)")
     return "\n".join(lines)
 
 
@@ -930,7 +971,8 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
                           "goals": goal_lines(results), "verified": ok}, indent=2))
     else:
         print(f"orchestra bench serve: {device_name or 'CPU backend'}, requests {o.mix} "
-              f"({w.row_floats * 4 // 1024} KiB rows), executor {o.engine.executor}, "
+              f"({w.row_floats * 4 // 1024} KiB rows), executor "
+              f"{o.engine.executor if o.engine.backend_factory is None else 'numpy'}, "
               f"{o.threads} threads, outputs checked bit for bit")
         for mode in dict.fromkeys(r.mode for r in results):
             rs = [r for r in results if r.mode == mode]

@@ -30,7 +30,7 @@ def register(bsub) -> None:
                    help="requests in flight per thread in the closed loop (default 1)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds per contender (closed, open; default 3) or the soak's limit "
-                        "(default 50)")
+                        "(default 600: the soak stops at --requests or this, whichever first)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per contender (latency, default 2,000), in all (asyncio, "
                         "default 20 per task; soak, default 1,000,000, or --duration first)")
