@@ -25,9 +25,12 @@ The life of one request, in the default ``dispatch="caller"`` mode:
    the request's rows), returns the instance (starting the next queued request on it) and sets
    the result.
 
-With ``dispatch="thread"`` or dynamic batching, one dispatcher thread per engine takes requests
-from a queue, forms batches (same-bucket requests arriving within ``max_delay_us``, up to
-``max_batch`` rows, concatenated along axis 0) and launches them; the rest is the same.
+With dynamic batching, requests wait in one arrival-order queue; a batch (the requests at its
+head that fit ``max_batch`` rows, concatenated along axis 0) is started by the thread whose
+request fills it, or by the thread that returns an instance while a full or overdue batch
+waits, and by the batcher thread (the delay timer) once its first request waited
+``max_delay_us``. With ``dispatch="thread"`` the batcher thread forms and launches
+everything; the rest is the same.
 """
 
 from __future__ import annotations
@@ -245,8 +248,8 @@ class Engine:
         split: allow requests above the largest bucket: they run as chunks of the largest
             bucket, outputs concatenated (default False: `RequestTooLarge`).
         dispatch: ``"caller"`` (default: the submitting thread launches when an instance is
-            free) or ``"thread"`` (one dispatcher thread launches everything). Batching always
-            uses the dispatcher thread.
+            free; with batching, the thread that fills a batch starts it) or ``"thread"``
+            (one dispatcher thread launches everything).
         completion_threads: threads that wait on blocking-sync events (default 1).
         timing_every: measure GPU time on every n-th launch (timing events; 0: never).
         zero_padding: zero the padding rows of input staging that a larger earlier request
