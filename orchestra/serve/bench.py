@@ -678,7 +678,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
     res.requests = len(res.latency_us)
     lag = np.array([s[2] for s in samples]) if samples else np.zeros(1)
     causes = lag_causes(samples, gcp.pauses)
-    gens = {}
+    gens: dict[int, list] = {}
     for a, b, g in gcp.pauses:
         d = gens.setdefault(g, [0, 0.0])
         d[0] += 1

@@ -170,6 +170,7 @@ class ServeFuture(concurrent.futures.Future):
         # completes (a launch refers to its requests, which refer to this future: keeping the
         # list would make a reference cycle per request, freed only by the cyclic GC)
         self._launches: list = []
+        self._aio: Any = None  # run(): the awaiting asyncio future (the loop inbox resolves it)
 
     def set_result(self, result):
         self._launches.clear()
