@@ -181,12 +181,12 @@ class ServeFuture(concurrent.futures.Future):
         super().set_exception(exception)
 
     def result(self, timeout=None):
-        if timeout is None and self._launches and not self.done():
+        if timeout is None and not self.done() and self._engine is not None:
             self._engine._wait_inline(self)
         return super().result(timeout)
 
     def exception(self, timeout=None):
-        if timeout is None and self._launches and not self.done():
+        if timeout is None and not self.done() and self._engine is not None:
             self._engine._wait_inline(self)
         return super().exception(timeout)
 
@@ -1022,12 +1022,35 @@ class Engine:
 
     def _wait_inline(self, fut: ServeFuture) -> None:
         """``result()`` in the caller's thread: wait on each launch of the request's own
-        instance, then complete it (unless another thread did first)."""
+        instance, then complete it (unless another thread did first). While the request is
+        still queued, the caller completes other started launches nobody waits on instead of
+        sleeping (`_help`)."""
+        if not fut._launches:
+            self._help(fut)
         for launch in list(fut._launches):
             # one thread waits on a launch's instance and completes all of its requests (a
             # batch's other callers wait on their futures: one wake-up each, not two)
             if not launch.done and not launch.waiter:
                 self._wait_launch(launch)
+
+    def _help(self, fut: ServeFuture) -> None:
+        """A caller waits for a request that is still queued: meanwhile it waits on a started
+        launch that nobody waits on and completes it (copy-out, results, the instance's next
+        batch), until its own request is launched or done or no such launch is left. A deep
+        queue would otherwise leave every completion, and every launch that follows one, to
+        the completion thread: one thread doing the host work of all requests and waiting
+        for the GIL behind the callers at every step."""
+        while not fut._launches and not fut.done():
+            launch = None
+            with self._lock:
+                for x in self._running:
+                    if x.started and not x.waiter and not x.done and not x.inline:
+                        launch = x
+                        x.waiter = True
+                        break
+            if launch is None:
+                return
+            self._wait_launch(launch)
 
     def _wait_launch(self, launch: _Launch) -> None:
         launch.waiter = True
