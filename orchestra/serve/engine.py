@@ -156,7 +156,9 @@ class ServeFuture(concurrent.futures.Future):
 
     ``result()`` / ``exception()`` without a timeout, called once the request is launched, wait
     in the calling thread on the request's own stream (and complete the future themselves when
-    they see the completion first): no thread hop on the way back. Everything else is the
+    they see the completion first): no thread hop on the way back. Called while the request
+    is still queued, they first complete other started launches nobody waits on (the engine's
+    host work done by a thread that would otherwise sleep), then wait for their own. Everything else is the
     standard Future (callbacks run on the thread that completes it: an engine thread or a
     caller's; keep them short and never call `Engine.close` from one).
 
