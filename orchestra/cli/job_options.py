@@ -164,7 +164,7 @@ def _in_flight(args, input_elements, largest: int, batches: int) -> dict[str, An
     from orchestra.app.job.graphs import MIN_IN_FLIGHT, device_peak_bytes, in_flight_for
 
     if input_elements is not None:
-        bound: int | None = min(MIN_IN_FLIGHT, batches)
+        bound = min(MIN_IN_FLIGHT, batches)
         return {"in_flight": bound, "device_peak_bytes": 2 * largest * bound}
     sizes = [largest] * batches
     return {"in_flight": in_flight_for(sizes, device_budget(args)),
