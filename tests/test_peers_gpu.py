@@ -90,8 +90,6 @@ def test_a_lane_plan_never_beats_its_bound(dev, executor, lowering):
         r.policy_reason
     assert r.sustained["streams"] == r.streams
     assert r.sustained["items"] == (64 if lanes else 16)
-    if r.copy_kernels:
-        assert "copy kernel" in r.sustained["copies"], r.sustained
     assert r.bound_warning is None and r.efficiency <= 1.01, (r.efficiency, r.bound_terms,
                                                              r.sustained)
     print(f"\n{executor} {lowering}: {r.policy} x{r.streams}, wall {r.wall_ms:.3f} ms, bound "
