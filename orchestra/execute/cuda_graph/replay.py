@@ -294,6 +294,7 @@ class Replay(ExecParts):
                             if keep is not b.keep:
                                 release_keep(keep)
                             if type(exc) is not _Refused:
+                                p.write(b.address)  # the structs back on the bound address
                                 raise
                             if self._refused_fast(p, b, value, exc):
                                 plans = self._rebinds
@@ -372,6 +373,7 @@ class Replay(ExecParts):
             except BaseException:
                 if keep is not b.keep:
                     release_keep(keep)
+                p.write(b.address)  # the structs back on the bound address
                 raise
             if refused is not None:
                 if keep is not b.keep:
