@@ -61,11 +61,6 @@ log = logging.getLogger(__name__)
 _RANGES = _host.pinned_ranges()
 _ndarray = np.ndarray
 
-
-class _Refused(Exception):
-    """A node's SetParams refused a rebinding on the replay's fast path: ``(node, err)``
-    (internal: turned into an update of the whole exec, or a `CudaError`)."""
-
 #: CUDA graph node kind -> the per-node update that applies a rewritten parameter struct
 SET_PARAMS = {"memcpy": "cuGraphExecMemcpyNodeSetParams",
               "kernel": "cuGraphExecKernelNodeSetParams",
@@ -274,13 +269,14 @@ class Replay(ExecParts):
                         keep = value
                     addr = k[1]
                     if addr != b.address:
+                        refused = None
                         try:
                             one = p.one
                             if one is not None:  # one field, one node: the common case
                                 one[0].value = addr + one[1]
                                 (err,) = one[2]()
                                 if err:
-                                    raise _Refused(p.nodes[0], err)
+                                    refused = (p.nodes[0], err)
                             else:
                                 for cell, off in p.cells:
                                     cell.value = addr + off
@@ -289,16 +285,19 @@ class Replay(ExecParts):
                                 for node in p.nodes:
                                     (err,) = node[0]()
                                     if err:
-                                        raise _Refused(node, err)
-                        except BaseException as exc:
+                                        refused = (node, err)
+                                        break
+                        except BaseException:
                             if keep is not b.keep:
                                 release_keep(keep)
-                            if type(exc) is not _Refused:
-                                p.write(b.address)  # the structs back on the bound address
-                                raise
-                            if self._refused_fast(p, b, value, exc):
-                                plans = self._rebinds
-                                version = bind_version()
+                            p.write(b.address)  # the structs back on the bound address
+                            raise
+                        if refused is not None:  # the exec is updated for the caller instead
+                            if keep is not b.keep:
+                                release_keep(keep)  # the rebuild takes its own lease
+                            self._update_for(b, value, self._refused(p, *refused))
+                            plans = self._rebinds
+                            version = bind_version()
                             continue
                     old = b.keep
                     b.value = value
@@ -421,14 +420,6 @@ class Replay(ExecParts):
         if self._rebuild is None:
             raise error
         return f"{call} refused node {rec.name} ({error.name})"
-
-    def _refused_fast(self, p, b, value, refused: "_Refused") -> bool:
-        """The fast path's SetParams refused a node (the new value's keep already released):
-        undo the nodes changed so far, then update the whole exec for the caller (True), or
-        raise the `CudaError` when it cannot update itself."""
-        node, err = refused.args
-        self._update_for(b, value, self._refused(p, node, err))
-        return True
 
     def _update_for(self, b, value, reason: str) -> None:
         """Re-point binding ``b`` to ``value`` by updating the whole exec (a rebuild with the
