@@ -58,6 +58,7 @@ from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     TraceTypeError,
     TraceValueError,
     UnknownParameterError,
+    UnsupportedArchError,
     UnsupportedDeviceError,
 )
 
@@ -112,6 +113,7 @@ __all__ = [
     "TraceTypeError",
     "TraceValueError",
     "UnknownParameterError",
+    "UnsupportedArchError",
     "UnsupportedDeviceError",
     "__version__",
 ]

@@ -234,3 +234,29 @@ def test_launch_attributes_are_keywords_and_unknown_ones_are_refused(kernel):
     assert [n for n, kd in kinds.items() if kd is inspect.Parameter.KEYWORD_ONLY] == [
         "cooperative", "cluster", "pdl", "priority"]
     assert sig.parameters["shared_mem"].default == 0
+
+
+def test_out_of_range_arguments_are_refused_before_the_launch(kernel):
+    """A value the parameter's C type cannot hold is a `KernelArgumentValueError` naming the
+    parameter, its type and the range (never an ``OverflowError``), and nothing is launched;
+    NaN and inf are floats like any other."""
+    from orchestra.errors import KernelArgumentValueError
+
+    k, calls, _ = kernel
+    s = _Stream("h")
+    with pytest.raises(KernelArgumentValueError) as info:
+        k.launch(s, 1, 32, [1 << 20, 2 << 20, 7, 2, 10 ** 400, 1.0])
+    assert str(info.value) == (
+        "parameter s (float): the int 1.000e+400 (a 1329-bit int) does not fit in float32: pass"
+        " a value from -3.4028235e+38 to 3.4028235e+38 (nan and +-inf pass as they are)")
+    with pytest.raises(KernelArgumentValueError, match=r"parameter iters \(int\): 2147483648 does"
+                                                       r" not fit in int32: pass an int from"
+                                                       r" -2147483648 to 2147483647"):
+        k.launch(s, 1, 32, {"x": 0, "y": 0, "n": 7, "iters": 2 ** 31, "s": 0.5, "t": 1.0})
+    with pytest.raises(KernelArgumentValueError, match=r"parameter n \(size_t\): -1 does not fit"
+                                                       r" in uint64: pass an int from 0 to"
+                                                       r" 18446744073709551615"):
+        k.launch(s, 1, 32, [0, 0, -1, 2, 0.5, 1.0])
+    assert calls == []
+    k.launch(s, 1, 32, [0, 0, 7, 2, float("nan"), float("-inf")])
+    assert len(calls) == 1

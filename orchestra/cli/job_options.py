@@ -107,6 +107,10 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                    help="how host copies run: auto (default: copy kernels below the device's "
                         "crossover, see `orchestra tune copies`), kernel (every copy a copy "
                         "kernel on the SMs) or copy-engine (cuMemcpy*Async / memcpy nodes)")
+    p.add_argument("--device-budget-mib", type=positive_float, default=8192.0,
+                   help="device memory the batches in flight may hold together (default 8192): "
+                        "a job whose batches all fit runs unbounded; else batch b allocates "
+                        "after batch b-k freed, with k as large as the budget allows (at least 6)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -136,7 +140,6 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     ``--input`` the largest batch is at most the file's size) and
     ``device_peak_bytes`` (what the batches that may be in flight together hold)."""
     from orchestra.app.job import batch_bytes_from_mib
-    from orchestra.app.job.graphs import IN_FLIGHT
 
     batch_bytes = batch_bytes_from_mib(args.batch_mib)
     if input_elements is not None:
@@ -150,7 +153,27 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     largest = batch_bytes if input_elements is None else min(batch_bytes, input_elements * 4)
     return {"batch_bytes": batch_bytes, "batches": batches, "pinned_bytes": pinned,
             "device_batch_bytes": 2 * largest,
-            "device_peak_bytes": 2 * largest * min(IN_FLIGHT, batches)}
+            **_in_flight(args, input_elements, largest, batches)}
+
+
+def _in_flight(args, input_elements, largest: int, batches: int) -> dict[str, Any]:
+    """``in_flight`` (batches that may hold device memory together; None: all of them) and
+    ``device_peak_bytes``: generated data as `build_job_graph` bounds it under
+    ``--device-budget-mib``; with ``--input`` the staging slots pace the batches, counted as
+    `MIN_IN_FLIGHT` (an estimate)."""
+    from orchestra.app.job.graphs import MIN_IN_FLIGHT, device_peak_bytes, in_flight_for
+
+    if input_elements is not None:
+        bound = min(MIN_IN_FLIGHT, batches)
+        return {"in_flight": bound, "device_peak_bytes": 2 * largest * bound}
+    sizes = [largest] * batches
+    return {"in_flight": in_flight_for(sizes, device_budget(args)),
+            "device_peak_bytes": device_peak_bytes(sizes, device_budget(args))}
+
+
+def device_budget(args: argparse.Namespace) -> int:
+    """``--device-budget-mib`` in bytes."""
+    return int(args.device_budget_mib * 2**20)
 
 
 def check_options(args: argparse.Namespace, command: str,
@@ -203,6 +226,6 @@ def check_device(args: argparse.Namespace, needs: dict[str, Any], device: Any) -
             "--batch-mib")
     if needs["device_peak_bytes"] > total:
         log.warning("the batches in flight together may need %s of device memory and %s has "
-                    "%s: the run may fail with CUDA_ERROR_OUT_OF_MEMORY; a smaller --batch-mib "
-                    "avoids it", fmt_bytes(needs["device_peak_bytes"]), device.name,
+                    "%s: the run may fail with CUDA_ERROR_OUT_OF_MEMORY; a smaller "
+                    "--device-budget-mib or --batch-mib avoids it", fmt_bytes(needs["device_peak_bytes"]), device.name,
                     fmt_bytes(total))

@@ -16,7 +16,7 @@ import logging
 
 from orchestra.cli import progress
 from orchestra.cli.job_options import (
-    DEFAULT_STAGING_SLOTS, add_graph_options, check_options, fmt_bytes,
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_options, device_budget, fmt_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
         needs = check_options(args, "plan")
         sizes = batch_sizes(needs["batches"] * per, per)
         update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
-        jg = build_job_graph(sizes, iters=iters, block=args.block)
+        jg = build_job_graph(sizes, iters=iters, block=args.block,
+                             device_budget=device_budget(args))
     log.debug("plan: task graph of %d nodes, %d edges", len(jg.graph), jg.graph.edge_count)
     update(1, description=f"plan: scheduling {len(jg.graph)} nodes ({args.policy})")
     plan = schedule(jg.graph, args.policy, args.streams)
@@ -112,6 +113,7 @@ def _run(args: argparse.Namespace) -> int:
             "pinned_bytes": needs["pinned_bytes"],
             "device_batch_bytes": needs["device_batch_bytes"],
             "device_peak_bytes": needs["device_peak_bytes"],
+            "in_flight": needs["in_flight"],
             "cost_model": COST_NOTE,
             "estimated_makespan_ms": round(makespan_ms, 3),
         }
@@ -172,7 +174,9 @@ def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
     lines += [
         f"memory: {fmt_bytes(info['pinned_bytes'])} pinned host, "
         f"{fmt_bytes(info['device_batch_bytes'])} device per batch, up to "
-        f"{fmt_bytes(info['device_peak_bytes'])} with the batches in flight",
+        f"{fmt_bytes(info['device_peak_bytes'])} with "
+        + ("every batch in flight" if info.get("in_flight") is None
+           else f"at most {info['in_flight']} batches in flight (--device-budget-mib)"),
         f"estimated makespan: {info['estimated_makespan_ms']:.3f} ms ({COST_NOTE})",
     ]
     if args.policy == "critical-path":

@@ -23,7 +23,8 @@ import os
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
 from orchestra.cli.job_options import (
-    DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, fmt_bytes,
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, device_budget,
+    fmt_bytes,
     nonnegative_int, positive_int, same_file,
 )
 
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                       staging_slots=args.staging_slots or DEFAULT_STAGING_SLOTS,
                       graph_dot=args.graph_dot, trace=bool(args.trace or args.plot),
                       progress=progress.reporter(update, "run"),
-                      copy_lowering=args.copy_lowering)
+                      copy_lowering=args.copy_lowering, device_budget=device_budget(args))
         report = job.run()
     log.debug("run: %s", {k: v for k, v in report.as_dict().items() if k in (
         "nodes", "events", "waits", "wall_ms", "verified")})

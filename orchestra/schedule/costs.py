@@ -9,13 +9,15 @@ times replace the model through ``costs=``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import attrs
 
-from orchestra.errors import ScheduleError
+from orchestra.errors import ScheduleError, int_text
 from orchestra.graph import TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
+
 
 RESOURCES = {"upload": "upload", "download": "download", "compute": "compute"}
 
@@ -91,9 +93,14 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
             value = given(node) if given is not None else None
             if value is None:
                 value = cost(node, accesses(name)) if ours and kind == "kernel" else cost(node)
-        value = float(value)
-        if not value >= 0:
-            raise ScheduleError(f"cost of node {name} must be >= 0 µs; got {value!r}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError, OverflowError):  # not a number; an int beyond a double
+            raise ScheduleError(f"cost of node {name} must be a finite number >= 0 µs; got"
+                                f" {type(value).__name__} {_text(value)}") from None
+        if not 0 <= value < math.inf:  # an infinite cost has no makespan (nor JSON text)
+            raise ScheduleError(f"cost of node {name} must be a finite number >= 0 µs; got"
+                                f" {value!r}")
         out[name] = value
     return out
 
@@ -179,3 +186,9 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
         t_stream[best] = end_t
         head[best] += 1
         dirty[best] = True
+
+
+def _text(value) -> str:
+    """A cost as messages show it (a huge int by its magnitude, never its digits)."""
+    return int_text(value) if isinstance(value, int) and not isinstance(value, bool) \
+        else repr(value)

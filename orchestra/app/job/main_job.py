@@ -50,6 +50,7 @@ import numpy as np
 from orchestra.errors import JobConfigError
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
+    DEVICE_BUDGET,
     ELEMENT,
     batch_bytes_from_mib,
     batch_sizes,
@@ -152,7 +153,9 @@ class MainJob:
     ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
     ``progress``: called as ``progress(stage, done, total)`` as the runs go (the CLI's bar).
     ``copy_lowering``: ``"auto"`` (default), ``"kernel"`` or ``"copy-engine"``, the executor's
-    (`orchestra.execute.ExecutorBase`).
+    (`orchestra.execute.ExecutorBase`). ``device_budget``: device memory (bytes) the batches in
+    flight may hold together before batch ``b`` waits for batch ``b - k``'s frees
+    (`orchestra.app.job.graphs.in_flight_for`; default 8 GiB).
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
@@ -163,7 +166,7 @@ class MainJob:
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
                  progress: Callable[[str, int, int], None] | None = None,
-                 copy_lowering: str = "auto"):
+                 copy_lowering: str = "auto", device_budget: int = DEVICE_BUDGET):
         if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
             raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
@@ -186,6 +189,10 @@ class MainJob:
         self.trace = bool(trace)
         self.progress = progress
         self.copy_lowering = copy_lowering
+        if int(device_budget) < 1:
+            raise JobConfigError(f"device_budget must be a positive number of bytes; got "
+                                 f"{device_budget!r}")
+        self.device_budget = int(device_budget)
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -323,14 +330,14 @@ class MainJob:
             routing = None
             if self.check_iters and self.check_iters != single.iters:
                 rg = build_job_graph(sizes, iters=self.check_iters, block=self.block,
-                                     sm_count=dev.sm_count)
+                                     sm_count=dev.sm_count, device_budget=self.device_budget)
                 plan, _ = self._plan(executor, rg.graph, single)
                 jd.poison(y)
                 executor.run(rg.graph, plan, bindings)
                 routing = jd.check_against(x, y, self.check_iters).ok
 
             jg = build_job_graph(sizes, iters=single.iters, block=self.block,
-                                 sm_count=dev.sm_count)
+                                 sm_count=dev.sm_count, device_budget=self.device_budget)
             plan, _ = self._plan(executor, jg.graph, single)
             reference = jd.Reference.build(x, single.iters)
 

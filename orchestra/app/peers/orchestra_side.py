@@ -2,7 +2,7 @@
 `GraphExec` replayed (needs a GPU).
 
 Pipelines (`OrchestraPipeline`): the job's task graph (``build_pipeline``: alloc -> H2D -> burn
--> D2H -> free per batch, batch ``b``'s allocations after batch ``b - 6``'s frees), by-engine on
+-> D2H -> free per batch, bounded in flight as the main job is: `in_flight_for`), by-engine on
 3 streams. Requests (`OrchestraRequest`): one H2D -> burn -> D2H on external device buffers
 (allocated once), or with allocations in the graph; eager on one stream, or a graph replayed.
 Chains (`OrchestraChain`): ``kernels`` dependent ``pdl_chain_step`` nodes over two external
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from orchestra.app.job.graphs import IN_FLIGHT
+from orchestra.app.job.graphs import in_flight_for
 
 
 class _Ours:
@@ -78,7 +78,8 @@ class OrchestraPipeline(_Replay):
         self.graph, _ = build_pipeline(
             w.batches, w.batch_bytes, burn_kernel_ref(), host_in=HostBuffer("host_in", total),
             host_out=HostBuffer("host_out", total), grid=w.grid, block=w.block,
-            scalars=(w.iters, s, t), in_flight=IN_FLIGHT)
+            scalars=(w.iters, s, t),
+            in_flight=in_flight_for([w.batch_bytes] * w.batches))
         self.bindings = {"host_in": w.x, "host_out": w.y}
         self.ex = _executor(kind, w.dev, w.resolver)
         self.exe = None
