@@ -117,7 +117,7 @@ def plan_json(capsys, *argv, batches=40):
     (0.0625, "graph", "auto", "round-robin", 16),       # 64 KiB
     (0.0625, "capture", "auto", "round-robin", 16),
     (0.0625, "eager", "auto", "by-engine", 3),          # eager's crossover: copy engines
-    (0.0625, "eager", "kernel", "round-robin", 16),
+    (0.0625, "eager", "kernel", "by-engine", 3),        # eager: lanes cost host time
     (0.0625, "graph", "copy-engine", "by-engine", 3),
     (1, "graph", "auto", "by-engine", 3),               # 1 MiB: above the crossover
     (1, "graph", "kernel", "round-robin", 16),
@@ -269,15 +269,23 @@ def lane_job(monkeypatch):
 
 def test_main_job_runs_copy_kernels_in_lanes_and_verifies(lane_job):
     from orchestra.app.job import MainJob
+    from orchestra.app.job.policy import EAGER_LANES_NOTE
 
+    # eager: auto keeps by-engine even with copy kernels (the host enqueues each of them)
     r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1,
                 copy_lowering="kernel").run()
     assert r.verified and r.routing_check is True
-    assert (r.policy, r.streams) == ("round-robin", 16)
+    assert (r.policy, r.streams) == ("by-engine", 3)
     assert (r.policy_requested, r.streams_requested) == ("auto", "auto")
     assert "40 of 40 host copies run as copy kernels (eager executor)" in r.policy_reason
+    assert EAGER_LANES_NOTE in r.policy_reason and r.copy_kernels == 40
+    # lanes asked for: round-robin with --streams auto runs 16 lanes
+    events = lane_job.counts["cuEventRecord"]
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1, policy="round-robin",
+                copy_lowering="kernel").run()
+    assert r.verified and (r.policy, r.streams) == ("round-robin", 16)
     assert r.copy_kernels == 40 and lane_job.seen["choice"].streams == 16
-    assert lane_job.counts["cuEventRecord"] == 0  # lanes never wait on each other
+    assert lane_job.counts["cuEventRecord"] == events  # lanes never wait on each other
     # the default lowering keeps eager copies on the copy engines: by-engine, 3 streams
     r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1).run()
     assert r.verified and (r.policy, r.streams, r.copy_kernels) == ("by-engine", 3, 0)
@@ -288,6 +296,21 @@ def test_main_job_runs_copy_kernels_in_lanes_and_verifies(lane_job):
                 streams=2, copy_lowering="kernel").run()
     assert r.verified and (r.policy, r.streams) == ("round-robin", 2)
     assert r.policy_reason == "--policy round-robin given; --streams 2 given"
+
+
+def test_the_graph_runner_answers_the_copy_policy_the_main_job_asks(monkeypatch):
+    """MainJob resolves auto from make_executor's result: for the graph executors a
+    GraphRunner, whose copy_policy is its executor's."""
+    from orchestra.execute.cuda_graph.runner import GraphRunner
+    from tests.graphs_for_tests import fake_drivers
+
+    _, graph = fake_drivers(monkeypatch, kernel_host_access=True)
+    for kind in ("capture", "graph"):
+        with GraphRunner(kind, copy_lowering="kernel") as r:
+            assert r.copy_policy() is r.executor.copy_policy()
+            assert r.copy_policy().lowering == "kernel"
+            assert r.copy_policy("copy-engine").lowering == "copy-engine"
+            assert count_copies([4096] * 3, r.copy_policy()) == (6, 6)
 
 
 def test_main_job_refuses_a_bad_policy_or_stream_count():
@@ -305,13 +328,13 @@ def test_run_report_prints_the_choice_and_the_chain_times(lane_job, capsys):
     from orchestra.app.job import MainJob
     from orchestra.cli.run_cmd import print_report
 
-    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1,
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1, policy="round-robin",
                 copy_lowering="kernel").run()
     su = dict(r.sustained, streams=16, h2d_chain_ms=2.0, kernel_chain_ms=1.5, d2h_chain_ms=2.5)
     print_report(attrs.evolve(r, sustained=su, bound_warning=None))
     out = capsys.readouterr().out
     assert "executor eager, policy round-robin, 16 stream(s)" in out
-    assert "policy choice: auto: 40 of 40 host copies run as copy kernels" in out
+    assert "policy choice: --policy round-robin given; streams auto: 16 lanes" in out
     assert "the faster of 1 and 16 streams (the plan's concurrency)" in out
     assert ("one batch's chain step by step (the same items on one stream; the bound's fill "
             "and drain): H2D 2.0000 ms, kernel 1.5000 ms, D2H 2.5000 ms") in out

@@ -74,7 +74,8 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     c = copies["info"]
     choice = choose_policy(args.policy, args.streams, copies=c["copies"],
                            copy_kernels=c["copy_kernels"], batches=len(sizes),
-                           in_flight=in_flight, executor=f"{args.executor} executor")
+                           in_flight=in_flight, executor=f"{args.executor} executor",
+                           eager=args.executor == "eager")
     update(1, description=f"plan: scheduling {len(jg.graph)} nodes ({choice.policy})")
     plan = schedule(jg.graph, choice.policy, choice.streams)
     log.debug("plan: %d streams, %d events, %d waits", len(plan.streams), plan.event_count,

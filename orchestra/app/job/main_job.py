@@ -224,7 +224,8 @@ class MainJob:
         c = self.choice = choose_policy(self.policy, self.streams, copies=copies,
                                         copy_kernels=kernels, batches=len(sizes),
                                         in_flight=in_flight,
-                                        executor=f"{self.executor_name} executor")
+                                        executor=f"{self.executor_name} executor",
+                                        eager=self.executor_name == "eager")
         log.debug("main job: %s", c.describe())
         return c
 

@@ -140,7 +140,8 @@ def bound_streams(dev, w) -> int:
     from orchestra.execute.copy_table import copy_policy
     from orchestra.execute.lowering.copy_policy import MODES
 
-    return max(3, *(pipeline_policy(w, copy_policy(dev, mode)).streams for mode in MODES))
+    return max(3, *(pipeline_policy(w, copy_policy(dev, mode),
+                                    executor=f"{mode} executor").streams for mode in MODES))
 
 
 class RequestData:

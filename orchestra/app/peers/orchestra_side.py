@@ -49,7 +49,8 @@ def pipeline_policy(w, copy_policy, policy: str = AUTO, streams: int | str = AUT
     sizes = [w.batch_bytes] * w.batches
     copies, kernels = count_copies(sizes, copy_policy)
     return choose_policy(policy, streams, copies=copies, copy_kernels=kernels,
-                         batches=w.batches, in_flight=in_flight_for(sizes), executor=executor)
+                         batches=w.batches, in_flight=in_flight_for(sizes), executor=executor,
+                         eager=executor.startswith("eager"))
 
 
 class _Replay(_Ours):
