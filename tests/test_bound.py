@@ -444,7 +444,7 @@ def test_without_copy_kernels_only_the_copy_engines_are_timed(monkeypatch):
 def test_items_grow_with_the_streams():
     from orchestra.app.job.sustained import items_for
 
-    assert items_for(1024, 65536) == 16 and items_for(1024, 65536, streams=3) == 16
+    assert items_for(1024, 65536) == 16 and items_for(1024, 65536, streams=3) == 48
     assert items_for(1024, 65536, streams=16) == 256  # 16 per lane
     assert items_for(20, 65536, streams=16) == 20    # never more than the pipeline has
     assert items_for(1024, 64 << 20, streams=16) == 16  # at most 1 GiB of items

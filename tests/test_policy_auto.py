@@ -217,10 +217,10 @@ def test_main_job_times_the_sustained_items_over_the_lanes(monkeypatch):
     x = np.zeros(16384, np.float32)
     job.choice = choose_policy(copies=2048, copy_kernels=2048, batches=1024)
     assert job._timings(None, None, x, x, 16, 1024) == "single"
-    assert calls[-1] == {"items": 64, "streams": 16, "copy_kernel": True}
+    assert calls[-1] == {"items": 256, "streams": 16, "copy_kernel": True}
     job.choice = choose_policy(copies=2048, copy_kernels=0, batches=1024)
     job._timings(None, None, x, x, 16, 1024)
-    assert calls[-1] == {"items": 16, "streams": 3, "copy_kernel": False}
+    assert calls[-1] == {"items": 48, "streams": 3, "copy_kernel": False}
 
 
 @pytest.fixture
