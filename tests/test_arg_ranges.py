@@ -215,3 +215,22 @@ def test_an_eager_run_refuses_before_it_creates_anything(monkeypatch):
         ex.run(one_kernel_graph(K, (In(x), Out(y), 1024, 3, 0.5, -(10 ** 400))),
                bindings={"x": Ext(4096), "y": Ext(4096)})
     assert_nothing_happened(fake, ex)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"shared_mem": 10**5000}, r"shared_mem must be a byte count from 0 to 4294967295 \(an "
+                               r"unsigned int\), got 1\.000e\+5000 \(a 16610-bit int\)"),
+    ({"shared_mem": 2**32}, r"from 0 to 4294967295 \(an unsigned int\), got 4294967296"),
+    ({"shared_mem": -(10**5000)}, r"byte count >= 0, got -1\.000e\+5000"),
+    ({"priority": 10**5000}, r"priority must be an int from -2147483648 to 2147483647, got "
+                             r"1\.000e\+5000"),
+    ({"priority": -(2**31) - 1}, r"priority must be an int from -2147483648 to 2147483647, got "
+                                 r"-2147483649"),
+])
+def test_launch_config_refuses_out_of_range_shared_memory_and_priority(kw, match):
+    from orchestra.compiler.launch import LaunchConfig
+    from orchestra.errors import LaunchConfigValueError
+
+    with pytest.raises(LaunchConfigValueError, match=match):
+        LaunchConfig.make(1, 32, **kw)
+    assert LaunchConfig.make(1, 32, shared_mem=2**32 - 1, priority=-(2**31)).priority == -(2**31)
