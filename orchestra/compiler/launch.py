@@ -93,7 +93,8 @@ class LaunchConfig:
                 f"shared_mem must be an int (bytes), got {shared_mem!r}") from None
         if isinstance(shared_mem, bool) or smem < 0:
             raise LaunchConfigValueError(
-                f"shared_mem must be a byte count >= 0, got {int_text(smem)}")
+                f"shared_mem must be a byte count >= 0, got "
+                f"{repr(shared_mem) if isinstance(shared_mem, bool) else int_text(smem)}")
         if smem > _UINT_MAX:  # cuLaunchKernel's sharedMemBytes is an unsigned int
             raise LaunchConfigValueError(
                 f"shared_mem must be a byte count from 0 to {_UINT_MAX} (an unsigned int), got "
