@@ -63,6 +63,11 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
     graph.validate()
+    if policy in ("critical-path", "concurrent"):
+        # Both take the lowest-numbered idle stream first, so with one stream more than there
+        # are nodes one is always idle and the rest never used: the same plan as any larger
+        # count, without lists of ``streams`` entries (``--streams 10**23`` ran out of memory).
+        streams = min(streams, len(graph) + 3)
     if policy == "round-robin":
         specs, assign, order, meta = _round_robin(graph, streams)
     elif policy == "by-engine":
@@ -104,37 +109,48 @@ def _follow_latest_pred(graph, name, assign, gpos, fallback):
 
 
 def _round_robin(graph, S):
-    specs = tuple(StreamSpec(f"s{i}") for i in range(S))
     order = graph.topological_order()
     gpos = {n: i for i, n in enumerate(order)}
     key = _group_keys(graph)
+    # specs of the streams some node's key picks only (in index order): S may be far more
+    # than the nodes (``streams=10**23`` must not build that many)
+    sname = {k: f"s{k % S}" for k in set(key.values())}
+    specs = tuple(StreamSpec(f"s{i}") for i in sorted({k % S for k in sname}) or [0])
     assign = {}
     for n in order:
-        home = specs[key[n] % S].name
+        home = sname[key[n]]
         assign[n] = _follow_latest_pred(graph, n, assign, gpos, home) if graph.node(n).kind == "free" else home
     return specs, assign, order, {}
 
 
 def _by_engine(graph, S):
+    # one compute stream: every node's group key would pick it, so none is computed
+    one: str | None = None
+    key: dict[str, int] = {}
+    cname: dict[int, str] = {}
+    nc = S - 2  # compute streams of S >= 4, compute{key % nc}
     if S == 1:
         specs = (StreamSpec("main"),)
-        up = down = "main"
-        compute = ["main"]
+        up = down = one = "main"
     elif S == 2:
         specs = (StreamSpec("main"), StreamSpec("download", role="download"))
-        up, down, compute = "main", "download", ["main"]
+        up, down, one = "main", "download", "main"
     else:
-        compute = ["compute"] if S == 3 else [f"compute{i}" for i in range(S - 2)]
+        if S == 3:
+            compute = ["compute"]
+            one = "compute"
+        else:
+            # specs of the compute streams some node's key picks only: S may be far more
+            # than the nodes (``streams=10**23`` must not build that many)
+            key = _group_keys(graph)
+            cname = {k: f"compute{k % nc}" for k in set(key.values())}  # key -> its stream
+            compute = [f"compute{i}" for i in sorted({k % nc for k in cname}) or [0]]
         specs = (StreamSpec("upload", role="upload"),
                  *(StreamSpec(c, role="compute") for c in compute),
                  StreamSpec("download", role="download"))
         up, down = "upload", "download"
     order = graph.topological_order()
     latest = graph.topological_positions().__getitem__  # max(preds, key=latest): the latest
-    nc = len(compute)
-    # one compute stream: every node's group key would pick it, so none is computed
-    one = compute[0] if nc == 1 else None
-    key = _group_keys(graph) if one is None else {}
     assign: dict[str, str] = {}
     by_name = graph.node_map()
     preds = graph.predecessor_map()
@@ -151,9 +167,9 @@ def _by_engine(graph, S):
                 assign[n] = assign[next(iter(ps))]
             else:
                 assign[n] = assign[max(ps, key=latest)] if ps else \
-                    one if one is not None else compute[key[n] % nc]
+                    one if one is not None else cname[key[n]]
         else:
-            assign[n] = one if one is not None else compute[key[n] % nc]
+            assign[n] = one if one is not None else cname[key[n]]
     return specs, assign, order, {}
 
 
