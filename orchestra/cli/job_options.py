@@ -26,6 +26,10 @@ DEFAULT_STAGING_SLOTS = 4
 #: maxThreadsPerBlock of every CUDA GPU since compute capability 2.0 (CUDA C++ Programming
 #: Guide, "Compute Capabilities", technical specifications table).
 MAX_BLOCK = 1024
+#: Host memory building and scheduling one batch's graph takes (7 nodes, their edges, events
+#: and the plan's steps), rounded up: `orchestra plan --batches 50000` peaked at 660 MB. A job
+#: whose graph would not fit in this machine's memory is refused before it is built.
+GRAPH_BYTES_PER_BATCH = 16 << 10
 
 
 def compute_iters(text: str):
@@ -176,14 +180,18 @@ def _in_flight(args, input_elements, largest: int, batches: int) -> dict[str, An
     ``device_peak_bytes``: generated data as `build_job_graph` bounds it under
     ``--device-budget-mib``; with ``--input`` the staging slots pace the batches, counted as
     `MIN_IN_FLIGHT` (an estimate)."""
-    from orchestra.app.job.graphs import MIN_IN_FLIGHT, device_peak_bytes, in_flight_for
+    from orchestra.app.job.graphs import MIN_IN_FLIGHT
 
     if input_elements is not None:
         bound = min(MIN_IN_FLIGHT, batches)
         return {"in_flight": bound, "device_peak_bytes": 2 * largest * bound}
-    sizes = [largest] * batches
-    return {"in_flight": in_flight_for(sizes, device_budget(args)),
-            "device_peak_bytes": device_peak_bytes(sizes, device_budget(args))}
+    # `in_flight_for` / `device_peak_bytes` of ``batches`` sizes of ``largest`` bytes, without
+    # the list of them (``--batches 10**20`` must reach the host-memory check, not a list)
+    per = 2 * largest
+    budget = device_budget(args)
+    bound = None if per * batches <= budget else max(MIN_IN_FLIGHT, budget // per)
+    return {"in_flight": bound,
+            "device_peak_bytes": per * (batches if bound is None else min(bound, batches))}
 
 
 def device_budget(args: argparse.Namespace) -> int:
@@ -218,6 +226,14 @@ def check_options(args: argparse.Namespace, command: str,
             f"the job needs {fmt_bytes(needs['pinned_bytes'])} of pinned host memory ({what}) "
             f"but this machine has {fmt_bytes(host)}; pass a smaller --batch-mib"
             + ("" if args.input else " or fewer --batches"))
+    if host is not None and needs["batches"] * GRAPH_BYTES_PER_BATCH > host:
+        raise UsageError(
+            f"{needs['batches']} batches: their task graph and plan need about "
+            f"{fmt_bytes(needs['batches'] * GRAPH_BYTES_PER_BATCH)} of host memory to build "
+            f"(about {GRAPH_BYTES_PER_BATCH >> 10} KiB a batch) but this machine has "
+            f"{fmt_bytes(host)}; pass "
+            + ("a larger --batch-mib" if args.input else "fewer --batches or a larger "
+               "--batch-mib with the same data"))
     log.debug("%s: %d batches of %s, %s pinned, %s device memory per batch (%s with every "
               "batch in flight)", command, needs["batches"], fmt_bytes(needs["batch_bytes"]),
               fmt_bytes(needs["pinned_bytes"]), fmt_bytes(needs["device_batch_bytes"]),
