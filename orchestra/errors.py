@@ -491,6 +491,11 @@ class JobConfigError(OrchestraError, ValueError):
     run: batch sizes, counts, iterations, target times."""
 
 
+class JobConfigTypeError(JobConfigError, TypeError):
+    """A `MainJob` / `choose_policy` count or size of the wrong type (a string, a bool, a
+    float that is not a whole number)."""
+
+
 class JobInputError(JobConfigError):
     """An ``orchestra run --input`` file is not a usable array (not .npy, wrong dtype, empty)."""
 

@@ -61,3 +61,97 @@ def test_plan_with_a_huge_stream_count_prints_the_streams_it_uses(capsys):
                  "--policy", "round-robin", "--streams", "99999999999999999999999"]) == 0
     out = capsys.readouterr().out
     assert "policy round-robin, 4 stream(s) (of 99999999999999999999999 requested" in out
+
+
+def test_plan_compute_iters_beyond_the_kernels_int_is_a_usage_error(capsys):
+    # burn.cu's iters is an int: 2**31 was planned, and `run` would have failed at the launch
+    assert main(["plan", "--compute-iters", str(2**31)]) == 2
+    assert capsys.readouterr().err.endswith(
+        "argument --compute-iters: expected 'auto' or an int from 0 to 2147483647 (the "
+        "kernel's int parameter), got 2147483648\n")
+
+
+def test_the_lane_reason_names_the_streams_given():
+    from orchestra.app.job.policy import choose_policy
+
+    c = choose_policy("auto", 3, copies=8, copy_kernels=8, batches=4)
+    assert (c.policy, c.streams) == ("round-robin", 3)
+    assert "batch b runs in lane b % 3; --streams 3 given" in c.reason  # was b % 4
+
+
+# -- the Python API: MainJob and choose_policy refuse what they cannot run, by name ---------------
+
+from orchestra.errors import JobConfigError, JobConfigTypeError  # noqa: E402
+
+BAD_JOB = [
+    ({"batches": "abc"}, JobConfigTypeError, "batches must be an int >= 1; got 'abc'"),
+    ({"batches": 2.5}, JobConfigTypeError, "batches must be an int >= 1; got 2.5"),
+    ({"batches": float("nan")}, JobConfigTypeError, "batches must be an int >= 1; got nan"),
+    ({"batches": 0}, JobConfigError, "batches must be an int >= 1; got 0"),
+    ({"repeat": 0}, JobConfigError, "repeat must be an int >= 1; got 0"),
+    ({"warmup": -1}, JobConfigError, "warmup must be an int >= 0; got -1"),
+    ({"compute_iters": 2**40}, JobConfigError,
+     "compute iterations must be an int from 0 to 2147483647; got 1099511627776"),
+    ({"compute_iters": "abc"}, JobConfigTypeError,
+     "compute iterations must be 'auto' or an int from 0 to 2147483647; got 'abc'"),
+    ({"compute_iters": 1.5}, JobConfigTypeError,
+     "compute iterations must be an int from 0 to 2147483647; got 1.5"),
+    ({"device_budget": float("nan")}, JobConfigTypeError,
+     "device_budget (bytes) must be an int >= 1; got nan"),
+    ({"device_budget": float("inf")}, JobConfigTypeError,
+     "device_budget (bytes) must be an int >= 1; got inf"),
+    ({"device_budget": "abc"}, JobConfigTypeError,
+     "device_budget (bytes) must be an int >= 1; got 'abc'"),
+    ({"device_budget": True}, JobConfigTypeError,
+     "device_budget (bytes) must be an int >= 1; got True"),
+    ({"device_budget": None}, JobConfigTypeError,
+     "device_budget (bytes) must be an int >= 1; got None"),
+    ({"device_budget": 0.5}, JobConfigError, "device_budget (bytes) must be an int >= 1; got 0"),
+    ({"block": 0}, JobConfigError, "block must be an int >= 1; got 0"),
+    ({"block": "x"}, JobConfigTypeError, "block must be an int >= 1; got 'x'"),
+    ({"staging_slots": 0}, JobConfigError, "staging_slots must be an int >= 1; got 0"),
+    ({"timing_repeats": 0}, JobConfigError, "timing_repeats must be an int >= 1; got 0"),
+    ({"check_iters": -1}, JobConfigError,
+     "check_iters must be an int from 0 to 2147483647; got -1"),
+]
+
+
+@pytest.mark.parametrize("kw, cls, message", BAD_JOB)
+def test_main_job_refuses_bad_counts_by_name(kw, cls, message):
+    from orchestra.app.job.main_job import MainJob
+
+    with pytest.raises(cls) as info:
+        MainJob(**kw)
+    assert type(info.value) is cls and str(info.value) == message
+    assert isinstance(info.value, TypeError if cls is JobConfigTypeError else ValueError)
+
+
+def test_main_job_keeps_whole_counts():
+    from orchestra.app.job.main_job import MainJob
+
+    job = MainJob(batches=32.0, compute_iters="7", device_budget=1.5 * 2**20, block=128)
+    assert (job.batches, job.iters, job.device_budget, job.block) == (32, 7, 3 << 19, 128)
+    assert type(job.batches) is int
+
+
+@pytest.mark.parametrize("kw, cls, message", [
+    ({"batches": 2.5}, JobConfigTypeError, "batches must be an int >= 1; got 2.5"),
+    ({"batches": float("inf")}, JobConfigTypeError, "batches must be an int >= 1; got inf"),
+    ({"copies": "4"}, JobConfigTypeError, "copies must be an int >= 0; got '4'"),
+    ({"copies": float("nan")}, JobConfigTypeError, "copies must be an int >= 0; got nan"),
+    ({"copy_kernels": 9}, JobConfigError, "copy_kernels must be an int from 0 to 8; got 9"),
+    ({"in_flight": 0}, JobConfigError,
+     "in_flight (None: every batch) must be an int >= 1; got 0"),
+    ({"in_flight": float("nan")}, JobConfigTypeError,
+     "in_flight (None: every batch) must be an int >= 1; got nan"),
+    ({"in_flight": "x"}, JobConfigTypeError,
+     "in_flight (None: every batch) must be an int >= 1; got 'x'"),
+    ({"lanes": 2.5}, JobConfigTypeError, "lanes must be an int >= 1; got 2.5"),
+])
+def test_choose_policy_refuses_bad_counts_by_name(kw, cls, message):
+    from orchestra.app.job.policy import choose_policy
+
+    args = {"copies": 8, "copy_kernels": 8, "batches": 4, **kw}
+    with pytest.raises(cls) as info:
+        choose_policy(**args)
+    assert type(info.value) is cls and str(info.value) == message

@@ -192,6 +192,7 @@ def test_the_documented_table_matches_the_classes():
     (oe.CompilerArgumentValueError, ValueError), (oe.KernelSourceNotFoundError, FileNotFoundError),
     (oe.TraceTypeError, TypeError), (oe.TraceValueError, ValueError),
     (oe.MissingExtraError, ImportError), (oe.JobConfigError, ValueError),
+    (oe.JobConfigTypeError, TypeError),
     (oe.JobInputError, ValueError), (oe.BenchConfigError, ValueError),
     (oe.UnsupportedDeviceError, RuntimeError), (oe.PrebuiltCubinError, RuntimeError),
     (oe.NotFoundError, KeyError), (oe.CudaForkError, RuntimeError),

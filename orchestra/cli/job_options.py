@@ -33,15 +33,20 @@ GRAPH_BYTES_PER_BATCH = 16 << 10
 
 
 def compute_iters(text: str):
-    """``auto`` or an int >= 0 (argparse type)."""
+    """``auto`` or an int from 0 to `MAX_ITERS`, the burn kernel's ``int iters`` (argparse
+    type)."""
+    from orchestra.app.job.checks import MAX_ITERS
+    from orchestra.errors import int_text
+
     if text.strip().lower() == "auto":
         return "auto"
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 0, got {value}")
+    if not 0 <= value <= MAX_ITERS:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int from 0 to {MAX_ITERS} "
+                                         f"(the kernel's int parameter), got {int_text(value)}")
     return value
 
 

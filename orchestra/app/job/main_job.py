@@ -40,6 +40,7 @@ verified chunk by chunk.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -50,7 +51,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.errors import JobConfigError
+from orchestra.errors import JobConfigError, JobConfigTypeError
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
     DEVICE_BUDGET,
@@ -66,6 +67,7 @@ from orchestra.app.job.graphs import (
 )
 from orchestra.app.job.inputs import open_input
 from orchestra.app.job.bound import bound_warning
+from orchestra.app.job.checks import MAX_ITERS, whole
 from orchestra.app.job.policy import (
     AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies,
 )
@@ -144,13 +146,18 @@ class JobReport:
 
 
 def parse_iters(value) -> int | None:
-    """``"auto"`` / None -> None (calibrate); a positive int otherwise."""
+    """``"auto"`` / None -> None (calibrate); else an int from 0 to `MAX_ITERS` (the burn
+    kernel's ``int iters``): `JobConfigError` out of range, `JobConfigTypeError` for a
+    string other than ``auto``, a bool or a fractional float."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    iters = int(value)
-    if iters < 0:
-        raise JobConfigError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
-    return iters
+    if isinstance(value, str):  # "7", as a command line gives it
+        try:
+            value = int(value)
+        except ValueError:
+            raise JobConfigTypeError(f"compute iterations must be 'auto' or an int from 0 to "
+                                     f"{MAX_ITERS}; got {value!r}") from None
+    return whole("compute iterations", value, 0, MAX_ITERS)
 
 
 class MainJob:
@@ -180,34 +187,33 @@ class MainJob:
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
                  progress: Callable[[str, int, int], None] | None = None,
                  copy_lowering: str = "auto", device_budget: int = DEVICE_BUDGET):
-        if batches < 1 or repeat < 1 or warmup < 0:
-            raise JobConfigError("batches and repeat must be >= 1 and warmup >= 0")
+        # counts by name (a string or 2.5 batches once failed in int() or was truncated)
+        self.batches = whole("batches", batches, 1)
+        repeat, warmup = whole("repeat", repeat, 1), whole("warmup", warmup, 0)
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
-        self.batches = int(batches)
         self.streams = check_streams(streams)
         self.policy = check_policy(policy)
         # the resolved policy and streams, once run() knows the executor's copy lowering
         self.choice: PolicyChoice | None = None
         self.iters = parse_iters(compute_iters)
-        self.repeat, self.warmup, self.seed = int(repeat), int(warmup), seed
+        self.repeat, self.warmup, self.seed = repeat, warmup, seed
         self.executor_name = executor
         self.device = device
         self.elements = elements
         self.input = None if input is None else Path(input)
         self.output = None if output is None else Path(output)
-        self.block = int(block)
+        self.block = whole("block", block, 1)  # the device's limit: checked by run()
         self.verify_plan = verify_plan
-        self.staging_slots = int(staging_slots)
-        self.timing_repeats = int(timing_repeats)
-        self.check_iters = int(check_iters)
+        self.staging_slots = whole("staging_slots", staging_slots, 1)
+        self.timing_repeats = whole("timing_repeats", timing_repeats, 1)
+        self.check_iters = whole("check_iters", check_iters, 0, MAX_ITERS)
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
         self.trace = bool(trace)
         self.progress = progress
         self.copy_lowering = copy_lowering
-        if int(device_budget) < 1:
-            raise JobConfigError(f"device_budget must be a positive number of bytes; got "
-                                 f"{device_budget!r}")
-        self.device_budget = int(device_budget)
+        if isinstance(device_budget, float) and math.isfinite(device_budget):
+            device_budget = math.floor(device_budget)  # bytes from a fractional MiB count
+        self.device_budget = whole("device_budget (bytes)", device_budget, 1)
 
     # -- shared pieces ----------------------------------------------------------------------
 

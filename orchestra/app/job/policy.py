@@ -33,6 +33,7 @@ from typing import Iterable
 
 import attrs
 
+from orchestra.app.job.checks import whole
 from orchestra.errors import JobConfigError
 from orchestra.schedule import POLICIES
 
@@ -144,11 +145,14 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
     stream count that is neither ``"auto"`` nor an int >= 1, or counts out of range."""
     check_policy(policy)
     check_streams(streams)
-    if not 0 <= copy_kernels <= copies or batches < 1 or lanes < 1:
-        raise JobConfigError(f"need 0 <= copy_kernels <= copies and batches, lanes >= 1; got "
-                             f"{copy_kernels}, {copies}, {batches}, {lanes}")
+    # counts by name: nan, 2.5 or a string once passed through or failed in int()
+    copies = whole("copies", copies, 0)
+    copy_kernels = whole("copy_kernels", copy_kernels, 0, copies)
+    batches, lanes = whole("batches", batches, 1), whole("lanes", lanes, 1)
+    if in_flight is not None:
+        in_flight = whole("in_flight (None: every batch)", in_flight, 1)
     kernels = _mostly_kernels(copies, copy_kernels)
-    cap = batches if in_flight is None else max(1, min(batches, int(in_flight)))
+    cap = batches if in_flight is None else min(batches, in_flight)
     lane_count = max(1, min(lanes, cap))
     how = f"{copy_kernels} of {copies} host copies run as copy kernels ({executor})"
     if policy == AUTO and eager:
@@ -158,9 +162,10 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
         kernels = False  # the stream count below: by-engine's
     elif policy == AUTO:
         resolved = LANE_POLICY if kernels else "by-engine"
-        if kernels:
+        if kernels:  # the lanes: the streams given, else the lane count
+            n_lanes = lane_count if streams == AUTO else int(streams)
             why = (f"auto: {how}, which are latency-bound and overlap on the SMs: batch b "
-                   f"runs in lane b % {lane_count}")
+                   f"runs in lane b % {n_lanes}")
         else:
             why = f"auto: {how}; by-engine feeds one copy engine per direction"
     else:
