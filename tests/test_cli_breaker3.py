@@ -155,3 +155,19 @@ def test_choose_policy_refuses_bad_counts_by_name(kw, cls, message):
     with pytest.raises(cls) as info:
         choose_policy(**args)
     assert type(info.value) is cls and str(info.value) == message
+
+
+def test_compile_refuses_an_output_in_a_missing_folder_before_compiling(tmp_path, monkeypatch,
+                                                                         capsys):
+    # was "orchestra compile: [Errno 2] No such file or directory: '.../x.cubin'" after NVRTC
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(tmp_path / "cache"))
+    import orchestra.cli.compile_cmd as cc
+
+    monkeypatch.setattr(cc, "_build", lambda *a: pytest.fail("compiled before the check"))
+    src = tmp_path / "k.cu"
+    src.write_text("extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n")
+    out = tmp_path / "missing" / "x.cubin"
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"orchestra compile: -o {out}: the folder {out.parent} does not exist; create it or "
+        "pass another -o\n")

@@ -216,6 +216,10 @@ def _run(args) -> int:
         return _fail(args, f"-o {out} is the input file {args.file}: writing the "
                            f"{'PTX' if args.ptx else 'cubin'} would overwrite the source; "
                            "pass another -o")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):  # before compiling: was "[Errno 2] No such file" after it
+        return _fail(args, f"-o {out}: the folder {folder} does not exist; create it or pass "
+                           "another -o")
     if ptx_input:
         if args.ptx:
             return _fail(args, "--ptx makes no sense for a .ptx input (it is PTX already)")
