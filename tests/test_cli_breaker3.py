@@ -171,3 +171,41 @@ def test_compile_refuses_an_output_in_a_missing_folder_before_compiling(tmp_path
     assert capsys.readouterr().err == (
         f"orchestra compile: -o {out}: the folder {out.parent} does not exist; create it or "
         "pass another -o\n")
+
+
+# -- orchestra bench serve: upper limits, before the device (each once hung or failed late) ------
+
+@pytest.fixture
+def no_device(monkeypatch):
+    import orchestra.driver as od
+    from orchestra.errors import NoDeviceError
+
+    def none(*a, **k):
+        raise NoDeviceError("no CUDA device (test)")
+    monkeypatch.setattr(od.Device, "get", staticmethod(none))
+
+
+@pytest.mark.parametrize("option, message", [
+    # was "timestamp out of range for platform time_t" from a wait
+    (["--duration", "1e30"],
+     "--duration is beyond the longest wait Python can make (9.22e+09 s), got 1e+30"),
+    (["--max-delay-us", "1e30"],
+     "--max-delay-us is beyond the longest wait Python can make (9.22e+09 s), got 1e+30"),
+    # the kernel's int iters: ran forever on --cpu
+    (["--iters", str(2**31)],
+     "--iters must be at most 2147483647 (the kernel's int parameter), got 2147483648"),
+    # the engine built a per-row table of 10**8 entries (hung)
+    (["--max-batch", "100000000"],
+     "--max-batch 100000000: a batch of that many 4096-byte rows needs 381.5 GiB per buffer "
+     "but this machine has 16.0 GiB; pass a smaller --max-batch"),
+])
+@pytest.mark.parametrize("cpu", [[], ["--cpu"]])
+def test_bench_serve_refuses_values_beyond_what_can_run(option, message, cpu, no_device,
+                                                        small_host, capsys):
+    assert main(["bench", "serve", *cpu, *option]) == 2
+    assert capsys.readouterr().err == f"orchestra bench serve: {message}\n"
+
+
+def test_bench_serve_values_at_the_limits_reach_the_device(no_device, small_host, capsys):
+    assert main(["bench", "serve", "--iters", str(2**31 - 1), "--max-batch", str(4 << 20),
+                 "--duration", "1e9"]) == 3

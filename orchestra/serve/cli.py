@@ -97,6 +97,20 @@ def _check_numbers(args) -> None:
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
         raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
                                f"{args.max_delay_us}")
+    # upper limits: what the kernel and the waits can take (each once failed or hung later)
+    import threading
+
+    from orchestra.errors import int_text
+
+    if args.iters > 2**31 - 1:  # serve_burn's int iters
+        raise BenchConfigError(f"--iters must be at most {2**31 - 1} (the kernel's int "
+                               f"parameter), got {int_text(args.iters)}")
+    for name, seconds in (("duration", args.duration), ("max-delay-us",
+                                                         args.max_delay_us / 1e6)):
+        if seconds is not None and seconds > threading.TIMEOUT_MAX:  # a wait's timeout
+            raise BenchConfigError(f"--{name} is beyond the longest wait Python can make "
+                                   f"({threading.TIMEOUT_MAX:.3g} s), got "
+                                   f"{getattr(args, name.replace('-', '_')):g}")
     row_floats = int(args.row_kib * 256)
     if row_floats < 1:
         raise BenchConfigError(f"--row-kib {args.row_kib}: a row must hold at least one float32 "
@@ -116,6 +130,16 @@ def _check_numbers(args) -> None:
             raise BenchConfigError(f"--mix {args.mix!r}: request size {nbytes} bytes is not a "
                                    f"whole number of {row_bytes}-byte rows; pick a multiple or "
                                    "change --row-kib")
+    if args.max_batch is not None:
+        from orchestra.cli.job_options import fmt_bytes, host_memory_bytes
+
+        host = host_memory_bytes()
+        need = args.max_batch * row_bytes  # the largest bucket's input (and its output)
+        if host is not None and need > host:  # the engine's bucket table then took forever
+            raise BenchConfigError(
+                f"--max-batch {int_text(args.max_batch)}: a batch of that many "
+                f"{row_bytes}-byte rows needs {fmt_bytes(need)} per buffer but this machine "
+                f"has {fmt_bytes(host)}; pass a smaller --max-batch")
     if args.device < 0:
         raise BenchConfigError(f"--device must be >= 0, got {args.device}")
     if args.plot:
