@@ -209,3 +209,44 @@ def test_bench_serve_refuses_values_beyond_what_can_run(option, message, cpu, no
 def test_bench_serve_values_at_the_limits_reach_the_device(no_device, small_host, capsys):
     assert main(["bench", "serve", "--iters", str(2**31 - 1), "--max-batch", str(4 << 20),
                  "--duration", "1e9"]) == 3
+
+
+# -- orchestra.serve: Batching and the engine's counts ----------------------------------------------
+
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError  # noqa: E402
+
+
+@pytest.mark.parametrize("kw, cls, message", [
+    ({"max_batch": 2.5}, ServeConfigTypeError, "max_batch (rows) must be an int >= 1; got 2.5"),
+    ({"max_batch": "8"}, ServeConfigTypeError, "max_batch (rows) must be an int >= 1; got '8'"),
+    ({"max_batch": True}, ServeConfigTypeError,
+     "max_batch (rows) must be an int >= 1; got True"),
+    ({"max_batch": 0}, ServeConfigValueError, "max_batch (rows) must be >= 1; got 0"),
+    # inf was accepted and the engine failed in int(inf * 1000)
+    ({"max_delay_us": float("inf")}, ServeConfigValueError,
+     "max_delay_us must be at most 9.22e+15 (the longest wait Python can make); got inf"),
+])
+def test_batching_refuses_what_the_engine_cannot_use(kw, cls, message):
+    from orchestra.serve.engine import Batching
+
+    with pytest.raises(cls) as info:
+        Batching(**kw)
+    assert type(info.value) is cls and str(info.value) == message
+
+
+@pytest.mark.parametrize("value, cls, message", [
+    (1.5, ServeConfigTypeError, "completions_per_turn must be an int >= 1; got 1.5"),
+    (True, ServeConfigTypeError, "completions_per_turn must be an int >= 1; got True"),
+    ("x", ServeConfigTypeError, "completions_per_turn must be an int >= 1; got 'x'"),
+    (None, ServeConfigTypeError, "completions_per_turn must be an int >= 1; got None"),
+    (float("nan"), ServeConfigTypeError, "completions_per_turn must be an int >= 1; got nan"),
+    (0, ServeConfigValueError, "completions_per_turn must be >= 1; got 0"),
+])
+def test_engine_completions_per_turn_must_be_a_count(value, cls, message):
+    from orchestra.serve import Engine
+    from orchestra.serve.backend import NumpyBackend
+
+    with pytest.raises(cls) as info:
+        Engine(backend=NumpyBackend(lambda d: {"y": d["x"]}), inputs={"x": ((4,), "float32")},
+               outputs={"y": ((4,), "float32")}, max_rows=8, completions_per_turn=value)
+    assert type(info.value) is cls and str(info.value) == message

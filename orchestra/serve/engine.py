@@ -41,6 +41,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import operator
 import queue
 import threading
 import time
@@ -83,10 +84,29 @@ class Batching:
     max_delay_us: float = 200.0
 
     def __attrs_post_init__(self):
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ServeConfigValueError(f"max_batch must be >= 1 row; got {self.max_batch}")
+        if self.max_batch is not None:
+            _count("max_batch (rows)", self.max_batch)
         if not self.max_delay_us >= 0:
             raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
+        if not self.max_delay_us <= threading.TIMEOUT_MAX * 1e6:  # inf: the engine's int() failed
+            raise ServeConfigValueError(
+                f"max_delay_us must be at most {threading.TIMEOUT_MAX * 1e6:.3g} (the longest "
+                f"wait Python can make); got {self.max_delay_us}")
+
+
+def _count(name: str, value) -> int:
+    """``value`` as an int >= 1 (numpy ints too), else `ServeConfigTypeError` for a bool, a
+    float or a string (2.5 was taken, "8" failed in a comparison) and `ServeConfigValueError`
+    below 1."""
+    if isinstance(value, bool):
+        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}") from None
+    if n < 1:
+        raise ServeConfigValueError(f"{name} must be >= 1; got {n}")
+    return n
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -286,13 +306,8 @@ class Engine:
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
-        if completions_per_turn < 1:
-            raise ServeConfigValueError(f"completions_per_turn must be >= 1; got "
-                                        f"{completions_per_turn}")
-        self.completions_per_turn = int(completions_per_turn)
-        if completion_threads < 1:
-            raise ServeConfigValueError(f"completion_threads must be >= 1; got "
-                                        f"{completion_threads}")
+        self.completions_per_turn = _count("completions_per_turn", completions_per_turn)
+        _count("completion_threads", completion_threads)
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
