@@ -194,9 +194,9 @@ def _in_flight(args, input_elements, largest: int, batches: int) -> dict[str, An
     # the list of them (``--batches 10**20`` must reach the host-memory check, not a list)
     per = 2 * largest
     budget = device_budget(args)
-    bound = None if per * batches <= budget else max(MIN_IN_FLIGHT, budget // per)
-    return {"in_flight": bound,
-            "device_peak_bytes": per * (batches if bound is None else min(bound, batches))}
+    limit = None if per * batches <= budget else max(MIN_IN_FLIGHT, budget // per)
+    return {"in_flight": limit,
+            "device_peak_bytes": per * (batches if limit is None else min(limit, batches))}
 
 
 def device_budget(args: argparse.Namespace) -> int:
