@@ -41,7 +41,6 @@ import concurrent.futures
 import functools
 import json
 import logging
-import operator
 import queue
 import threading
 import time
@@ -55,7 +54,7 @@ import numpy as np
 
 from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.serve.backend import Backend, Instance
-from orchestra.serve.buckets import Buckets, bucket_sizes
+from orchestra.serve.buckets import Buckets, bucket_sizes, positive_count
 from orchestra.serve.errors import (
     EngineBroken,
     EngineClosed,
@@ -85,28 +84,13 @@ class Batching:
 
     def __attrs_post_init__(self):
         if self.max_batch is not None:
-            _count("max_batch (rows)", self.max_batch)
+            positive_count("max_batch (rows)", self.max_batch)
         if not self.max_delay_us >= 0:
             raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
         if not self.max_delay_us <= threading.TIMEOUT_MAX * 1e6:  # inf: the engine's int() failed
             raise ServeConfigValueError(
                 f"max_delay_us must be at most {threading.TIMEOUT_MAX * 1e6:.3g} (the longest "
                 f"wait Python can make); got {self.max_delay_us}")
-
-
-def _count(name: str, value) -> int:
-    """``value`` as an int >= 1 (numpy ints too), else `ServeConfigTypeError` for a bool, a
-    float or a string (2.5 was taken, "8" failed in a comparison) and `ServeConfigValueError`
-    below 1."""
-    if isinstance(value, bool):
-        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}") from None
-    if n < 1:
-        raise ServeConfigValueError(f"{name} must be >= 1; got {n}")
-    return n
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -306,8 +290,8 @@ class Engine:
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
-        self.completions_per_turn = _count("completions_per_turn", completions_per_turn)
-        _count("completion_threads", completion_threads)
+        self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
+        positive_count("completion_threads", completion_threads)
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
