@@ -1227,3 +1227,28 @@ def test_asyncio_burst_of_completions_spread_over_loop_iterations():
                 completions_per_turn=8) as e:
         asyncio.run(main(e))
     assert sum(per_iter) == 200 and max(per_iter) <= 8, per_iter
+
+
+def test_batcher_sleeps_until_the_deadline_form_batches_saw_ahead(monkeypatch):
+    """The batcher thread sleeps until the deadline the batch former saw ahead, never reading
+    the clock again: a clock that moves on between the two (a loaded machine) once made it
+    see the deadline passed, take the head for one waiting for an instance, and sleep
+    without a timeout with a due batch queued (a closed-loop client then waits for ever)."""
+    import orchestra.serve.engine as engine_mod
+
+    delay_ns = 2_000_000
+    lock = threading.Lock()
+    clock = [time.perf_counter_ns()]
+
+    def stepping_clock():  # every reading 0.4 of the batching delay after the one before
+        with lock:
+            clock[0] += delay_ns * 2 // 5
+            return clock[0]
+
+    monkeypatch.setattr(engine_mod, "_now", stepping_clock)
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 8], instances=1,
+                batching=Batching(max_batch=8, max_delay_us=delay_ns // 1000)) as e:
+        for i in range(20):
+            x = rows(1 + i % 3, seed=i)
+            assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()

@@ -365,6 +365,12 @@ class Engine:
         # batching deadline (ns); other threads notify it only when it would oversleep
         self._timer_due: int | None = 0
         self._head_missed = False  # the head batch waited for its bucket's build
+        # set by _form_batches: the batching deadline (ns) of the head it left waiting for
+        # more requests, 0 when it left the head waiting for an instance or a build (or the
+        # FIFO empty). The batcher sleeps until this deadline; reading the clock again
+        # instead can see the deadline passed that _form_batches saw ahead, and sleep
+        # without a timeout with a due batch queued.
+        self._head_due = 0
         self._state = "open"  # open | closing | closed
         self._broken: BaseException | None = None
         self._stopping = False
@@ -851,6 +857,7 @@ class Engine:
         the batcher thread; the thread is only the delay timer then."""
         q = self._batchq
         todo: list = []
+        self._head_due = 0
         if not q or self._broken is not None:
             return todo
         batching = self.batching is not None
@@ -864,7 +871,9 @@ class Engine:
                 if self._batch_rows < mb and not self._stopping:  # not full: due yet?
                     if not now:
                         now = _now()
-                    if now < q[0].t0 + self._max_delay_ns:
+                    due = q[0].t0 + self._max_delay_ns
+                    if now < due:
+                        self._head_due = due
                         break
                 n = total = 0
                 for r in q:
@@ -899,8 +908,7 @@ class Engine:
             launch = _Launch(b.free.pop(), b, reqs, total)
             self._running.add(launch)
             todo.append(launch)
-        if (q and self._timer_due is None and self.dispatch == "caller"
-                and self._batch_rows < mb):
+        if self._head_due and self._timer_due is None and self.dispatch == "caller":
             # the head waits for its deadline and the timer sleeps without one: arm it (a
             # full head waiting for an instance needs no timer: the instance's return
             # starts it)
@@ -1294,19 +1302,13 @@ class Engine:
                         todo = self._form_batches()
                         if todo:
                             break
-                        q = self._batchq
-                        if not q:
-                            if self._stopping:
-                                self._timer_due = 0
-                                return
-                            due = None
-                        elif (self.batching is not None and self._batch_rows < self._max_batch
-                              and not self._stopping):
-                            due = q[0].t0 + self._max_delay_ns
-                            if due <= _now():  # due but waiting for an instance or a build
-                                due = None
-                        else:  # full, waiting for an instance or a build
-                            due = None
+                        if not self._batchq and self._stopping:
+                            self._timer_due = 0
+                            return
+                        # the head's deadline when it waits for more requests; None (a
+                        # notify wakes this thread) when it waits for an instance or a
+                        # build, or nothing is queued
+                        due = self._head_due or None
                         self._timer_due = due
                         self._work.wait(None if due is None else max(0, due - _now()) / 1e9)
                     self._timer_due = 0
