@@ -172,6 +172,15 @@ def wait_for(pred, timeout=5.0):
         time.sleep(0.001)
 
 
+async def until(pred, timeout=5.0):
+    """`wait_for` on an event loop: the loop keeps running while the test waits."""
+    t = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > t:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.001)
+
+
 # -- buckets -------------------------------------------------------------------------------
 
 
@@ -376,8 +385,13 @@ def test_close_drains_pending_futures_and_releases_every_instance():
     backend = GatedBackend()
     e = gated_engine(backend, buckets=[4], instances=2)
     futs = [e.submit(rows(n)) for n in (1, 2, 3, 4)]  # two run, two queued
-    opener = threading.Timer(0.05, lambda: [backend.complete() for _ in range(50)
-                                            if not time.sleep(0.005)])
+    def open_gates():  # until all four ran (however long a loaded machine takes)
+        deadline = time.monotonic() + 30
+        while not all(fut.done() for fut in futs) and time.monotonic() < deadline:
+            backend.complete()
+            time.sleep(0.005)
+
+    opener = threading.Timer(0.05, open_gates)
     opener.start()
     e.close()  # waits for all four
     opener.join()
@@ -499,11 +513,12 @@ def test_asyncio_cancelled_task_cancels_its_queued_request():
     async def main(e):
         first = asyncio.ensure_future(e.run(rows(1)))
         second = asyncio.ensure_future(e.run(rows(2)))
-        await asyncio.sleep(0.01)
+        # the first on the GPU, the second queued behind it (no fixed sleep: a loaded machine)
+        await until(lambda: len(backend.pending) == 1 and e.stats()["engine"]["queued"] == 1)
         second.cancel()
         await asyncio.sleep(0.01)
         backend.complete()
-        assert (await first).tobytes() == f(rows(1)).tobytes()
+        assert (await asyncio.wait_for(first, 10)).tobytes() == f(rows(1)).tobytes()
         with pytest.raises(asyncio.CancelledError):
             await second
 
@@ -527,7 +542,9 @@ def test_c17_loop_closed_while_requests_in_flight(caplog):
             return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2, 3)]
 
         tasks = loop.run_until_complete(start())
-        loop.run_until_complete(asyncio.sleep(0.01))
+        # both instances' launches on the GPU (a loaded machine takes longer than a fixed
+        # sleep): only the third request is still queued when the tasks are cancelled
+        loop.run_until_complete(until(lambda: len(backend.pending) == 2))
         for t in tasks:
             t.cancel()  # what asyncio.run does before closing
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
@@ -554,7 +571,7 @@ def test_c17_loop_closed_without_cancelling(caplog):
         return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2)]
 
     tasks = loop.run_until_complete(start())
-    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.run_until_complete(until(lambda: len(backend.pending) == 2))
     loop.close()  # tasks still pending: their futures will never be completed by the loop
     with caplog.at_level(logging.DEBUG):
         backend.complete()
@@ -985,7 +1002,8 @@ def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
 
     async def main(e, expect_overloaded):
         tasks = [asyncio.ensure_future(e.run(rows(1))) for _ in range(4)]
-        await asyncio.sleep(0.02)
+        # one on the GPU, three queued: the fifth finds no room (queue_limit=4 in flight)
+        await until(lambda: len(backend.pending) == 1 and e.stats()["engine"]["queued"] == 3)
         if expect_overloaded:
             with pytest.raises(Overloaded):
                 await e.run(rows(1))
