@@ -4,13 +4,16 @@
                                              [--repeat 15] [--json FILE]
 
 For each pipeline workload (``BATCHESxSIZE[@ITERS]`` as ``orchestra bench peers`` takes them:
-the main job's graph, alloc -> H2D -> burn -> D2H -> free per batch, by-engine on 3 streams; the
-kernel calibrated to the copies unless ``@ITERS``), in one process on one GPU:
+the main job's graph, alloc -> H2D -> burn -> D2H -> free per batch; the kernel calibrated to
+the copies unless ``@ITERS``), in one process on one GPU; every orchestra row runs the policy
+and streams ``--policy auto`` picks for its copy lowering (round-robin lanes when most copies
+are copy kernels, else by-engine on 3 streams; the "plan" column):
 
-- **bare**: the same work captured by hand with raw cuda-python (memcpy nodes; the contender
-  ``orchestra bench peers`` calls "cuda-python bare captured graph");
+- **bare**: the same work captured by hand with raw cuda-python (memcpy nodes, by-engine on 3
+  streams; the contender ``orchestra bench peers`` calls "cuda-python bare captured graph");
 - **graph auto**: orchestra's graph-build exec with ``copy_lowering="auto"`` (copies below the
-  device's crossover as copy kernels: the default);
+  device's crossover as copy kernels: the default) and the ``auto`` policy;
+- **graph auto by-engine**: the same with by-engine on 3 streams (the default before lanes);
 - **graph copy-engine**: the same exec with every copy a memcpy node;
 - **capture auto**: orchestra's capture exec, auto;
 - **eager copy-engine** / **eager kernel**: ``EagerExecutor.run`` with each lowering (host
@@ -23,7 +26,8 @@ time), **wall ms** (launch to synchronize), medians of ``--repeat``; each output
 against numpy once (poisoned first). The goal lines at the end (issue's goals): 1024 x 64 KiB
 graph auto host <= 100 µs and GPU <= 0.85x bare; 4096 x 4 KiB graph auto wall >= 2.5x faster
 than bare; from 16 MiB per copy, graph auto wall within 2% of bare. Expected on an H200: the
-default workloads take about a minute (the 64 MiB ones dominate).
+default workloads take about a minute (the 64 MiB ones dominate); with lanes, graph auto about
+10x faster than bare at 4096 x 4 KiB and about 3x at 1024 x 64 KiB (by-engine: 2.35x, 1.56x).
 """
 
 from __future__ import annotations
@@ -81,6 +85,11 @@ def measure_graph(launch, sync, stream, repeat: int) -> dict:
             "wall_ms": statistics.median(wall)}
 
 
+def _plan(op) -> str:
+    """``round-robin x16``: the policy and the streams the contender's plan runs on."""
+    return f"{op.plan.policy} x{len(op.plan.streams)}"
+
+
 def run_workload(w, dev, resolver, repeat: int, log) -> list[dict]:
     from orchestra.app.peers.cuda_python import BareGraph
     from orchestra.app.peers.harness import PipelineData
@@ -102,42 +111,46 @@ def run_workload(w, dev, resolver, repeat: int, log) -> list[dict]:
             bare()
             ok, detail = check("bare")
             m = measure_graph(bare.launch, bare.sync, bare.origin, repeat)
-            rows.append({"contender": "bare", "copy_kernels": 0, "ok": ok, **m})
+            rows.append({"contender": "bare", "plan": "by-engine x3", "copy_kernels": 0,
+                         "ok": ok, **m})
         finally:
             bare.close()
         log(f"  bare: {rows[-1]}")
-        for kind, lowering in (("graph-build", "auto"), ("graph-build", "copy-engine"),
-                               ("capture", "auto")):
-            op = OrchestraPipeline(data, kind)
+        for kind, lowering, policy in (("graph-build", "auto", "auto"),
+                                       ("graph-build", "auto", "by-engine"),
+                                       ("graph-build", "copy-engine", "auto"),
+                                       ("capture", "auto", "auto")):
+            streams = "auto" if policy == "auto" else 3
+            op = OrchestraPipeline(data, kind, policy, streams, copy_lowering=lowering)
             try:
-                if lowering != "auto":  # rebuild with the lowering asked for
-                    op.exe.close()
-                    op._build(op.graph, op.plan, op.bindings, copy_lowering=lowering)
                 exe = op.exe
                 data.poison(True)
                 exe.launch(sync=True)
                 ok, detail = check(kind)
                 m = measure_graph(exe.launch, exe.synchronize, exe.stream.handle, repeat)
                 name = f"{'graph' if kind == 'graph-build' else 'capture'} {lowering}"
-                rows.append({"contender": name, "copy_kernels": exe.copy_kernels, "ok": ok,
-                             **m})
+                if policy != "auto":
+                    name += f" {policy}"
+                rows.append({"contender": name, "plan": _plan(op), "reason": op.choice.reason,
+                             "copy_kernels": exe.copy_kernels, "ok": ok, **m})
             finally:
                 op.close()
             log(f"  {rows[-1]['contender']}: {rows[-1]}")
         for lowering in ("copy-engine", "kernel"):
-            op = OrchestraPipeline(data, "eager")
+            op = OrchestraPipeline(data, "eager", copy_lowering=lowering)
             try:
                 ex, g, plan, b = op.ex, op.graph, op.plan, op.bindings
                 data.poison(True)
-                res = ex.run(g, plan, b, copy_lowering=lowering)
+                res = ex.run(g, plan, b)
                 ok, detail = check("eager")
                 enq, wall = [], []
                 for _ in range(repeat):
-                    r = ex.run(g, plan, b, copy_lowering=lowering)
+                    r = ex.run(g, plan, b)
                     enq.append(r.enqueue_us)
                     wall.append(r.wall_ms)
                 copies = 2 * w.batches
-                rows.append({"contender": f"eager {lowering}", "copy_kernels": res.copy_kernels,
+                rows.append({"contender": f"eager {lowering}", "plan": _plan(op),
+                             "reason": op.choice.reason, "copy_kernels": res.copy_kernels,
                              "ok": ok, "host_us": statistics.median(enq),
                              "gpu_ms": None, "wall_ms": statistics.median(wall),
                              "copies": copies})
@@ -165,8 +178,13 @@ def goals(results: dict) -> list[str]:
             continue
         speed = bare["wall_ms"] / auto["wall_ms"]
         gpu = auto["gpu_ms"] / bare["gpu_ms"]
-        line = (f"{wname}: graph auto host {auto['host_us']:.0f} µs (bare {bare['host_us']:.0f}), "
-                f"GPU {gpu:.2f}x bare, wall {speed:.2f}x faster than bare")
+        line = (f"{wname}: graph auto ({auto.get('plan', '?')}) host {auto['host_us']:.0f} µs "
+                f"(bare {bare['host_us']:.0f}), GPU {gpu:.2f}x bare, wall {speed:.2f}x faster "
+                "than bare")
+        by = row(wname, "graph auto by-engine")
+        if by is not None and by.get("plan") != auto.get("plan"):
+            line += (f" (by-engine x3: {bare['wall_ms'] / by['wall_ms']:.2f}x, so the auto "
+                     f"policy {by['wall_ms'] / auto['wall_ms']:.2f}x faster)")
         batches, size = wname.split("@")[0].split("x")
         if wname.startswith("1024x64KiB"):
             ok = auto["host_us"] <= 100 and gpu <= 0.85
@@ -216,13 +234,14 @@ def main(argv=None) -> int:
         results[w.name] = rows
         bad = bad or not all(r["ok"] for r in rows)
     print()
-    head = ("workload", "contender", "copy kernels", "host µs", "GPU ms", "wall ms",
+    head = ("workload", "contender", "plan", "copy kernels", "host µs", "GPU ms", "wall ms",
             "wall vs bare", "output")
     table_rows = []
     for wname, rows in results.items():
         bare = next(r for r in rows if r["contender"] == "bare")
         for r in rows:
-            table_rows.append((wname, r["contender"], r["copy_kernels"], f"{r['host_us']:.1f}",
+            table_rows.append((wname, r["contender"], r["plan"], r["copy_kernels"],
+                               f"{r['host_us']:.1f}",
                                "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}",
                                f"{r['wall_ms']:.3f}", f"{bare['wall_ms'] / r['wall_ms']:.2f}x",
                                "ok" if r["ok"] else "WRONG"))

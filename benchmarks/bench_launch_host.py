@@ -4,9 +4,13 @@ no-op, so what is timed is argument handling, stream resolution and the interop 
     python benchmarks/bench_launch_host.py [--launches 20000] [--repeats 30]
 
 Prints one table of nanoseconds per launch (the minimum over ``--repeats`` runs of
-``--launches`` launches: the least disturbed run on a shared machine):
+``--launches`` launches: the least disturbed run on a shared machine), and each row's cost over
+the bare loop (the stubbed ``cuLaunchKernel`` called with prepacked arguments, what
+``benchmarks/bench_launch.py`` calls "bare"):
 
-* ``PackedArgs`` on an orchestra `Stream`: the fast path;
+* ``PackedArgs`` on an orchestra `Stream` (an owned, open one): the fast path (the very
+  stream, dimensions and arguments of the last launch);
+* a tuple of ints, the same tuple every launch (packed once);
 * a list of ints, and a list of `DeviceBuffer`-like objects (``.ptr``), packed on every launch;
 * a list with a DLPack object (an orchestra `BufferView` over fake memory, consumed through the
   protocol each launch: export, capsule, checks);
@@ -45,16 +49,21 @@ def main(argv=None) -> int:
     from orchestra.kernel import module as mod
 
     ok = (driver.CUresult.CUDA_SUCCESS,)
-    mod._launch = lambda *a: ok  # the driver call costs nothing here
+
+    def stub(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        return ok
+
+    mod._launch = stub  # the driver call costs nothing here
     params = normalize_params(("const float* a", "const float* b", "float* c", "int n"))
     mod.Kernel._verify_params = lambda self: None
     dev = types.SimpleNamespace(ordinal=0, make_current=lambda force=False: None)
     k = mod.Kernel(types.SimpleNamespace(device=dev, _image=b""), "vector_add", "vector_add",
                    "kernel", "function", params)
     k._plain[(4, 256, 0)] = (4, 1, 1, 256, 1, 1, 0)
-    stream = Stream.__new__(Stream)  # an orchestra Stream over a fake handle
+    stream = Stream.__new__(Stream)  # an owned, open orchestra Stream over a fake handle
     stream.device, stream.priority = dev, 0
     stream._own = _Borrowed(driver.CUstream(0x5000), "Stream")
+    stream._live = [True]  # the open marker Stream.__init__ sets
 
     class Buf:
         def __init__(self, ptr):
@@ -85,6 +94,13 @@ def main(argv=None) -> int:
     ints = [base, base, base + 2048, 1024]
     bufs = [Buf(base), Buf(base), Buf(base + 2048), 1024]
     packed = k.pack(ints)
+    ints_tuple = tuple(ints)
+    func, handle, address = k.function, stream.handle, packed.address
+
+    def bare():
+        (err,) = stub(func, 4, 1, 1, 256, 1, 1, 0, handle, address, 0)
+        if err:
+            raise RuntimeError(err)
     with_dlpack = [DLPackLike(), base, base + 2048, 1024]
     with_cai = [CAI(), base, base + 2048, 1024]
 
@@ -98,7 +114,10 @@ def main(argv=None) -> int:
         return min(per)
 
     rows = [
+        ("bare cuLaunchKernel call, prepacked", best_ns(bare)),
         ("Kernel.launch, PackedArgs", best_ns(lambda: k.launch(stream, 4, 256, packed))),
+        ("Kernel.launch, the same tuple of ints",
+         best_ns(lambda: k.launch(stream, 4, 256, ints_tuple))),
         ("Kernel.launch, ints packed each time", best_ns(lambda: k.launch(stream, 4, 256, ints))),
         ("Kernel.launch, .ptr objects packed each time",
          best_ns(lambda: k.launch(stream, 4, 256, bufs))),
@@ -110,8 +129,10 @@ def main(argv=None) -> int:
     print(f"host ns per Kernel.launch (driver call stubbed), min of {args.repeats} x "
           f"{args.launches}")
     width = max(len(r[0]) for r in rows)
+    floor = rows[0][1]
+    print(f"  {'':<{width}}  {'ns':>9}  {'over bare':>9}")
     for label, ns in rows:
-        print(f"  {label:<{width}}  {ns:9.0f} ns")
+        print(f"  {label:<{width}}  {ns:9.0f}  {ns - floor:9.0f}")
     return 0
 
 

@@ -14,9 +14,10 @@
 //   - otherwise byte by byte.
 // The head and the tail are done by the first threads of the grid, one byte each.
 //
-// system_fence != 0 (the lowering passes it for device-to-host copies): every thread ends with
-// __threadfence_system(), so its stores to host memory are visible to the host (and to host
-// functions ordered after the copy) before the kernel counts as done.
+// system_fence != 0 (the lowering passes it for device-to-host copies in graphs that have host
+// functions): every thread ends with __threadfence_system(), so its stores to host memory are
+// visible to host functions ordered after the copy. Without host functions the host reads the
+// bytes only after synchronizing with the stream or an event, and they are visible by then.
 //
 // Launch: block 256 (any multiple of 32 works), grid ceil(sqrt(n / 256)) clamped to
 // [1, SM count] (the lowering's choice: it matches the best grids measured for 4 KiB - 16 MiB).

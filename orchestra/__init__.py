@@ -26,6 +26,7 @@ from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     HazardError,
     HostBufferUseError,
     JobConfigError,
+    JobConfigTypeError,
     JobInputError,
     KernelArgumentError,
     KernelArgumentTypeError,
@@ -58,6 +59,7 @@ from orchestra.errors import (  # noqa: F401  (the error family, docs/errors.md)
     TraceTypeError,
     TraceValueError,
     UnknownParameterError,
+    UnsupportedArchError,
     UnsupportedDeviceError,
 )
 
@@ -81,6 +83,7 @@ __all__ = [
     "GraphError",
     "HazardError",
     "JobConfigError",
+    "JobConfigTypeError",
     "JobInputError",
     "KernelArgumentError",
     "KernelArgumentTypeError",
@@ -112,6 +115,7 @@ __all__ = [
     "TraceTypeError",
     "TraceValueError",
     "UnknownParameterError",
+    "UnsupportedArchError",
     "UnsupportedDeviceError",
     "__version__",
 ]

@@ -15,6 +15,8 @@ class, its bases and what raises it.
 
 from __future__ import annotations
 
+import math
+
 
 class OrchestraError(Exception):
     """Base class of every error orchestra raises on purpose."""
@@ -322,8 +324,8 @@ class BufferLifetimeError(GraphError, ValueError):
 
 class HostBufferUseError(GraphError, ValueError):
     """`GraphBuilder`: a host buffer used against its declared role: a host input written by a
-    node, a host output that no node writes, or host bytes written twice with no node reading
-    them in between (the first write is lost)."""
+    node or read by none, a host output that no node writes, or host bytes written twice with no
+    node reading them in between (the first write is lost)."""
 
 
 class KernelArgumentError(OrchestraError):
@@ -428,7 +430,8 @@ class ExportError(InteropError, BufferError):
 
 class CompilerArgumentError(OrchestraError):
     """An argument to the compiler (`compile`, `link_ptx`, `Module.load`, ``arch=``, options,
-    name expressions, a kernel source) is unusable. Root of the three below."""
+    name expressions, a kernel source) is unusable. Root of the three below (and
+    `UnsupportedArchError`, a `CompilerArgumentValueError`)."""
 
 
 class CompilerArgumentTypeError(CompilerArgumentError, TypeError):
@@ -439,6 +442,27 @@ class CompilerArgumentTypeError(CompilerArgumentError, TypeError):
 class CompilerArgumentValueError(CompilerArgumentError, ValueError):
     """A compiler argument with an unusable value (an unknown architecture, an option that sets
     the architecture, an empty name expression, text that is not PTX)."""
+
+
+class UnsupportedArchError(CompilerArgumentValueError):
+    """The compiler in use (NVRTC, or nvJitLink for PTX) cannot target this architecture: too
+    old for it (``sm_35`` with NVRTC 13) or too new. Attributes: ``arch`` (``"sm_35"``),
+    ``supported`` (the real architectures it offers, ``("sm_75", ...)``, from
+    ``nvrtcGetSupportedArchs``), ``compiler`` (``"NVRTC 13.0"``). The message lists them."""
+
+    def __init__(self, arch: str, supported=(), compiler: str = "NVRTC", detail: str = ""):
+        self.arch = arch
+        self.supported = tuple(supported)
+        self.compiler = compiler
+        self.detail = detail
+        listed = ", ".join(self.supported) or "none"
+        super().__init__(
+            f"{compiler} cannot compile for {arch}{f' ({detail})' if detail else ''}: it"
+            f" supports {listed} (nvrtcGetSupportedArchs); pass one of those, or use a CUDA"
+            f" toolkit whose NVRTC supports {arch}")
+
+    def __reduce__(self):
+        return (type(self), (self.arch, self.supported, self.compiler, self.detail))
 
 
 class KernelSourceNotFoundError(CompilerArgumentError, FileNotFoundError):
@@ -467,6 +491,11 @@ class JobConfigError(OrchestraError, ValueError):
     run: batch sizes, counts, iterations, target times."""
 
 
+class JobConfigTypeError(JobConfigError, TypeError):
+    """A `MainJob` / `choose_policy` count or size of the wrong type (a string, a bool, a
+    float that is not a whole number)."""
+
+
 class JobInputError(JobConfigError):
     """An ``orchestra run --input`` file is not a usable array (not .npy, wrong dtype, empty)."""
 
@@ -483,6 +512,21 @@ class UnsupportedDeviceError(OrchestraError, RuntimeError):
 class PrebuiltCubinError(OrchestraError, RuntimeError):
     """A prebuilt cubin directory is incomplete or was built from another source or for another
     architecture; the message says how to rebuild it."""
+
+
+def int_text(v: int) -> str:
+    """``v`` in decimal, or for a huge int (over 40 digits) its magnitude and bit length
+    (``1.000e+400 (a 1329-bit int)``): ``str()`` of an int over 4300 digits raises, and a
+    message of hundreds of digits helps nobody. For messages about a value a user gave."""
+    v = int(v)
+    if -10 ** 40 < v < 10 ** 40:
+        return str(v)
+    lg = math.log10(abs(v))  # exact enough for four significant digits at any size
+    exp = math.floor(lg)
+    mantissa = 10 ** (lg - exp)
+    if mantissa >= 9.9995:  # would print as 10.000
+        mantissa, exp = 1.0, exp + 1
+    return f"{'-' if v < 0 else ''}{mantissa:.3f}e+{exp} (a {abs(v).bit_length()}-bit int)"
 
 
 def prefixed(exc: Exception, prefix: str, type_error: type, value_error: type) -> Exception:

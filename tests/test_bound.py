@@ -3,6 +3,9 @@ duplex overlap, one batch, kernel-bound and copy-bound pipelines, ragged batches
 warning, and the link term's small linear program against a brute-force search."""
 
 import itertools
+import types
+
+import numpy as np
 
 import pytest
 
@@ -241,3 +244,207 @@ def test_gated_timer_doubles_a_gate_the_host_outlasts(monkeypatch):
         clock.host += 1.0  # always longer than the gate
     timer.elapsed_ms(slow, (), 1.0)
     assert gates == [1.0, 2.0, 4.0, 8.0] and timer.host_bound
+
+
+# -- lanes: rate times at the plan's concurrency, chain times for fill and drain -----------------
+
+def test_chain_times_make_fill_and_drain_and_rate_times_the_rest():
+    # a lane plan's sustained times: 16 lanes make each stage's rate 16x its chain step
+    hc, kc, dc = 1.6e-3, 0.8e-3, 1.28e-3
+    h, k, d = hc / 16, kc / 16, dc / 16
+    s = Sustained(65536, 64, h, k, d, max(h, d), 16, h2d_chain_ms=hc, kernel_chain_ms=kc,
+                  d2h_chain_ms=dc)
+    assert s.chain == (hc, kc, dc)
+    b = pipeline_bound(s, 1024)
+    assert b.upload_ms == pytest.approx(1024 * h + kc + dc)
+    assert b.download_ms == pytest.approx(hc + kc + 1024 * d)
+    assert b.compute_ms == pytest.approx(hc + 1024 * k + dc)
+    fill, drain = hc + kc, kc + dc
+    a_h, a_d = 1024 - fill / h, 1024 - drain / d
+    assert b.link_ms == pytest.approx(fill + drain + _brute_middle(a_h, a_d, h, d, max(h, d)),
+                                      rel=1e-3)
+    # without chain times the rate times stand in for them (the bound before lanes)
+    plain = pipeline_bound(Sustained(65536, 64, h, k, d, max(h, d), 16), 1024)
+    assert plain.upload_ms == pytest.approx(1024 * h + k + d)
+    assert plain.bound_ms < b.bound_ms
+
+
+def test_chain_times_below_the_rate_times_are_refused():
+    with pytest.raises(ValueError, match="kernel_chain_ms must be a time >= kernel_ms"):
+        Sustained(4, 16, 1.0, 1.0, 1.0, 1.0, 3, kernel_chain_ms=0.5)
+    with pytest.raises(ValueError, match="h2d_chain_ms"):
+        Sustained(4, 16, 1.0, 1.0, 1.0, 1.0, 3, h2d_chain_ms=float("nan"))
+
+
+def _lanes_wall(n, lanes, hc, kc, dc):
+    """A lane plan with no contention at all (latency-bound steps, each lane's batches one
+    after another): ceil(n / lanes) chains of hc + kc + dc."""
+    return -(-n // lanes) * (hc + kc + dc)
+
+
+@pytest.mark.parametrize("n,lanes,hc,kc,dc", [
+    (1024, 16, 2.35e-3, 1.2e-3, 1.4e-3), (4096, 16, 2.35e-3, 0.7e-3, 1.4e-3),
+    (20, 16, 3.7e-3, 1.2e-3, 1.4e-3), (16, 16, 1.0, 1.0, 1.0), (64, 12, 1.0, 0.1, 2.0)])
+def test_the_lane_bound_holds_where_the_one_stream_bound_does_not(n, lanes, hc, kc, dc):
+    """A lane plan runs ``lanes`` chains at once: the bound from times measured at that
+    concurrency (each stage's rate: ``lanes`` items per chain step) stays below its wall,
+    while a bound from one-stream times (every H2D after the other) is beaten."""
+    wall = _lanes_wall(n, lanes, hc, kc, dc)
+    h, k, d = hc / lanes, kc / lanes, dc / lanes
+    lane = Sustained(65536, 4 * lanes, h, k, d, max(h, d), lanes, h2d_chain_ms=hc,
+                     kernel_chain_ms=kc, d2h_chain_ms=dc)
+    assert pipeline_bound(lane, n).bound_ms <= wall + 1e-12
+    one = Sustained(65536, 16, hc, kc, dc, max(hc, dc))
+    if n > lanes:
+        assert pipeline_bound(one, n).bound_ms > 1.01 * wall  # efficiency > 1.01: a bug
+
+
+class _FakeStream:
+    made = 0
+
+    def __init__(self, device=None, priority=0):
+        _FakeStream.made += 1
+        self.id = _FakeStream.made
+        self.device = device
+
+    def synchronize(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _fake_timer(monkeypatch, latency, copy_kernel_latency=None):
+    """A `BatchTimer` over fakes: every copy and kernel is logged with its stream, and the
+    gated timer's elapsed time is a model of the GPU: items on one stream run one after the
+    other, items on different streams at once (``latency``: kind -> ms per item)."""
+    import orchestra.driver as od
+    import orchestra.kernel as ok
+    from orchestra.app.job import sustained
+    from orchestra.app.job.timing import BatchTimer
+
+    log = []  # (kind, stream) per enqueued item
+    timed = []  # (kinds, streams used, the others forked) per gated measurement
+
+    class Buf:
+        ptr = 0x1000
+
+        @classmethod
+        def allocate(cls, nbytes, stream):
+            return cls()
+
+        def copy_from_host(self, src, stream, sync=False):
+            log.append(("h2d", stream))
+
+        def copy_to_host(self, out, stream, sync=False):
+            log.append(("d2h", stream))
+
+        def close(self):
+            pass
+
+    class Kernel:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def pack(self, args):
+            return tuple(args)
+
+        def launch(self, stream, grid, block, packed):
+            kind = self.kind
+            if kind == "copy":  # the copy kernel: src is a device pointer for a D2H
+                kind = "kh2d" if packed[0] == Buf.ptr else "kd2h"
+            log.append((kind, stream))
+
+    class Gated:
+        def __init__(self, stream, repeats=5, warmup=1, gate_ms=None):
+            self.stream = stream
+
+        def median_ms(self, enqueue, others=()):
+            start = len(log)
+            enqueue()
+            items = log[start:]
+            per: dict = {}
+            for kind, stream in items:
+                per[stream.id] = per.get(stream.id, 0.0) + latency[kind]
+            timed.append(({k for k, _ in items}, {s.id for _, s in items},
+                          {o.id for o in others}))
+            return max(per.values())
+
+        def close(self):
+            pass
+
+    class Pinned:
+        def __init__(self, n):
+            self.array = np.zeros(n, np.uint8)
+
+        @classmethod
+        def empty(cls, n, dtype=np.uint8, device=None):
+            return cls(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(od, "DeviceBuffer", Buf)
+    monkeypatch.setattr(od, "Event", lambda *a, **k: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(od, "Stream", _FakeStream)
+    monkeypatch.setattr(od, "PinnedBuffer", Pinned)
+    monkeypatch.setattr(sustained, "GatedTimer", Gated)
+    monkeypatch.setattr(ok, "load_kernel", lambda *a, **k: Kernel("copy"))
+    host = np.zeros(16384, np.float32)  # 64 KiB
+    dev = types.SimpleNamespace(sm_count=132, kernel_host_access=False, name="fake")
+    timer = BatchTimer(Kernel("kernel"), _FakeStream(dev), host, host, grid=16, block=256)
+    return timer, log, timed
+
+
+def test_the_sustained_times_are_measured_over_the_lanes(monkeypatch):
+    """With ``streams=16`` every kind is timed on one stream and spread over 16 (pairs: 16 for
+    the H2Ds and 16 more for the D2Hs), each with the other streams forked from the gate; the
+    rate times come from the spread, the chain times from one stream."""
+    lat = {"h2d": 8e-3, "d2h": 6e-3, "kernel": 1.2e-3, "kh2d": 3.7e-3, "kd2h": 1.4e-3}
+    timer, log, timed = _fake_timer(monkeypatch, lat)
+    su = timer.sustained(64, 1, streams=16, copy_kernel=True)
+    assert (su.items, su.streams) == (64, 16)
+    by_width = {w: [t for t in timed if len(t[1]) == w] for w in (1, 2, 16, 32)}
+    assert sum(map(len, by_width.values())) == len(timed) == 14
+    lanes, pairs = by_width[16], by_width[32]
+    # H2D and D2H by copy engine and by copy kernel, and burn: on one stream and on 16
+    assert sorted(k for t in by_width[1] for k in t[0]) == sorted(
+        k for t in lanes for k in t[0]) == ["d2h", "h2d", "kd2h", "kernel", "kh2d"]
+    # pairs by copy engine and by copy kernel: on 1 + 1 streams and on 16 + 16
+    assert len(by_width[2]) == len(pairs) == 2
+    for kinds, used, others in lanes:
+        assert len(kinds) == 1 and others == used - {timer.stream.id}
+    for kinds, used, others in pairs:
+        assert len(kinds) == 2 and others == used - {timer.stream.id}
+    # 64 items on 16 lanes: 4 after each other per lane; the faster mechanism counts
+    assert su.h2d_ms == pytest.approx(4 * 3.7e-3 / 64) and su.d2h_ms == pytest.approx(
+        4 * 1.4e-3 / 64)
+    assert su.kernel_ms == pytest.approx(4 * 1.2e-3 / 64)
+    assert su.pair_ms == pytest.approx(4 * 3.7e-3 / 64)
+    assert su.copies == "H2D by copy kernel, D2H by copy kernel, pair by copy kernel"
+    # a chain's steps: the items back to back on one stream
+    assert su.chain == pytest.approx((3.7e-3, 1.2e-3, 1.4e-3))
+    timer.close()
+
+
+def test_without_copy_kernels_only_the_copy_engines_are_timed(monkeypatch):
+    lat = {"h2d": 8e-3, "d2h": 6e-3, "kernel": 1.2e-3, "kh2d": 1e-9, "kd2h": 1e-9}
+    timer, log, timed = _fake_timer(monkeypatch, lat)
+    su = timer.sustained(12, 1, streams=3, copy_kernel=False)
+    assert not any(k.startswith("k") and k != "kernel" for k, _ in log)
+    assert su.copies == "H2D by copy engine, D2H by copy engine, pair by copy engine"
+    assert (su.items, su.streams) == (12, 3)
+    assert su.h2d_ms == pytest.approx(4 * 8e-3 / 12) and su.h2d_chain_ms == pytest.approx(8e-3)
+    assert {len(used) for _, used, _ in timed} == {1, 2, 3, 6}
+    one = timer.sustained(12, 1, streams=1, copy_kernel=False)
+    assert one.h2d_ms == one.h2d_chain_ms == pytest.approx(8e-3)
+    timer.close()
+
+
+def test_items_grow_with_the_streams():
+    from orchestra.app.job.sustained import items_for
+
+    assert items_for(1024, 65536) == 16 and items_for(1024, 65536, streams=3) == 48
+    assert items_for(1024, 65536, streams=16) == 256  # 16 per lane
+    assert items_for(20, 65536, streams=16) == 20    # never more than the pipeline has
+    assert items_for(1024, 64 << 20, streams=16) == 16  # at most 1 GiB of items

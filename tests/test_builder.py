@@ -479,7 +479,7 @@ def test_explicit_alloc_or_free_of_a_graph_allocation_is_refused():
 
 def test_name_collisions():
     with GraphBuilder() as g:
-        x = g.host_input("x", N)
+        x = g.host_buffer("x", N)  # no node reads it in the end: a host_input would be refused
         g.memset(g.external_buffer("e", N), 0, name="step")
         with pytest.raises(NameCollisionError, match="a node named 'step' is already in") as info:
             g.memset(Buffer("e", N), 0, name="step")
@@ -549,6 +549,44 @@ def test_unwritten_host_output_is_refused_at_close_and_the_builder_stays_open():
     g.to_host(d, HostBuffer("result", N))
     g.to_host(d, g._buffers["other"])
     assert len(g.build()) == 5
+
+
+def test_unread_host_input_is_refused_at_close_and_the_builder_stays_open():
+    g = GraphBuilder()
+    x = g.host_input("x", N)
+    y = g.host_input("y", N)
+    z = g.host_input("z", N)
+    out = g.host_output("out", N)
+    d = g.to_device(x)                    # x is read
+    with pytest.raises(HostBufferUseError):
+        g.to_host(d, y)                   # refused (a write of an input): y is still unread
+    g.to_host(d, out)
+    with pytest.raises(HostBufferUseError) as info:
+        g.build()
+    assert str(info.value) == (
+        "host input(s) y, z: declared with host_input() but no node reads them, so the array the"
+        " caller binds would never reach the GPU (and a run would refuse the binding as"
+        " unknown): read them (g.to_device(input), or a host_func with reads=), or remove the"
+        " host_input() call")
+    _is(info.value, HostBufferUseError, GraphError, ValueError)
+    assert not g.closed and len(g.nodes) == 2  # unchanged, still open
+    g.host_func(lambda: None, reads=y.range(0, 16))  # a host function reading part of y
+    with pytest.raises(HostBufferUseError, match=r"^host input\(s\) z: declared with host_input\(\)"
+                                                 r" but no node reads it, .*: read it "):
+        g.build()
+    g.to_device(HostBuffer("z", N))       # the same record made by hand is the same input
+    graph = g.build()
+    assert g.closed and {b.name for b in graph.host_buffers} == {"x", "y", "z", "out"}
+
+
+def test_unread_host_input_in_a_with_block_fails_the_block():
+    with pytest.raises(HostBufferUseError, match=r"host input\(s\) unused: declared"):
+        with GraphBuilder() as g:
+            g.host_input("unused", N)
+            g.memset(g.device_buffer(N), 0)
+    assert g.closed
+    with pytest.raises(NotReadyError, match="closed without a graph"):
+        g.graph
 
 
 def test_overwrite_check_can_be_turned_off():

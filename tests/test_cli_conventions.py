@@ -414,7 +414,6 @@ def test_run_checks_the_device_block_limit_and_memory(monkeypatch, capsys):
 
 def test_memory_needs_match_the_graph():
     from orchestra.app.job import batch_sizes, build_job_graph
-    from orchestra.app.job.graphs import IN_FLIGHT
 
     args = build_parser().parse_args(["plan", "--batches", "9", "--batch-mib", "0.01"])
     needs = jo.memory_needs(args)
@@ -423,7 +422,10 @@ def test_memory_needs_match_the_graph():
     assert len(device) == 2 * 9
     assert {n.buffer.nbytes for n in device} == {needs["batch_bytes"]}
     assert needs["device_batch_bytes"] == 2 * needs["batch_bytes"]
-    assert needs["device_peak_bytes"] == IN_FLIGHT * 2 * needs["batch_bytes"]
+    # 9 small batches fit the default budget: every batch in flight, no bounding edges
+    assert needs["in_flight"] is None
+    assert needs["device_peak_bytes"] == 9 * 2 * needs["batch_bytes"]
+    assert not any(a.after for a in device)
     assert needs["pinned_bytes"] == sum(b.nbytes for b in jg.host_buffers)
 
 
@@ -485,3 +487,32 @@ def test_piped_run_of_plan_carries_no_bar():
     proc = orchestra_cli("plan", "--batches", "2", "--batch-mib", "0.01", "--summary")
     assert proc.returncode == 0 and proc.stderr == ""
     assert "\x1b[" not in proc.stdout
+
+
+@pytest.mark.parametrize("budget_batches, expect", [(9, None), (8, 8), (7.5, 7), (1, 6)])
+def test_device_budget_bounds_the_batches_in_flight(budget_batches, expect):
+    """--device-budget-mib: all batches fit -> no bound; else batch b allocates after batch
+    b - k freed, k = budget // batch (at least 6), as memory_needs reports it."""
+    from orchestra.app.job import batch_sizes, build_job_graph
+    from orchestra.app.job.graphs import in_flight_for
+
+    per = 2 * 2621 * 4  # one batch's input and output, bytes
+    mib = budget_batches * per / 2**20
+    args = build_parser().parse_args(["plan", "--batches", "9", "--batch-mib", "0.01",
+                                      "--device-budget-mib", repr(mib)])
+    needs = jo.memory_needs(args)
+    assert needs["in_flight"] == expect
+    sizes = batch_sizes(9 * 2621, 2621)
+    assert in_flight_for(sizes, jo.device_budget(args)) == expect
+    jg = build_job_graph(sizes, iters=1, device_budget=jo.device_budget(args))
+    allocs = {n.name: n for n in jg.graph.nodes if type(n).__name__ == "Alloc"}
+    waits = {name: tuple(a.after) for name, a in allocs.items() if a.after}
+    if expect is None:
+        assert waits == {} and needs["device_peak_bytes"] == 9 * per
+    else:
+        assert needs["device_peak_bytes"] == expect * per
+        assert set(waits) == {f"b{b}.{k}" for b in range(expect, 9)
+                              for k in ("alloc_in", "alloc_out")}
+        assert all(set(w) == {f"b{int(n[1:].split('.')[0]) - expect}.free_in",
+                              f"b{int(n[1:].split('.')[0]) - expect}.free_out"}
+                   for n, w in waits.items())

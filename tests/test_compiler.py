@@ -353,10 +353,18 @@ def test_no_gpu_and_no_arch_says_pass_arch():
 
 @pytest.mark.parametrize("given,expected", [
     ("sm_90", "sm_90"), ("90", "sm_90"), (90, "sm_90"), ((9, 0), "sm_90"), ("9.0", "sm_90"),
-    ("sm_90a", "sm_90a"), ("compute_80", "sm_80"), ("sm_100", "sm_100"),
+    ("sm_90a", "sm_90a"), ("sm_100", "sm_100"), ("sm_100f", "sm_100f"), ((12, 1), "sm_121"),
 ])
 def test_normalize_arch(given, expected):
     assert oc.normalize_arch(given) == expected
+
+
+def test_normalize_arch_refuses_a_virtual_architecture():
+    # compute_80 names PTX; normalize_arch is for a real architecture (a cubin)
+    with pytest.raises(ValueError, match=r"'compute_80' is a virtual architecture: NVRTC makes "
+                                         r"PTX for it, not a cubin; for compute_80 PTX pass "
+                                         r"ptx=True, for a cubin pass arch=\"sm_80\""):
+        oc.normalize_arch("compute_80")
 
 
 def test_normalize_arch_refuses_junk():
@@ -645,7 +653,8 @@ def test_int_that_does_not_fit():
     layout = ArgLayout(normalize_params(("int n", "size_t m", "unsigned char c")), "k")
     with pytest.raises(ValueError) as info:
         layout.pack([4294967296, 0, 0])
-    assert str(info.value) == "parameter n (int): 4294967296 does not fit in int32"
+    assert str(info.value) == ("parameter n (int): 4294967296 does not fit in int32: pass an int"
+                               " from -2147483648 to 2147483647")
     with pytest.raises(ValueError, match=r"parameter m \(size_t\): -1 does not fit in uint64"):
         layout.pack([0, -1, 0])
     with pytest.raises(ValueError, match="does not fit in uint8"):

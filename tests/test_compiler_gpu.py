@@ -211,6 +211,35 @@ def test_argument_errors_before_launch(dev, stream):
         k.launch(stream, 1, 32, [1.0, od, od, od, -1])
 
 
+def test_out_of_range_arguments_are_refused_and_nan_reaches_the_kernel(dev, stream):
+    """A float parameter given an int beyond any double, or a size_t given 2**64, is a
+    KernelArgumentValueError naming it and its range (never an OverflowError), and nothing is
+    launched: the output keeps its fill. NaN and inf are floats the kernel receives as is."""
+    from orchestra.errors import KernelArgumentValueError
+
+    n = 256
+    k = load_kernel("saxpy.cu", "saxpy", device=dev)
+    xd, yd = upload(np.arange(n, dtype=np.float32), stream), upload(np.ones(n, np.float32), stream)
+    od = empty(n, stream, fill=0x3F)  # 0x3F3F3F3F bytes: 0.7473 as float32
+    fill = download(od, n, stream)
+    with pytest.raises(KernelArgumentValueError, match=r"parameter a \(float\): the int "
+                                                       r"1\.000e\+400 .*does not fit in float32"):
+        k.launch(stream, 1, 256, [10 ** 400, xd, yd, od, n])
+    with pytest.raises(KernelArgumentValueError, match=r"parameter n \(size_t\): "
+                                                       r"18446744073709551616 does not fit in "
+                                                       r"uint64: pass an int from 0 to"):
+        k.launch(stream, 1, 256, [1.0, xd, yd, od, 2 ** 64])
+    stream.synchronize()
+    np.testing.assert_array_equal(download(od, n, stream), fill)  # nothing ran
+    k.launch(stream, 1, 256, [float("nan"), xd, yd, od, n])
+    assert np.isnan(download(od, n, stream)).all()
+    k.launch(stream, 1, 256, [float("inf"), xd, yd, od, n])
+    out = download(od, n, stream)
+    assert np.isnan(out[0]) and (out[1:] == np.inf).all()  # inf * 0 is NaN, inf * x > 0 is inf
+    for b in (xd, yd, od):
+        b.free(stream)
+
+
 def test_declared_params_are_verified_against_the_image(dev):
     res = oc.compile("saxpy.cu", arch=dev.arch)
     mod = oc.Module.load(res, dev)

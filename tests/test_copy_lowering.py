@@ -35,6 +35,7 @@ from orchestra.graph import (
     Buffer,
     DeviceToHost,
     HostBuffer,
+    HostFunc,
     HostToDevice,
     In,
     KernelNode,
@@ -222,13 +223,14 @@ def test_every_executor_runs_copy_kernels_with_the_right_bytes(fakes, kind):
     check_burn_outputs(bs, bind)
     log = copy_log(fakes, kind)
     assert len(log) == 6
-    # D2H copies end with a system-scope fence, H2D copies do not
-    fences = sorted(f for *_, f in log)
-    assert fences == [0, 0, 0, 1, 1, 1]
+    # no host function in the graph: no copy ends with the system-scope fence
+    assert [f for *_, f in log] == [0] * 6
+    hosts = {int(bind[b.host_in.buffer.name].ctypes.data) for b in bs}
+    outs = {int(bind[b.host_out.buffer.name].ctypes.data) for b in bs}
+    assert {src for _, src, _, _ in log} & hosts == hosts  # the H2Ds read the inputs
+    assert {dst for dst, _, _, _ in log} & outs == outs  # the D2Hs write the outputs
     for dst, src, n, fence in log:
         assert n == N
-        on_host = src if fence == 0 else dst
-        assert on_host in {int(a.ctypes.data) for a in bind.values()}
     if kind == "eager":
         assert res.copy_kernels == 6
         assert eager.counts["cuLaunchKernel"] == 9
@@ -238,6 +240,29 @@ def test_every_executor_runs_copy_kernels_with_the_right_bytes(fakes, kind):
         assert not graph.counts["cuGraphAddMemcpyNode"] and not graph.counts["cuMemcpy3DAsync"]
         launches = "cuGraphAddKernelNode" if kind == "graph-build" else "cuLaunchKernel"
         assert graph.counts[launches] == 9
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_d2h_copy_kernels_fence_when_a_host_function_reads_host_memory(fakes, kind):
+    """With a HostFunc in the graph, every D2H copy kernel ends with __threadfence_system()
+    (its stores reach host memory before a host thread reads them in stream order); the
+    host function sees the right bytes."""
+    g, bs, bind = pipeline(3)
+    seen = {}
+    last = bs[-1]
+
+    def look():
+        seen["out"] = bind[last.host_out.buffer.name].copy()
+
+    g.add(HostFunc("look", look, reads=(last.host_out,)))  # after the D2H: it reads its bytes
+    with executor(kind, fakes, copy_lowering="kernel") as ex:
+        run(ex, kind, g, bind)
+    check_burn_outputs(bs, bind)
+    np.testing.assert_array_equal(seen["out"], bind[last.host_out.buffer.name])
+    log = copy_log(fakes, kind)
+    outs = {int(bind[b.host_out.buffer.name].ctypes.data) for b in bs}
+    assert sorted((dst in outs, fence) for dst, _, _, fence in log) == (
+        [(False, 0)] * 3 + [(True, 1)] * 3)
 
 
 @pytest.mark.parametrize("kind", ("capture", "graph-build"))
@@ -269,7 +294,8 @@ def test_per_node_and_per_build_overrides(fakes, kind):
         run(ex, kind, g2, bind, copy_lowering="kernel")  # the nodes' own choice wins for h2d
         check_burn_outputs(bs, bind)
         log = copy_log(fakes, kind)
-        assert len(log) == 2 and all(f == 1 for *_, f in log)  # only the D2H copies
+        outs = {int(bind[b.host_out.buffer.name].ctypes.data) for b in bs}
+        assert len(log) == 2 and {dst for dst, *_ in log} == outs  # only the D2H copies
         log.clear()
         run(ex, kind, g, bind, copy_lowering="copy-engine")
         assert log == []
@@ -334,7 +360,7 @@ def test_odd_sizes_and_offsets_reach_the_kernel(fakes, kind):
     assert (y[3:] == x[3:]).all() and (y[:3] == 0).all()
     log = copy_log(fakes, kind)
     assert sorted(n for _, _, n, _ in log) == sorted(sizes * 2)
-    starts = {src - x.ctypes.data for _, src, _, f in log if f == 0}
+    starts = {src - x.ctypes.data for _, src, _, _ in log if 0 <= src - x.ctypes.data < total}
     assert starts == {3, 4, 19, 36, 1036}
 
 
@@ -394,8 +420,9 @@ def test_eager_rebinding_writes_the_copy_kernels_host_field(fakes):
                 b[name][:] = np.nan
             ex.run(g, bindings=b)
             check_burn_outputs(bs, b)
-    hosts = [src for _, src, _, f in eager.copy_kernels if f == 0]
-    assert hosts[:2] != hosts[2:4] and hosts[:2] == hosts[4:6]
+    ins = {int(b[x.host_in.buffer.name].ctypes.data) for b in (bind, other) for x in bs}
+    hosts = [src for _, src, _, _ in eager.copy_kernels if src in ins]  # the H2D copies
+    assert len(hosts) == 8 and hosts[:2] != hosts[2:4] and hosts[:2] == hosts[4:6]
 
 
 # -- traces -----------------------------------------------------------------------------------
@@ -587,6 +614,16 @@ def test_the_benchmarks_goal_lines():
     assert "goal host <= 100 µs and GPU <= 0.85x: met" in lines[0]
     assert "2.36x faster" in lines[1] and "goal >= 2.5x: NOT met" in lines[1]
     assert "goal within 2% of bare: NOT met" in lines[2]
+    # with the by-engine row of the same exec, the line says what the auto policy gained
+    lanes = bench.goals({"4096x4KiB@1": [
+        {"contender": "bare", "host_us": 28007, "gpu_ms": 28.0, "wall_ms": 28.0},
+        {"contender": "graph auto", "plan": "round-robin x16", "host_us": 110,
+         "gpu_ms": 2.5, "wall_ms": 2.8},
+        {"contender": "graph auto by-engine", "plan": "by-engine x3", "host_us": 146,
+         "gpu_ms": 11.9, "wall_ms": 11.9}]})
+    assert "graph auto (round-robin x16) host 110 µs" in lanes[0]
+    assert "10.00x faster than bare (by-engine x3: 2.35x, so the auto policy 4.25x faster)" \
+        in lanes[0] and "goal >= 2.5x: met" in lanes[0]
 
 
 def test_each_direction_is_judged_by_the_best_variant_on_either_side():

@@ -192,6 +192,7 @@ def test_the_documented_table_matches_the_classes():
     (oe.CompilerArgumentValueError, ValueError), (oe.KernelSourceNotFoundError, FileNotFoundError),
     (oe.TraceTypeError, TypeError), (oe.TraceValueError, ValueError),
     (oe.MissingExtraError, ImportError), (oe.JobConfigError, ValueError),
+    (oe.JobConfigTypeError, TypeError),
     (oe.JobInputError, ValueError), (oe.BenchConfigError, ValueError),
     (oe.UnsupportedDeviceError, RuntimeError), (oe.PrebuiltCubinError, RuntimeError),
     (oe.NotFoundError, KeyError), (oe.CudaForkError, RuntimeError),
@@ -273,7 +274,7 @@ def test_schedule_refuses_an_unknown_policy():
 
 
 def test_schedule_refuses_a_negative_cost():
-    _raises(ScheduleError, ValueError, "cost of node a must be >= 0 µs; got -1.0",
+    _raises(ScheduleError, ValueError, "cost of node a must be a finite number >= 0 µs; got -1.0",
             schedule, _tiny_graph(), policy="critical-path", costs={"a": -1, "f": 1})
 
 
@@ -428,7 +429,8 @@ class _NotAnAddress:
 
 @pytest.mark.parametrize("layout,value,cls,builtin,message", [
     (PTR, 1 << 64, KernelArgumentValueError, ValueError,
-     "parameter p (float*): address 18446744073709551616 is not a 64-bit unsigned value"),
+     "parameter p (float*): address 18446744073709551616 is not a 64-bit unsigned value (0 to"
+     " 18446744073709551615)"),
     (PTR, 1.5, KernelArgumentTypeError, TypeError,
      "parameter p (float*) needs device memory: pass a DeviceBuffer (anything with .ptr), a"
      " CUdeviceptr, an int address or None; got float 1.5"),
@@ -453,9 +455,10 @@ class _NotAnAddress:
     (INT, "3", KernelArgumentTypeError, TypeError,
      "parameter n (int): expected an int, got str"),
     (INT, 1 << 31, KernelArgumentValueError, ValueError,
-     "parameter n (int): 2147483648 does not fit in int32"),
+     "parameter n (int): 2147483648 does not fit in int32: pass an int from -2147483648 to"
+     " 2147483647"),
     (U8, -1, KernelArgumentValueError, ValueError,
-     "parameter b (unsigned char): -1 does not fit in uint8"),
+     "parameter b (unsigned char): -1 does not fit in uint8: pass an int from 0 to 255"),
     (F32, True, KernelArgumentTypeError, TypeError,
      "parameter s (float): got a bool where a floating-point value is declared"),
     (F32, np.float64(0.5), KernelArgumentTypeError, TypeError,
@@ -464,7 +467,8 @@ class _NotAnAddress:
     (F32, "0.5", KernelArgumentTypeError, TypeError,
      "parameter s (float): expected a float, got str"),
     (F32, 1e39, KernelArgumentValueError, ValueError,
-     "parameter s (float): 1e+39 does not fit in float32"),
+     "parameter s (float): 1e+39 does not fit in float32: pass a value from -3.4028235e+38 to"
+     " 3.4028235e+38 (nan and +-inf pass as they are)"),
     (F32, (1 << 24) + 1, KernelArgumentValueError, ValueError,
      "parameter s (float): the int 16777217 is not exactly representable in float32; pass a"
      " float if rounding is intended"),

@@ -394,12 +394,12 @@ def test_print_report_bound_lines(fake_job, capsys):
 
     r = MainJob(batches=4, batch_mib=0.01, compute_iters=3, repeat=1).run()
     # the fake GPU takes no time, so its runs "beat" the 1 ms items: the report says so
-    assert r.bound_warning.startswith("BOUND BUG: eager by-engine efficiency")
+    assert r.bound_warning.startswith("BOUND BUG: eager by-engine (3 streams) efficiency")
     r = attrs.evolve(r, wall_ms=2 * r.bound_ms, efficiency=0.5, bound_warning=None)
     print_report(r)
     out = capsys.readouterr()
     line = [x for x in out.out.splitlines() if x.startswith("sustained per batch")]
-    assert len(line) == 1 and "1.250 ms per pair" in line[0] and "4 back-to-back" in line[0]
+    assert len(line) == 1 and "1.2500 ms per pair" in line[0] and "4 back-to-back" in line[0]
     assert any(x.startswith("bound = the largest of (upload") for x in out.out.splitlines())
     assert "BOUND BUG" not in out.out + out.err
     fast = attrs.evolve(r, wall_ms=r.bound_ms / 1.05, efficiency=1.05,

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from orchestra.driver.capture import UnjoinedStreamError
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, KernelArgumentValueError
 from orchestra.execute.cuda_graph.capture_plan import CaptureStep, capture_steps, check_capture_steps
 from orchestra.execute.cuda_graph.cache import BucketPolicy, GraphCache, Signature, pad_to
 from orchestra.execute.cuda_graph.spec import (
@@ -753,6 +753,12 @@ def test_fake_scalar_update_takes_effect(fake, kind):
             exe.replay(scalars={bs[0].kernel.name: {"x": 0}})
         with pytest.raises(ValueError, match="does not fit"):
             exe.replay(scalars={bs[0].kernel.name: {"iters": 2**40}})
+        launches = fake.counts["cuGraphLaunch"]
+        with pytest.raises(KernelArgumentValueError, match=r"parameter s \(float\): the int "
+                                                           r"1\.000e\+400 .* does not fit in float32"):
+            exe.replay(scalars={bs[0].kernel.name: {"s": 10 ** 400}})
+        assert fake.counts["cuGraphLaunch"] == launches  # refused before the launch
+        assert exe.scalars(bs[0].kernel.name)["s"] == 0.25  # the old value stays
         with pytest.raises(TypeError, match="float"):
             exe.replay(scalars={bs[0].kernel.name: {"iters": 1.5}})
         with pytest.raises(ValueError, match="not a kernel node"):

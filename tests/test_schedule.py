@@ -235,7 +235,32 @@ def _schedule_keeping_empty_streams(g, policy, streams):
                                   "critical-path": lambda g, s: policies._critical_path(g, s, None),
                                   "concurrent": policies.concurrent,
                                   }[policy](g, streams)
+    # round-robin and by-engine name only the streams some node can use: add the others back
+    # (s{i}, compute{i}) as the empty streams the plan leaves out
+    from orchestra.schedule import StreamSpec
+
+    if policy == "round-robin":
+        specs = tuple(StreamSpec(f"s{i}") for i in range(streams))
+    elif policy == "by-engine" and streams >= 4:
+        specs = (specs[0], *(StreamSpec(f"compute{i}", role="compute")
+                             for i in range(streams - 2)), specs[-1])
     return insert_events(g, assign, specs, order, policy, meta)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_huge_stream_count_is_an_upper_bound_not_a_list(policy):
+    # schedule() used to build a list of `streams` entries first: `orchestra plan --streams
+    # 99999999999999999999999` ran out of memory. Any count beyond what the nodes can use
+    # gives the plan of a count they can.
+    g = batches(5)
+    huge = schedule(g, policy, 10**23)
+    assert huge == schedule(g, policy, 10**23 + 1)
+    assert huge == schedule(g, policy, 40), policy  # 35 nodes: more than any node uses
+    if policy == "round-robin":
+        assert huge.stream_names == ("s0", "s1", "s2", "s3", "s4")
+    if policy == "by-engine":
+        assert huge.stream_names == ("upload", *(f"compute{i}" for i in range(5)), "download")
+    assert verify(huge, g) == []
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -172,6 +172,15 @@ def wait_for(pred, timeout=5.0):
         time.sleep(0.001)
 
 
+async def until(pred, timeout=5.0):
+    """`wait_for` on an event loop: the loop keeps running while the test waits."""
+    t = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > t:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.001)
+
+
 # -- buckets -------------------------------------------------------------------------------
 
 
@@ -376,8 +385,13 @@ def test_close_drains_pending_futures_and_releases_every_instance():
     backend = GatedBackend()
     e = gated_engine(backend, buckets=[4], instances=2)
     futs = [e.submit(rows(n)) for n in (1, 2, 3, 4)]  # two run, two queued
-    opener = threading.Timer(0.05, lambda: [backend.complete() for _ in range(50)
-                                            if not time.sleep(0.005)])
+    def open_gates():  # until all four ran (however long a loaded machine takes)
+        deadline = time.monotonic() + 30
+        while not all(fut.done() for fut in futs) and time.monotonic() < deadline:
+            backend.complete()
+            time.sleep(0.005)
+
+    opener = threading.Timer(0.05, open_gates)
     opener.start()
     e.close()  # waits for all four
     opener.join()
@@ -499,11 +513,12 @@ def test_asyncio_cancelled_task_cancels_its_queued_request():
     async def main(e):
         first = asyncio.ensure_future(e.run(rows(1)))
         second = asyncio.ensure_future(e.run(rows(2)))
-        await asyncio.sleep(0.01)
+        # the first on the GPU, the second queued behind it (no fixed sleep: a loaded machine)
+        await until(lambda: len(backend.pending) == 1 and e.stats()["engine"]["queued"] == 1)
         second.cancel()
         await asyncio.sleep(0.01)
         backend.complete()
-        assert (await first).tobytes() == f(rows(1)).tobytes()
+        assert (await asyncio.wait_for(first, 10)).tobytes() == f(rows(1)).tobytes()
         with pytest.raises(asyncio.CancelledError):
             await second
 
@@ -527,7 +542,9 @@ def test_c17_loop_closed_while_requests_in_flight(caplog):
             return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2, 3)]
 
         tasks = loop.run_until_complete(start())
-        loop.run_until_complete(asyncio.sleep(0.01))
+        # both instances' launches on the GPU (a loaded machine takes longer than a fixed
+        # sleep): only the third request is still queued when the tasks are cancelled
+        loop.run_until_complete(until(lambda: len(backend.pending) == 2))
         for t in tasks:
             t.cancel()  # what asyncio.run does before closing
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
@@ -554,7 +571,7 @@ def test_c17_loop_closed_without_cancelling(caplog):
         return [asyncio.ensure_future(e.run(rows(n))) for n in (1, 2)]
 
     tasks = loop.run_until_complete(start())
-    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.run_until_complete(until(lambda: len(backend.pending) == 2))
     loop.close()  # tasks still pending: their futures will never be completed by the loop
     with caplog.at_level(logging.DEBUG):
         backend.complete()
@@ -974,7 +991,10 @@ def test_asyncio_event_loop_never_blocked_by_the_engine():
             lags = asyncio.run(main(e))
             assert sum(b["requests"] for b in e.stats()["buckets"].values()) == 1000
         assert len(lags) > 20
-        assert max(lags) < 0.020, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
+        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise): a
+        # loop that launched itself would lag by seconds (1,000 launches of 3 ms); the lag
+        # goal itself is measured by orchestra bench serve --mode asyncio
+        assert max(lags) < 0.050, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
 
 
 def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
@@ -982,7 +1002,8 @@ def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
 
     async def main(e, expect_overloaded):
         tasks = [asyncio.ensure_future(e.run(rows(1))) for _ in range(4)]
-        await asyncio.sleep(0.02)
+        # one on the GPU, three queued: the fifth finds no room (queue_limit=4 in flight)
+        await until(lambda: len(backend.pending) == 1 and e.stats()["engine"]["queued"] == 3)
         if expect_overloaded:
             with pytest.raises(Overloaded):
                 await e.run(rows(1))
@@ -1032,3 +1053,220 @@ def test_asyncio_run_awaiting_its_slot_when_the_engine_closes_never_hangs():
 
         asyncio.run(asyncio.wait_for(main(), 10))
         assert outcome[0] is True and outcome[1] in (True, "closed"), outcome
+
+
+# -- the host path: batches without a dispatcher hop, bulk copies, bounded asyncio delivery ----
+
+
+def test_full_batch_starts_in_the_submitting_thread_and_shares_one_output_block():
+    """With dynamic batching (dispatch "caller"), the request that fills a batch starts it in
+    its own thread (no hand-off to the batcher thread); the batch's copy-in is one axis-0
+    concatenation and its outputs are views of one block that only the batch's requests
+    share; out= requests get their rows copied into their own arrays. With dispatch
+    "thread" the batcher thread launches instead."""
+    for dispatch, launcher in (("caller", threading.current_thread().name),
+                               ("thread", "orchestra-serve-dispatch")):
+        seen = []
+
+        def fn(d):
+            seen.append((threading.current_thread().name, d["x"].copy()))
+            return f(d["x"])
+
+        with Engine(backend=NumpyBackend(fn), inputs=SPEC_IN, outputs=SPEC_OUT,
+                    buckets=[4, 16], dispatch=dispatch,
+                    batching=Batching(max_batch=16, max_delay_us=5e6)) as e:
+            xs = [rows(4, seed=i) for i in range(4)]
+            mine = np.full((4, ROW), -1, np.float32)
+            futs = [e.submit(x) for x in xs[:3]] + [e.submit(xs[3], out={"y": mine})]
+            ys = [fut.result(timeout=5) for fut in futs]
+        assert [t for t, _ in seen] == [launcher], seen
+        assert seen[0][1].tobytes() == np.concatenate(xs).tobytes()
+        for x, y in zip(xs, ys):
+            assert y.tobytes() == f(x).tobytes()
+        block = ys[0].base
+        assert block is not None and block.shape == (16, ROW)
+        assert all(y.base is block for y in ys[:3])
+        assert ys[3] is mine and mine.tobytes() == f(xs[3]).tobytes()
+
+
+def test_partial_batch_goes_when_its_delay_expires_then_full_ones_without_waiting():
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 8], instances=1,
+                batching=Batching(max_batch=8, max_delay_us=30_000)) as e:
+        t0 = time.perf_counter()
+        assert e.submit(rows(4)).result(timeout=5).tobytes() == f(rows(4)).tobytes()
+        waited = time.perf_counter() - t0
+        assert waited >= 0.025
+        t0 = time.perf_counter()
+        futs = [e.submit(rows(4, seed=i)) for i in range(2)]  # 8 rows: full at once
+        for i, fut in enumerate(futs):
+            assert fut.result(timeout=5).tobytes() == f(rows(4, seed=i)).tobytes()
+        assert time.perf_counter() - t0 < 0.02
+        st = e.stats()["buckets"]
+        assert st[4]["launches"] == 1 and st[8]["launches"] == 1
+        assert st[8]["requests_per_launch"] == 2
+
+
+def test_batching_threads_with_a_device_thread_every_output_checked():
+    """Eight threads, windows of requests in flight, on a backend whose launches complete on
+    its device thread (as on a GPU): every output right, no instance shared."""
+    be = NumpyBackend(lambda d: f(d["x"]), device_thread=True)
+    with Engine(backend=be, inputs=SPEC_IN, outputs=SPEC_OUT, buckets="pow2", max_rows=32,
+                instances=2, batching=Batching(max_batch=32, max_delay_us=200)) as e:
+        errors = []
+
+        def client(k):
+            try:
+                futs = []
+                for i in range(300):
+                    x = rows(1 + (k + i) % 4, seed=1000 * k + i)
+                    futs.append((x, e.submit(x)))
+                    if len(futs) >= 16:
+                        x0, f0 = futs.pop(0)
+                        assert f0.result(timeout=10).tobytes() == f(x0).tobytes()
+                for x0, f0 in futs:
+                    assert f0.result(timeout=10).tobytes() == f(x0).tobytes()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        ts = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors[0]
+        st = e.stats()["buckets"]
+        assert sum(b["requests"] for b in st.values()) == 2400
+        assert sum(b["launches"] for b in st.values()) < 2400  # batched
+    assert be._thread is None  # close() stopped the device thread
+
+
+def test_numpy_device_thread_launch_returns_before_the_work_and_wait_raises_its_error():
+    gate = threading.Event()
+
+    def fn(d):
+        gate.wait(5)
+        if d["x"][0, 0] < 0:
+            raise RuntimeError("kernel refused a negative row")
+        return f(d["x"])
+
+    be = NumpyBackend(fn, device_thread=True)
+    x = np.abs(rows(4))
+    with Engine(backend=be, inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[4]) as e:
+        fut = e.submit(x)
+        time.sleep(0.02)
+        assert not fut.done()  # launched, the device thread has not run it
+        gate.set()
+        assert fut.result(timeout=5).tobytes() == f(x).tobytes()
+        bad = e.submit(-np.ones((4, ROW), np.float32))
+        with pytest.raises(RuntimeError, match="negative row"):
+            bad.result(timeout=5)
+        assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()
+
+
+def test_loop_inbox_resolves_at_most_per_turn_futures_per_loop_iteration():
+    """A burst of completions from another thread wakes the loop once and is resolved in
+    chunks of ``per_turn`` per loop iteration (the loop's lag stays bounded)."""
+    from orchestra.serve.engine import ServeFuture, _LoopInbox
+
+    writes = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(*a):
+            writes.append(1)
+            return real(*a)
+
+        loop.call_soon_threadsafe = counted
+        box = _LoopInbox(loop, asyncio.Semaphore(10), 3)
+        futs, aios = [], []
+        for i in range(10):
+            await box.sem.acquire()
+            fut = ServeFuture()
+            fut._aio = loop.create_future()
+            fut.add_done_callback(box.push)
+            futs.append(fut)
+            aios.append(fut._aio)
+
+        def complete():
+            for i, fut in enumerate(futs):
+                if i == 4:
+                    fut.set_exception(ValueError("bad"))
+                else:
+                    fut.set_result(i)
+
+        t = threading.Thread(target=complete)
+        t.start()
+        t.join()
+        counts = []
+        for _ in range(8):
+            await asyncio.sleep(0)
+            counts.append(sum(a.done() for a in aios))
+        return counts, aios, box
+
+    counts, aios, box = asyncio.run(main())
+    steps = [b - a for a, b in zip([0] + counts, counts)]
+    assert counts[-1] == 10 and max(steps) <= 3, counts
+    assert len(writes) == 1  # one wake-up of the loop for the whole burst
+    assert [a.result() for i, a in enumerate(aios) if i != 4] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert isinstance(aios[4].exception(), ValueError)
+    assert box.sem._value == 10 and not box.scheduled
+
+
+def test_asyncio_burst_of_completions_spread_over_loop_iterations():
+    """Through the engine: 200 tasks whose requests complete together (one batch) resolve
+    at most completions_per_turn per loop iteration."""
+    per_iter = []
+
+    async def main(e):
+        loop = asyncio.get_running_loop()
+        done = [0]
+
+        async def task(k):
+            x = np.full((1, ROW), k, np.float32)
+            y = await e.run(x)
+            done[0] += 1
+            assert y.tobytes() == f(x).tobytes()
+
+        def tick(last=[0]):
+            per_iter.append(done[0] - last[0])
+            last[0] = done[0]
+            if done[0] < 200:
+                loop.call_soon(tick)
+
+        tasks = [asyncio.ensure_future(task(k)) for k in range(200)]
+        loop.call_soon(tick)
+        await asyncio.gather(*tasks)
+
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[256], batching=Batching(max_batch=256, max_delay_us=50_000),
+                completions_per_turn=8) as e:
+        asyncio.run(main(e))
+    assert sum(per_iter) == 200 and max(per_iter) <= 8, per_iter
+
+
+def test_batcher_sleeps_until_the_deadline_form_batches_saw_ahead(monkeypatch):
+    """The batcher thread sleeps until the deadline the batch former saw ahead, never reading
+    the clock again: a clock that moves on between the two (a loaded machine) once made it
+    see the deadline passed, take the head for one waiting for an instance, and sleep
+    without a timeout with a due batch queued (a closed-loop client then waits for ever)."""
+    import orchestra.serve.engine as engine_mod
+
+    delay_ns = 2_000_000
+    lock = threading.Lock()
+    clock = [time.perf_counter_ns()]
+
+    def stepping_clock():  # every reading 0.4 of the batching delay after the one before
+        with lock:
+            clock[0] += delay_ns * 2 // 5
+            return clock[0]
+
+    monkeypatch.setattr(engine_mod, "_now", stepping_clock)
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 8], instances=1,
+                batching=Batching(max_batch=8, max_delay_us=delay_ns // 1000)) as e:
+        for i in range(20):
+            x = rows(1 + i % 3, seed=i)
+            assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()

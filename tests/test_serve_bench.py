@@ -111,3 +111,62 @@ def test_cli_refusals(capsys):
     usage = (code, "4096-byte rows" in err) == (2, True)
     no_gpu = (code, "no CUDA device" in err) == (3, True)
     assert usage or no_gpu, (code, err)
+
+
+def test_lag_causes_put_each_late_wake_up_down_to_gc_callbacks_or_waiting():
+    from orchestra.serve.bench import lag_causes
+
+    # (start s, end s, lag ms, loop-thread CPU ms) per 0.5 ms probe sleep
+    samples = [
+        (0.0, 0.0006, 0.1, 0.05),  # on time
+        (1.0, 1.0035, 3.0, 0.2),  # a 2.5 ms collection inside: the GC
+        (2.0, 2.0025, 2.0, 2.3),  # the loop thread ran the whole time: callbacks
+        (3.0, 3.0045, 4.0, 0.3),  # neither: it waited for the GIL or a CPU
+    ]
+    pauses = [(1.0005, 1.003, 2), (2.0001, 2.0002, 0)]
+    causes = lag_causes(samples, pauses)
+    assert causes == {
+        "garbage collector (generation 2)": {"count": 1, "max_ms": 3.0},
+        "loop busy running callbacks": {"count": 1, "max_ms": 2.0},
+        "loop thread waiting for the GIL or a CPU": {"count": 1, "max_ms": 4.0},
+    }
+
+
+def test_asyncio_mode_reports_the_lag_distribution_and_its_causes(capsys):
+    o = BenchOptions(mode="asyncio", mix="16K", tasks=40, requests=400, batching="on",
+                     engine=cpu_config())
+    assert main(o) == 0
+    text = capsys.readouterr().out
+    assert "event-loop lag p50" in text and "garbage collections during the run" in text
+    assert "gc.freeze() after the engine's warm-up" in text
+    results, _, _ = run(o)
+    (r,) = results
+    assert r.requests == 400 and r.wrong == 0
+    x = r.extra
+    assert x["loop_lag_p50_ms"] <= x["loop_lag_p99_ms"] <= x["loop_lag_max_ms"]
+    assert sum(c["count"] for c in x["loop_lag_causes"].values()) == x["loop_lag_over_1ms"]
+
+
+def test_soak_stops_at_the_requests_or_the_duration_whichever_first(capsys):
+    o = BenchOptions(mode="soak", mix="16K", threads=2, requests=600, duration=30,
+                     engine=cpu_config())
+    assert main(o) == 0
+    text = capsys.readouterr().out
+    assert "(reached 600 requests)" in text and "RSS" in text and "live handles" in text
+    o = BenchOptions(mode="soak", mix="16K", threads=2, requests=10**9, duration=0.3,
+                     engine=cpu_config())
+    (r,), _, _ = run(o)
+    assert r.extra["stopped_by"] == "duration" and 0.3 <= r.seconds < 5
+    assert r.errors == 0 and r.wrong == 0 and r.extra["bad_refused_ok"] > 0
+
+
+def test_cli_cpu_runs_the_engine_without_a_gpu(capsys):
+    from orchestra.cli.main import main as cli
+
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--duration", "0.2",
+                "--threads", "2", "--mix", "16K", "--batching", "on", "--window", "4",
+                "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["device"].startswith("CPU") and rep["verified"] is True
+    (r,) = rep["results"]
+    assert "dynamic batching" in r["name"] and r["requests"] > 0 and r["wrong"] == 0

@@ -167,7 +167,7 @@ class _PoisonBackend(CudaBackend):
         return _Poisoned(super().create(rows, index, inputs, outputs), self.violations)
 
 
-@pytest.mark.parametrize("dispatch", ["caller", "thread"])
+@pytest.mark.parametrize("dispatch", ["caller", "thread", "batching"])
 def test_instance_leasing_never_shares_an_instance(dev, dispatch):
     # a slow kernel (20,000 steps of v + 1: exact, input-dependent) and 16 threads on 2
     # instances of one bucket: heavy contention
@@ -175,8 +175,11 @@ def test_instance_leasing_never_shares_an_instance(dev, dispatch):
     backend = _PoisonBackend(functools.partial(demo_graph, iters=iters, s=1.0, t=1.0), "graph",
                              device=dev)
     wrong = []
+    # "batching": dynamic batches of up to 8 rows, started by the threads that fill them
+    kw = ({"batching": Batching(max_batch=8, max_delay_us=100)} if dispatch == "batching"
+          else {"dispatch": dispatch})
     with Engine(backend=backend, inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[8], instances=2,
-                dispatch=dispatch) as e:
+                **kw) as e:
         def worker(k):
             for i in range(12):
                 n = 1 + (k + i) % 8

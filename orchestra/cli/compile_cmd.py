@@ -8,6 +8,10 @@ object instead (``arch``, ``outputs``, ``kernels``, ``cache_hit``, ``warnings``)
 ``{"error": {"type": ..., "message": ...}}``.
 
 Runs on a machine without a GPU when `--arch` is given. Uses the on-disk compile cache.
+``--arch compute_90`` makes PTX (as ``--arch sm_90 --ptx``; a ``.ptx`` input, linked into a
+cubin, needs a real ``sm_90``). An architecture the NVRTC in use does not offer
+(``nvrtcGetSupportedArchs``) is refused before anything is compiled, with the list of those it
+does (exit 2).
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ def register(sub) -> None:
     p.add_argument("file", type=Path,
                    help="a .cu source file, or a .ptx file to link with nvJitLink; a bare name "
                         "such as burn.cu is also looked up among the kernels orchestra ships")
-    p.add_argument("--arch", help="target, e.g. sm_90 (default: the current GPU; required without one)")
+    p.add_argument("--arch", help="target, e.g. sm_90 (default: the current GPU; required without "
+                                  "one); compute_90 makes PTX for compute_90 (as --ptx); one "
+                                  "the NVRTC in use does not offer is refused with the list of "
+                                  "those it does")
     p.add_argument("-o", "--output", type=Path, help="where to write the cubin/PTX (default: FILE.cubin)")
     p.add_argument("--ptx", action="store_true", help="emit PTX for compute_XX instead of a cubin")
     p.add_argument("--name-expression", action="append", default=[], metavar="EXPR",
@@ -143,10 +150,57 @@ def _find_input(path: Path) -> Path:
     return resolve_path(path, (kernel_source_dir(), ptx_source_dir())) or path
 
 
-def _run(args) -> int:
-    from orchestra.compiler.target import normalize_arch
+def _arch_option(args) -> tuple[str | None, bool, str | None]:
+    """``--arch`` read: ``(arch "sm_XY" or None, virtual, error message or None)``. A virtual
+    ``compute_XY`` asks for PTX (as ``--arch sm_XY --ptx``)."""
+    from orchestra.compiler.target import split_arch
+    from orchestra.errors import CompilerArgumentValueError
 
+    if not args.arch:
+        return None, False, None
+    try:
+        arch, virtual = split_arch(args.arch)
+    except CompilerArgumentValueError as exc:
+        if str(exc).startswith("unknown GPU architecture"):
+            return None, False, (f"--arch {args.arch}: unknown GPU architecture; pass a name like "
+                                 "--arch sm_90 or a compute capability like --arch 9.0")
+        return None, False, f"--arch {args.arch}: {exc}"
+    return arch, virtual, None
+
+
+def _unsupported(args, arch: str, ptx_input: bool) -> str | None:
+    """Why the compiler in use cannot target ``arch`` (its list of those it can), or None."""
+    from orchestra.compiler.nvrtc import check_arch_supported
+    from orchestra.compiler.ptx import check_link_arch
+    from orchestra.errors import UnsupportedArchError
+
+    try:
+        if ptx_input:
+            check_link_arch(arch)
+        else:
+            check_arch_supported(arch)
+    except UnsupportedArchError as exc:
+        where = f"--arch {args.arch}" if args.arch else f"the current GPU ({arch})"
+        return f"{where}: {exc}"
+    return None
+
+
+def _run(args) -> int:
     given = args.file
+    arch, virtual, bad_arch = _arch_option(args)
+    if bad_arch:
+        return _fail(args, bad_arch)
+    if virtual and given.suffix == ".ptx":
+        return _fail(args, f"--arch {args.arch} is a virtual architecture: nvJitLink links a "
+                           f".ptx file into a cubin for a real one: pass --arch {arch}")
+    if virtual:
+        args.ptx = True  # compute_XY is PTX for compute_XY, as NVRTC makes it
+    from orchestra.compiler.nvrtc import ARCH_OPTIONS
+
+    for o in args.option:
+        if o.startswith(ARCH_OPTIONS):
+            return _fail(args, f"-O {o} sets the target architecture: pass --arch instead (with "
+                               "--ptx, or --arch compute_XY, for PTX)")
     args.file = _find_input(given)
     if args.file != given and args.output is None:  # a shipped kernel: write here, not beside it
         args.output = Path(given.name).with_suffix(".ptx" if args.ptx else ".cubin")
@@ -162,6 +216,10 @@ def _run(args) -> int:
         return _fail(args, f"-o {out} is the input file {args.file}: writing the "
                            f"{'PTX' if args.ptx else 'cubin'} would overwrite the source; "
                            "pass another -o")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):  # before compiling: was "[Errno 2] No such file" after it
+        return _fail(args, f"-o {out}: the folder {folder} does not exist; create it or pass "
+                           "another -o")
     if ptx_input:
         if args.ptx:
             return _fail(args, "--ptx makes no sense for a .ptx input (it is PTX already)")
@@ -171,19 +229,15 @@ def _run(args) -> int:
             verb, it = ("apply", "them") if len(nvrtc_only) > 1 else ("applies", "it")
             return _fail(args, f"{' and '.join(nvrtc_only)} {verb} to NVRTC (.cu input) only; a "
                                f".ptx input is linked with nvJitLink as it is: drop {it}")
-    arch: str | None
-    if args.arch:
-        try:
-            arch = normalize_arch(args.arch)
-        except ValueError:
-            return _fail(args, f"--arch {args.arch}: unknown GPU architecture; pass a name like "
-                               "--arch sm_90 or a compute capability like --arch 9.0")
-    else:
+    if arch is None:
         arch = _current_arch()
         if arch is None:
             return _fail(args, f"no CUDA device to take the target architecture from: pass "
                                f"--arch, e.g. --arch sm_90 (compute capability 9.0) to "
                                f"{'link' if ptx_input else 'compile'} {args.file} without a GPU")
+    unsupported = _unsupported(args, arch, ptx_input)
+    if unsupported:
+        return _fail(args, unsupported)
     rec = _build(args, arch, ptx_input)
     data = rec.pop("_data")
     warnings = []

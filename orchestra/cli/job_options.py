@@ -27,18 +27,27 @@ DEFAULT_STAGING_SLOTS = 4
 #: maxThreadsPerBlock of every CUDA GPU since compute capability 2.0 (CUDA C++ Programming
 #: Guide, "Compute Capabilities", technical specifications table).
 MAX_BLOCK = 1024
+#: Host memory building and scheduling one batch's graph takes (7 nodes, their edges, events
+#: and the plan's steps), rounded up: `orchestra plan --batches 50000` peaked at 660 MB. A job
+#: whose graph would not fit in this machine's memory is refused before it is built.
+GRAPH_BYTES_PER_BATCH = 16 << 10
 
 
 def compute_iters(text: str):
-    """``auto`` or an int >= 0 (argparse type)."""
+    """``auto`` or an int from 0 to `MAX_ITERS`, the burn kernel's ``int iters`` (argparse
+    type)."""
+    from orchestra.app.job.checks import MAX_ITERS
+    from orchestra.errors import int_text
+
     if text.strip().lower() == "auto":
         return "auto"
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 0, got {value}")
+    if not 0 <= value <= MAX_ITERS:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int from 0 to {MAX_ITERS} "
+                                         f"(the kernel's int parameter), got {int_text(value)}")
     return value
 
 
@@ -51,6 +60,17 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
     return value
+
+
+def streams_count(text: str):
+    """An argparse type: ``auto`` or an int >= 1 (``--streams``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int_at_least(text, 1)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}") \
+            from None
 
 
 def positive_int(text: str) -> int:
@@ -90,9 +110,13 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                         "size sets it)")
     p.add_argument("--batch-mib", type=positive_float, default=64.0,
                    help="MiB of float32 per batch (default 64; may be fractional)")
-    p.add_argument("--streams", type=positive_int, default=3, help="streams (default 3)")
-    p.add_argument("--policy", choices=POLICIES, default="by-engine",
-                   help="stream placement (default by-engine)")
+    p.add_argument("--streams", type=streams_count, default="auto", metavar="N|auto",
+                   help="streams; 'auto' (default): 16 lanes (at most the batches) for "
+                        "round-robin when the copies run as copy kernels, else 3")
+    p.add_argument("--policy", choices=("auto", *POLICIES), default="auto",
+                   help="stream placement; 'auto' (default): round-robin lanes (batch b on "
+                        "stream b %% N) when most copies run as copy kernels (small copies in "
+                        "a CUDA graph, or --copy-lowering kernel), else by-engine")
     p.add_argument("--compute-iters", type=compute_iters, default="auto", metavar="N|auto",
                    help="burn iterations per element; 'auto' (default) makes the kernel take "
                         "as long as the slower copy")
@@ -108,6 +132,10 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                    help="how host copies run: auto (default: copy kernels below the device's "
                         "crossover, see `orchestra tune copies`), kernel (every copy a copy "
                         "kernel on the SMs) or copy-engine (cuMemcpy*Async / memcpy nodes)")
+    p.add_argument("--device-budget-mib", type=positive_float, default=8192.0,
+                   help="device memory the batches in flight may hold together (default 8192): "
+                        "a job whose batches all fit runs unbounded; else batch b allocates "
+                        "after batch b-k freed, with k as large as the budget allows (at least 6)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -137,7 +165,6 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     ``--input`` the largest batch is at most the file's size) and
     ``device_peak_bytes`` (what the batches that may be in flight together hold)."""
     from orchestra.app.job import batch_bytes_from_mib
-    from orchestra.app.job.graphs import IN_FLIGHT
 
     batch_bytes = batch_bytes_from_mib(args.batch_mib)
     if input_elements is not None:
@@ -151,7 +178,31 @@ def memory_needs(args: argparse.Namespace, input_elements: int | None = None) ->
     largest = batch_bytes if input_elements is None else min(batch_bytes, input_elements * 4)
     return {"batch_bytes": batch_bytes, "batches": batches, "pinned_bytes": pinned,
             "device_batch_bytes": 2 * largest,
-            "device_peak_bytes": 2 * largest * min(IN_FLIGHT, batches)}
+            **_in_flight(args, input_elements, largest, batches)}
+
+
+def _in_flight(args, input_elements, largest: int, batches: int) -> dict[str, Any]:
+    """``in_flight`` (batches that may hold device memory together; None: all of them) and
+    ``device_peak_bytes``: generated data as `build_job_graph` bounds it under
+    ``--device-budget-mib``; with ``--input`` the staging slots pace the batches, counted as
+    `MIN_IN_FLIGHT` (an estimate)."""
+    from orchestra.app.job.graphs import MIN_IN_FLIGHT
+
+    if input_elements is not None:
+        bound = min(MIN_IN_FLIGHT, batches)
+        return {"in_flight": bound, "device_peak_bytes": 2 * largest * bound}
+    # `in_flight_for` / `device_peak_bytes` of ``batches`` sizes of ``largest`` bytes, without
+    # the list of them (``--batches 10**20`` must reach the host-memory check, not a list)
+    per = 2 * largest
+    budget = device_budget(args)
+    limit = None if per * batches <= budget else max(MIN_IN_FLIGHT, budget // per)
+    return {"in_flight": limit,
+            "device_peak_bytes": per * (batches if limit is None else min(limit, batches))}
+
+
+def device_budget(args: argparse.Namespace) -> int:
+    """``--device-budget-mib`` in bytes."""
+    return int(args.device_budget_mib * 2**20)
 
 
 def check_options(args: argparse.Namespace, command: str,
@@ -186,6 +237,14 @@ def check_options(args: argparse.Namespace, command: str,
             raise UsageError(f"{why}; {fix}")
         # plan only plans: the plan is printed, and what run would refuse is said on stderr
         log.warning("`orchestra run` would refuse this job on this machine: %s; %s", why, fix)
+    if host is not None and needs["batches"] * GRAPH_BYTES_PER_BATCH > host:
+        raise UsageError(
+            f"{needs['batches']} batches: their task graph and plan need about "
+            f"{fmt_bytes(needs['batches'] * GRAPH_BYTES_PER_BATCH)} of host memory to build "
+            f"(about {GRAPH_BYTES_PER_BATCH >> 10} KiB a batch) but this machine has "
+            f"{fmt_bytes(host)}; pass "
+            + ("a larger --batch-mib" if args.input else "fewer --batches or a larger "
+               "--batch-mib with the same data"))
     log.debug("%s: %d batches of %s, %s pinned, %s device memory per batch (%s with every "
               "batch in flight)", command, needs["batches"], fmt_bytes(needs["batch_bytes"]),
               fmt_bytes(needs["pinned_bytes"]), fmt_bytes(needs["device_batch_bytes"]),
@@ -209,6 +268,6 @@ def check_device(args: argparse.Namespace, needs: dict[str, Any], device: Any) -
             "--batch-mib")
     if needs["device_peak_bytes"] > total:
         log.warning("the batches in flight together may need %s of device memory and %s has "
-                    "%s: the run may fail with CUDA_ERROR_OUT_OF_MEMORY; a smaller --batch-mib "
-                    "avoids it", fmt_bytes(needs["device_peak_bytes"]), device.name,
+                    "%s: the run may fail with CUDA_ERROR_OUT_OF_MEMORY; a smaller "
+                    "--device-budget-mib or --batch-mib avoids it", fmt_bytes(needs["device_peak_bytes"]), device.name,
                     fmt_bytes(total))

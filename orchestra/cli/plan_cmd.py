@@ -16,7 +16,7 @@ import logging
 
 from orchestra.cli import progress
 from orchestra.cli.job_options import (
-    DEFAULT_STAGING_SLOTS, add_graph_options, check_options, fmt_bytes,
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_options, device_budget, fmt_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build(args: argparse.Namespace, update: progress.Update = progress._noop):
-    """(job graph, plan, source description, memory needs) for the options: the graph
-    `orchestra run` would build, after the checks `run` makes (`check_options`)."""
+    """(job graph, plan, source description, memory needs, `PolicyChoice`, `copy_lowering`'s
+    dict) for the options: the graph `orchestra run` would build, after the checks `run` makes
+    (`check_options`), scheduled with the policy and streams ``auto`` resolves to."""
     from orchestra.app.job import (
         batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
     )
+    from orchestra.app.job.policy import choose_policy
     from orchestra.schedule import schedule
 
     iters = 1 if args.compute_iters == "auto" else args.compute_iters
@@ -59,17 +61,26 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
         update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
         jg = build_staged_graph(sizes, slots=slots, iters=iters, block=args.block)
         source = f"{args.input} ({inp.size} float32, {len(sizes)} batches, {slots} staging slots)"
+        in_flight = slots  # a slot's next batch waits for the one before it
     else:
         needs = check_options(args, "plan")
         sizes = batch_sizes(needs["batches"] * per, per)
         update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
-        jg = build_job_graph(sizes, iters=iters, block=args.block)
+        jg = build_job_graph(sizes, iters=iters, block=args.block,
+                             device_budget=device_budget(args))
+        in_flight = needs["in_flight"]
     log.debug("plan: task graph of %d nodes, %d edges", len(jg.graph), jg.graph.edge_count)
-    update(1, description=f"plan: scheduling {len(jg.graph)} nodes ({args.policy})")
-    plan = schedule(jg.graph, args.policy, args.streams)
+    copies = copy_lowering(args, jg.graph)
+    c = copies["info"]
+    choice = choose_policy(args.policy, args.streams, copies=c["copies"],
+                           copy_kernels=c["copy_kernels"], batches=len(sizes),
+                           in_flight=in_flight, executor=f"{args.executor} executor",
+                           eager=args.executor == "eager")
+    update(1, description=f"plan: scheduling {len(jg.graph)} nodes ({choice.policy})")
+    plan = schedule(jg.graph, choice.policy, choice.streams)
     log.debug("plan: %d streams, %d events, %d waits", len(plan.streams), plan.event_count,
               plan.wait_count)
-    return jg, plan, source, needs
+    return jg, plan, source, needs, choice, copies
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         log.warning("--summary does not apply with --json (the JSON object holds the counts "
                     "and the plan)")
     with progress.task("plan", total=3) as update:
-        jg, plan, source, needs = build(args, update)
+        jg, plan, source, needs, choice, copies = build(args, update)
         update(2, description="plan: estimating the makespan")
         graph = jg.graph
         makespan_ms = estimate_makespan(plan, graph) / 1e3
@@ -100,7 +111,9 @@ def _run(args: argparse.Namespace) -> int:
             "batches": len(jg.sizes),
             "batch_bytes": max(jg.sizes),
             "data_bytes": jg.total_bytes,
-            "policy": args.policy,
+            "policy": choice.policy,
+            "policy_requested": args.policy,
+            "policy_choice": choice.as_dict(),
             "streams": len(plan.streams),
             "streams_requested": args.streams,
             "nodes": len(graph),
@@ -112,15 +125,16 @@ def _run(args: argparse.Namespace) -> int:
             "pinned_bytes": needs["pinned_bytes"],
             "device_batch_bytes": needs["device_batch_bytes"],
             "device_peak_bytes": needs["device_peak_bytes"],
+            "in_flight": needs["in_flight"],
             "cost_model": COST_NOTE,
             "estimated_makespan_ms": round(makespan_ms, 3),
         }
-        copies = copy_lowering(args, graph)
         info["copy_lowering"] = copies["info"]
         update(3, description="plan: formatting")
         # json_text.dumps: json.dumps(..., indent=1, sort_keys=True)'s text, fast on long plans
         text = (json_text.dumps({**info, "plan": plan.to_dict()}, indent=1)
-                if args.json else format_text(args, info, plan, source, copies["notes"]))
+                if args.json else format_text(args, info, plan, source, copies["notes"],
+                                              choice))
     print(text)  # after the bar is gone
     return 0
 
@@ -159,15 +173,18 @@ def copy_lowering(args: argparse.Namespace, graph) -> dict:
 
 
 def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
-                notes: dict | None = None) -> str:
-    """The human-readable listing `orchestra plan` prints."""
+                notes: dict | None = None, choice=None) -> str:
+    """The human-readable listing `orchestra plan` prints (``choice``: the `PolicyChoice`)."""
     what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
                       f"({fmt_bytes(info['data_bytes'])})")
+    asked = choice.streams if choice is not None else args.streams
     streams = f"{info['streams']} stream(s)"
-    if info["streams"] < args.streams:
-        streams += f" (of {args.streams} requested: no node would run on the others)"
-    lines = [f"orchestra plan: {what}, policy {args.policy}, {streams}, "
+    if info["streams"] < asked:
+        streams += f" (of {asked} requested: no node would run on the others)"
+    lines = [f"orchestra plan: {what}, policy {info['policy']}, {streams}, "
              f"compute iters {args.compute_iters}"]
+    if choice is not None:
+        lines.append(f"policy choice: {choice.describe()}")
     if not args.summary:
         lines.append(plan.text(notes))
     c = info.get("copy_lowering")
@@ -183,10 +200,12 @@ def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
     lines += [
         f"memory: {fmt_bytes(info['pinned_bytes'])} pinned host, "
         f"{fmt_bytes(info['device_batch_bytes'])} device per batch, up to "
-        f"{fmt_bytes(info['device_peak_bytes'])} with the batches in flight",
+        f"{fmt_bytes(info['device_peak_bytes'])} with "
+        + ("every batch in flight" if info.get("in_flight") is None
+           else f"at most {info['in_flight']} batches in flight (--device-budget-mib)"),
         f"estimated makespan: {info['estimated_makespan_ms']:.3f} ms ({COST_NOTE})",
     ]
-    if args.policy == "critical-path":
+    if info["policy"] == "critical-path":
         lines.append("critical-path placed the nodes with the default cost model: no GPU is "
                      "used here")
     return "\n".join(lines)

@@ -23,7 +23,8 @@ import os
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
 from orchestra.cli.job_options import (
-    DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, fmt_bytes,
+    DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, device_budget,
+    fmt_bytes,
     nonnegative_int, positive_int, same_file,
 )
 
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                       staging_slots=args.staging_slots or DEFAULT_STAGING_SLOTS,
                       graph_dot=args.graph_dot, trace=bool(args.trace or args.plot),
                       progress=progress.reporter(update, "run"),
-                      copy_lowering=args.copy_lowering)
+                      copy_lowering=args.copy_lowering, device_budget=device_budget(args))
         report = job.run()
     log.debug("run: %s", {k: v for k, v in report.as_dict().items() if k in (
         "nodes", "events", "waits", "wall_ms", "verified")})
@@ -146,6 +147,8 @@ def print_report(r) -> None:
     src = f"{r.input} -> {r.output or 'a temporary file'}" if r.input else f"seed {r.seed}"
     print(f"orchestra run: {r.device}, executor {r.executor}, policy {r.policy}, "
           f"{r.streams} stream(s), {src}")
+    if r.policy_reason:
+        print(f"policy choice: {r.policy_reason}")
     how = "auto" if r.compute_iters_auto else "given"
     print(f"single batch ({fmt_bytes(r.batch_bytes)}): H2D {r.t_h2d_ms:.3f} ms, kernel "
           f"{r.t_kernel_ms:.3f} ms (burn, {r.compute_iters} iters, {how}), D2H {r.t_d2h_ms:.3f} ms")
@@ -163,20 +166,25 @@ def print_report(r) -> None:
           "the end of the synchronize")
     if r.sustained:
         su = r.sustained
-        spread = (f", the faster of 1 and {su['streams']} streams" if su.get("streams", 1) > 1
-                  else "")
+        spread = (f", the faster of 1 and {su['streams']} streams (the plan's concurrency)"
+                  if su.get("streams", 1) > 1 else "")
         print(f"sustained per batch ({su['items']} back-to-back{spread}, GPU time behind a "
-              f"gate): H2D {su['h2d_ms']:.3f} ms, kernel {su['kernel_ms']:.3f} ms, D2H "
-              f"{su['d2h_ms']:.3f} ms, H2D + D2H at once {su['pair_ms']:.3f} ms per pair"
+              f"gate): H2D {su['h2d_ms']:.4f} ms, kernel {su['kernel_ms']:.4f} ms, D2H "
+              f"{su['d2h_ms']:.4f} ms, H2D + D2H at once {su['pair_ms']:.4f} ms per pair"
               + (f" ({su['copies']})" if su.get("copies") else ""))
+        chain = [su.get(f"{k}_chain_ms") for k in ("h2d", "kernel", "d2h")]
+        if None not in chain:
+            print(f"one batch's chain step by step (the same items on one stream; the bound's "
+                  f"fill and drain): H2D {chain[0]:.4f} ms, kernel {chain[1]:.4f} ms, D2H "
+                  f"{chain[2]:.4f} ms")
     if r.bound_terms:
         terms = ", ".join(f"{k} {v:.3f}" for k, v in r.bound_terms.items())
         print(f"bound = the largest of ({terms}) ms: {r.bound_limiter}-bound; efficiency = "
               "bound / wall (docs/execution.md, \"The bound\")")
     if r.copy_kernels:
         print(f"copies: {r.copy_kernels} per run ran as copy kernels (--copy-lowering "
-              f"{r.copy_lowering}); the bound is made of copy-engine times, so an efficiency "
-              "above 1 is no bound bug here")
+              f"{r.copy_lowering}); each sustained copy time is the faster of the copy "
+              "engines and the copy kernel")
     if r.bound_warning:
         banner = "!" * 78
         print(f"{banner}\n{r.bound_warning}\n{banner}")

@@ -15,8 +15,9 @@ already enqueued.
 Validation, before anything is enqueued, always naming the parameter:
 
 * wrong number of arguments -> `KernelArgumentTypeError` showing the expected signature;
-* an int that does not fit the declared width -> `KernelArgumentValueError`
-  (``parameter n (int): 4294967296 does not fit in int32``);
+* an int that does not fit the declared width -> `KernelArgumentValueError` naming the range
+  (``parameter n (int): 4294967296 does not fit in int32: pass an int from -2147483648 to
+  2147483647``); an address or handle outside 64 bits likewise;
 * a Python float (or numpy float) where an integer is declared -> `KernelArgumentTypeError`;
 * ``bool`` is accepted only for ``bool`` parameters;
 * a numpy scalar of another dtype than declared -> `KernelArgumentTypeError` (no silent casts);
@@ -33,7 +34,12 @@ Validation, before anything is enqueued, always naming the parameter:
 
 Floats: a Python float is packed as IEEE double for a ``double`` parameter (never narrowed) and
 rounded to float32 for a ``float`` parameter (`KernelArgumentValueError` if finite but out of
-float32 range). The two classes are also ``TypeError`` / ``ValueError`` (orchestra.errors).
+float32 range, naming the range). NaN and +-inf pass as they are (numpy scalars of the declared
+dtype too). An int given to a floating-point parameter must be exactly representable: one
+beyond the type's range (``10**400``, where ``float()`` itself overflows) or between two of its
+values is a `KernelArgumentValueError`, never a Python ``OverflowError``. Messages show a huge
+int by its magnitude and bit length (``1.000e+400 (a 1329-bit int)``), never its digits. The two classes are
+also ``TypeError`` / ``ValueError`` (orchestra.errors).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from orchestra.errors import (
     KernelArgumentValueError,
     ParameterIndexError,
     UnknownParameterError,
+    int_text,
 )
 
 _CTYPES = {
@@ -69,6 +76,19 @@ _INT_RANGE = {
 }
 # float32 overflow threshold under round-to-nearest: FLT_MAX + half an ulp.
 _F32_OVERFLOW = (2.0 - 2.0 ** -24) * 2.0 ** 127
+# The largest finite value of each floating-point parameter type, as messages show it.
+_FLOAT_MAX = {"float32": "3.4028235e+38", "float64": "1.7976931348623157e+308"}
+_U64 = (1 << 64) - 1
+# Ints at or beyond DBL_MAX + half an ulp (2**1024 - 2**970) overflow float(): they round to
+# 2**1024. Those below convert (to DBL_MAX at most).
+_INT_TO_FLOAT = (1 << 1024) - (1 << 970)
+
+
+def value_text(v) -> str:
+    """``repr(v)``, bounded for ints (`int_text`): for messages about a value a user gave."""
+    if isinstance(v, int) and not isinstance(v, bool) and not -10 ** 40 < v < 10 ** 40:
+        return int_text(v) if type(v) is int else f"{type(v).__name__}({int_text(v)})"
+    return repr(v)
 
 
 def _np():
@@ -82,7 +102,7 @@ def _describe(v) -> str:
     mod = t.__module__
     name = t.__name__ if mod in ("builtins", None) else f"{mod.split('.')[0]}.{t.__name__}"
     if isinstance(v, (int, float, bool)):
-        return f"{name} {v!r}"
+        return f"{name} {value_text(v) if t is not bool else repr(v)}"
     return name
 
 
@@ -118,7 +138,7 @@ def make_converter(p: Param):
                 if 0 <= v < (1 << 64):
                     return v
                 raise KernelArgumentValueError(
-                    f"{label}: handle {v} is not a 64-bit unsigned value")
+                    f"{label}: handle {int_text(v)} is not a 64-bit unsigned value (0 to {_U64})")
             raise KernelArgumentTypeError(
                 f"{label} needs a conditional handle: a CUgraphConditionalHandle (from "
                 f"cuGraphConditionalHandleCreate), its int value or None; in a graph node pass "
@@ -131,7 +151,8 @@ def make_converter(p: Param):
                 if 0 <= v < (1 << 64):
                     return v
                 raise KernelArgumentValueError(
-                    f"{label}: address {v} is not a 64-bit unsigned value")
+                    f"{label}: address {int_text(v)} is not a 64-bit unsigned value (0 to"
+                    f" {_U64})")
             if v is None:
                 return 0
             if isinstance(v, (bool, float)):
@@ -217,15 +238,23 @@ def make_converter(p: Param):
                             f"{label}: expected an int, got {_describe(v)}") from None
             if lo <= v <= hi:
                 return v
-            raise KernelArgumentValueError(f"{label}: {v} does not fit in {dtype}")
+            raise KernelArgumentValueError(
+                f"{label}: {int_text(v)} does not fit in {dtype}: pass an int from {lo} to {hi}")
         return conv_int
 
     single = dtype == "float32"
+    fmax = _FLOAT_MAX[dtype]
+
+    def out_of_range(v) -> KernelArgumentValueError:
+        what = f"the int {int_text(v)}" if isinstance(v, int) else repr(v)
+        return KernelArgumentValueError(
+            f"{label}: {what} does not fit in {dtype}: pass a value from -{fmax} to {fmax}"
+            f" (nan and +-inf pass as they are)")
 
     def conv_float(v):
         t = type(v)
         if t is float or (t is int):
-            f = float(v)
+            f = float(v) if t is float or -_INT_TO_FLOAT < v < _INT_TO_FLOAT else None
         elif t is bool:
             raise KernelArgumentTypeError(
                 f"{label}: got a bool where a floating-point value is declared")
@@ -238,15 +267,18 @@ def make_converter(p: Param):
             if _is_buffer(v):
                 raise not_scalar(v)
             if isinstance(v, (float, int)):  # subclasses
-                f = float(v)
+                f = float(v) if isinstance(v, float) or -_INT_TO_FLOAT < v < _INT_TO_FLOAT \
+                    else None
             else:
                 raise KernelArgumentTypeError(f"{label}: expected a float, got {_describe(v)}")
+        if f is None:  # an int beyond every double: float() would raise OverflowError
+            raise out_of_range(v)
         if single and abs(f) >= _F32_OVERFLOW and not math.isinf(f):
-            raise KernelArgumentValueError(f"{label}: {v!r} does not fit in float32")
+            raise out_of_range(v)
         if isinstance(v, int) and t is not float and int(_np().array(f, dtype)) != v:
             # An int the declared type cannot hold exactly would be silently rounded.
             raise KernelArgumentValueError(
-                f"{label}: the int {v} is not exactly representable in {dtype};"
+                f"{label}: the int {int_text(v)} is not exactly representable in {dtype};"
                 " pass a float if rounding is intended")
         return f
     return conv_float

@@ -26,7 +26,10 @@ import operator
 
 import attrs
 
-from orchestra.errors import LaunchConfigTypeError, LaunchConfigValueError
+from orchestra.errors import LaunchConfigTypeError, LaunchConfigValueError, int_text
+
+_UINT_MAX = 2**32 - 1
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
 
 PORTABLE_CLUSTER_SIZE = 8
 NON_PORTABLE_CLUSTER_SIZE = 16
@@ -90,7 +93,12 @@ class LaunchConfig:
                 f"shared_mem must be an int (bytes), got {shared_mem!r}") from None
         if isinstance(shared_mem, bool) or smem < 0:
             raise LaunchConfigValueError(
-                f"shared_mem must be a byte count >= 0, got {shared_mem!r}")
+                f"shared_mem must be a byte count >= 0, got "
+                f"{repr(shared_mem) if isinstance(shared_mem, bool) else int_text(smem)}")
+        if smem > _UINT_MAX:  # cuLaunchKernel's sharedMemBytes is an unsigned int
+            raise LaunchConfigValueError(
+                f"shared_mem must be a byte count from 0 to {_UINT_MAX} (an unsigned int), got "
+                f"{int_text(smem)}")
         if priority is not None:
             if isinstance(priority, bool):
                 raise LaunchConfigTypeError(f"priority must be an int, got {priority!r}")
@@ -98,6 +106,10 @@ class LaunchConfig:
                 priority = operator.index(priority)
             except TypeError:
                 raise LaunchConfigTypeError(f"priority must be an int, got {priority!r}") from None
+            if not _INT_MIN <= priority <= _INT_MAX:  # CU_LAUNCH_ATTRIBUTE_PRIORITY: an int
+                raise LaunchConfigValueError(
+                    f"priority must be an int from {_INT_MIN} to {_INT_MAX}, got "
+                    f"{int_text(priority)}")
         return cls(normalize_dims(grid, "grid"), normalize_dims(block, "block"), smem,
                    bool(cooperative), None if cluster is None else normalize_dims(cluster,
                    "cluster"),

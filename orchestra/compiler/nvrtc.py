@@ -34,12 +34,19 @@ from orchestra.compiler.includes import (
 )
 from orchestra.compiler.headers import header_digest, search_path
 from orchestra.compiler.sources import Source, read_source
-from orchestra.compiler.target import default_arch, normalize_arch, virtual_arch
-from orchestra.errors import CompileError, CompilerArgumentTypeError, CompilerArgumentValueError
+from orchestra.compiler.target import default_arch, normalize_arch, split_arch, virtual_arch
+from orchestra.compiler.target import virtual_arch_message
+from orchestra.errors import (
+    CompileError,
+    CompilerArgumentTypeError,
+    CompilerArgumentValueError,
+    UnsupportedArchError,
+)
 
 _ERROR_LINE_RE = re.compile(r"^(.*?)\((\d+)\): (?:catastrophic )?error\b.*$", re.MULTILINE)
 _NAME_MAP_PRAGMA_RE = re.compile(r"^\s*#pragma nv_mangled_name (.+?)\s*$", re.MULTILINE)
-_ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
+# NVRTC options that set the target: refused in options= (arch= says it, and enters the key).
+ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
 
 
 class NameExpressionError(CompileError):
@@ -140,6 +147,33 @@ def nvrtc_version() -> tuple[int, int]:
     return (int(major), int(minor))
 
 
+@functools.cache
+def supported_archs() -> tuple[int, ...]:
+    """The compute capabilities (x10, ascending: ``(75, 80, ..., 121)``) the NVRTC in use can
+    compile for (``nvrtcGetSupportedArchs``); cached for the process. Each also takes the
+    ``a`` / ``f`` variants from 9.0 / 10.0 on (`orchestra.compiler.target.SUFFIX_MIN_CC`)."""
+    from cuda.bindings import nvrtc
+
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    if int(err):
+        raise CompileError(f"nvrtcGetSupportedArchs: {_result_name(err)}",
+                           call="nvrtcGetSupportedArchs")
+    return tuple(sorted(int(a) for a in archs))
+
+
+def check_arch_supported(arch: str, *, detail: str = "", compiler: str = "") -> str:
+    """``arch`` (a real ``"sm_XY"`` name, suffix allowed) when the NVRTC in use compiles for
+    it; else `UnsupportedArchError` listing the architectures it does (``supported_archs``).
+    ``detail`` says where the architecture came from (``"the device's architecture"``)."""
+    digits = arch[3:].rstrip("af")
+    archs = supported_archs()
+    if int(digits) in archs:
+        return arch
+    major, minor = nvrtc_version()
+    raise UnsupportedArchError(arch, tuple(f"sm_{a}" for a in archs),
+                               compiler or f"NVRTC {major}.{minor}", detail)
+
+
 def _result_name(result) -> str:
     try:
         return result.name
@@ -184,7 +218,7 @@ def build_options(arch: str, ptx: bool, user_options=(), include_dirs=()) -> tup
     """
     user = _as_str_tuple(user_options, "options")
     for o in user:
-        if o.startswith(_ARCH_OPTIONS):
+        if o.startswith(ARCH_OPTIONS):
             raise CompilerArgumentValueError(
                 f"option {o!r} sets the target architecture: pass arch=\"sm_XY\" (and ptx=True"
                 " for PTX) instead")
@@ -240,7 +274,14 @@ def prepare_compile(source_or_path, *, arch=None, options=(), name_expressions=(
     cudart by version). Costs one ``stat`` per reachable header when nothing changed.
     """
     src = read_source(source_or_path)
-    arch = normalize_arch(default_arch() if arch is None else arch)
+    if arch is None:
+        arch = check_arch_supported(default_arch(), detail="the current device's architecture")
+    else:
+        given = arch
+        arch, virtual = split_arch(given)
+        if virtual and not ptx:  # compute_XY names PTX: never a cubin for sm_XY in its place
+            raise CompilerArgumentValueError(virtual_arch_message(given, arch))
+        check_arch_supported(arch)
     if isinstance(include_dirs, (str, bytes, os.PathLike)):
         include_dirs = (include_dirs,)
     paths = []
@@ -273,7 +314,11 @@ def compile(source_or_path, *, arch=None, options=(), name_expressions=(), inclu
         source_or_path: a path (str or Path) of an existing ``.cu`` file (a relative name is
             also looked up in ``cuda_src/``), or the CUDA C++ text itself.
         arch: ``"sm_90"`` etc.; default: the current device's (``Device.get().arch``). Without
-            a GPU it must be given (``ValueError`` says so).
+            a GPU it must be given (``ValueError`` says so). The virtual ``"compute_90"`` is
+            taken with ``ptx=True`` only (PTX for compute_90); for a cubin it is refused,
+            never silently built as sm_90. An architecture the NVRTC in use does not offer
+            (``nvrtcGetSupportedArchs``: ``sm_35`` with NVRTC 13) is `UnsupportedArchError`,
+            listing the ones it does, before NVRTC runs.
         options: extra NVRTC options (str), e.g. ``("-DN=4", "-lineinfo")``; ``-I`` /
             ``--include-path`` directories given here are searched before ``include_dirs``,
             and the headers found through them enter the cache key like any other.
@@ -293,6 +338,7 @@ def compile(source_or_path, *, arch=None, options=(), name_expressions=(), inclu
             (CCCL, cudart) versions found, flagging headers of another CUDA version.
         NameExpressionError: a name expression did not resolve (names it; ``.resolved`` holds
             the others).
+        UnsupportedArchError: ``arch`` is not one NVRTC offers (a ``ValueError``).
         FileNotFoundError, ValueError, TypeError: bad arguments.
     """
     return prepare_compile(source_or_path, arch=arch, options=options,

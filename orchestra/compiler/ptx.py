@@ -16,7 +16,7 @@ import re
 from orchestra.compiler import cache
 from orchestra.compiler.elf import is_elf
 from orchestra.compiler.sources import read_source
-from orchestra.compiler.target import normalize_arch
+from orchestra.compiler.target import split_arch
 from orchestra.errors import (
     CompileError, CompilerArgumentTypeError, CompilerArgumentValueError, OrchestraError,
 )
@@ -216,7 +216,9 @@ def link_ptx(ptx_source_or_path, *, arch, options=()) -> bytes:
     options and the nvJitLink version), so a cache hit calls nvJitLink not at all.
 
     Raises `CompileError` (with nvJitLink's error log) when the PTX does not assemble or link,
-    ``ValueError`` for an unknown ``arch`` or text that is not PTX.
+    ``ValueError`` for an unknown ``arch``, a virtual ``compute_XY`` (a cubin is for a real
+    ``sm_XY``) or text that is not PTX, `UnsupportedArchError` (a ``ValueError``) for an
+    architecture the toolkit cannot target (listing those it can).
     """
     return link_ptx_cached(ptx_source_or_path, arch=arch, options=options)[0]
 
@@ -231,7 +233,13 @@ def link_ptx_cached(ptx_source_or_path, *, arch, options=()) -> tuple[bytes, boo
         text, name = src.text.encode("utf-8"), src.name
     if not is_ptx(text):
         raise CompilerArgumentValueError(f"{name} is not PTX text (no .version directive)")
-    arch = normalize_arch(arch)
+    given = arch
+    arch, virtual = split_arch(given)
+    if virtual:
+        raise CompilerArgumentValueError(
+            f"{given!r} is a virtual architecture: nvJitLink links PTX into a cubin for a real"
+            f" one; pass arch=\"{arch}\"")
+    check_link_arch(arch)
     if isinstance(options, str):
         options = (options,)
     opts = (f"-arch={arch}",) + tuple(str(o) for o in options)
@@ -242,6 +250,17 @@ def link_ptx_cached(ptx_source_or_path, *, arch, options=()) -> tuple[bytes, boo
     cubin, info = _run_nvjitlink(text, name, opts)
     cache.store("nvjitlink", key, cubin, info, {})
     return cubin, False
+
+
+def check_link_arch(arch: str) -> None:
+    """`UnsupportedArchError` for an architecture the nvJitLink in use cannot target. nvJitLink
+    has no query of its own; it ships with NVRTC, whose ``nvrtcGetSupportedArchs`` answers for
+    both when their versions match (otherwise nvJitLink's own refusal stands)."""
+    from orchestra.compiler.nvrtc import check_arch_supported, nvrtc_version
+
+    version = nvjitlink_version()
+    if version == nvrtc_version():
+        check_arch_supported(arch, compiler=f"nvJitLink {version[0]}.{version[1]}")
 
 
 _ENTRY_RE = re.compile(r"^\s*(?:\.(?:visible|weak|extern)\s+)*\.entry\s+([A-Za-z_$%][\w$]*)",

@@ -20,6 +20,8 @@ import threading
 import weakref
 from typing import Any, Callable, ClassVar
 
+import attrs
+
 from orchestra.driver.api import default_api
 from orchestra.driver.owner import ResourceClosedError
 from orchestra.execute.bindings import BindingTable, PinnedCheck, release_keep
@@ -31,7 +33,7 @@ from orchestra.execute.kernels import KernelResolver
 from orchestra.execute.lowering import lowering_for
 from orchestra.execute.lowering.collective import check_ranks
 from orchestra.execute.resources import StreamPool
-from orchestra.graph import TaskGraph
+from orchestra.graph import HostFunc, TaskGraph
 from orchestra.graph.bodies import walk
 from orchestra.schedule import Plan
 
@@ -228,8 +230,13 @@ class ExecutorBase(Closable):
         the executor's); a body's host copies are lowered by the same policy."""
         if copies is None:
             copies = self.copy_policy()
+        nodes = [node for node, _ in walk(graph)]
+        if copies.d2h_system_fence and not any(isinstance(n, HostFunc) for n in nodes):
+            # no host thread reads host memory in stream order: synchronizing makes a copy
+            # kernel's stores visible (CopyPolicy.d2h_system_fence)
+            copies = attrs.evolve(copies, d2h_system_fence=False)
         out = {}
-        for node, _ in walk(graph):
+        for node in nodes:
             r = lowering_for(node).resolve_with(node, self, copies)
             if r is not None:
                 out[node.name] = r

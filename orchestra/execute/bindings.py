@@ -252,10 +252,19 @@ _PROBE = 0x0123456789ABCDEF
 
 
 def field_cell(params, field: str):
-    """A ``ctypes.c_uint64`` over ``params.<field>`` inside the cuda-bindings struct, or None."""
+    """A ``ctypes.c_uint64`` over ``params.<field>``, or None: inside a cuda-bindings struct at
+    the field's `FIELD_OFFSETS` offset, or over an 8-byte integer field of a ctypes struct (a
+    kernel's packed arguments, `orchestra.compiler.args`). The cell does not keep ``params``
+    alive: its user holds both."""
     try:
-        offset = FIELD_OFFSETS[field]
-        cell = ctypes.c_uint64.from_address(int(params.getPtr()) + offset)
+        if isinstance(params, ctypes.Structure):
+            desc = getattr(type(params), field)
+            if desc.size != 8 or not isinstance(getattr(params, field), int):
+                return None
+            cell = ctypes.c_uint64.from_address(_addressof(params) + desc.offset)
+        else:
+            offset = FIELD_OFFSETS[field]
+            cell = ctypes.c_uint64.from_address(int(params.getPtr()) + offset)
         old = int(getattr(params, field))
         setattr(params, field, _PROBE)
         hit = cell.value == _PROBE

@@ -18,6 +18,7 @@ from typing import Mapping
 
 import attrs
 
+from orchestra.compiler.args import value_text
 from orchestra.errors import (
     KernelArgumentTypeError,
     KernelArgumentValueError,
@@ -139,7 +140,8 @@ def resolve_kernel_node(node: KernelNode, kernel, addresses: Mapping[str, int] |
                     isinstance(arg, int) and not isinstance(arg, bool) and arg == 0):
                 raise KernelArgumentTypeError(
                     f"{where}: parameter {param.name} ({param.ctype}) is a pointer; pass a graph "
-                    f"buffer (In/Out/InOut, a Buffer or a BufferRange), not {arg!r} (0 means NULL)")
+                    f"buffer (In/Out/InOut, a Buffer or a BufferRange), not {value_text(arg)} (0 "
+                    f"means NULL)")
             values.append(arg)
     try:
         packed = kernel.pack(values)

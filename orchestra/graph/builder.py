@@ -165,6 +165,7 @@ class GraphBuilder:
         self._made: dict[int, Buffer | HostBuffer] = {}  # id -> object, for identity checks
         self._roles: dict[str, str] = {}  # host buffer name -> "input" / "output" / "buffer"
         self._written: set[str] = set()  # host outputs some node writes
+        self._read: set[str] = set()  # host inputs some node reads
         self._unread: dict[str, _Unread] = {}
         self._check_overwrites = bool(check_overwrites)
         self._batch: int | None = None
@@ -194,13 +195,21 @@ class GraphBuilder:
     def build(self) -> TaskGraph:
         """Write the graph and close the builder; later calls return the same graph.
 
-        Raises `HostBufferUseError` for a host output no node writes, and what
-        `TaskGraph.validate` raises (an ``after=`` naming no node, a cycle); after such an
+        Raises `HostBufferUseError` for a host input no node reads or a host output no node
+        writes, and what `TaskGraph.validate` raises (an ``after=`` naming no node, a cycle); after such an
         error the builder is unchanged and still open (the with block's end closes it).
         """
         if self._graph is not None:
             return self._graph
         self._check_open()
+        unread = [n for n, role in self._roles.items() if role == "input" and n not in self._read]
+        if unread:
+            these, it = ("them", "them") if len(unread) > 1 else ("it", "it")
+            raise HostBufferUseError(
+                f"host input(s) {', '.join(unread)}: declared with host_input() but no node"
+                f" reads {these}, so the array the caller binds would never reach the GPU (and"
+                f" a run would refuse the binding as unknown): read {it} (g.to_device(input),"
+                f" or a host_func with reads=), or remove the host_input() call")
         unwritten = [n for n, role in self._roles.items()
                      if role == "output" and n not in self._written]
         if unwritten:
@@ -268,7 +277,8 @@ class GraphBuilder:
 
     def host_input(self, name: str, nbytes: int) -> HostBuffer:
         """A host buffer the caller fills and the graph only reads (bound at run time to a
-        pinned array of ``nbytes`` bytes under ``name``). A node writing it is refused."""
+        pinned array of ``nbytes`` bytes under ``name``). A node writing it is refused, and so
+        is closing the builder with no node reading it (`HostBufferUseError`)."""
         return self._host(name, nbytes, "input")
 
     def host_output(self, name: str, nbytes: int) -> HostBuffer:
@@ -607,8 +617,11 @@ class GraphBuilder:
 
     def _record_host(self, node: Node, host) -> None:
         for acc in host:
-            if acc.mode.writes and self._roles.get(acc.buffer.name) == "output":
+            role = self._roles.get(acc.buffer.name)
+            if acc.mode.writes and role == "output":
                 self._written.add(acc.buffer.name)
+            elif acc.mode.reads and role == "input":
+                self._read.add(acc.buffer.name)
         if not self._check_overwrites:
             return
         for acc in host:

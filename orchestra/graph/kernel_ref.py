@@ -12,7 +12,7 @@ import re
 
 import attrs
 
-from orchestra.errors import NodeFieldTypeError
+from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
 from orchestra.graph.buffers import Mode
 from orchestra.graph.fields import check_name, check_str_tuple, got, str_tuple
 
@@ -27,6 +27,9 @@ def _source(value):
 
 
 _WORD = re.compile(r"[A-Za-z_]\w*")
+# NVRTC options that set the target architecture (orchestra.compiler.nvrtc.ARCH_OPTIONS; the
+# graph layer imports no compiler, a test keeps the two equal).
+ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gpu-architecture", "--arch")
 
 
 def pointee_is_const(param: str) -> bool | None:
@@ -52,10 +55,13 @@ class KernelRef:
         name_expression: for templates, the instantiation to compile, e.g. ``"scale<float>"``.
         params: the parameter declarations, e.g. ``("const float* x", "float* y", "size_t n")``;
             None when unknown (then bare buffer arguments default to read-write).
-        options: NVRTC options, e.g. ``("-O3",)``.
+        options: NVRTC options, e.g. ``("-O3",)``; never an architecture (``-arch=sm_80``,
+            ``--gpu-architecture=...``): the executor compiles for the device that runs the
+            kernel (`NodeFieldValueError` says so).
 
     A field of the wrong type raises `NodeFieldTypeError` (a ``TypeError``), an empty name or
-    source `NodeFieldValueError` (a ``ValueError``), both naming the field.
+    source, or an option that sets the architecture, `NodeFieldValueError` (a ``ValueError``),
+    both naming the field.
     """
 
     source: str = attrs.field(converter=_source)
@@ -79,6 +85,12 @@ class KernelRef:
                             item="a C parameter declaration (str)",
                             expected="None or a list/tuple of C parameter declarations (str)")
         check_str_tuple(record, "options", self.options)
+        for o in self.options:
+            if o.startswith(ARCH_OPTIONS):
+                raise NodeFieldValueError(
+                    f"{record}: option {o!r} sets the target architecture, which is the"
+                    f" device's: an executor compiles each kernel for the GPU that runs it;"
+                    f" drop the option")
 
     def default_mode(self, index: int) -> Mode:
         """The access mode of a bare buffer passed as argument ``index``.

@@ -243,6 +243,10 @@ class Module(Resource):
         return f"<Module {state}>"
 
 
+_NOTHING = object()  # matches no argument: an empty fast path
+_NO_CALL = (_NOTHING, None, None, None, None, None, None)
+
+
 class Kernel:
     """One kernel of a loaded `Module`, ready to launch.
 
@@ -250,6 +254,10 @@ class Kernel:
     (``CUfunction``), ``handle`` (``CUkernel``), ``params`` (tuple of `Param`, or None when
     unknown), ``layout`` (`ArgLayout`, or None).
     """
+
+    # `launch`'s fast path (the instance's own once it has launched)
+    _last_call: tuple = _NO_CALL
+    _tuple_memo: tuple = (_NOTHING, None)
 
     def __init__(self, module: Module, name: str, lowered: str, handle, function, params,
                  params_error=None):
@@ -269,6 +277,10 @@ class Kernel:
         self._plain: dict = {}  # (grid, block, shared_mem) -> (gx, gy, gz, bx, by, bz, smem)
         self._last_dims: tuple = (None, None, None, None)  # (grid, block, smem, dims) of the last
         self._last_stream: tuple = (None, None, None)  # (Stream, its open marker, handle)
+        # the last repeatable plain launch: (args as given, stream, grid, block, shared_mem,
+        # the stream's open marker, the cuLaunchKernel arguments); `launch`'s fast path
+        self._last_call = _NO_CALL
+        self._tuple_memo = (_NOTHING, None)  # (tuple of plain scalars, its PackedArgs)
         self._ex: dict = {}  # (launch key, stream) -> CUlaunchConfig (checked, built)
         self._pointer_specs = None  # for protocol arguments (_interop_args), built on first use
         self._lock = threading.Lock()
@@ -388,7 +400,8 @@ class Kernel:
             dims = self._plain[(grid, block, shared_mem)]
         except (KeyError, TypeError):
             dims = self._prepare_plain(grid, block, shared_mem)
-        self._last_dims = (grid, block, shared_mem, dims)
+        if _immutable_dims(grid, block):  # a list could change before the next launch
+            self._last_dims = (grid, block, shared_mem, dims)
         return dims
 
     def _stream_handle(self, stream):
@@ -424,9 +437,9 @@ class Kernel:
         packed = self.pack(args)
         return packed, packed.address
 
-    def launch(self, stream, grid, block, args, shared_mem: int = 0, *, cooperative=False,
-               cluster=None, pdl=False, priority=None) -> None:
-        """Enqueue the kernel on ``stream``.
+    def launch(self, stream, grid, block, args, shared_mem: int = 0, **attributes) -> None:
+        """``launch(stream, grid, block, args, shared_mem=0, *, cooperative=False,
+        cluster=None, pdl=False, priority=None)``: enqueue the kernel on ``stream``.
 
         Args:
             stream: a `Stream` (its ``.handle``), a non-null ``CUstream``, or another library's
@@ -453,12 +466,39 @@ class Kernel:
 
         Limits are checked before the launch (once per distinct configuration, then cached):
         ``ValueError`` names the limit exceeded; argument errors are ``TypeError``/
-        ``ValueError`` naming the parameter; a driver refusal is `CudaError` naming
-        ``cuLaunchKernel``/``cuLaunchKernelEx`` and the kernel.
+        ``ValueError`` naming the parameter (an unknown keyword is `KernelArgumentTypeError`);
+        a driver refusal is `CudaError` naming ``cuLaunchKernel``/``cuLaunchKernelEx`` and the
+        kernel.
+
+        Host cost: launching again with the very stream (an orchestra `Stream`, open), grid,
+        block and `PackedArgs` (or the very tuple of plain int / float / bool / None values) of
+        the last launch without attributes makes the same ``cuLaunchKernel`` call again with
+        no checks or conversions (they were made for that launch; a field rewritten with
+        `PackedArgs.set` is passed as rewritten). Thread-safe: the remembered launch is one
+        tuple, read and replaced whole.
         """
-        if cooperative or cluster is not None or pdl or priority is not None:
-            return self._launch_ex(stream, grid, block, args, shared_mem, cooperative,
-                                   cluster, pdl, priority)
+        # The fast path: the very args, stream, grid, block and shared_mem of the last
+        # repeatable plain launch (one tuple, read atomically), the stream still open (its
+        # `_live` marker): that launch's driver arguments again. The attributes arrive as
+        # **attributes: keyword-only defaults would cost four dict lookups per call.
+        a0, s0, g0, b0, m0, live, call = self._last_call
+        if (args is a0 and stream is s0 and grid is g0 and block is b0 and shared_mem == m0
+                and live and not attributes):
+            (err,) = _launch(*call)
+            if err:
+                self._launch_failed(err)
+            return None
+        if attributes:
+            cooperative, cluster, pdl, priority = _attributes(attributes)
+            if cooperative or cluster is not None or pdl or priority is not None:
+                return self._launch_ex(stream, grid, block, args, shared_mem, cooperative,
+                                       cluster, pdl, priority)
+        return self._launch_plain(stream, grid, block, args, shared_mem)
+
+    def _launch_plain(self, stream, grid, block, args, shared_mem) -> None:
+        """`launch` without attributes, past its fast path: the configuration checked (once
+        per distinct one, then cached), the arguments packed (unless `PackedArgs`), the
+        stream's handle resolved; a launch worth repeating is remembered for the fast path."""
         # The last configuration and stream are remembered as one tuple each (read
         # atomically): the same objects as last time cost identity tests, not a key tuple,
         # its hash and three property calls. A configuration is checked once
@@ -470,31 +510,63 @@ class Kernel:
         else:
             dims = self._dims(grid, block, shared_mem)
         views = None
+        given = args
         if type(args) is PackedArgs and args.layout is self.layout:
             address = args.address
+            repeatable = True  # its struct stays where it is: a rewritten field is passed
         else:
-            try:
-                args, address = self._args_address(args)
-            except ArgumentNeedsStreamError:  # a torch / CuPy array: ordered on the stream
-                args, address, views = self._interop_args(args, stream)
+            packed = self._packed_tuple(args)
+            repeatable = packed is not None  # immutable values: packing them again is alike
+            if repeatable:
+                args, address = packed, packed.address
+            else:
+                try:
+                    args, address = self._args_address(args)
+                    repeatable = args is given  # PackedArgs of an equal layout
+                except ArgumentNeedsStreamError:  # a torch / CuPy array: ordered on the stream
+                    args, address, views = self._interop_args(args, stream)
         ls = self._last_stream
         if ls[0] is stream and ls[1]:  # ls[1]: the Stream's open marker, emptied at close
             handle = ls[2]
         else:
             handle = self._stream_handle(stream)
         gx, gy, gz, bx, by, bz, smem = dims
+        call = (self.function, gx, gy, gz, bx, by, bz, smem, handle, address, 0)
         if views is None:
-            (err,) = _launch(self.function, gx, gy, gz, bx, by, bz, smem, handle, address, 0)
+            (err,) = _launch(*call)
         else:
             try:
-                (err,) = _launch(self.function, gx, gy, gz, bx, by, bz, smem, handle, address,
-                                 0)
+                (err,) = _launch(*call)
             finally:
                 _release_all(views)
         if err:
-            from orchestra.driver.check import error_from_result
+            self._launch_failed(err)
+        ls = self._last_stream
+        # an orchestra Stream (remembered while it is open), immutable dimensions
+        if repeatable and ls[0] is stream and _immutable_dims(grid, block):
+            self._last_call = (given, stream, grid, block, shared_mem, ls[1], call)
+        return None
 
-            raise error_from_result("cuLaunchKernel", err, context=f"kernel {self.name}")
+    def _packed_tuple(self, args):
+        """The `PackedArgs` packed for ``args`` before when ``args`` is the very tuple of plain
+        scalars (int, float, bool, None) of the last plain launch: immutable, so it packs to
+        the same bytes; None otherwise (pack it)."""
+        if type(args) is not tuple:
+            return None
+        memo = self._tuple_memo
+        if memo[0] is args:
+            return memo[1]
+        for v in args:
+            if type(v) not in _PLAIN:
+                return None
+        packed = self.pack(args)
+        self._tuple_memo = (args, packed)
+        return packed
+
+    def _launch_failed(self, err):
+        from orchestra.driver.check import error_from_result
+
+        raise error_from_result("cuLaunchKernel", err, context=f"kernel {self.name}")
 
     def _interop_args(self, args, stream):
         """Pack ``args`` whose pointer arguments include DLPack / CUDA Array Interface objects:
@@ -587,6 +659,48 @@ class Kernel:
 from cuda.bindings.driver import cuLaunchKernel as _launch  # noqa: E402
 
 from orchestra.driver.stream import Stream as _Stream  # noqa: E402  (the launch fast path)
+
+
+_ATTRIBUTES = ("cooperative", "cluster", "pdl", "priority")
+
+
+def _attributes(given: dict) -> tuple:
+    """``(cooperative, cluster, pdl, priority)`` from `Kernel.launch`'s keyword arguments
+    (defaults False, None, False, None); `KernelArgumentTypeError` for any other keyword."""
+    unknown = [k for k in given if k not in _ATTRIBUTES]
+    if unknown:
+        raise KernelArgumentTypeError(
+            f"Kernel.launch() got an unexpected keyword argument {unknown[0]!r}; its launch "
+            f"attributes are {', '.join(_ATTRIBUTES)}")
+    get = given.get
+    return get("cooperative", False), get("cluster"), get("pdl", False), get("priority")
+
+
+def _launch_signature():
+    """`Kernel.launch`'s documented signature (its attributes keyword-only), for help() and
+    inspect: the function itself takes them as ``**attributes``."""
+    import inspect
+
+    P = inspect.Parameter
+    pos = [P(n, P.POSITIONAL_OR_KEYWORD) for n in ("self", "stream", "grid", "block", "args")]
+    pos.append(P("shared_mem", P.POSITIONAL_OR_KEYWORD, default=0, annotation=int))
+    kw = [P(n, P.KEYWORD_ONLY, default=d)
+          for n, d in zip(_ATTRIBUTES, (False, None, False, None))]
+    return inspect.Signature(pos + kw, return_annotation=None)
+
+
+Kernel.launch.__signature__ = _launch_signature()  # type: ignore[attr-defined]
+
+_PLAIN = frozenset({int, float, bool, type(None)})  # immutable scalars: a tuple of them packs alike
+
+
+def _immutable_dims(grid, block) -> bool:
+    """True for a grid and block given as ints or tuples of ints (a list could change between
+    launches: its identity says nothing about its values)."""
+    for d in (grid, block):
+        if type(d) is not int and (type(d) is not tuple or any(type(x) is not int for x in d)):
+            return False
+    return True
 
 
 def _release_all(views) -> None:

@@ -9,11 +9,12 @@ times replace the model through ``costs=``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import attrs
 
-from orchestra.errors import ScheduleError
+from orchestra.errors import ScheduleError, int_text
 from orchestra.graph import Mode, Node, TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
@@ -112,9 +113,14 @@ def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
             if value is None:
                 value = cost(node, node._accesses) if ours and node.kind == "kernel" \
                     else cost(node)
-            value = float(value)
-        if not value >= 0:
-            raise ScheduleError(f"cost of node {node.name} must be >= 0 µs; got {value!r}")
+            try:
+                value = float(value)
+            except (TypeError, ValueError, OverflowError):  # not a number; an int beyond a double
+                raise ScheduleError(f"cost of node {node.name} must be a finite number >= 0 µs;"
+                                    f" got {type(value).__name__} {_text(value)}") from None
+        if not 0 <= value < math.inf:  # an infinite cost has no makespan (nor JSON text)
+            raise ScheduleError(f"cost of node {node.name} must be a finite number >= 0 µs; got"
+                                f" {value!r}")
         append(value)
     return out
 
@@ -344,3 +350,9 @@ def _simulate(steps, cost, by_name, recorded) -> float:
         t_stream[best] = end_t
         head[best] += 1
         dirty[best] = True
+
+
+def _text(value) -> str:
+    """A cost as messages show it (a huge int by its magnitude, never its digits)."""
+    return int_text(value) if isinstance(value, int) and not isinstance(value, bool) \
+        else repr(value)

@@ -16,6 +16,7 @@ enqueue with `issue_order()`, which follows it while never issuing a wait before
 from __future__ import annotations
 
 import json
+import sys
 import weakref
 from bisect import bisect_left
 from collections import deque
@@ -25,12 +26,39 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from orchestra.errors import NotFoundError, PlanError, PlanFormatError
+from orchestra.errors import NotFoundError, PlanError, PlanFormatError, int_text
 from orchestra.graph.trusted import maker
 from orchestra.schedule import json_text
 
 ROLES = ("upload", "compute", "download", "general")
 FORMAT = "orchestra.plan/1"
+# A stream priority and a device ordinal are C ints to the driver (cuStreamCreateWithPriority's
+# ``int priority``, CUdevice). The plan is device-independent: a priority outside the device's
+# own range (cuCtxGetStreamPriorityRange, e.g. -5 .. 0) is refused when a run creates the stream.
+C_INT_MIN, C_INT_MAX = -(1 << 31), (1 << 31) - 1
+_DBL_MAX = sys.float_info.max  # a makespan is a double: finite (NaN fails every comparison)
+PRIORITY_RANGE_NOTE = ("the device's own range (cuCtxGetStreamPriorityRange, e.g. -5 .. 0; lower"
+                       " is more urgent) is checked when a run creates the stream")
+
+
+def priority_problem(value) -> str | None:
+    """What is wrong with ``value`` as a stream priority (an int within a C int), or None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an int, got {_got(value)}"
+    if not C_INT_MIN <= value <= C_INT_MAX:
+        return (f"must be an int from {C_INT_MIN} to {C_INT_MAX} (a C int), got"
+                f" {int_text(value)}; {PRIORITY_RANGE_NOTE}")
+    return None
+
+
+def device_problem(value) -> str | None:
+    """What is wrong with ``value`` as a device ordinal (an int from 0 within a C int), or
+    None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= C_INT_MAX:
+        shown = int_text(value) if isinstance(value, int) and not isinstance(value, bool) \
+            else _got(value)
+        return f"must be a device ordinal (an int from 0 to {C_INT_MAX}), got {shown}"
+    return None
 
 
 @attrs.frozen
@@ -40,9 +68,15 @@ class StreamSpec:
     (the ordinal of the GPU the stream belongs to; its events are recorded there)."""
 
     name: str
-    priority: int = 0
+    priority: int = attrs.field(default=0)
     role: str = attrs.field(default="general")
     device: int = attrs.field(default=0, kw_only=True)
+
+    @priority.validator
+    def _priority(self, attribute, value):
+        problem = priority_problem(value)
+        if problem:
+            raise PlanError(f"stream {self.name}: priority {problem}")
 
     @role.validator
     def _role(self, attribute, value):
@@ -51,9 +85,9 @@ class StreamSpec:
 
     @device.validator
     def _device(self, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise PlanError(f"stream {self.name}: device must be a device ordinal (an int >= 0);"
-                            f" got {value!r}")
+        problem = device_problem(value)
+        if problem:
+            raise PlanError(f"stream {self.name}: device {problem}")
 
 
 @attrs.frozen
@@ -458,14 +492,15 @@ class Plan:
             _obj(sd, where)
             name = _str(_need(sd, "name", where), f"{where}.name")
             priority = sd.get("priority", 0)
-            if isinstance(priority, bool) or not isinstance(priority, int):
-                raise PlanFormatError(f"plan JSON: {where}.priority must be an int, got "
-                                      f"{_got(priority)}", f"{where}.priority")
+            problem = priority_problem(priority)
+            if problem:
+                raise PlanFormatError(f"plan JSON: {where}.priority {problem}",
+                                      f"{where}.priority")
             role = _str(sd.get("role", "general"), f"{where}.role")
             device = sd.get("device", 0)
-            if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-                raise PlanFormatError(f"plan JSON: {where}.device must be a device ordinal (an int"
-                                      f" >= 0), got {_got(device)}", f"{where}.device")
+            problem = device_problem(device)
+            if problem:
+                raise PlanFormatError(f"plan JSON: {where}.device {problem}", f"{where}.device")
             try:
                 streams.append(StreamSpec(name, priority, role, device=device))
             except PlanError as exc:
@@ -479,6 +514,13 @@ class Plan:
         order = [_str(n, f"order[{j}]") for j, n in enumerate(_list(d.get("order", []), "order"))]
         meta = d.get("meta", {})
         _obj(meta, "meta")
+        if "makespan_us" in meta:  # the one number a policy writes (the critical-path estimate)
+            m = meta["makespan_us"]
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= _DBL_MAX:
+                shown = int_text(m) if isinstance(m, int) and not isinstance(m, bool) \
+                    else _got(m)
+                raise PlanFormatError(f"plan JSON: meta.makespan_us must be a finite number >= 0"
+                                      f" (microseconds), got {shown}", "meta.makespan_us")
         try:
             return cls(streams, steps, policy, order, meta)
         except PlanError as exc:
@@ -502,6 +544,8 @@ class Plan:
 
 
 def _got(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{type(value).__name__} {int_text(value)}"  # never thousands of digits
     return f"{type(value).__name__} {value!r}"
 
 

@@ -70,17 +70,17 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
 
 def _schedule(graph, policy, streams, costs, resident_blocks) -> Plan:
     graph.validate()
+    if policy in ("critical-path", "concurrent"):
+        # Both take the lowest-numbered idle stream first, so with one stream more than there
+        # are nodes one is always idle and the rest never used: the same plan as any larger
+        # count, without lists of ``streams`` entries (``--streams 10**23`` ran out of memory).
+        streams = min(streams, len(graph) + 3)
     if policy in _BY_INDEX:
         specs, on, seq = _BY_INDEX[policy](graph, streams)
         devs = graph_devices(graph)
         if len(devs) == 1:  # one device: the policy's streams there, node indices kept
             if devs != (0,):
                 specs = tuple(attrs.evolve(sp, device=devs[0]) for sp in specs)
-            used = sorted(set(on)) or [0]
-            if len(used) < len(specs):  # only the streams some node runs on (_used)
-                where = {k: i for i, k in enumerate(used)}
-                on = [where[k] for k in on]
-                specs = tuple(specs[k] for k in used)
             return plan_by_index(graph, on, specs, seq, policy, {})
         names = graph.node_map().keys()
         assign = dict(zip(names, [specs[k].name for k in on]))
@@ -177,15 +177,28 @@ def _walk(graph: TaskGraph):
     return nodes, back, seq, lambda v: max((v - d for d in back[v]), key=rank.__getitem__)
 
 
+def _used_streams(on: list[int], spec_of) -> tuple[tuple, list[int]]:
+    """The specs of the streams some node runs on (``spec_of(k)`` for stream number ``k``, in
+    number order; stream 0 alone when no node runs), and ``on`` renumbered to index them.
+    Only these are made: ``streams`` may be far more than the nodes (``streams=10**23`` must
+    not build that many)."""
+    used = sorted(set(on)) or [0]
+    specs = tuple(spec_of(k) for k in used)
+    if used[-1] != len(used) - 1:  # a gap: renumber
+        where = {k: i for i, k in enumerate(used)}
+        on = [where[k] for k in on]
+    return specs, on
+
+
 def _round_robin_index(graph, S):
     """Round-robin by node index: ``(specs, stream index per node, issue order)``."""
-    specs = tuple(StreamSpec(f"s{i}") for i in range(S))
     nodes, back, seq, latest = _walk(graph)
     key = _group_key_list(graph)
     on = [0] * len(nodes)
     for v in (range(len(nodes)) if seq is None else seq):
         node = nodes[v]
         on[v] = on[latest(v)] if node.kind == "free" and back[v] else key[v] % S
+    specs, on = _used_streams(on, lambda k: StreamSpec(f"s{k}"))
     return specs, on, seq
 
 
@@ -215,24 +228,31 @@ def _engine_rule(cls) -> int:
 
 
 def _by_engine_index(graph, S):
-    """By-engine by node index: ``(specs, stream index per node, issue order)``."""
+    """By-engine by node index: ``(specs, stream index per node, issue order)``. Stream
+    numbers: upload 0, compute 1 .. S - 2, download S - 1 (S >= 3); only the specs of the
+    streams some node runs on are made (`_used_streams`)."""
     if S == 1:
-        specs = (StreamSpec("main"),)
         up = down = 0
-        compute = [0]
+        nc, first = 1, 0
+        spec_of = lambda k: StreamSpec("main")  # noqa: E731
     elif S == 2:
-        specs = (StreamSpec("main"), StreamSpec("download", role="download"))
-        up, down, compute = 0, 1, [0]
+        up, down = 0, 1
+        nc, first = 1, 0
+        spec_of = lambda k: (StreamSpec("main") if k == 0  # noqa: E731
+                             else StreamSpec("download", role="download"))
     else:
-        names = ["compute"] if S == 3 else [f"compute{i}" for i in range(S - 2)]
-        specs = (StreamSpec("upload", role="upload"),
-                 *(StreamSpec(c, role="compute") for c in names),
-                 StreamSpec("download", role="download"))
-        up, down, compute = 0, len(specs) - 1, list(range(1, len(specs) - 1))
+        nc, first = S - 2, 1
+        up, down = 0, S - 1
+
+        def spec_of(k):
+            if k == up:
+                return StreamSpec("upload", role="upload")
+            if k == down:
+                return StreamSpec("download", role="download")
+            return StreamSpec("compute" if nc == 1 else f"compute{k - 1}", role="compute")
     nodes, back, seq, latest = _walk(graph)
-    nc = len(compute)
     # one compute stream: every node's group key would pick it, so none is computed
-    one = compute[0] if nc == 1 else None
+    one = first if nc == 1 else None
     key = _group_key_list(graph) if one is None else []
     on = [0] * len(nodes)
     rules: dict[type, int] = {}
@@ -249,7 +269,8 @@ def _by_engine_index(graph, S):
             ps = back[v]
             on[v] = on[v - ps[0]] if len(ps) == 1 else on[latest(v)]
         else:
-            on[v] = one if one is not None else compute[key[v] % nc]
+            on[v] = one if one is not None else first + key[v] % nc
+    specs, on = _used_streams(on, spec_of)
     return specs, on, seq
 
 

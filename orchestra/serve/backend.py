@@ -16,6 +16,8 @@ once, reads ``outputs`` and only then gives the instance to the next launch.
 from __future__ import annotations
 
 import abc
+import queue
+import threading
 import time
 from typing import Callable, Mapping
 
@@ -102,24 +104,44 @@ class Backend(abc.ABC):
 
 
 class NumpyInstance(Instance):
-    """`NumpyBackend`'s instance: ``fn`` runs synchronously inside `launch`. Used by one launch
-    at a time (the engine's lease), like every `Instance`."""
+    """`NumpyBackend`'s instance: ``fn`` runs synchronously inside `launch`, or on the backend's
+    device thread (``device_thread=True``). Used by one launch at a time (the engine's lease),
+    like every `Instance`; `wait` may run in several threads at once."""
 
-    def __init__(self, fn, rows, inputs, outputs):
+    def __init__(self, fn, rows, inputs, outputs, device=None):
         self.rows = rows
         self._fn = fn
         self.inputs = {n: np.zeros(s.shape(rows), s.dtype) for n, s in inputs.items()}
         self.outputs = {n: np.zeros(s.shape(rows), s.dtype) for n, s in outputs.items()}
         self._gpu_ms = None
         self.launches = 0
+        self._device = device
+        # held from launch until the device thread ran it: wait() acquires and releases it
+        self._running = threading.Lock()
+        self._error: BaseException | None = None
+        self._bind = None
 
     def launch(self, *, notify, timed, bind=None):
-        src = dict(self.inputs)
+        if self._device is None:
+            self._bind = bind
+            self.run()
+            return
+        self._running.acquire()
+        self._bind = bind
+        self._error = None
+        self._device.put(self)
+
+    def run(self) -> None:
+        """The launch's work (in `launch`, or on the device thread)."""
+        bind = self._bind
+        self._bind = None
+        src = self.inputs
         if bind:
+            src = dict(src)
             src.update(bind)
         t0 = time.perf_counter_ns()
         res = self._fn(src)
-        if not isinstance(res, Mapping):
+        if type(res) is np.ndarray or not isinstance(res, Mapping):
             res = {next(iter(self.outputs)): res}
         for name, dst in self.outputs.items():
             np.copyto(dst, res[name])
@@ -127,31 +149,77 @@ class NumpyInstance(Instance):
         self.launches += 1
 
     def wait(self):
-        pass
+        if self._device is not None:
+            self._running.acquire()  # released by the device thread once the launch ran
+            self._running.release()
+            if self._error is not None:
+                raise self._error
 
     def finish(self, timed):
         return self._gpu_ms if timed else None
 
 
 class NumpyBackend(Backend):
-    """A backend that runs ``fn(inputs) -> outputs`` with numpy, synchronously in `launch`.
+    """A backend that runs ``fn(inputs) -> outputs`` with numpy.
 
     ``fn`` takes ``{name: array (bucket rows, *row_shape)}`` (padded rows included) and returns
     ``{name: array}`` or, for one output, the array; it must work row by row (padding rows
     must not change the other rows' results), as the engine's kernels must.
 
-    Thread-safe: instances are independent; ``fn`` must be safe to call from several threads.
+    ``device_thread=False`` (default): ``fn`` runs synchronously inside `Instance.launch`.
+    ``device_thread=True``: launches run in order on one worker thread of the backend, a
+    stand-in for a GPU: `Instance.launch` returns at once and `Instance.wait` blocks (without
+    the GIL) until the worker ran the launch, so the engine's host path (dispatch, hand-offs,
+    completion) runs as it does on a GPU; `orchestra bench serve --cpu` profiles it this way.
+    An exception of ``fn`` is raised by the launch's `Instance.wait`.
+
+    Thread-safe: instances are independent; ``fn`` must be safe to call from several threads
+    (``device_thread=True``: it is only called on the worker thread).
     """
 
     name = "numpy"
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, *, device_thread: bool = False):
         self.fn = fn
         self.created = 0
+        self.device_thread = bool(device_thread)
+        self._q: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def create(self, rows, index, inputs, outputs):
+        q = None
+        if self.device_thread:
+            with self._lock:
+                if self._q is None:
+                    self._q = queue.SimpleQueue()
+                    self._thread = threading.Thread(target=_device_loop, args=(self._q,),
+                                                    name="orchestra-numpy-device", daemon=True)
+                    self._thread.start()
+                q = self._q
         self.created += 1
-        return NumpyInstance(self.fn, rows, inputs, outputs)
+        return NumpyInstance(self.fn, rows, inputs, outputs, q)
+
+    def close(self):
+        with self._lock:
+            q, t = self._q, self._thread
+            self._q = self._thread = None
+        if q is not None:
+            q.put(None)
+            t.join()
+
+
+def _device_loop(q: queue.SimpleQueue) -> None:
+    """`NumpyBackend`'s device thread: run launches in the order they were made."""
+    while True:
+        inst = q.get()
+        if inst is None:
+            return
+        try:
+            inst.run()
+        except BaseException as exc:  # noqa: BLE001 - the launch's wait() raises it
+            inst._error = exc
+        inst._running.release()
 
 
 __all__ = ["Backend", "Instance", "NumpyBackend", "NumpyInstance"]

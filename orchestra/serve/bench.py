@@ -27,10 +27,13 @@ Exit status 1 when an output is wrong or a bad request was not refused as it sho
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import gc
 import json
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -106,6 +109,9 @@ class Workload:
                 x = (rng.standard_normal((rows, row_floats)) * 10).astype(np.float32)
                 reqs.append((x, demo_reference(x, iters, S, T)))
             self.requests.append(reqs)
+        # what pickers hand out: the input and the expected output's bytes (made once: the
+        # check of every output is then one copy and one comparison)
+        self._checked = [[(x, y.tobytes()) for x, y in reqs] for reqs in self.requests]
         cum = np.cumsum(self.weights)
         self._cum = (cum / cum[-1]).tolist()
 
@@ -117,9 +123,10 @@ class Workload:
     def shapes(self) -> list[tuple[int, int]]:
         return [(r, self.row_floats) for r in self.sizes]
 
-    def picker(self, seed: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    def picker(self, seed: int) -> Callable[[], tuple[np.ndarray, bytes]]:
+        """A function returning a random request: ``(x, expected output bytes)``."""
         rnd = random.Random(seed)
-        cum, reqs = self._cum, self.requests
+        cum, reqs = self._cum, self._checked
         single = len(reqs) == 1
 
         def pick():
@@ -207,6 +214,15 @@ class EngineConfig:
     backend_factory: Callable | None = None  # tests: a CPU backend instead of CUDA
 
 
+def cpu_backend_factory(w: Workload):
+    """``--cpu``: the demo's function on `NumpyBackend` with a device thread (launches complete
+    on a worker thread, so the engine's host path runs as on a GPU)."""
+    from orchestra.serve.backend import NumpyBackend
+
+    iters = w.iters
+    return NumpyBackend(lambda d: demo_reference(d["x"], iters, S, T), device_thread=True)
+
+
 def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
                 dispatch: str = "caller", instances: int | None = None) -> Engine:
     from orchestra.serve.demo import demo_graph
@@ -274,16 +290,16 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
         try:
             if isinstance(client, tuple) and window > 1:
                 submit, wait = client
-                inflight = []
+                inflight: collections.deque = collections.deque()
                 while not stop.is_set():
                     while len(inflight) < window:
                         x, y_ref = pick()
                         inflight.append((_now(), submit(x), y_ref))
-                    t0, h, y_ref = inflight.pop(0)
+                    t0, h, y_ref = inflight.popleft()
                     y = wait(h)
                     lat.append((_now() - t0) / 1e3)
                     n += 1
-                    wrong += y.tobytes() != y_ref.tobytes()
+                    wrong += y.tobytes() != y_ref
                 for t0, h, y_ref in inflight:
                     wait(h)
             else:
@@ -293,7 +309,7 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
                     y = _call(client, x)
                     lat.append((_now() - t0) / 1e3)
                     n += 1
-                    wrong += y.tobytes() != y_ref.tobytes()
+                    wrong += y.tobytes() != y_ref
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
         finally:
@@ -351,6 +367,8 @@ class BenchOptions:
     batching: str = "both"  # off | on | both
     dispatch: str = "both"  # caller | thread | both
     peers: bool = True
+    gc_freeze: bool = True  # asyncio: gc.freeze() after the warm-up
+    switch_interval_ms: float | None = None  # sys.setswitchinterval for the run (None: as is)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
 
@@ -430,7 +448,7 @@ def _sequential(name: str, w: Workload, fn, n: int) -> Result:
         s = _now()
         y = fn(x)
         res.latency_us.append((_now() - s) / 1e3)
-        res.wrong += y.tobytes() != y_ref.tobytes()
+        res.wrong += y.tobytes() != y_ref
     res.seconds = time.perf_counter() - t0
     res.requests = n
     return res
@@ -444,7 +462,7 @@ def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
         if o.dispatch in ("thread", "both"):
             out.append(("engine, dispatcher thread", False, "thread"))
     if o.batching in ("on", "both"):
-        out.append(("engine, dynamic batching", True, "thread"))
+        out.append(("engine, dynamic batching", True, "caller"))
     return out
 
 
@@ -496,7 +514,7 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
         t = _now()
         try:
             y = fut.result()
-            wrong = y.tobytes() != y_ref.tobytes()
+            wrong = y.tobytes() != y_ref
             err = 0
         except BaseException:  # noqa: BLE001
             wrong, err = 0, 1
@@ -537,30 +555,95 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
 def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
     total = o.requests or 20 * o.tasks
+    if o.gc_freeze:
+        notes.append("asyncio: gc.freeze() after the engine's warm-up (docs/serving.md "
+                     "recommends it for servers with a lag bound; --no-gc-freeze measures "
+                     "without)")
     for name, batching, dispatch in _engine_variants(o):
         if dispatch == "thread" and not batching and o.dispatch == "both":
             continue  # asyncio: the caller design and batching
         with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
                          instances=max(o.engine.instances, 8)) as e:
             info = _warm(e)
-            r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+            if o.gc_freeze:
+                gc.collect()
+                gc.freeze()
+            try:
+                r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+            finally:
+                if o.gc_freeze:
+                    gc.unfreeze()
             r.batch_fill = _fill(e)
             r.extra.update(info)
             out.append(r)
     return out
 
 
+class _GcPauses:
+    """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[float, float, int]] = []
+        self._t = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append((self._t, time.perf_counter(), info["generation"]))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
+
+
+def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
+    """Why the probe woke late, for every sample above ``bound_ms``.
+
+    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep; ``pauses``:
+    `_GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
+    within the sleep cover half the lag or more; else to the loop's own callbacks when the
+    loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
+    loop iteration); else to waiting: the loop thread was ready but did not run (another
+    thread held the GIL, or no CPU was free). Returns ``{cause: {"count", "max_ms"}}``.
+    """
+    out: dict = {}
+    for t0, t1, lag, cpu in samples:
+        if lag <= bound_ms:
+            continue
+        gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
+        gens = [g for a, b, g in pauses if b > t0 and a < t1]
+        if gc_ms >= lag / 2:
+            cause = f"garbage collector (generation {max(gens)})"
+        elif cpu >= (t1 - t0) * 1e3 / 2:
+            cause = "loop busy running callbacks"
+        else:
+            cause = "loop thread waiting for the GIL or a CPU"
+        c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
+        c["count"] += 1
+        c["max_ms"] = max(c["max_ms"], lag)
+    return out
+
+
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
-    lags = []
+    samples = []
     stop = False
     period = 0.0005
 
     async def probe():
+        clock, cpu = time.perf_counter, time.thread_time
         while not stop:
-            t = time.perf_counter()
+            t, c = clock(), cpu()
             await asyncio.sleep(period)
-            lags.append((time.perf_counter() - t - period) * 1e3)
+            t1 = clock()
+            samples.append((t, t1, (t1 - t - period) * 1e3, (cpu() - c) * 1e3))
 
     per = max(1, total // tasks)
 
@@ -571,32 +654,62 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
             t0 = _now()
             y = await e.run(x)
             res.latency_us.append((_now() - t0) / 1e3)
-            res.wrong += y.tobytes() != y_ref.tobytes()
+            res.wrong += y.tobytes() != y_ref
 
-    p = asyncio.ensure_future(probe())
-    t0 = time.perf_counter()
-    # the tasks start in waves of 50 per loop turn, as a server's connections arrive: the
-    # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
-    started = []
-    for lo in range(0, tasks, 50):
-        started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + 50))]
-        await asyncio.sleep(0)
-    results = await asyncio.gather(*started, return_exceptions=True)
-    res.seconds = time.perf_counter() - t0
-    stop = True
-    await p
+    with _GcPauses() as gcp:
+        p = asyncio.ensure_future(probe())
+        t0 = time.perf_counter()
+        # the tasks start in waves of completions_per_turn per loop turn, as a server's
+        # connections arrive: the first steps of 1,000 coroutines in one turn would be the
+        # benchmark's own lag, not the engine's
+        wave = e.completions_per_turn
+        started = []
+        for lo in range(0, tasks, wave):
+            started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + wave))]
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*started, return_exceptions=True)
+        res.seconds = time.perf_counter() - t0
+        stop = True
+        await p
     errs = [r for r in results if isinstance(r, BaseException)]
     res.errors = len(errs)
     if errs:
-        res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120]
+        res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120] + "; "
     res.requests = len(res.latency_us)
-    lag = np.array(lags) if lags else np.zeros(1)
-    res.extra.update({"loop_lag_max_ms": float(lag.max()),
+    lag = np.array([s[2] for s in samples]) if samples else np.zeros(1)
+    causes = lag_causes(samples, gcp.pauses)
+    gens: dict[int, list] = {}
+    for a, b, g in gcp.pauses:
+        d = gens.setdefault(g, [0, 0.0])
+        d[0] += 1
+        d[1] = max(d[1], (b - a) * 1e3)
+    res.extra.update({"loop_lag_p50_ms": float(np.percentile(lag, 50)),
                       "loop_lag_p99_ms": float(np.percentile(lag, 99)),
-                      "loop_lag_samples": len(lags)})
-    res.note = (res.note or "") + (f"loop lag max {lag.max():.3f} ms, p99 "
-                                   f"{np.percentile(lag, 99):.3f} ms")
+                      "loop_lag_max_ms": float(lag.max()),
+                      "loop_lag_samples": len(samples),
+                      "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
+                      "loop_lag_causes": causes,
+                      "gc_collections": {str(g): {"count": c, "max_ms": m}
+                                         for g, (c, m) in sorted(gens.items())}})
+    res.note = (res.note or "") + (f"loop lag p50 {np.percentile(lag, 50):.3f} / p99 "
+                                   f"{np.percentile(lag, 99):.3f} / max {lag.max():.3f} ms")
     return res
+
+
+def format_lag(r: Result) -> list[str]:
+    """The asyncio rows' lag distribution and, above the bound, its causes."""
+    x = r.extra
+    lines = [f"  {r.name}: event-loop lag p50 {x['loop_lag_p50_ms']:.3f} ms, p99 "
+             f"{x['loop_lag_p99_ms']:.3f} ms, max {x['loop_lag_max_ms']:.3f} ms over "
+             f"{x['loop_lag_samples']:,} probes (0.5 ms sleeps); "
+             f"{x['loop_lag_over_1ms']:,} above {LAG_BOUND_MS:g} ms"]
+    for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
+        lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "
+                     f"(max {c['max_ms']:.3f} ms)")
+    gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
+                    for g, v in x["gc_collections"].items())
+    lines.append(f"    garbage collections during the run: {gcs or 'none'}")
+    return lines
 
 
 # -- soak -------------------------------------------------------------------------------------
@@ -647,24 +760,31 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     with make_engine(w, o.engine, instances=max(o.engine.instances, threads)) as e:
         info = _warm(e)
         largest = e.buckets.largest
-        # one pass first: allocator caches warm, then the first snapshot
-        pick = w.picker(1)
-        for _ in range(200):
-            e(pick()[0])
         # the soak's own bookkeeping is fixed-size and allocated before the first snapshot:
         # the RSS it reports is the engine's
         rings = [Samples(1 << 15, prealloc=True) for _ in range(threads)]
-        first = memory_snapshot(device)
+        rss_trace = np.zeros(4096, np.float64)  # RSS once a second (the ring's last 4,096)
+        # every thread serves a first pass (the allocator's per-thread caches warm up), then
+        # the first snapshot, then the soak
+        ready = threading.Barrier(threads + 1)
+        go = threading.Barrier(threads + 1)
         lock = threading.Lock()
         counter = [0]
         bad_ok = [0]
         bad_wrong = [0]
-        # whichever comes first: the requests or the duration
-        deadline = time.perf_counter() + _dur(o, 50.0)
+        # whichever comes first: the requests or the duration (default 10 minutes)
+        limit_s = _dur(o, SOAK_SECONDS)
+        deadline = time.perf_counter() + limit_s
 
         def worker(k):
             pk = w.picker(100 + k)
             lat, wrong, n = rings[k], 0, 0
+            try:
+                for _ in range(200):
+                    e(pk()[0])
+            finally:
+                ready.wait()
+                go.wait()
             while True:
                 with lock:
                     i = counter[0]
@@ -686,28 +806,48 @@ def run_soak(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 y = e(x)
                 lat.add((_now() - t0) / 1e3)
                 n += 1
-                wrong += y.tobytes() != y_ref.tobytes()
+                wrong += y.tobytes() != y_ref
             with lock:
                 res.requests += n
                 res.wrong += wrong
 
-        t0 = time.perf_counter()
         ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
         for t in ts:
             t.start()
-        for t in ts:
-            t.join()
+        ready.wait()
+        first = memory_snapshot(device)
+        t0 = time.perf_counter()
+        deadline = t0 + limit_s
+        go.wait()
+        samples = 0
+        while True:
+            alive = [t for t in ts if t.is_alive()]
+            if not alive:
+                break
+            alive[0].join(1.0)
+            rss = _rss_bytes()
+            if rss is not None:
+                rss_trace[samples % rss_trace.size] = rss
+                samples += 1
         res.seconds = time.perf_counter() - t0
         last = memory_snapshot(device)
         for ring in rings:  # after the last snapshot
             res.latency_us.extend(ring.values().tolist())
         res.errors = bad_wrong[0]
         res.extra.update(info)
+        reached = min(counter[0], total) >= total
         res.extra.update({"bad_requests": bad_ok[0] + bad_wrong[0], "bad_refused_ok": bad_ok[0],
-                          "first": first, "last": last,
+                          "first": first, "last": last, "target_requests": total,
+                          "limit_s": limit_s,
+                          "stopped_by": "requests" if reached else "duration",
+                          "rss_trace_mib": (rss_trace[:min(samples, rss_trace.size)]
+                                            / 2**20).round(2).tolist(),
                           "engine_bad_requests": e.stats()["engine"]["bad_requests"]})
         res.note = f"{bad_ok[0]:,} bad refused, each only its own future"
     return [res]
+
+
+SOAK_SECONDS = 600.0  # the soak's default duration: 1,000,000 requests or 10 minutes
 
 
 MODES = {"latency": run_latency, "closed": run_closed, "open": run_open,
@@ -719,8 +859,16 @@ def run(o: BenchOptions) -> tuple[list[Result], list[str], Workload]:
     notes: list[str] = []
     modes = ("latency", "closed") if o.mode == "all" else (o.mode,)
     results = []
-    for m in modes:
-        results += MODES[m](w, o, notes)
+    was = sys.getswitchinterval()
+    if o.switch_interval_ms is not None:
+        sys.setswitchinterval(o.switch_interval_ms / 1e3)
+        notes.append(f"sys.setswitchinterval({o.switch_interval_ms / 1e3:g}) for this run "
+                     f"(default {was:g} s)")
+    try:
+        for m in modes:
+            results += MODES[m](w, o, notes)
+    finally:
+        sys.setswitchinterval(was)
     return results, notes, w
 
 
@@ -743,7 +891,12 @@ def goal_lines(results: list[Result]) -> list[str]:
             lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
         if r.mode == "asyncio":
             lag = r.extra.get("loop_lag_max_ms")
-            lines.append(f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)")
+            line = f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)"
+            causes = r.extra.get("loop_lag_causes") or {}
+            if causes:
+                worst = max(causes.items(), key=lambda kv: kv[1]["max_ms"])[0]
+                line += f"; the worst: {worst}"
+            lines.append(line)
         if "warmup_ms" in r.extra and r.extra.get("buckets", 0) >= 8 and r.mode == "closed":
             lines.append(f"warmup: {r.extra['buckets']} buckets in {r.extra['warmup_ms']:.0f} ms"
                          f" ({r.name}; goal <= 1,000 ms for 8)")
@@ -756,14 +909,28 @@ def format_soak(r: Result) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:,.1f} MiB"
 
-    lines = [f"soak: {r.requests:,} good requests in {r.seconds:.1f} s ({r.rps:,.0f} req/s), "
-             f"{r.wrong} wrong; {r.extra['bad_requests']:,} bad requests, "
-             f"{r.extra['bad_refused_ok']:,} failed their own future with the expected error",
-             f"  {'':18}{'first':>16}{'last':>16}"]
+    x = r.extra
+    total = r.requests + x["bad_requests"]
+    why = (f"reached {x['target_requests']:,} requests" if x["stopped_by"] == "requests" else
+           f"stopped by the {x['limit_s']:g} s limit before {x['target_requests']:,} requests "
+           "(--duration to run longer)")
+    lines = [f"soak: {total:,} requests in {r.seconds:.1f} s ({why}): {r.requests:,} good "
+             f"({r.rps:,.0f} req/s), {r.wrong} wrong; {x['bad_requests']:,} bad requests, "
+             f"{x['bad_refused_ok']:,} failed their own future with the expected error",
+             f"  {'':18}{'first':>16}{'last':>16}{'change':>16}"]
     for key, label, f in (("rss_bytes", "RSS", mib), ("pool_used_bytes", "pool used", mib),
                           ("graph_used_bytes", "graph memory", mib),
                           ("live_handles", "live handles", lambda v: "-" if v is None else str(v))):
-        lines.append(f"  {label:18}{f(first[key]):>16}{f(last[key]):>16}")
+        a, b = first[key], last[key]
+        delta = "-" if a is None or b is None else (
+            f"{b - a:+,d}" if key == "live_handles" else f"{(b - a) / 2**20:+,.1f} MiB")
+        lines.append(f"  {label:18}{f(a):>16}{f(b):>16}{delta:>16}")
+    trace = x.get("rss_trace_mib") or []
+    if len(trace) >= 4:
+        q = len(trace) // 4
+        lines.append(f"  RSS once a second: min {min(trace):,.1f} MiB, max {max(trace):,.1f} MiB; "
+                     f"last three quarters of the run {trace[q]:,.1f} -> {trace[-1]:,.1f} MiB "
+                     f"({trace[-1] - trace[q]:+,.1f} MiB)")
     return "\n".join(lines)
 
 
@@ -804,7 +971,8 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
                           "goals": goal_lines(results), "verified": ok}, indent=2))
     else:
         print(f"orchestra bench serve: {device_name or 'CPU backend'}, requests {o.mix} "
-              f"({w.row_floats * 4 // 1024} KiB rows), executor {o.engine.executor}, "
+              f"({w.row_floats * 4 // 1024} KiB rows), executor "
+              f"{o.engine.executor if o.engine.backend_factory is None else 'numpy'}, "
               f"{o.threads} threads, outputs checked bit for bit")
         for mode in dict.fromkeys(r.mode for r in results):
             rs = [r for r in results if r.mode == mode]
@@ -813,6 +981,9 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
                 continue
             print(f"\n{mode}:")
             print(format_results(rs))
+            if mode == "asyncio":
+                for r in rs:
+                    print("\n".join(format_lag(r)))
         for line in goal_lines(results) + notes:
             print(line)
     if plot:
@@ -822,5 +993,5 @@ def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
     return 0 if ok else 1
 
 
-__all__ = ["BenchOptions", "EngineConfig", "Result", "Workload", "closed_loop", "main",
+__all__ = ["BenchOptions", "EngineConfig", "Result", "Workload", "closed_loop", "cpu_backend_factory", "main",
            "make_engine", "memory_snapshot", "parse_mix", "parse_size", "run"]

@@ -24,14 +24,14 @@ DEFAULT_MAX_ROWS = 256
 
 def vllm_buckets(max_rows: int = DEFAULT_MAX_ROWS) -> tuple[int, ...]:
     """``(1, 2, 4, 8, 16, 24, ..., max_rows)``: 1, 2, 4, then steps of 8, and ``max_rows``."""
-    m = _positive(max_rows, "max_rows")
+    m = positive_count("max_rows", max_rows)
     sizes = {s for s in (1, 2, 4) if s <= m} | set(range(8, m + 1, 8)) | {m}
     return tuple(sorted(sizes))
 
 
 def pow2_buckets(max_rows: int = DEFAULT_MAX_ROWS) -> tuple[int, ...]:
     """``(1, 2, 4, ..., max_rows)``: powers of two below ``max_rows``, and ``max_rows``."""
-    m = _positive(max_rows, "max_rows")
+    m = positive_count("max_rows", max_rows)
     sizes = {1 << k for k in range(m.bit_length()) if 1 << k <= m} | {m}
     return tuple(sorted(sizes))
 
@@ -93,13 +93,18 @@ class Buckets:
         return f"Buckets({list(self.sizes)})"
 
 
-def _positive(n, what: str) -> int:
+def positive_count(name: str, value) -> int:
+    """``value`` as an int >= 1 (numpy ints too), else `ServeConfigTypeError` for a bool, a
+    float or a string (2.5 was taken, "8" failed in a comparison) and `ServeConfigValueError`
+    below 1; ``name`` names the argument in the message."""
+    if isinstance(value, bool):
+        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}")
     try:
-        n = operator.index(n)
+        n = operator.index(value)
     except TypeError:
-        raise ServeConfigTypeError(f"{what} must be an int; got {n!r}") from None
+        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}") from None
     if n < 1:
-        raise ServeConfigValueError(f"{what} must be >= 1; got {n}")
+        raise ServeConfigValueError(f"{name} must be >= 1; got {n}")
     return n
 
 

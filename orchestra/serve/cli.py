@@ -30,7 +30,7 @@ def register(bsub) -> None:
                    help="requests in flight per thread in the closed loop (default 1)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds per contender (closed, open; default 3) or the soak's limit "
-                        "(default 50)")
+                        "(default 600: the soak stops at --requests or this, whichever first)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per contender (latency, default 2,000), in all (asyncio, "
                         "default 20 per task; soak, default 1,000,000, or --duration first)")
@@ -57,6 +57,15 @@ def register(bsub) -> None:
     p.add_argument("--no-peers", action="store_true",
                    help="skip the bare cuda-python and PyTorch peers")
     p.add_argument("--device", type=int, default=0, help="device ordinal (0)")
+    p.add_argument("--cpu", action="store_true",
+                   help="no GPU: the engine runs on NumpyBackend with a device thread (launches "
+                        "complete on a worker thread, as on a GPU), to measure and profile the "
+                        "engine's host path; no peers")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="asyncio: leave the garbage collector as it is (default: gc.freeze() "
+                        "after the warm-up, as docs/serving.md recommends for a lag bound)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw the latency CDF of every contender (needs matplotlib)")
@@ -81,12 +90,27 @@ def _check_numbers(args) -> None:
         if value is not None and value < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     for name, value in (("duration", args.duration), ("rate", args.rate),
+                        ("switch-interval-ms", args.switch_interval_ms),
                         ("row-kib", args.row_kib)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise BenchConfigError(f"--{name} must be a finite number > 0, got {value}")
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
         raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
                                f"{args.max_delay_us}")
+    # upper limits: what the kernel and the waits can take (each once failed or hung later)
+    import threading
+
+    from orchestra.errors import int_text
+
+    if args.iters > 2**31 - 1:  # serve_burn's int iters
+        raise BenchConfigError(f"--iters must be at most {2**31 - 1} (the kernel's int "
+                               f"parameter), got {int_text(args.iters)}")
+    for name, seconds in (("duration", args.duration), ("max-delay-us",
+                                                         args.max_delay_us / 1e6)):
+        if seconds is not None and seconds > threading.TIMEOUT_MAX:  # a wait's timeout
+            raise BenchConfigError(f"--{name} is beyond the longest wait Python can make "
+                                   f"({threading.TIMEOUT_MAX:.3g} s), got "
+                                   f"{getattr(args, name.replace('-', '_')):g}")
     row_floats = int(args.row_kib * 256)
     if row_floats < 1:
         raise BenchConfigError(f"--row-kib {args.row_kib}: a row must hold at least one float32 "
@@ -106,6 +130,16 @@ def _check_numbers(args) -> None:
             raise BenchConfigError(f"--mix {args.mix!r}: request size {nbytes} bytes is not a "
                                    f"whole number of {row_bytes}-byte rows; pick a multiple or "
                                    "change --row-kib")
+    if args.max_batch is not None:
+        from orchestra.cli.job_options import fmt_bytes, host_memory_bytes
+
+        host = host_memory_bytes()
+        need = args.max_batch * row_bytes  # the largest bucket's input (and its output)
+        if host is not None and need > host:  # the engine's bucket table then took forever
+            raise BenchConfigError(
+                f"--max-batch {int_text(args.max_batch)}: a batch of that many "
+                f"{row_bytes}-byte rows needs {fmt_bytes(need)} per buffer but this machine "
+                f"has {fmt_bytes(host)}; pass a smaller --max-batch")
     if args.device < 0:
         raise BenchConfigError(f"--device must be >= 0, got {args.device}")
     if args.plot:
@@ -117,17 +151,19 @@ def _check_numbers(args) -> None:
 
 
 def options(args):
-    from orchestra.serve.bench import BenchOptions, EngineConfig
+    from orchestra.serve.bench import BenchOptions, EngineConfig, cpu_backend_factory
 
     _check_numbers(args)
     return BenchOptions(
         mode=args.mode, mix=args.mix, row_kib=args.row_kib, iters=args.iters,
         threads=args.threads, window=args.window, duration=args.duration,
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
-        dispatch=args.dispatch, peers=not args.no_peers,
+        dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
+        switch_interval_ms=args.switch_interval_ms,
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
-                            max_delay_us=args.max_delay_us))
+                            max_delay_us=args.max_delay_us,
+                            backend_factory=cpu_backend_factory if args.cpu else None))
 
 
 def run_cmd(args) -> int:
@@ -135,5 +171,8 @@ def run_cmd(args) -> int:
     from orchestra.serve.bench import main
 
     o = options(args)
+    if args.cpu:
+        return main(o, as_json=args.json, plot=args.plot,
+                    device_name="CPU (NumpyBackend, device thread)")
     dev = Device.get(args.device)
     return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)

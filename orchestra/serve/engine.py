@@ -25,9 +25,12 @@ The life of one request, in the default ``dispatch="caller"`` mode:
    the request's rows), returns the instance (starting the next queued request on it) and sets
    the result.
 
-With ``dispatch="thread"`` or dynamic batching, one dispatcher thread per engine takes requests
-from a queue, forms batches (same-bucket requests arriving within ``max_delay_us``, up to
-``max_batch`` rows, concatenated along axis 0) and launches them; the rest is the same.
+With dynamic batching, requests wait in one arrival-order queue; a batch (the requests at its
+head that fit ``max_batch`` rows, concatenated along axis 0) is started by the thread whose
+request fills it, or by the thread that returns an instance while a full or overdue batch
+waits, and by the batcher thread (the delay timer) once its first request waited
+``max_delay_us``. With ``dispatch="thread"`` the batcher thread forms and launches
+everything; the rest is the same.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import numpy as np
 
 from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.serve.backend import Backend, Instance
-from orchestra.serve.buckets import Buckets, bucket_sizes
+from orchestra.serve.buckets import Buckets, bucket_sizes, positive_count
 from orchestra.serve.errors import (
     EngineBroken,
     EngineClosed,
@@ -80,10 +83,14 @@ class Batching:
     max_delay_us: float = 200.0
 
     def __attrs_post_init__(self):
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ServeConfigValueError(f"max_batch must be >= 1 row; got {self.max_batch}")
+        if self.max_batch is not None:
+            positive_count("max_batch (rows)", self.max_batch)
         if not self.max_delay_us >= 0:
             raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
+        if not self.max_delay_us <= threading.TIMEOUT_MAX * 1e6:  # inf: the engine's int() failed
+            raise ServeConfigValueError(
+                f"max_delay_us must be at most {threading.TIMEOUT_MAX * 1e6:.3g} (the longest "
+                f"wait Python can make); got {self.max_delay_us}")
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -124,12 +131,13 @@ class _Launch:
     thread finish it (or fail it)."""
 
     __slots__ = ("inst", "bucket", "reqs", "timed", "waiter", "inline", "_token", "done",
-                 "started")
+                 "started", "rows")
 
-    def __init__(self, inst: Instance, bucket, reqs):
+    def __init__(self, inst: Instance, bucket, reqs, rows: int = 0):
         self.inst = inst
         self.bucket = bucket
         self.reqs = reqs
+        self.rows = rows  # request rows of a batch (0: one request, its rows)
         self.timed = False
         self.waiter = False  # a caller is waiting in result(): the completion thread skips it
         self.inline = False  # launched by the blocking call: no event, no completion thread
@@ -152,7 +160,9 @@ class ServeFuture(concurrent.futures.Future):
 
     ``result()`` / ``exception()`` without a timeout, called once the request is launched, wait
     in the calling thread on the request's own stream (and complete the future themselves when
-    they see the completion first): no thread hop on the way back. Everything else is the
+    they see the completion first): no thread hop on the way back. Called while the request
+    is still queued, they first complete other started launches nobody waits on (the engine's
+    host work done by a thread that would otherwise sleep), then wait for their own. Everything else is the
     standard Future (callbacks run on the thread that completes it: an engine thread or a
     caller's; keep them short and never call `Engine.close` from one).
 
@@ -166,6 +176,7 @@ class ServeFuture(concurrent.futures.Future):
         # completes (a launch refers to its requests, which refer to this future: keeping the
         # list would make a reference cycle per request, freed only by the cyclic GC)
         self._launches: list = []
+        self._aio: Any = None  # run(): the awaiting asyncio future (the loop inbox resolves it)
 
     def set_result(self, result):
         self._launches.clear()
@@ -176,12 +187,12 @@ class ServeFuture(concurrent.futures.Future):
         super().set_exception(exception)
 
     def result(self, timeout=None):
-        if timeout is None and self._launches and not self.done():
+        if timeout is None and not self.done() and self._engine is not None:
             self._engine._wait_inline(self)
         return super().result(timeout)
 
     def exception(self, timeout=None):
-        if timeout is None and self._launches and not self.done():
+        if timeout is None and not self.done() and self._engine is not None:
             self._engine._wait_inline(self)
         return super().exception(timeout)
 
@@ -244,12 +255,15 @@ class Engine:
         split: allow requests above the largest bucket: they run as chunks of the largest
             bucket, outputs concatenated (default False: `RequestTooLarge`).
         dispatch: ``"caller"`` (default: the submitting thread launches when an instance is
-            free) or ``"thread"`` (one dispatcher thread launches everything). Batching always
-            uses the dispatcher thread.
+            free; with batching, the thread that fills a batch starts it) or ``"thread"``
+            (one dispatcher thread launches everything).
         completion_threads: threads that wait on blocking-sync events (default 1).
         timing_every: measure GPU time on every n-th launch (timing events; 0: never).
         zero_padding: zero the padding rows of input staging that a larger earlier request
             left behind (default True: a request never sees another's data).
+        completions_per_turn: asyncio (`run`): at most this many awaiting requests of one
+            event loop are resolved per loop iteration (default 32); the rest go on the next
+            iterations, so a burst of completions never holds the loop (its lag) for long.
         device, verify, streams: for the CUDA backends (the device; the hazard verifier; the
             eager executor's stream count).
 
@@ -263,7 +277,8 @@ class Engine:
                  instances: int = 2, queue_limit: int = 1024, on_full: str = "block",
                  submit_timeout: float | None = None, batching=None, split: bool = False,
                  dispatch: str = "caller", completion_threads: int = 1, timing_every: int = 64,
-                 zero_padding: bool = True, device=None, verify: bool = True, streams: int = 1):
+                 zero_padding: bool = True, completions_per_turn: int = 32, device=None,
+                 verify: bool = True, streams: int = 1):
         self._inputs = tensor_specs(inputs, "inputs")
         self._outputs = tensor_specs(outputs, "outputs")
         self.buckets = Buckets(bucket_sizes(buckets, max_rows))
@@ -275,9 +290,8 @@ class Engine:
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
-        if completion_threads < 1:
-            raise ServeConfigValueError(f"completion_threads must be >= 1; got "
-                                        f"{completion_threads}")
+        self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
+        positive_count("completion_threads", completion_threads)
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
@@ -290,13 +304,19 @@ class Engine:
                                             f"({self.buckets.largest} rows)")
             self._max_batch = mb
             self._max_delay_ns = int(batching.max_delay_us * 1000)
+        else:
+            self._max_batch = 0
+            self._max_delay_ns = 0
         self.batching = batching
         self.instances = int(instances)
         self.queue_limit = int(queue_limit)
         self.on_full = on_full
         self.submit_timeout = submit_timeout
         self.split = bool(split)
-        self.dispatch = "thread" if batching is not None else dispatch
+        self.dispatch = dispatch
+        # one FIFO of requests (the batcher thread and, with dispatch "caller", the submitting
+        # and finishing threads form launches from its head) instead of per-bucket queues
+        self._fifo = batching is not None or dispatch == "thread"
         self.timing_every = max(0, int(timing_every))
         self.zero_padding = bool(zero_padding)
         if backend is None:
@@ -330,19 +350,31 @@ class Engine:
         self._fast_in = (next(iter(self._inputs.values())) if len(self._inputs) == 1
                          else None)
         self._fast_name = self._fast_in.name if self._fast_in is not None else ""
+        self._fast_ndim = 1 + len(self._fast_in.row_shape) if self._fast_in is not None else 0
         self._aio_q: queue.SimpleQueue | None = None  # the asyncio bridge (run())
         self._bridge_closed = False  # set by close() once the bridge is gone: run() refuses
         self._cancel_all = False  # close(cancel=True): the bridge cancels what it still holds
-        self._aio_sems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # event loop -> its _LoopInbox (completions handed to it, its in-flight bound)
+        self._aio_boxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._running: set[_Launch] = set()
         self._queued = 0
         self._batchq: collections.deque = collections.deque()
         self._batch_rows = 0  # rows waiting in _batchq
+        # when the batcher thread wakes up: 0 while it runs, None while it waits for a notify
+        # (nothing queued, or the head waits for an instance or a build), else the head's
+        # batching deadline (ns); other threads notify it only when it would oversleep
+        self._timer_due: int | None = 0
+        self._head_missed = False  # the head batch waited for its bucket's build
+        # set by _form_batches: the batching deadline (ns) of the head it left waiting for
+        # more requests, 0 when it left the head waiting for an instance or a build (or the
+        # FIFO empty). The batcher sleeps until this deadline; reading the clock again
+        # instead can see the deadline passed that _form_batches saw ahead, and sleep
+        # without a timeout with a due batch queued.
+        self._head_due = 0
         self._state = "open"  # open | closing | closed
         self._broken: BaseException | None = None
         self._stopping = False
         self._building = 0
-        self._dispatching = 0  # batches the dispatcher took and has not launched (or failed)
         self._nlaunch = 0
         self._bad = 0
         self._overloaded = 0
@@ -351,8 +383,8 @@ class Engine:
         self._cq: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(completion_threads):
             self._start_thread(self._completion_loop, f"orchestra-serve-completion-{i}")
-        if self.dispatch == "thread":
-            self._start_thread(self._dispatch_loop, "orchestra-serve-dispatch")
+        if self._fifo:
+            self._start_thread(self._batcher_loop, "orchestra-serve-dispatch")
 
     def _start_thread(self, target, name) -> None:
         t = threading.Thread(target=self._thread_main, args=(target,), name=name, daemon=True)
@@ -423,7 +455,8 @@ class Engine:
             t0 = _now()
             spec = self._fast_in
             if (spec is not None and type(inputs) is np.ndarray and inputs.dtype == spec.dtype
-                    and inputs.shape[1:] == spec.row_shape and inputs.flags.c_contiguous):
+                    and inputs.ndim == self._fast_ndim and inputs.shape[1:] == spec.row_shape
+                    and inputs.flags.c_contiguous):
                 arrays, rows = None, inputs.shape[0]  # the checks _check_array makes, inline
             else:
                 try:
@@ -562,9 +595,11 @@ class Engine:
             self._count_bad()
             raise
         self._check_open()
-        sem = self._aio_sems.get(loop)
-        if sem is None:
-            sem = self._aio_sems[loop] = asyncio.Semaphore(self.queue_limit)
+        box = self._aio_boxes.get(loop)
+        if box is None:
+            box = self._aio_boxes.setdefault(loop, _LoopInbox(
+                loop, asyncio.Semaphore(self.queue_limit), self.completions_per_turn))
+        sem = box.sem
         if sem.locked() and self.on_full != "block":
             self._count_overloaded()
             raise Overloaded(f"{self.queue_limit} requests of this event loop are in flight "
@@ -576,7 +611,8 @@ class Engine:
         if reqs[0].group is not None:
             reqs[0].group.fut = fut
         aio = loop.create_future()
-        fut.add_done_callback(functools.partial(_to_loop, loop, aio, sem))
+        fut._aio = aio
+        fut.add_done_callback(box.push)
         try:
             q = self._aio_q
             if q is None:
@@ -627,17 +663,14 @@ class Engine:
                         self._cancelled += 1
                     continue
                 try:
-                    launches, builds = self._admit(reqs, self.submit_timeout,
-                                                   self.on_full == "block", bridge=True)
+                    todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
+                                       bridge=True)
                 except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
                     for r in reqs:
                         self._fail(r, exc)
                     continue
-                for launch in launches:
-                    self._run(launch)
-                for b in builds:
-                    threading.Thread(target=self._build_quietly, args=(b,), daemon=True,
-                                     name=f"orchestra-serve-build-{b.rows}").start()
+                if todo:
+                    self._run_todo(todo, build_here=False)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: the asyncio bridge failed a request")
                 for r in reqs:
@@ -650,22 +683,31 @@ class Engine:
 
     def _submit(self, inputs, out, pinned, timeout, block, inline) -> ServeFuture:
         t0 = _now()
-        try:
-            reqs = self._requests(inputs, out, pinned, t0)
-        except OrchestraError as exc:  # a bad request fails its own future, nothing enqueued
-            return self._refused(exc)
-        fut = ServeFuture(self)
-        for r in reqs:
-            r.fut = fut
-        if reqs[0].group is not None:
-            reqs[0].group.fut = fut
+        spec = self._fast_in
+        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
+                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
+                and inputs.shape[1:] == spec.row_shape
+                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
+            # one input, checked inline (the checks check_inputs makes), one request
+            rows = inputs.shape[0]
+            fut = ServeFuture(self)
+            reqs = [_Req({self._fast_name: inputs}, rows, self._by_rows[rows].rows, None, t0,
+                         fut)]
+        else:
+            try:
+                reqs = self._requests(inputs, out, pinned, t0)
+            except OrchestraError as exc:  # a bad request fails its own future, nothing queued
+                return self._refused(exc)
+            fut = ServeFuture(self)
+            for r in reqs:
+                r.fut = fut
+            if reqs[0].group is not None:
+                reqs[0].group.fut = fut
         if inline:
             reqs[0].caller = threading.get_ident()
-        launches, builds = self._admit(reqs, timeout, block)
-        for launch in launches:
-            self._run(launch)
-        for b in builds:
-            self._build(b)
+        todo = self._admit(reqs, timeout, block)
+        if todo:
+            self._run_todo(todo, build_here=True)
         return fut
 
     def _build_quietly(self, b) -> None:
@@ -733,17 +775,17 @@ class Engine:
             b = self._buckets[rows] = self._table[rows]
         return b
 
-    def _admit(self, reqs: list[_Req], timeout, block, bridge: bool = False
-               ) -> tuple[list, list]:
-        """Lease instances or queue (under the lock); returns (launches to start, buckets
-        this thread must build). ``bridge``: requests `run` accepted before close() began
-        are still admitted while the engine is closing (close() drains them)."""
+    def _admit(self, reqs: list[_Req], timeout, block, bridge: bool = False) -> list:
+        """Lease instances or queue (under the lock); returns what this thread starts outside
+        the lock (`_run_todo`: launches, buckets to build, batches to fail). ``bridge``:
+        requests `run` accepted before close() began are still admitted while the engine is
+        closing (close() drains them)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
                 if not (bridge and self._state == "closing" and self._broken is None):
                     self._check_open()
-                if self.dispatch == "thread":
+                if self._fifo:
                     need = len(reqs)
                 else:
                     need = sum(1 for r in reqs if not self._buckets.get(r.bucket)
@@ -761,17 +803,25 @@ class Engine:
                     raise Overloaded(f"no queue space within {timeout} s ({self._queued} "
                                      f"requests waiting, queue_limit={self.queue_limit})")
                 self._space.wait(left)
-            if self.dispatch == "thread":
-                was_empty = not self._batchq
-                for r in reqs:
-                    self._batchq.append(r)
-                    self._batch_rows += r.rows
+            if self._fifo:
+                q = self._batchq
+                was_empty = not q
+                if len(reqs) == 1:
+                    q.append(reqs[0])
+                    self._batch_rows += reqs[0].rows
+                else:
+                    q.extend(reqs)
+                    self._batch_rows += sum(r.rows for r in reqs)
                 self._queued += len(reqs)
-                if (was_empty or self.batching is None
-                        or self._batch_rows >= self._max_batch):
-                    self._work.notify()
-                return [], []
-            launches, builds = [], []
+                if self.dispatch == "thread":
+                    if (was_empty or self.batching is None
+                            or self._batch_rows >= self._max_batch):
+                        self._work.notify()
+                    return []
+                # dynamic batching, dispatch "caller": a full batch goes out from this thread
+                return self._form_batches()
+            todo: list = []
+            builds = []
             for r in reqs:
                 b = self._bucket(r.bucket)
                 st = b.stats
@@ -779,7 +829,7 @@ class Engine:
                     st.hits += 1
                     launch = _Launch(b.free.pop(), b, [r])
                     self._running.add(launch)
-                    launches.append(launch)
+                    todo.append(launch)
                     continue
                 if b.ready:
                     st.hits += 1
@@ -793,12 +843,106 @@ class Engine:
                 self._queued += 1
                 if len(b.queue) > st.queue_high:
                     st.queue_high = len(b.queue)
-            return launches, builds
+            return todo + builds if builds else todo
+
+    def _form_batches(self) -> list:
+        """Under the lock: the launches that may start now from the head of the FIFO, as
+        `_run_todo` items: each launch is the head request alone (no batching), or the
+        requests at the head that fit ``max_batch`` rows once the batch is full (the next
+        request would not fit, or ``max_batch`` rows are reached) or its first request waited
+        ``max_delay_us``; on the smallest bucket of the batch's rows, with a free instance.
+        Stops at a head that must wait (for more requests, an instance or a build: a build
+        it starts is a `_Bucket` item). With dispatch "caller" (batching), every thread that
+        queues a request or returns an instance calls this, so a full batch never waits for
+        the batcher thread; the thread is only the delay timer then."""
+        q = self._batchq
+        todo: list = []
+        self._head_due = 0
+        if not q or self._broken is not None:
+            return todo
+        batching = self.batching is not None
+        mb = self._max_batch
+        by_rows = self._by_rows
+        now = 0
+        while q:
+            if not batching:
+                n, total = 1, q[0].rows
+            else:
+                if self._batch_rows < mb and not self._stopping:  # not full: due yet?
+                    if not now:
+                        now = _now()
+                    due = q[0].t0 + self._max_delay_ns
+                    if now < due:
+                        self._head_due = due
+                        break
+                n = total = 0
+                for r in q:
+                    if n and total + r.rows > mb:
+                        break
+                    total += r.rows
+                    n += 1
+            b = by_rows[total]
+            if not b.ready:
+                self._head_missed = True
+                if not b.building:
+                    b.building = True
+                    self._building += 1
+                    self._buckets.setdefault(b.rows, b)
+                    todo.append(b)
+                break
+            if not b.free:
+                break
+            if n == 1:
+                reqs = [q.popleft()]
+            else:
+                reqs = [q.popleft() for _ in range(n)]
+            self._batch_rows -= total
+            self._queued -= n
+            self._space.notify(n)
+            st = b.stats
+            if self._head_missed:
+                self._head_missed = False
+                st.misses += n
+            else:
+                st.hits += n
+            launch = _Launch(b.free.pop(), b, reqs, total)
+            self._running.add(launch)
+            todo.append(launch)
+        if self._head_due and self._timer_due is None and self.dispatch == "caller":
+            # the head waits for its deadline and the timer sleeps without one: arm it (a
+            # full head waiting for an instance needs no timer: the instance's return
+            # starts it)
+            self._work.notify()
+        return todo
+
+    def _run_todo(self, todo: list, build_here: bool) -> None:
+        """Outside the lock: start the launches, build the buckets (here, or on a thread of
+        their own when ``build_here`` is false: an engine thread never blocks on a build) and
+        fail the batches of `_admit` / `_form_batches` / `_hand_back`."""
+        for item in todo:
+            kind = type(item)
+            if kind is _Launch:
+                self._run(item)
+            elif kind is _Bucket:
+                if build_here:
+                    self._build(item)
+                else:
+                    threading.Thread(target=self._build_quietly, args=(item,), daemon=True,
+                                     name=f"orchestra-serve-build-{item.rows}").start()
+            else:
+                reqs, exc = item
+                for r in reqs:
+                    self._fail(r, exc)
 
     # -- launching ----------------------------------------------------------------------------
 
-    def _run(self, launch: _Launch | None) -> None:
+    def _run(self, launch) -> None:
+        """Start ``launch`` (a `_Launch`, None, or a `_run_todo` list), and whatever its end
+        hands on (a launch with nothing left to run gives its instance to the next)."""
         while launch is not None:
+            if type(launch) is list:
+                self._run_todo(launch, build_here=False)
+                return
             launch = self._start(launch)
 
     def _set_running(self, r: _Req) -> bool:
@@ -835,6 +979,7 @@ class Engine:
             with self._lock:
                 self._cancelled += len(launch.reqs) - len(reqs)
             launch.reqs = reqs
+            launch.rows = sum(r.rows for r in reqs)
             if not reqs:
                 launch.claim()
                 return self._release(launch, None)
@@ -847,17 +992,22 @@ class Engine:
             if len(reqs) == 1 and r0.pinned and r0.rows == inst.rows:
                 bind = r0.arrays
             else:
-                row = 0
                 staging = inst.inputs
-                for r in reqs:
-                    n = r.rows
-                    if n == inst.rows:
-                        for name, a in r.arrays.items():
+                if len(reqs) == 1:
+                    row = r0.rows
+                    if row == inst.rows:
+                        for name, a in r0.arrays.items():
                             np.copyto(staging[name], a)
                     else:
-                        for name, a in r.arrays.items():
-                            staging[name][row:row + n] = a
-                    row += n
+                        for name, a in r0.arrays.items():
+                            staging[name][:row] = a
+                else:
+                    # a batch: one concatenation per input straight into its staging rows
+                    # (one call, and one release of the GIL, for all the batch's rows)
+                    row = launch.rows
+                    for name, dst in staging.items():
+                        np.concatenate([r.arrays[name] for r in reqs], axis=0,
+                                       out=dst if row == inst.rows else dst[:row])
                 if inst.dirty > row and self.zero_padding:
                     for a in staging.values():
                         a[row:inst.dirty] = 0
@@ -881,10 +1031,35 @@ class Engine:
 
     def _wait_inline(self, fut: ServeFuture) -> None:
         """``result()`` in the caller's thread: wait on each launch of the request's own
-        instance, then complete it (unless another thread did first)."""
+        instance, then complete it (unless another thread did first). While the request is
+        still queued, the caller completes other started launches nobody waits on instead of
+        sleeping (`_help`)."""
+        if not fut._launches:
+            self._help(fut)
         for launch in list(fut._launches):
-            if not launch.done:
+            # one thread waits on a launch's instance and completes all of its requests (a
+            # batch's other callers wait on their futures: one wake-up each, not two)
+            if not launch.done and not launch.waiter:
                 self._wait_launch(launch)
+
+    def _help(self, fut: ServeFuture) -> None:
+        """A caller waits for a request that is still queued: meanwhile it waits on a started
+        launch that nobody waits on and completes it (copy-out, results, the instance's next
+        batch), until its own request is launched or done or no such launch is left. A deep
+        queue would otherwise leave every completion, and every launch that follows one, to
+        the completion thread: one thread doing the host work of all requests and waiting
+        for the GIL behind the callers at every step."""
+        while not fut._launches and not fut.done():
+            launch = None
+            with self._lock:
+                for x in self._running:
+                    if x.started and not x.waiter and not x.done and not x.inline:
+                        launch = x
+                        x.waiter = True
+                        break
+            if launch is None:
+                return
+            self._wait_launch(launch)
 
     def _wait_launch(self, launch: _Launch) -> None:
         launch.waiter = True
@@ -920,22 +1095,22 @@ class Engine:
         reqs = launch.reqs
         try:
             gpu_ms = inst.finish(launch.timed)
-            results = []
-            row = 0
-            for r in reqs:
-                outs = {}
+            if len(reqs) == 1:
+                r = reqs[0]
                 n = r.rows
                 whole = n == inst.rows
+                outs = {}
                 for name, st in inst.outputs.items():
-                    src = st if whole else st[row:row + n]
+                    src = st if whole else st[:n]
                     dst = None if r.out is None else r.out.get(name)
                     if dst is None:
                         outs[name] = src.copy()
                     else:
                         np.copyto(dst, src)
                         outs[name] = dst
-                results.append(outs)
-                row += n
+                results = [outs]
+            else:
+                results = self._split_outputs(inst, reqs, launch.rows)
         except BaseException as exc:  # noqa: BLE001
             self._run(self._launch_failed(launch, exc, claimed=True))
             return
@@ -948,6 +1123,33 @@ class Engine:
         stats = launch.bucket.stats
         for r, outs in zip(reqs, results):
             self._deliver(r, outs, stats)
+
+    def _split_outputs(self, inst: Instance, reqs: list[_Req], rows: int) -> list[dict]:
+        """A batch's outputs per request. One copy of the batch's rows per output (one call,
+        one release of the GIL) into a new array, and each request gets its rows of it as a
+        view: the block belongs to the batch's requests only (the engine never writes it
+        again), so the views are the callers' own; requests with ``out=`` get their rows
+        copied into their arrays instead."""
+        blocks = {}
+        for name, st in inst.outputs.items():
+            if any(r.out is None or name not in r.out for r in reqs):
+                blocks[name] = st[:rows].copy() if rows != inst.rows else st.copy()
+        results = []
+        row = 0
+        for r in reqs:
+            n = r.rows
+            end = row + n
+            outs = {}
+            for name, st in inst.outputs.items():
+                dst = None if r.out is None else r.out.get(name)
+                if dst is None:
+                    outs[name] = blocks[name][row:end]
+                else:
+                    np.copyto(dst, st[row:end])
+                    outs[name] = dst
+            results.append(outs)
+            row = end
+        return results
 
     def _deliver(self, r: _Req, outs: dict, stats: BucketStats) -> None:
         g = r.group
@@ -1032,11 +1234,13 @@ class Engine:
                 self._notify_idle()
         return nxt
 
-    def _hand_back(self, b: _Bucket, inst: Instance) -> _Launch | None:
+    def _hand_back(self, b: _Bucket, inst: Instance):
         """Under the lock: ``inst`` goes to the bucket's next queued request (dispatch
         "caller": the launch returned, to start outside the lock) or back to the free list
-        (dispatch "thread": the dispatcher is woken to use it)."""
-        if b.queue and self.dispatch == "caller":
+        (dispatch "thread": the dispatcher is woken to use it; batching with dispatch
+        "caller": the batches at the FIFO's head that may go now are returned, a list for
+        `_run`)."""
+        if b.queue:  # per-bucket queues: dispatch "caller" without batching
             r = b.queue.popleft()
             self._queued -= 1
             self._space.notify()
@@ -1044,8 +1248,11 @@ class Engine:
             self._running.add(nxt)
             return nxt
         b.free.append(inst)
-        if self.dispatch == "thread":
-            self._work.notify()
+        if self._fifo:
+            if self.dispatch == "thread":
+                self._work.notify()
+            elif self._batchq:
+                return self._form_batches() or None
         return None
 
     def _break(self, exc: BaseException) -> None:
@@ -1080,97 +1287,39 @@ class Engine:
 
     # -- the dispatcher thread (dispatch="thread", batching) -------------------------------------
 
-    def _take_batch(self) -> list[_Req] | None:
-        """Under the lock: wait for requests and form the next launch's list (one request, or a
-        dynamic batch); None when stopping with nothing left."""
-        q = self._batchq
-        while not q:
-            if self._stopping:
-                return None
-            self._work.wait()
-        if self.batching is None:
-            n = 1
-        else:
-            deadline = q[0].t0 + self._max_delay_ns
-            while True:
-                total, n, full = 0, 0, False
-                for r in q:
-                    if n and total + r.rows > self._max_batch:
-                        full = True
-                        break
-                    total += r.rows
-                    n += 1
-                if full or total >= self._max_batch or self._stopping:
-                    break
-                left = deadline - _now()
-                if left <= 0:
-                    break
-                self._work.wait(left / 1e9)
-                if not q:  # drained meanwhile (broken)
-                    return [] if not self._stopping else None
-        reqs = [q.popleft() for _ in range(n)]
-        for r in reqs:
-            self._batch_rows -= r.rows
-        self._queued -= n
-        self._dispatching += 1  # until _dispatch has it running: close() waits for it
-        self._space.notify(n)
-        return reqs
-
-    def _dispatch_loop(self) -> None:
+    def _batcher_loop(self) -> None:
+        """The batcher thread (a FIFO: dynamic batching or dispatch "thread"). With dispatch
+        "thread" it forms and starts every launch; with dispatch "caller" (batching) the
+        threads that queue requests and return instances start full batches themselves and
+        this thread is the delay timer: it sleeps until the head's ``max_delay_us`` deadline
+        and starts the batch then."""
+        thread_mode = self.dispatch == "thread"
         while True:
-            reqs = None
+            todo = None
             try:
                 with self._lock:
-                    reqs = self._take_batch()
-                if reqs is None:
-                    return
-                if reqs:
-                    try:
-                        self._dispatch(reqs)
-                    finally:
-                        with self._lock:
-                            self._dispatching -= 1
-                            if self._state != "open":
-                                self._notify_idle()
+                    while True:
+                        todo = self._form_batches()
+                        if todo:
+                            break
+                        if not self._batchq and self._stopping:
+                            self._timer_due = 0
+                            return
+                        # the head's deadline when it waits for more requests; None (a
+                        # notify wakes this thread) when it waits for an instance or a
+                        # build, or nothing is queued
+                        due = self._head_due or None
+                        self._timer_due = due
+                        self._work.wait(None if due is None else max(0, due - _now()) / 1e9)
+                    self._timer_due = 0
+                self._run_todo(todo, build_here=thread_mode)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
-                for r in reqs or ():
-                    if not r.fut.done():
-                        self._fail(r, exc)
-
-    def _dispatch(self, reqs: list[_Req]) -> None:
-        rows = sum(r.rows for r in reqs)
-        b_rows = self.buckets.pick(rows) or self.buckets.largest  # a batch fits max_batch
-        with self._lock:
-            b = self._bucket(b_rows)
-            need_build = not b.ready and not b.building
-            if need_build:
-                b.building = True
-                self._building += 1
-            if b.ready:
-                b.stats.hits += len(reqs)
-            else:
-                b.stats.misses += len(reqs)
-        if need_build:
-            self._build(b)
-        with self._lock:
-            while not b.free and self._broken is None and (b.ready or b.building):
-                self._work.wait()
-            broken = self._broken
-            if broken is None and b.free:
-                launch = _Launch(b.free.pop(), b, reqs)
-                self._running.add(launch)
-            else:
-                launch = None
-                b.stats.failed += len(reqs)
-            if self._state != "open":
-                self._notify_idle()
-        if launch is None:
-            err = broken or b.error or EngineClosed("the bucket could not be built")
-            for r in reqs:
-                self._fail(r, err)
-            return
-        self._run(launch)
+                for item in todo or ():
+                    if type(item) is _Launch:
+                        for r in item.reqs:
+                            if r.fut is not None and not r.fut.done():
+                                self._fail(r, exc)
 
     # -- building -----------------------------------------------------------------------------
 
@@ -1205,7 +1354,7 @@ class Engine:
                 b.instances = insts
                 b.free = list(insts)
                 b.ready = True
-                if self.dispatch == "caller":
+                if not self._fifo:
                     while b.free and b.queue and self._broken is None:
                         r = b.queue.popleft()
                         self._queued -= 1
@@ -1213,11 +1362,18 @@ class Engine:
                         self._running.add(launch)
                         launches.append(launch)
                     self._space.notify_all()
+                elif self.dispatch == "caller":
+                    launches = self._form_batches()
             else:
                 b.error = err
-                failed = list(b.queue)
-                b.queue.clear()
-                self._queued -= len(failed)
+                if self._fifo:
+                    # the head batch waited for this build: it fails with it (the next batch
+                    # for this bucket tries the build again)
+                    failed = self._pop_head_batch(b)
+                else:
+                    failed = list(b.queue)
+                    b.queue.clear()
+                    self._queued -= len(failed)
                 st.failed += len(failed)
                 self._space.notify_all()
             self._work.notify_all()
@@ -1233,8 +1389,29 @@ class Engine:
             if raise_errors or not isinstance(err, Exception):
                 raise err
             return
-        for launch in launches:
-            self._run(launch)
+        self._run_todo(launches, build_here=False)
+
+    def _pop_head_batch(self, b: _Bucket) -> list[_Req]:
+        """Under the lock: take the FIFO's head batch if it runs on bucket ``b``."""
+        q = self._batchq
+        if not q:
+            return []
+        if self.batching is None:
+            n, total = 1, q[0].rows
+        else:
+            n = total = 0
+            for r in q:
+                if n and total + r.rows > self._max_batch:
+                    break
+                total += r.rows
+                n += 1
+        if self._by_rows[total] is not b:
+            return []
+        reqs = [q.popleft() for _ in range(n)]
+        self._batch_rows -= total
+        self._queued -= n
+        self._head_missed = False
+        return reqs
 
     def warmup(self, buckets: Sequence[int] | None = None) -> list[dict]:
         """Build every bucket (or the given row counts) now, largest first, so that no request
@@ -1393,8 +1570,7 @@ class Engine:
             with self._lock:
                 if self._broken is not None and not self._building:
                     return
-                if not (self._queued or self._running or self._building or self._dispatching
-                        or self._inline):
+                if not (self._queued or self._running or self._building or self._inline):
                     return
                 progressed = self._idle.wait(0.2)
                 stuck = [] if progressed else [x for x in self._running
@@ -1426,28 +1602,70 @@ def _close_quietly(obj) -> None:
         log.debug("serve: closing %r failed", obj, exc_info=True)
 
 
-def _to_loop(loop, aio, sem, fut) -> None:
-    """Done-callback of an engine future (any thread): hand the outcome to ``aio`` on
-    ``loop`` and give back the loop's in-flight slot ``sem``. A closed loop has nobody left
-    to tell: drop it (case of a loop closed while requests were in flight)."""
-    try:
-        loop.call_soon_threadsafe(_copy_outcome, fut, aio, sem)
-    except RuntimeError:  # "Event loop is closed"
-        pass
+class _LoopInbox:
+    """The completions of one event loop's requests, delivered in bounded chunks.
 
+    Any thread that completes a request appends its future (`push`, the future's
+    done-callback); only the push that finds no delivery pending wakes the loop, with one
+    ``call_soon_threadsafe`` (one write to the loop's self-pipe however many complete). On
+    the loop, `drain` resolves at most ``per_turn`` awaiting futures and, when more wait,
+    schedules itself again with ``call_soon``: it runs again on the next loop iteration,
+    after the timers and I/O that became due, so one iteration wakes at most ``per_turn``
+    tasks and the loop's lag stays bounded however many requests complete at once (a burst
+    of a thousand completions resolved in one iteration would wake a thousand tasks in the
+    next). ``sem`` bounds the loop's requests in flight (`Engine.run`).
 
-def _copy_outcome(fut, aio, sem) -> None:
-    sem.release()
-    if aio.done():
-        return
-    if fut.cancelled():
-        aio.cancel()
-        return
-    exc = fut.exception()
-    if exc is not None:
-        aio.set_exception(exc)
-    else:
-        aio.set_result(fut.result())
+    Thread-safety: `push` from any thread; `drain` only on the loop's thread.
+    """
+
+    __slots__ = ("loop", "sem", "per_turn", "items", "lock", "scheduled", "__weakref__")
+
+    def __init__(self, loop, sem, per_turn: int):
+        self.loop = loop
+        self.sem = sem
+        self.per_turn = per_turn
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False  # a drain is pending on the loop (set and cleared under lock)
+
+    def push(self, fut) -> None:
+        self.items.append(fut)
+        with self.lock:
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # "Event loop is closed": nobody is left to tell (dropped)
+            pass
+
+    def drain(self) -> None:
+        items = self.items
+        release = self.sem.release
+        for _ in range(self.per_turn):
+            try:
+                fut = items.popleft()
+            except IndexError:
+                break
+            release()
+            aio = fut._aio
+            fut._aio = None
+            if aio.done():
+                continue
+            if fut.cancelled():
+                aio.cancel()
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                aio.set_exception(exc)
+            else:
+                aio.set_result(fut.result())
+        if not items:
+            with self.lock:
+                if not items:
+                    self.scheduled = False
+                    return
+        self.loop.call_soon(self.drain)
 
 
 __all__ = ["Batching", "Engine", "ServeFuture"]

@@ -8,16 +8,20 @@ held by a gate kernel while the host enqueues them, elapsed / K. A single item t
 includes launch latency and idle clocks, which a full pipeline hides; that is why a bound made
 of single-item times was beaten by real runs.
 
-With ``h``, ``k``, ``d`` the sustained H2D, kernel and D2H times, ``p`` the time per pair when K
-H2Ds and K D2Hs run at once (both directions of the link busy), N the batches counted by bytes
-and ``f`` the smallest batch as a fraction of a full one (any batch may go first or last):
+With ``h``, ``k``, ``d`` the sustained H2D, kernel and D2H times per item at the plan's
+concurrency (the faster of one stream and the plan's streams: a lane plan runs L batches at
+once), ``p`` the time per pair when K H2Ds and K D2Hs run at once (both directions of the link
+busy), ``hc``, ``kc``, ``dc`` the same items back to back on one stream (one step of a single
+batch's chain: its H2D, kernel and D2H depend on each other, so no concurrency hides them; by
+construction ``hc >= h``), N the batches counted by bytes and ``f`` the smallest batch as a
+fraction of a full one (any batch may go first or last):
 
-- upload engine:   ``N * h + f * (k + d)``  (every H2D, then the last one's kernel and D2H)
-- download engine: ``f * (h + k) + N * d``
-- compute:         ``f * h + N * k + f * d``
-- link (duplex):   ``fill + drain + M`` with ``fill = f * (h + k)`` and ``drain = f * (k + d)``:
-  no D2H can start before some H2D and its kernel are done, and no H2D runs during the last
-  kernel and D2H; in those phases only one direction is busy, at its solo rate. The middle
+- upload engine:   ``N * h + f * (kc + dc)``  (every H2D, then the last one's kernel and D2H)
+- download engine: ``f * (hc + kc) + N * d``
+- compute:         ``f * hc + N * k + f * dc``
+- link (duplex):   ``fill + drain + M`` with ``fill = f * (hc + kc)`` and
+  ``drain = f * (kc + dc)``: no D2H can start before some H2D and its kernel are done, and no
+  H2D runs during the last kernel and D2H; in those phases only one direction is busy. The middle
   must move the remaining ``a_h = N - fill / h`` H2D items and ``a_d = N - drain / d`` D2H
   items; time-sharing between "H2D alone" (1/h items per ms), "D2H alone" (1/d) and "both at
   once" (1/p of each) takes at least ``M = min over c of c + h * max(0, a_h - c / p) +
@@ -26,7 +30,11 @@ and ``f`` the smallest batch as a fraction of a full one (any batch may go first
   the term applies when one of the other three terms already reaches that (short pipelines:
   it does not, and ``link_ms`` is None).
 
-Each term is a valid lower bound on its own, so the maximum is too. The engine terms use
+Each term is a valid lower bound on its own, so the maximum is too: a plan of L streams runs
+at most L items at once, so no stage of it goes faster than that stage alone spread over L
+streams (the rate times), and a batch's chain is never faster than its steps one after
+another (the chain times). Without chain times (``*_chain_ms`` None) the rate times stand in
+for them, as before lanes existed. The engine terms use
 ``min(h, p)`` / ``min(d, p)`` as the fastest per-item rate, so a noisy ``p`` below a solo time can
 only lower them. Efficiency = bound / wall; a value above `EFFICIENCY_LIMIT` means the bound
 was measured wrong (`bound_warning`).
@@ -52,8 +60,11 @@ class Sustained:
     items each: H2D, kernel, D2H alone, and ``pair_ms`` per H2D + D2H pair run at once.
 
     ``streams``: how many streams the items were also spread over (each time is the faster of
-    one stream and that many: small items overlap across streams). ``copies``: which mechanism
-    each copy time came from (copy engine or copy kernel, the faster counts), for printouts.
+    one stream and that many: small items overlap across streams; the plan's concurrency).
+    ``copies``: which mechanism each copy time came from (copy engine or copy kernel, the
+    faster counts), for printouts. ``h2d_chain_ms``, ``kernel_chain_ms``, ``d2h_chain_ms``:
+    the per-item times of the items back to back on one stream (a step of one batch's chain;
+    None: the rate times above), at least the rate times (`JobConfigError` otherwise).
     """
 
     nbytes: int
@@ -64,14 +75,31 @@ class Sustained:
     pair_ms: float
     streams: int = 1
     copies: str = "copy engines"
+    h2d_chain_ms: float | None = None
+    kernel_chain_ms: float | None = None
+    d2h_chain_ms: float | None = None
 
     def __attrs_post_init__(self):
         for name in ("h2d_ms", "kernel_ms", "d2h_ms", "pair_ms"):
             v = getattr(self, name)
             if not (v >= 0):
                 raise JobConfigError(f"Sustained.{name} must be a time >= 0 ms; got {v!r}")
-        if self.nbytes < 1 or self.items < 1:
-            raise JobConfigError("Sustained needs nbytes >= 1 and items >= 1")
+        for name in ("h2d", "kernel", "d2h"):
+            v = getattr(self, f"{name}_chain_ms")
+            if v is not None and not (v >= getattr(self, f"{name}_ms")):
+                raise JobConfigError(
+                    f"Sustained.{name}_chain_ms must be a time >= {name}_ms (one stream is "
+                    f"never faster than the best of one and several); got {v!r}")
+        if self.nbytes < 1 or self.items < 1 or self.streams < 1:
+            raise JobConfigError("Sustained needs nbytes >= 1, items >= 1 and streams >= 1")
+
+    @property
+    def chain(self) -> tuple[float, float, float]:
+        """(H2D, kernel, D2H) ms of one batch's chain step by step: the one-stream times, or
+        the rate times where those were not measured."""
+        return (self.h2d_ms if self.h2d_chain_ms is None else self.h2d_chain_ms,
+                self.kernel_ms if self.kernel_chain_ms is None else self.kernel_chain_ms,
+                self.d2h_ms if self.d2h_chain_ms is None else self.d2h_chain_ms)
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -154,10 +182,11 @@ def pipeline_bound(s: Sustained, sizes: Sequence[int] | float) -> PipelineBound:
         n = sum(sizes) / s.nbytes
         f = min(sizes) / s.nbytes
     h, k, d, p = s.h2d_ms, s.kernel_ms, s.d2h_ms, s.pair_ms
-    upload = n * min(h, p) + f * (k + d)
-    download = f * (h + k) + n * min(d, p)
-    compute = f * h + n * k + f * d
-    fill, drain = f * (h + k), f * (k + d)
+    hc, kc, dc = s.chain
+    upload = n * min(h, p) + f * (kc + dc)
+    download = f * (hc + kc) + n * min(d, p)
+    compute = f * hc + n * k + f * dc
+    fill, drain = f * (hc + kc), f * (kc + dc)
     link = None
     if max(upload, download, compute) >= fill + drain:
         a_h = n - fill / h if h > 0 else 0.0

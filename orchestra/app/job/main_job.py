@@ -11,7 +11,10 @@ What `MainJob.run` does, in order:
    ``t_h2d``, ``t_d2h``, then ``--compute-iters auto`` calibrates the kernel to the slower copy,
    then ``t_kernel``; then the sustained times of K back-to-back items (H2Ds, D2Hs, kernels,
    H2D/D2H pairs at once; `sustained`) for the bound;
-3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once;
+3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once,
+   with the policy and stream count ``"auto"`` resolves to (`policy.choose_policy`: round-robin
+   lanes when most copies run as copy kernels, else by-engine on 3 streams), decided before
+   the timings so that the sustained times are measured at the plan's concurrency;
 4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
    many iterations every output converges to 2.0 whatever its input, so only a short run shows
    that each batch's output came from its own input;
@@ -23,10 +26,10 @@ What `MainJob.run` does, in order:
 
 ``efficiency = bound / wall`` with the fill-aware pipeline bound from the sustained times, the
 duplex rate where both directions overlap (`bound.pipeline_bound`; N counts a shorter last
-batch by its fraction of a full one). An efficiency above 1.01 is a bug in the bound:
-``JobReport.bound_warning`` says so, unless copies ran as copy kernels (``copy_lowering``,
-``JobReport.copy_kernels``): the bound is made of copy-engine times, which copy kernels may
-beat.
+batch by its fraction of a full one). The sustained times are measured at the plan's
+concurrency (items spread over its streams: a lane plan runs that many batches at once) and
+with the copy mechanism the run uses (the copy kernel too when any copy runs as one). An
+efficiency above 1.01 is a bug in the bound: ``JobReport.bound_warning`` says so.
 
 With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
 flattened) and goes through a pool of pinned staging slots (`graphs.build_staged_graph`); the
@@ -37,6 +40,7 @@ verified chunk by chunk.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -47,9 +51,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.errors import JobConfigError
+from orchestra.errors import JobConfigError, JobConfigTypeError
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
+    DEVICE_BUDGET,
     ELEMENT,
     batch_bytes_from_mib,
     batch_sizes,
@@ -57,10 +62,15 @@ from orchestra.app.job.graphs import (
     build_staged_graph,
     burn_grid,
     burn_kernel_ref,
+    in_flight_for,
     job_costs,
 )
 from orchestra.app.job.inputs import open_input
 from orchestra.app.job.bound import bound_warning
+from orchestra.app.job.checks import MAX_ITERS, whole
+from orchestra.app.job.policy import (
+    AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies,
+)
 from orchestra.app.job.sustained import items_for
 from orchestra.app.job.timing import BatchTimer, SingleBatch
 
@@ -79,8 +89,8 @@ class JobReport:
 
     device: str
     executor: str
-    policy: str
-    streams: int  # the streams the plan runs on (at most the requested number)
+    policy: str  # the policy the plan ran with ("auto" resolved)
+    streams: int  # the streams the plan runs on (at most the resolved number)
     batches: int
     batch_bytes: int
     data_bytes: int
@@ -111,6 +121,9 @@ class JobReport:
     bound_warning: str | None = None  # set when efficiency > 1.01: the bound is wrong
     copy_lowering: str = "auto"  # the run's --copy-lowering
     copy_kernels: int = 0  # host copies of one run that ran as the copy kernel
+    policy_requested: str = AUTO  # what was asked for: "auto" or a policy
+    streams_requested: int | str = AUTO  # "auto" or a count
+    policy_reason: str = ""  # why the policy and stream count (policy.PolicyChoice.reason)
     timing: str = TIMING_NOTE
     timeline: Any = attrs.field(default=None, eq=False, repr=False)  # trace=True: a Timeline
 
@@ -133,18 +146,26 @@ class JobReport:
 
 
 def parse_iters(value) -> int | None:
-    """``"auto"`` / None -> None (calibrate); a positive int otherwise."""
+    """``"auto"`` / None -> None (calibrate); else an int from 0 to `MAX_ITERS` (the burn
+    kernel's ``int iters``): `JobConfigError` out of range, `JobConfigTypeError` for a
+    string other than ``auto``, a bool or a fractional float."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
-    iters = int(value)
-    if iters < 0:
-        raise JobConfigError(f"compute iterations must be >= 0 or 'auto'; got {value!r}")
-    return iters
+    if isinstance(value, str):  # "7", as a command line gives it
+        try:
+            value = int(value)
+        except ValueError:
+            raise JobConfigTypeError(f"compute iterations must be 'auto' or an int from 0 to "
+                                     f"{MAX_ITERS}; got {value!r}") from None
+    return whole("compute iterations", value, 0, MAX_ITERS)
 
 
 class MainJob:
     """The main job (see the module doc). Arguments mirror ``orchestra run``'s options.
 
+    ``policy``: a `orchestra.schedule.POLICIES` name or "auto" (default), ``streams``: an int
+    >= 1 or "auto" (default): resolved by `orchestra.app.job.policy.choose_policy` from how the
+    executor lowers the job's copies (`JobConfigError` for anything else).
     ``compute_iters``: an int, or "auto" (default) to match the kernel to the slower copy.
     ``elements``: total float32 elements (default ``batches * batch elements``; a value that is
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
@@ -152,40 +173,47 @@ class MainJob:
     ``trace``: one extra traced, verified run after the timed ones (`JobReport.timeline`).
     ``progress``: called as ``progress(stage, done, total)`` as the runs go (the CLI's bar).
     ``copy_lowering``: ``"auto"`` (default), ``"kernel"`` or ``"copy-engine"``, the executor's
-    (`orchestra.execute.ExecutorBase`).
+    (`orchestra.execute.ExecutorBase`). ``device_budget``: device memory (bytes) the batches in
+    flight may hold together before batch ``b`` waits for batch ``b - k``'s frees
+    (`orchestra.app.job.graphs.in_flight_for`; default 8 GiB).
     """
 
-    def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int = 3,
-                 policy: str = "by-engine", compute_iters="auto", repeat: int = 5, seed: int = 0,
+    def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int | str = AUTO,
+                 policy: str = AUTO, compute_iters="auto", repeat: int = 5, seed: int = 0,
                  executor: str = "eager", *, device=None, elements: int | None = None,
                  input: str | os.PathLike | None = None, output: str | os.PathLike | None = None,
                  warmup: int = 1, block: int = 256, verify_plan: bool = True,
                  staging_slots: int = 4, timing_repeats: int = 7, check_iters: int = CHECK_ITERS,
                  graph_dot: str | os.PathLike | None = None, trace: bool = False,
                  progress: Callable[[str, int, int], None] | None = None,
-                 copy_lowering: str = "auto"):
-        if batches < 1 or streams < 1 or repeat < 1 or warmup < 0:
-            raise JobConfigError("batches, streams and repeat must be >= 1 and warmup >= 0")
+                 copy_lowering: str = "auto", device_budget: int = DEVICE_BUDGET):
+        # counts by name (a string or 2.5 batches once failed in int() or was truncated)
+        self.batches = whole("batches", batches, 1)
+        repeat, warmup = whole("repeat", repeat, 1), whole("warmup", warmup, 0)
         self.batch_bytes = batch_bytes_from_mib(batch_mib)
-        self.batches = int(batches)
-        self.streams = int(streams)
-        self.policy = policy
+        self.streams = check_streams(streams)
+        self.policy = check_policy(policy)
+        # the resolved policy and streams, once run() knows the executor's copy lowering
+        self.choice: PolicyChoice | None = None
         self.iters = parse_iters(compute_iters)
-        self.repeat, self.warmup, self.seed = int(repeat), int(warmup), seed
+        self.repeat, self.warmup, self.seed = repeat, warmup, seed
         self.executor_name = executor
         self.device = device
         self.elements = elements
         self.input = None if input is None else Path(input)
         self.output = None if output is None else Path(output)
-        self.block = int(block)
+        self.block = whole("block", block, 1)  # the device's limit: checked by run()
         self.verify_plan = verify_plan
-        self.staging_slots = int(staging_slots)
-        self.timing_repeats = int(timing_repeats)
-        self.check_iters = int(check_iters)
+        self.staging_slots = whole("staging_slots", staging_slots, 1)
+        self.timing_repeats = whole("timing_repeats", timing_repeats, 1)
+        self.check_iters = whole("check_iters", check_iters, 0, MAX_ITERS)
         self.graph_dot = graph_dot  # capture / graph executors: the CUDA graph as DOT
         self.trace = bool(trace)
         self.progress = progress
         self.copy_lowering = copy_lowering
+        if isinstance(device_budget, float) and math.isfinite(device_budget):
+            device_budget = math.floor(device_budget)  # bytes from a fractional MiB count
+        self.device_budget = whole("device_budget (bytes)", device_budget, 1)
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -195,20 +223,43 @@ class MainJob:
         total = total_elements or self.elements or self.batches * per
         return batch_sizes(total, per)
 
+    def _choose(self, executor, sizes, in_flight: int | None):
+        """Resolve ``policy`` / ``streams`` (`choose_policy`) from how ``executor`` lowers the
+        job's copies over ``sizes``; ``in_flight``: the batches that may run together."""
+        copies, kernels = count_copies(sizes, executor.copy_policy())
+        c = self.choice = choose_policy(self.policy, self.streams, copies=copies,
+                                        copy_kernels=kernels, batches=len(sizes),
+                                        in_flight=in_flight,
+                                        executor=f"{self.executor_name} executor",
+                                        eager=self.executor_name == "eager")
+        log.debug("main job: %s", c.describe())
+        return c
+
+    def _resolved(self) -> PolicyChoice:
+        """The `PolicyChoice` `_choose` made (run() makes it before any timing)."""
+        if self.choice is None:
+            raise JobConfigError("the policy is resolved when the job runs (MainJob.run)")
+        return self.choice
+
     def _plan(self, executor, graph, single: SingleBatch):
+        c = self._resolved()
         costs = None
-        if self.policy == "critical-path":
+        if c.policy == "critical-path":
             costs = job_costs(single.nbytes, single.t_h2d_ms, single.t_kernel_ms,
                               single.t_d2h_ms)
-        return executor.prepare(graph, policy=self.policy, streams=self.streams, costs=costs), costs
+        return executor.prepare(graph, policy=c.policy, streams=c.streams, costs=costs), costs
 
     def _timings(self, kernel, stream, host_in, host_out, grid, batches: int) -> SingleBatch:
+        """Single-batch and sustained times; the sustained items spread over the plan's
+        streams (its concurrency), with the copy kernel timed too when the run has any."""
         self._step("single-batch timings", 0, self.warmup + self.repeat + int(self.trace))
+        c = self._resolved()
         timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
                            repeats=self.timing_repeats)
         try:
-            return timer.measure(self.iters, items=items_for(batches, host_in.nbytes),
-                                 streams=self.streams)
+            return timer.measure(self.iters,
+                                 items=items_for(batches, host_in.nbytes, streams=c.streams),
+                                 streams=c.streams, copy_kernel=c.copy_kernels > 0)
         finally:
             timer.close()
 
@@ -221,8 +272,9 @@ class MainJob:
         last = runs[-1]
         ok = all(c.ok for c in checks) and routing is not False
         bad = next((c for c in checks if not c.ok), checks[-1])
+        c = self._resolved()
         return JobReport(
-            device=dev.name, executor=self.executor_name, policy=self.policy,
+            device=dev.name, executor=self.executor_name, policy=c.policy,
             streams=last.streams, batches=len(sizes), batch_bytes=single.nbytes,
             data_bytes=sum(sizes), compute_iters=single.iters,
             compute_iters_auto=self.iters is None, t_h2d_ms=single.t_h2d_ms,
@@ -236,11 +288,11 @@ class MainJob:
             output=None if self.output is None else str(self.output), timeline=timeline,
             bound_limiter=bound.limiter, bound_terms=bound.terms,
             sustained=None if single.sustained is None else single.sustained.as_dict(),
-            # the bound is made of copy-engine times: copies run as copy kernels may beat it,
-            # which says nothing about the bound
-            bound_warning=None if last.copy_kernels else bound_warning(
-                efficiency, f"{self.executor_name} {self.policy}"),
-            copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels)
+            bound_warning=bound_warning(efficiency, f"{self.executor_name} {c.policy} "
+                                                    f"({c.streams} streams)"),
+            copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels,
+            policy_requested=c.requested_policy, streams_requested=c.requested_streams,
+            policy_reason=c.reason)
 
     def _dump_dot(self, executor) -> None:
         if self.graph_dot and hasattr(executor, "dot"):
@@ -308,6 +360,7 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         pin_in = pin_out = stream = None
         try:
+            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget))
             pin_in = PinnedBuffer.empty(total, np.float32, dev)
             pin_out = PinnedBuffer.empty(total, np.float32, dev)
             x, y = pin_in.array, pin_out.array
@@ -323,14 +376,14 @@ class MainJob:
             routing = None
             if self.check_iters and self.check_iters != single.iters:
                 rg = build_job_graph(sizes, iters=self.check_iters, block=self.block,
-                                     sm_count=dev.sm_count)
+                                     sm_count=dev.sm_count, device_budget=self.device_budget)
                 plan, _ = self._plan(executor, rg.graph, single)
                 jd.poison(y)
                 executor.run(rg.graph, plan, bindings)
                 routing = jd.check_against(x, y, self.check_iters).ok
 
             jg = build_job_graph(sizes, iters=single.iters, block=self.block,
-                                 sm_count=dev.sm_count)
+                                 sm_count=dev.sm_count, device_budget=self.device_budget)
             plan, _ = self._plan(executor, jg.graph, single)
             reference = jd.Reference.build(x, single.iters)
 
@@ -368,6 +421,8 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         stage_in = stage_out = stream = None
         try:
+            # a slot's next batch waits for the batch before it: at most ``slots`` at once
+            self._choose(executor, sizes, slots)
             stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")
             stage_out = StagingPool(slots, max(sizes), dev, prefix="stage_out")
             ins = [stage_in.view(k) for k in range(slots)]

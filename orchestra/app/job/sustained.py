@@ -12,7 +12,9 @@ enqueue outlasted 80% of its gate is taken again with the gate doubled (up to 3 
 Measured per item of ``nbytes`` (`BatchTimer.sustained`): K H2Ds on one stream; K D2Hs; K
 kernels on one stream and spread round-robin over several streams (kernels smaller than the
 GPU overlap across streams, as round-robin and concurrent-kernel plans let them; the faster
-counts); K H2Ds on one stream while K D2Hs run on another (per pair).
+counts); K H2Ds on one stream while K D2Hs run on another (per pair). Every kind is also
+spread over the plan's streams (`BatchTimer.sustained`), and K grows to `ITEMS_PER_STREAM`
+per stream for plans of many streams (`items_for`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,22 @@ extern "C" __global__ void orchestra_gate(unsigned long long ns)
 MIN_GATE_MS = 0.5
 SIZING_GATE_MS = 20.0  # the untimed run that measures the host's enqueue time
 MAX_ITEMS = 16
+#: Items per stream when the items are spread over many streams (a lane plan's concurrency):
+#: with one item per stream the elapsed time is one item's latency plus the streams' start
+#: skew, not a rate; enough back to back on each stream make it one (on an H200, 4 per stream
+#: left the first item's latency in the rate: a 16-lane run of 64 KiB copy kernels beat its
+#: bound by 2-6%; 16 per stream amortize it).
+ITEMS_PER_STREAM = 16
 ITEM_BYTES_BUDGET = 1 << 30  # K * item bytes stays under this (huge items need few of them)
 
 
-def items_for(batches: int, nbytes: int, max_items: int = MAX_ITEMS) -> int:
-    """K for a pipeline of ``batches`` batches of ``nbytes``: as many as the pipeline has, at
-    most ``max_items`` and at most 1 GiB of items (at least 1)."""
-    return max(1, min(int(batches), max_items, ITEM_BYTES_BUDGET // max(1, int(nbytes))))
+def items_for(batches: int, nbytes: int, max_items: int = MAX_ITEMS, *,
+              streams: int = 1) -> int:
+    """K for a pipeline of ``batches`` batches of ``nbytes`` whose plan runs on ``streams``
+    streams: as many as the pipeline has, at most the larger of ``max_items`` and
+    `ITEMS_PER_STREAM` per stream, and at most 1 GiB of items (at least 1)."""
+    most = max(int(max_items), ITEMS_PER_STREAM * max(1, int(streams)))
+    return max(1, min(int(batches), most, ITEM_BYTES_BUDGET // max(1, int(nbytes))))
 
 
 class GatedTimer:
@@ -134,4 +145,5 @@ class GatedTimer:
         self._joins.clear()
 
 
-__all__ = ["GATE_SOURCE", "GatedTimer", "MAX_ITEMS", "MIN_GATE_MS", "items_for"]
+__all__ = ["GATE_SOURCE", "GatedTimer", "ITEMS_PER_STREAM", "MAX_ITEMS", "MIN_GATE_MS",
+           "items_for"]

@@ -144,21 +144,25 @@ class BatchTimer:
         packed = self.kernel.pack([self.d_in.ptr, self.d_out.ptr, self.n, *burn_scalars(iters)])
         return self._time(lambda: self.kernel.launch(self.stream, self.grid, self.block, packed))
 
-    def _copy_kernel(self):
+    def _copy_kernel(self, which="auto"):
         """The copy kernel (``cuda_src/copy.cu``) and its grid and block for ``nbytes``, or None
-        where the graph executors would not lower a copy of ``nbytes`` to it under ``"auto"``
-        (at or above every crossover of `orchestra.execute.copy_table.load_crossover`; large
-        copies belong on the copy engines) or it cannot be loaded."""
+        where it cannot be loaded, for ``which=False``, and for ``"auto"`` where no executor
+        would lower a copy of ``nbytes`` to it under ``"auto"`` (at or above every crossover
+        of `orchestra.execute.copy_table.load_crossover`; large copies belong on the copy
+        engines). ``which=True``: whatever the size (a run lowers its copies to it)."""
         from orchestra.errors import OrchestraError
         from orchestra.execute.copy_table import load_crossover
         from orchestra.execute.lowering.copy import copy_kernel_ref
         from orchestra.execute.lowering.copy_policy import COPY_BLOCK, MODES, copy_grid
         from orchestra.kernel import load_kernel
 
+        if which is False:
+            return None
         dev = self.stream.device
         try:
             cross = load_crossover(dev)
-            if self.nbytes >= max(cross.threshold(m, d) for m in MODES for d in ("h2d", "d2h")):
+            if which == "auto" and self.nbytes >= max(
+                    cross.threshold(m, d) for m in MODES for d in ("h2d", "d2h")):
                 return None
             ref = copy_kernel_ref()  # the executors' copy kernel, as their lowering loads it
             k = load_kernel(ref.source, ref.name, params=ref.params, device=dev)
@@ -167,21 +171,27 @@ class BatchTimer:
         return k, copy_grid(self.nbytes, dev.sm_count), COPY_BLOCK
 
     def sustained(self, items: int, iters: int, *, streams: int = 1,
-                  copy_kernel: bool = True) -> Sustained:
+                  copy_kernel: bool | str = "auto") -> Sustained:
         """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
-        H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once. Each kind is timed on
-        one stream and, when ``streams`` > 1, spread round-robin over that many (pairs: the
-        H2Ds over ``streams`` streams, the D2Hs over as many others); the faster counts, since
-        small items overlap across streams (several copy engines, kernels smaller than the GPU)
-        as round-robin and concurrent plans let them. Items on several streams write the same
-        device or host buffer: harmless for timing, and the contents are not used.
+        H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once.
 
-        With ``copy_kernel`` (the default), a copy small enough for ``"auto"`` to lower it to
-        the copy kernel (below the largest crossover) is also timed as that kernel (the SMs
-        read or write pinned host memory through its UVA address, each item its own host
-        region; docs/graphs.md), and the faster mechanism counts: a bound is a lower bound
-        only if no lowering an executor may pick beats it. ``Sustained.copies`` says which
-        mechanism each copy time came from."""
+        Each kind is timed on one stream and, when ``streams`` > 1, spread round-robin over
+        that many (item i on stream i % streams; pairs: the H2Ds over ``streams`` streams, the
+        D2Hs over as many others): the plan's concurrency, since small items overlap across
+        streams (several copy engines, kernels smaller than the GPU, latency-bound copy
+        kernels) as lane (round-robin) and concurrent plans let them. The faster of the two
+        is the per-item rate (`Sustained.h2d_ms`, ...); the one-stream time alone is the
+        time of one step of a batch's chain (`Sustained.h2d_chain_ms`, ...), which the
+        bound's fill and drain terms use. Items on several streams write the same device or
+        host buffer: harmless for timing, and the contents are not used.
+
+        ``copy_kernel``: whether copies are also timed as the copy kernel, the faster
+        mechanism counting (a bound is a lower bound only if no lowering the run uses beats
+        it): ``"auto"`` (default) where ``"auto"`` lowering may pick it (below the largest
+        crossover); True whatever the size (the run lowers its copies to it); False never
+        (the run keeps every copy on the copy engines). The kernel's items each use their own
+        host region (docs/execution.md, "Either copy mechanism"). ``Sustained.copies`` says
+        which mechanism each copy time came from."""
         from orchestra.app.job.graphs import burn_scalars
         from orchestra.app.job.sustained import GatedTimer
         from orchestra.driver import Stream
@@ -222,13 +232,14 @@ class BatchTimer:
                     d_out.copy_to_host(h_out, down[i % width])
             return run
 
-        def best(make, others_of):
-            t = gated.median_ms(make(1), others_of(1)) / K
-            if S > 1:
-                t = min(t, gated.median_ms(make(S), others_of(S)) / K)
-            return t
+        def both(make, others_of):
+            """(per item on one stream, per item at the best of 1 and S streams)."""
+            one = gated.median_ms(make(1), others_of(1)) / K
+            if S == 1:
+                return one, one
+            return one, min(one, gated.median_ms(make(S), others_of(S)) / K)
 
-        ck = self._copy_kernel() if copy_kernel else None
+        ck = self._copy_kernel(copy_kernel)
         spans = []  # the copy kernels' own pinned host memory, one region per item
         kh2ds = kd2hs = kpairs = None  # the copy-kernel variants, where the kernel applies
         if ck is not None:
@@ -241,9 +252,13 @@ class BatchTimer:
             # timing above does) would be served by L2 and beat the link.
             spans = [PinnedBuffer.empty(K * nb, np.uint8, s.device) for _ in range(2)]
             hin, hout = (int(b.array.ctypes.data) for b in spans)
-            # dst, src, bytes, system fence (D2H: the host must see the bytes at the end)
+            # dst, src, bytes, system fence: none, also for the D2Hs. The executors fence a
+            # D2H copy kernel only in graphs with host functions (CopyPolicy.d2h_system_fence;
+            # the job's generated graph has none), and the fence only slows a copy (1.43 ->
+            # 3.25 us at 64 KiB on an H200): timed without it, the time is a lower bound for
+            # both. The bytes themselves are never read.
             ups = [ckern.pack([d_in.ptr, hin + i * nb, nb, 0]) for i in range(K)]
-            dns = [ckern.pack([hout + i * nb, d_out.ptr, nb, 1]) for i in range(K)]
+            dns = [ckern.pack([hout + i * nb, d_out.ptr, nb, 0]) for i in range(K)]
 
             def kh2ds(width):
                 def run():
@@ -265,17 +280,20 @@ class BatchTimer:
                 return run
 
         def fastest(engine, kernel, others):
-            t = best(engine, others)
+            """(chain time, rate time, which mechanism the rate came from): each the faster
+            of the copy engines and the copy kernel."""
+            one, rate = both(engine, others)
             if kernel is None:
-                return t, "copy engine"
-            tk = best(kernel, others)
-            return (tk, "copy kernel") if tk < t else (t, "copy engine")
+                return one, rate, "copy engine"
+            kone, krate = both(kernel, others)
+            return (min(one, kone), *((krate, "copy kernel") if krate < rate
+                                      else (rate, "copy engine")))
 
         try:
-            t_h, by_h = fastest(h2ds, kh2ds, lambda w: lanes[1:w])
-            t_d, by_d = fastest(d2hs, kd2hs, lambda w: lanes[1:w])
-            t_k = best(kernels, lambda w: lanes[1:w])
-            t_p, by_p = fastest(pairs, kpairs, lambda w: lanes[1:w] + down[:w])
+            c_h, t_h, by_h = fastest(h2ds, kh2ds, lambda w: lanes[1:w])
+            c_d, t_d, by_d = fastest(d2hs, kd2hs, lambda w: lanes[1:w])
+            c_k, t_k = both(kernels, lambda w: lanes[1:w])
+            _, t_p, by_p = fastest(pairs, kpairs, lambda w: lanes[1:w] + down[:w])
         finally:
             gated.close()
             for e in extra:
@@ -285,13 +303,14 @@ class BatchTimer:
             for b in spans:
                 b.close()
         return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S,
-                         copies=f"H2D by {by_h}, D2H by {by_d}, pair by {by_p}")
+                         copies=f"H2D by {by_h}, D2H by {by_d}, pair by {by_p}",
+                         h2d_chain_ms=c_h, kernel_chain_ms=c_k, d2h_chain_ms=c_d)
 
     def measure(self, iters: int | None, *, items: int | None = None,
-                streams: int = 1) -> SingleBatch:
+                streams: int = 1, copy_kernel: bool | str = "auto") -> SingleBatch:
         """Time H2D and D2H alone, then the kernel at ``iters`` (None: calibrate to the slower
         copy alone); with ``items``, the sustained times of that many back-to-back items too,
-        on one stream and on ``streams`` (`sustained`)."""
+        on one stream and on ``streams`` (`sustained`, with ``copy_kernel``)."""
         self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
         t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
         if iters is None:
@@ -299,7 +318,7 @@ class BatchTimer:
         t_k = self.kernel_ms(iters)
         sus = None
         if items:
-            sus = self.sustained(items, iters, streams=streams)
+            sus = self.sustained(items, iters, streams=streams, copy_kernel=copy_kernel)
         return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, sus)
 
     def close(self) -> None:

@@ -2,8 +2,10 @@
 `GraphExec` replayed (needs a GPU).
 
 Pipelines (`OrchestraPipeline`): the job's task graph (``build_pipeline``: alloc -> H2D -> burn
--> D2H -> free per batch, batch ``b``'s allocations after batch ``b - 6``'s frees), by-engine on
-3 streams. Requests (`OrchestraRequest`): one H2D -> burn -> D2H on external device buffers
+-> D2H -> free per batch, bounded in flight as the main job is: `in_flight_for`), with the
+policy and streams the main job's ``auto`` picks for the executor's copy lowering
+(`pipeline_policy`: round-robin lanes when most copies run as copy kernels, else by-engine on
+3 streams). Requests (`OrchestraRequest`): one H2D -> burn -> D2H on external device buffers
 (allocated once), or with allocations in the graph; eager on one stream, or a graph replayed.
 Chains (`OrchestraChain`): ``kernels`` dependent ``pdl_chain_step`` nodes over two external
 buffers, optionally with the ``pdl`` launch attribute on every link but the first; eager on one
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import time
 
-from orchestra.app.job.graphs import IN_FLIGHT
+from orchestra.app.job.graphs import in_flight_for
+from orchestra.app.job.policy import AUTO, choose_policy, count_copies
 
 
 class _Ours:
@@ -30,12 +33,24 @@ class _Ours:
         return f"build {self.build_ms:.1f} ms" if self.build_ms is not None else ""
 
 
-def _executor(kind: str, dev, resolver):
+def _executor(kind: str, dev, resolver, copy_lowering: str = "auto"):
     from orchestra.execute import CaptureExecutor, EagerExecutor, GraphBuildExecutor
 
     cls = {"eager": EagerExecutor, "capture": CaptureExecutor,
            "graph-build": GraphBuildExecutor}[kind]
-    return cls(dev, kernel_resolver=resolver)
+    return cls(dev, kernel_resolver=resolver, copy_lowering=copy_lowering)
+
+
+def pipeline_policy(w, copy_policy, policy: str = AUTO, streams: int | str = AUTO,
+                    executor: str = "the executor"):
+    """The `PolicyChoice` for pipeline workload data ``w`` (``batches``, ``batch_bytes``)
+    whose copies ``copy_policy`` (a `CopyPolicy`) lowers: the main job's `choose_policy`,
+    the lanes capped at the batches in flight (`in_flight_for`)."""
+    sizes = [w.batch_bytes] * w.batches
+    copies, kernels = count_copies(sizes, copy_policy)
+    return choose_policy(policy, streams, copies=copies, copy_kernels=kernels,
+                         batches=w.batches, in_flight=in_flight_for(sizes), executor=executor,
+                         eager=executor.startswith("eager"))
 
 
 class _Replay(_Ours):
@@ -63,25 +78,41 @@ class _Replay(_Ours):
 
 class OrchestraPipeline(_Replay):
     """``kind``: "eager", "capture" or "graph-build"; ``w`` as in `cuda_python`, plus
-    ``resolver`` (the shared `KernelResolver`)."""
+    ``resolver`` (the shared `KernelResolver`). ``policy`` / ``streams``: ``"auto"`` (default:
+    `pipeline_policy`) or given; ``copy_lowering``: the executor's. ``choice``: the resolved
+    `PolicyChoice`."""
 
-    def __init__(self, w, kind: str, policy: str = "by-engine", streams: int = 3):
+    def __init__(self, w, kind: str, policy: str = AUTO, streams: int | str = AUTO,
+                 copy_lowering: str = "auto"):
+        self.kind, self.mode = kind, ("eager" if kind == "eager" else "graph")
+        self.ex = _executor(kind, w.dev, w.resolver, copy_lowering)
+        self.exe = None
+        try:
+            self._setup(w, policy, streams, copy_lowering)
+        except BaseException:  # nothing of a half-built contender stays behind
+            self.close()
+            raise
+
+    def _setup(self, w, policy, streams, copy_lowering) -> None:
         from orchestra.app.job.graphs import burn_kernel_ref
         from orchestra.app.peers.cuda_python import burn_st
         from orchestra.graph import HostBuffer, build_pipeline
 
-        self.kind, self.mode = kind, ("eager" if kind == "eager" else "graph")
+        kind = self.kind
+        self.choice = c = pipeline_policy(w, self.ex.copy_policy(), policy, streams,
+                                          f"{kind} executor")
+        policy, streams = c.policy, c.streams
         what = "eager" if kind == "eager" else f"{kind} replay"
-        self.name = f"orchestra {what} ({policy}, {streams} streams)"
+        lowering = "" if copy_lowering == "auto" else f", copies {copy_lowering}"
+        self.name = f"orchestra {what} ({policy}, {streams} streams{lowering})"
         total = w.batches * w.batch_bytes
         s, t = burn_st(w)
         self.graph, _ = build_pipeline(
             w.batches, w.batch_bytes, burn_kernel_ref(), host_in=HostBuffer("host_in", total),
             host_out=HostBuffer("host_out", total), grid=w.grid, block=w.block,
-            scalars=(w.iters, s, t), in_flight=IN_FLIGHT)
+            scalars=(w.iters, s, t),
+            in_flight=in_flight_for([w.batch_bytes] * w.batches))
         self.bindings = {"host_in": w.x, "host_out": w.y}
-        self.ex = _executor(kind, w.dev, w.resolver)
-        self.exe = None
         if kind == "eager":
             self.plan = self.ex.prepare(self.graph, policy=policy, streams=streams)
         else:
@@ -200,4 +231,4 @@ class OrchestraChain(_Replay):
             self._run_graph()
 
 
-__all__ = ["OrchestraChain", "OrchestraPipeline", "OrchestraRequest"]
+__all__ = ["OrchestraChain", "OrchestraPipeline", "OrchestraRequest", "pipeline_policy"]

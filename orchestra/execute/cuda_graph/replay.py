@@ -41,6 +41,8 @@ import functools
 import logging
 from typing import Any, Mapping
 
+import numpy as np
+
 from orchestra.driver.check import error_from_result
 from orchestra.errors import (
     ClosedError,
@@ -51,12 +53,13 @@ from orchestra.errors import (
 from orchestra.driver import host as _host
 from orchestra.driver.device import _tls
 from orchestra.driver.owner import CLOSE_EPOCH as _CLOSES
-from orchestra.execute.bindings import bind_version, release_keep
+from orchestra.execute.bindings import _SELF, Held as _Held, bind_version, release_keep
 from orchestra.execute.cuda_graph.state import ExecParts
 from orchestra.execute.errors import BindingError, ClosedBindingError
 
 log = logging.getLogger(__name__)
 _RANGES = _host.pinned_ranges()
+_ndarray = np.ndarray
 
 #: CUDA graph node kind -> the per-node update that applies a rewritten parameter struct
 SET_PARAMS = {"memcpy": "cuGraphExecMemcpyNodeSetParams",
@@ -106,9 +109,16 @@ class Rebind:
     attribute: packed kernel arguments, fields of unknown offset); ``nodes`` (``(apply,
     record, call)`` per node the binding reaches: ``apply()`` is the node's SetParams with its
     arguments bound, ``call`` its name); ``unsupported`` (records of a kind no per-node update
-    applies to: a rebinding updates the whole exec instead)."""
+    applies to: a rebinding updates the whole exec instead).
 
-    __slots__ = ("binding", "cells", "fields", "nodes", "unsupported")
+    Precomputed for the replay's fast path: ``inner`` (a user inside a body, which replays
+    refuse); ``fast``: 0 when every rebinding takes the full path (``inner``, ``unsupported``),
+    1 for an external device buffer, 2 for a host buffer nodes only read, 3 for one a node
+    writes (the bound array's writability is checked at every rebinding); ``one``: ``(cell,
+    offset, apply)`` when the binding has one field and one node (the usual case), else
+    None."""
+
+    __slots__ = ("binding", "cells", "fields", "nodes", "unsupported", "inner", "fast", "one")
 
     def __init__(self, binding, cells, fields, nodes, unsupported):
         self.binding = binding
@@ -116,6 +126,12 @@ class Rebind:
         self.fields = fields
         self.nodes = nodes
         self.unsupported = unsupported
+        self.inner = next((u for u in binding.users if getattr(u, "inside", None)), None)
+        host = binding.kind == "host"
+        self.fast = 0 if self.inner is not None or unsupported else (
+            1 if not host else 3 if binding.writer is not None else 2)
+        self.one = (cells[0][0], cells[0][1], nodes[0][0]) \
+            if len(cells) == 1 and not fields and len(nodes) == 1 else None
 
     def write(self, address: int) -> None:
         """Write ``address`` (+ each field's offset) into every field (no driver call)."""
@@ -200,7 +216,10 @@ class Replay(ExecParts):
         (``sync=True``) the wait, so two threads replaying one exec each get their own
         outputs, one after the other.
         """
-        with self._lock:
+        # acquire / release rather than a with-block: half the cost on this hot path
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closed:
                 raise ClosedError("this GraphExec is closed")
             if getattr(_tls, "ctx", None) != self._ctx_key:  # another host thread: its context
@@ -213,16 +232,90 @@ class Replay(ExecParts):
                                        f"got {type(bindings).__name__}") from None
                 plans = self._rebinds
                 version = _RANGES.version + _CLOSES[0]  # bind_version(), inlined
+                # what a replaced value's keep goes to: launches may still read it
+                retired = self._state.retired if self._own_pending or self._state.streams \
+                    else None
                 for name, value in items:
                     p = plans.get(name)
                     if p is None:
                         raise BindingError(self._unknown_binding(name))
                     b = p.binding
                     # the very object bound now, nothing unpinned or closed since: no work
-                    if value is not b.value or b.version != version:
+                    if value is b.value and b.version == version:
+                        continue
+                    # A value checked and leased for this binding before, nothing unpinned or
+                    # closed since, its lease still out and (outputs) still writable: no
+                    # checks, no lease lookup; its address is written and the nodes it reaches
+                    # updated (`BindingTable.remembered` + `_rebind` + `commit`, inlined: the
+                    # hot path of a pool of staging arrays bound in turn).
+                    k = b.known.get(id(value))
+                    fast = p.fast
+                    if (k is None or not fast or k[2] != version or k[0]() is not value
+                            or (keep := k[4]) is None
+                            or (fast > 1 and (type(value) is not _ndarray
+                                              or (fast == 3 and not value.flags.writeable)))):
                         if self._rebind(p, value, version):  # the exec was updated instead
                             plans = self._rebinds
                             version = bind_version()
+                        continue
+                    if type(keep) is _Held:
+                        if not keep.lease._claim:  # ended by a sweep: lease it again
+                            if self._rebind(p, value, version):
+                                plans = self._rebinds
+                                version = bind_version()
+                            continue
+                        keep.count += 1
+                    elif keep is _SELF:  # memory pinned outside orchestra: kept by the value
+                        keep = value
+                    addr = k[1]
+                    if addr != b.address:
+                        refused = None
+                        try:
+                            one = p.one
+                            if one is not None:  # one field, one node: the common case
+                                one[0].value = addr + one[1]
+                                (err,) = one[2]()
+                                if err:
+                                    refused = (p.nodes[0], err)
+                            else:
+                                for cell, off in p.cells:
+                                    cell.value = addr + off
+                                for struct, field, off in p.fields:
+                                    setattr(struct, field, addr + off)
+                                for node in p.nodes:
+                                    (err,) = node[0]()
+                                    if err:
+                                        refused = (node, err)
+                                        break
+                        except BaseException:
+                            if keep is not b.keep:
+                                release_keep(keep)
+                            p.write(b.address)  # the structs back on the bound address
+                            raise
+                        if refused is not None:  # the exec is updated for the caller instead
+                            if keep is not b.keep:
+                                release_keep(keep)  # the rebuild takes its own lease
+                            self._update_for(b, value, self._refused(p, *refused))
+                            plans = self._rebinds
+                            version = bind_version()
+                            continue
+                    old = b.keep
+                    b.value = value
+                    b.array = value if fast > 1 else None
+                    b.address = addr
+                    b.version = version
+                    b.keep = keep
+                    b.leaser = k[3]
+                    if old is not keep and old is not None:
+                        if retired is not None:
+                            retired.append(old)  # launches may still read it
+                        elif type(old) is _Held:  # release_keep, inlined
+                            old.count -= 1
+                            if old.count <= 0 and _CLOSES[0] != old.epoch \
+                                    and old.lease.owner_closed:
+                                old.lease.release()
+                        else:
+                            release_keep(old)
             if scalars:
                 try:
                     items = scalars.items()
@@ -241,12 +334,14 @@ class Replay(ExecParts):
                 self.launches += 1
                 return self._synchronize() if sync else None
             return self._launch(stream, sync)
+        finally:
+            lock.release()
 
     def _rebind(self, p, value, version: int) -> bool:
         """Check, lease and apply ``value`` for ``p.binding``; True when the exec was updated
         instead of re-pointed in place (its bindings and plans are new)."""
         b = p.binding
-        inner = next((u for u in b.users if getattr(u, "inside", None)), None)
+        inner = p.inner
         if inner is not None:
             raise BindingError(
                 f"binding {b.name}: host buffer {b.name} is used by node {inner.record.name} "
@@ -277,6 +372,7 @@ class Replay(ExecParts):
             except BaseException:
                 if keep is not b.keep:
                     release_keep(keep)
+                p.write(b.address)  # the structs back on the bound address
                 raise
             if refused is not None:
                 if keep is not b.keep:

@@ -75,6 +75,11 @@ class GraphRunner(Closable):
         self.last_exec = None
         self._closed = False
 
+    def copy_policy(self, copy_lowering=None):
+        """The `CopyPolicy` the runner's executor lowers host copies with
+        (`ExecutorBase.copy_policy`: ``copy_lowering`` or None for the runner's own)."""
+        return self.executor.copy_policy(copy_lowering)
+
     # -- plans --------------------------------------------------------------------------------
 
     def plan_for(self, graph: TaskGraph, policy: str = "by-engine", streams: int = 3,

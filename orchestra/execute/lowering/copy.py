@@ -16,7 +16,8 @@ CU_MEMORYTYPE_DEVICE; buffer offsets folded into the addresses.
 As a copy kernel (``cuda_src/copy.cu``'s ``orchestra_copy(dst, src, n, system_fence)``,
 compiled once per device through the compiler's cache and the executor's `KernelResolver`):
 
-    resolve     the kernel resolved, its arguments packed (n; system_fence = 1 for D2H), the
+    resolve     the kernel resolved, its arguments packed (n; system_fence = 1 for a D2H in a
+                graph with host functions, `CopyPolicy.d2h_system_fence`), the
                 launch checked: block `COPY_BLOCK`, grid `copy_grid(n, SMs)`
     stream      cuLaunchKernel; the host address (the bound array's: with unified addressing
                 a kernel addresses pinned memory at its host pointer, `Device.kernel_host_access`)
@@ -100,16 +101,17 @@ class CopyKernelArgs(KernelArgs):
         return self.pointers[0]
 
 
-def resolve_copy_kernel(node, kernel, sm_count: int) -> CopyKernelArgs:
+def resolve_copy_kernel(node, kernel, sm_count: int, system_fence: bool = True) -> CopyKernelArgs:
     """Pack the copy kernel's arguments for host copy ``node`` (addresses 0 until a step or a
-    graph build writes them) and check its launch: `CopyKernelArgs`."""
+    graph build writes them) and check its launch: `CopyKernelArgs`. ``system_fence``: a D2H
+    copy ends with ``__threadfence_system()`` (`CopyPolicy.d2h_system_fence`)."""
     layout = kernel.layout
     names = layout.field_names
     to_device = node.kind == "h2d"
     host, dev = (node.src, node.dst) if to_device else (node.dst, node.src)
     # parameter 0 is dst, 1 is src
     h_index, d_index = (1, 0) if to_device else (0, 1)
-    packed = kernel.pack([0, 0, node.nbytes, 0 if to_device else 1])
+    packed = kernel.pack([0, 0, node.nbytes, int(not to_device and system_fence)])
     config = kernel.launch_config(copy_grid(node.nbytes, sm_count), COPY_BLOCK)
     return CopyKernelArgs(node, kernel, config, packed,
                           PointerArg(d_index, names[d_index], dev.buffer.name, dev.offset),
@@ -147,7 +149,8 @@ class _HostCopyLowering(Lowering):
             return None
         resolver = executor.kernel_resolver(node.device)  # the node's device's kernels
         kernel = resolver.resolve(copy_kernel_ref(), node.name)
-        return resolve_copy_kernel(node, kernel, resolver.device.sm_count)
+        return resolve_copy_kernel(node, kernel, resolver.device.sm_count,
+                                   policy.d2h_system_fence)
 
     def graph_node_of(self, node, copies=None):
         policy = copies if copies is not None else _DEFAULT_POLICY

@@ -1,0 +1,365 @@
+"""``--policy auto`` / ``--streams auto`` on the CPU: the resolution rules (copy kernels ->
+round-robin lanes, else by-engine on 3 streams; caps; explicit options win; bad values), the
+copy counts per size and lowering, what `orchestra plan` schedules and prints per size,
+executor and lowering, the main job on the fake driver running a lane plan, the peers'
+contenders' choice and the bound's stream count."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from orchestra.app.job.policy import (
+    DEFAULT_STREAMS,
+    LANES,
+    PolicyChoice,
+    choose_policy,
+    count_copies,
+)
+from orchestra.cli.main import main
+from orchestra.errors import JobConfigError
+from orchestra.execute import DEFAULT_CROSSOVER, CopyCrossover, CopyPolicy
+from orchestra.schedule import Plan
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def graph_policy(lowering="auto", access=True, table=DEFAULT_CROSSOVER):
+    return CopyPolicy(lowering, "graph", table, access)
+
+
+def eager_policy(lowering="auto", access=True):
+    return CopyPolicy(lowering, "eager", DEFAULT_CROSSOVER, access)
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+def test_copy_kernels_make_lanes_capped_at_the_batches():
+    c = choose_policy(copies=2048, copy_kernels=2048, batches=1024, executor="graph executor")
+    assert (c.policy, c.streams) == ("round-robin", LANES) == ("round-robin", 16)
+    assert c.lanes and c.auto and c.requested_policy == c.requested_streams == "auto"
+    assert "2048 of 2048 host copies run as copy kernels (graph executor)" in c.reason
+    assert "lane b % 16" in c.reason and "capped" not in c.reason
+    few = choose_policy(copies=8, copy_kernels=8, batches=4)
+    assert (few.policy, few.streams) == ("round-robin", 4)
+    assert "4 lanes (16, capped at the 4 batches)" in few.reason
+    bounded = choose_policy(copies=2000, copy_kernels=2000, batches=1000, in_flight=6)
+    assert bounded.streams == 6 and "capped at the 6 batches in flight" in bounded.reason
+
+
+def test_copy_engine_copies_keep_by_engine_on_three_streams():
+    c = choose_policy(copies=64, copy_kernels=0, batches=32)
+    assert (c.policy, c.streams) == ("by-engine", DEFAULT_STREAMS) == ("by-engine", 3)
+    assert not c.lanes and "by-engine feeds one copy engine per direction" in c.reason
+
+
+@pytest.mark.parametrize("kernels,policy", [(0, "by-engine"), (9, "by-engine"),
+                                            (10, "round-robin"), (20, "round-robin")])
+def test_lanes_when_at_least_half_the_copies_are_copy_kernels(kernels, policy):
+    # a measured table may lower one direction only: H2D kernels, D2H on the engines
+    assert choose_policy(copies=20, copy_kernels=kernels, batches=10).policy == policy
+
+
+def test_explicit_options_win():
+    c = choose_policy("by-engine", "auto", copies=2048, copy_kernels=2048, batches=1024)
+    assert (c.policy, c.streams) == ("by-engine", 3) and not c.lanes
+    assert c.reason == "--policy by-engine given; streams auto: 3"
+    c = choose_policy("round-robin", "auto", copies=2048, copy_kernels=2048, batches=1024)
+    assert (c.policy, c.streams) == ("round-robin", 16) and c.lanes
+    c = choose_policy("round-robin", "auto", copies=64, copy_kernels=0, batches=32)
+    assert (c.policy, c.streams) == ("round-robin", 3) and not c.lanes
+    c = choose_policy("auto", 6, copies=2048, copy_kernels=2048, batches=1024)
+    assert (c.policy, c.streams) == ("round-robin", 6) and c.reason.endswith("--streams 6 given")
+    c = choose_policy("concurrent", 5, copies=2048, copy_kernels=2048, batches=1024)
+    assert (c.policy, c.streams, c.auto) == ("concurrent", 5, False)
+    assert c.as_dict() == {"policy": "concurrent", "streams": 5, "requested_policy":
+                           "concurrent", "requested_streams": 5, "reason": c.reason,
+                           "copies": 2048, "copy_kernels": 2048, "lanes": False}
+
+
+@pytest.mark.parametrize("kw", [dict(policy="fastest"), dict(streams=0), dict(streams=True),
+                                dict(streams="many"), dict(streams=2.0),
+                                dict(copy_kernels=3, copies=2), dict(batches=0)])
+def test_bad_values_are_refused(kw):
+    args = {**dict(copies=2, copy_kernels=2, batches=1), **kw}
+    with pytest.raises(JobConfigError) as e:
+        choose_policy(**args)
+    assert isinstance(e.value, ValueError)
+
+
+def test_copy_counts_per_size_and_lowering():
+    sizes = [64 * KIB] * 5 + [4 * KIB]  # ragged last batch
+    assert count_copies(sizes, graph_policy()) == (12, 12)
+    assert count_copies(sizes, eager_policy()) == (12, 0)  # eager keeps the copy engines
+    assert count_copies(sizes, eager_policy("kernel")) == (12, 12)
+    assert count_copies(sizes, graph_policy("copy-engine")) == (12, 0)
+    assert count_copies([MIB] * 4, graph_policy()) == (8, 0)  # above the 256 KiB crossover
+    assert count_copies([MIB] * 4, graph_policy("kernel")) == (8, 8)
+    assert count_copies([4 * KIB] * 4, graph_policy(access=False)) == (8, 0)
+    one_way = CopyCrossover(graph_h2d=256 * KIB, graph_d2h=0, eager_h2d=0, eager_d2h=0)
+    assert count_copies([64 * KIB] * 3 + [512 * KIB], graph_policy(table=one_way)) == (8, 3)
+
+
+# -- orchestra plan -------------------------------------------------------------------------------
+
+
+def plan_json(capsys, *argv, batches=40):
+    assert main(["plan", "--batches", str(batches), *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mib,executor,lowering,policy,streams", [
+    (0.00390625, "graph", "auto", "round-robin", 16),   # 4 KiB
+    (0.0625, "graph", "auto", "round-robin", 16),       # 64 KiB
+    (0.0625, "capture", "auto", "round-robin", 16),
+    (0.0625, "eager", "auto", "by-engine", 3),          # eager's crossover: copy engines
+    (0.0625, "eager", "kernel", "by-engine", 3),        # eager: lanes cost host time
+    (0.0625, "graph", "copy-engine", "by-engine", 3),
+    (1, "graph", "auto", "by-engine", 3),               # 1 MiB: above the crossover
+    (1, "graph", "kernel", "round-robin", 16),
+    (16, "capture", "auto", "by-engine", 3),
+])
+def test_plan_resolves_auto_per_size_executor_and_lowering(capsys, mib, executor, lowering,
+                                                           policy, streams):
+    out = plan_json(capsys, "--batch-mib", str(mib), "--executor", executor,
+                    "--copy-lowering", lowering)
+    assert (out["policy"], out["streams"]) == (policy, streams)
+    assert out["policy_requested"] == out["streams_requested"] == "auto"
+    choice = out["policy_choice"]
+    assert choice["copies"] == 80 == out["copy_lowering"]["copies"]
+    assert choice["copy_kernels"] == out["copy_lowering"]["copy_kernels"]
+    assert choice["lanes"] is (policy == "round-robin")
+    plan = Plan.from_dict(out["plan"])
+    assert plan.policy == policy and len(plan.streams) == streams
+    if policy == "round-robin":  # each batch's chain in lane b % 16
+        for b in (0, 5, 16, 39):
+            for step in ("h2d", "d2h"):
+                assert plan.node_stream[f"b{b}.{step}"] == f"s{b % 16}"
+        assert out["events"] == 0  # lanes never wait on each other
+
+
+def test_plan_printout_shows_the_choice_and_why(capsys):
+    assert main(["plan", "--batches", "1024", "--batch-mib", "0.0625", "--executor", "graph",
+                 "--summary"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("orchestra plan: 1024 batches x 64.0 KiB (64.0 MiB), policy "
+                               "round-robin, 16 stream(s), compute iters")
+    assert lines[1] == (
+        "policy choice: round-robin on 16 stream(s) (auto: 2048 of 2048 host copies run as "
+        "copy kernels (graph executor), which are latency-bound and overlap on the SMs: batch "
+        "b runs in lane b % 16; streams auto: 16 lanes)")
+    assert "7168 nodes" in lines[2] and "0 events, 0 waits, 16 streams" in lines[2]
+    assert main(["plan", "--batches", "4", "--batch-mib", "64", "--summary"]) == 0
+    text = capsys.readouterr().out
+    assert "policy choice: by-engine on 3 stream(s) (auto: 0 of 8 host copies run as copy " \
+           "kernels (eager executor); by-engine feeds one copy engine per direction; streams " \
+           "auto: 3)" in text
+
+
+def test_plan_explicit_policy_and_streams_win(capsys):
+    out = plan_json(capsys, "--batch-mib", "0.0625", "--executor", "graph", "--policy",
+                    "by-engine")
+    assert (out["policy"], out["streams"]) == ("by-engine", 3)
+    assert out["policy_choice"]["reason"] == "--policy by-engine given; streams auto: 3"
+    out = plan_json(capsys, "--batch-mib", "0.0625", "--executor", "graph", "--streams", "6")
+    assert (out["policy"], out["streams"], out["streams_requested"]) == ("round-robin", 6, 6)
+    out = plan_json(capsys, "--batch-mib", "64", "--policy", "round-robin", "--streams", "auto")
+    assert (out["policy"], out["streams"]) == ("round-robin", 3)
+    # --streams auto caps the lanes at the batches
+    out = plan_json(capsys, "--batch-mib", "0.0625", "--executor", "graph", batches=5)
+    assert (out["policy"], out["streams"]) == ("round-robin", 5)
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "lots"])
+def test_plan_refuses_a_bad_stream_count(capsys, bad):
+    assert main(["plan", "--batches", "4", "--streams", bad]) == 2
+    assert "expected 'auto' or an int >= 1" in capsys.readouterr().err
+
+
+def test_plan_with_an_input_file_caps_the_lanes_at_the_staging_slots(tmp_path, capsys):
+    path = tmp_path / "in.npy"
+    np.save(path, np.arange(64 * 1024, dtype=np.float32))  # 256 KiB: 16 batches of 16 KiB
+    assert main(["plan", "--input", str(path), "--batch-mib", "0.015625", "--executor",
+                 "graph", "--staging-slots", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batches"] == 16
+    assert (out["policy"], out["streams"]) == ("round-robin", 5)
+    assert "capped at the 5 batches in flight" in out["policy_choice"]["reason"]
+
+
+# -- the main job on the fake driver ---------------------------------------------------------------
+
+
+def test_main_job_times_the_sustained_items_over_the_lanes(monkeypatch):
+    """`MainJob._timings` hands the plan's concurrency to the sustained measurement: the lane
+    count as streams, K grown to 4 items per lane, and the copy kernel timed too."""
+    from orchestra.app.job import main_job as mj
+
+    calls = []
+
+    class Timer:
+        def __init__(self, kernel, stream, host_in, host_out, **kw):
+            self.nbytes = host_in.nbytes
+
+        def measure(self, iters, **kw):
+            calls.append(kw)
+            return "single"
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(mj, "BatchTimer", Timer)
+    job = mj.MainJob(batches=1024, batch_mib=0.0625, compute_iters=1)
+    x = np.zeros(16384, np.float32)
+    job.choice = choose_policy(copies=2048, copy_kernels=2048, batches=1024)
+    assert job._timings(None, None, x, x, 16, 1024) == "single"
+    assert calls[-1] == {"items": 256, "streams": 16, "copy_kernel": True}
+    job.choice = choose_policy(copies=2048, copy_kernels=0, batches=1024)
+    job._timings(None, None, x, x, 16, 1024)
+    assert calls[-1] == {"items": 48, "streams": 3, "copy_kernel": False}
+
+
+@pytest.fixture
+def lane_job(monkeypatch):
+    """The main job on the eager fake (tests/test_execute_job.py's fixture), with kernels
+    that address host memory (so copies can be copy kernels) and the copy kernel loadable."""
+    import orchestra.driver as od
+    import orchestra.execute as oe
+    from orchestra.app.job import Sustained
+    from orchestra.app.job import main_job as mj
+    from orchestra.app.job.timing import SingleBatch
+    from orchestra.execute import EagerExecutor, KernelResolver
+    from orchestra.execute import staging as staging_mod
+    from tests.fake_cuda import FakeCuda, fake_kernel
+    from tests.test_execute_job import FakePinned
+
+    fake = FakeCuda(monkeypatch)
+    fake.device.kernel_host_access = True
+    seen = {}
+
+    def make_executor(name="eager", device=None, *, verify=True, copy_lowering="auto"):
+        return EagerExecutor(kernel_resolver=KernelResolver(fake.device, fake_kernel),
+                             verify=verify, copy_lowering=copy_lowering)
+
+    class FakeStreamObj:
+        def __init__(self, device=None, priority=0):
+            pass
+
+        def close(self):
+            pass
+
+    def fake_timings(self, kernel, stream, host_in, host_out, grid, batches):
+        seen["choice"] = self.choice  # resolved before the timings
+        return SingleBatch(host_in.nbytes, self.iters, 1.0, 1.0, 1.0, 7,
+                           Sustained(host_in.nbytes, 16, 1.0, 1.0, 1.0, 1.25))
+
+    monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(od, "Stream", FakeStreamObj)
+    monkeypatch.setattr(oe, "make_executor", make_executor)
+    monkeypatch.setattr("orchestra.driver.device.as_device", lambda d=None: fake.device)
+    monkeypatch.setattr(mj.MainJob, "_timings", fake_timings)
+    fake.seen = seen
+    return fake
+
+
+def test_main_job_runs_copy_kernels_in_lanes_and_verifies(lane_job):
+    from orchestra.app.job import MainJob
+    from orchestra.app.job.policy import EAGER_LANES_NOTE
+
+    # eager: auto keeps by-engine even with copy kernels (the host enqueues each of them)
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1,
+                copy_lowering="kernel").run()
+    assert r.verified and r.routing_check is True
+    assert (r.policy, r.streams) == ("by-engine", 3)
+    assert (r.policy_requested, r.streams_requested) == ("auto", "auto")
+    assert "40 of 40 host copies run as copy kernels (eager executor)" in r.policy_reason
+    assert EAGER_LANES_NOTE in r.policy_reason and r.copy_kernels == 40
+    # lanes asked for: round-robin with --streams auto runs 16 lanes
+    events = lane_job.counts["cuEventRecord"]
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1, policy="round-robin",
+                copy_lowering="kernel").run()
+    assert r.verified and (r.policy, r.streams) == ("round-robin", 16)
+    assert r.copy_kernels == 40 and lane_job.seen["choice"].streams == 16
+    assert lane_job.counts["cuEventRecord"] == events  # lanes never wait on each other
+    # the default lowering keeps eager copies on the copy engines: by-engine, 3 streams
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1).run()
+    assert r.verified and (r.policy, r.streams, r.copy_kernels) == ("by-engine", 3, 0)
+    d = r.as_dict()
+    assert d["policy_requested"] == "auto" and "by-engine feeds" in d["policy_reason"]
+    # explicit options are kept
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1, policy="round-robin",
+                streams=2, copy_lowering="kernel").run()
+    assert r.verified and (r.policy, r.streams) == ("round-robin", 2)
+    assert r.policy_reason == "--policy round-robin given; --streams 2 given"
+
+
+def test_the_graph_runner_answers_the_copy_policy_the_main_job_asks(monkeypatch):
+    """MainJob resolves auto from make_executor's result: for the graph executors a
+    GraphRunner, whose copy_policy is its executor's."""
+    from orchestra.execute.cuda_graph.runner import GraphRunner
+    from tests.graphs_for_tests import fake_drivers
+
+    _, graph = fake_drivers(monkeypatch, kernel_host_access=True)
+    for kind in ("capture", "graph"):
+        with GraphRunner(kind, copy_lowering="kernel") as r:
+            assert r.copy_policy() is r.executor.copy_policy()
+            assert r.copy_policy().lowering == "kernel"
+            assert r.copy_policy("copy-engine").lowering == "copy-engine"
+            assert count_copies([4096] * 3, r.copy_policy()) == (6, 6)
+
+
+def test_main_job_refuses_a_bad_policy_or_stream_count():
+    from orchestra.app.job import MainJob
+
+    with pytest.raises(JobConfigError, match="policy must be one of auto, round-robin"):
+        MainJob(policy="fastest")
+    with pytest.raises(JobConfigError, match="streams must be 'auto' or an int >= 1"):
+        MainJob(streams=0)
+
+
+def test_run_report_prints_the_choice_and_the_chain_times(lane_job, capsys):
+    import attrs
+
+    from orchestra.app.job import MainJob
+    from orchestra.cli.run_cmd import print_report
+
+    r = MainJob(batches=20, batch_mib=0.01, compute_iters=5, repeat=1, policy="round-robin",
+                copy_lowering="kernel").run()
+    su = dict(r.sustained, streams=16, h2d_chain_ms=2.0, kernel_chain_ms=1.5, d2h_chain_ms=2.5)
+    print_report(attrs.evolve(r, sustained=su, bound_warning=None))
+    out = capsys.readouterr().out
+    assert "executor eager, policy round-robin, 16 stream(s)" in out
+    assert "policy choice: --policy round-robin given; streams auto: 16 lanes" in out
+    assert "the faster of 1 and 16 streams (the plan's concurrency)" in out
+    assert ("one batch's chain step by step (the same items on one stream; the bound's fill "
+            "and drain): H2D 2.0000 ms, kernel 1.5000 ms, D2H 2.5000 ms") in out
+    assert "each sustained copy time is the faster of the copy engines and the copy kernel" in out
+
+
+# -- the peers' contenders -------------------------------------------------------------------------
+
+
+def test_peers_pipeline_policy_and_the_bound_streams():
+    from orchestra.app.peers.harness import bound_streams
+    from orchestra.app.peers.orchestra_side import pipeline_policy
+    from tests.fake_cuda import FakeDevice
+
+    small = types.SimpleNamespace(batches=1024, batch_bytes=64 * KIB)
+    big = types.SimpleNamespace(batches=256, batch_bytes=4 * MIB)
+    c = pipeline_policy(small, graph_policy(), executor="graph-build executor")
+    assert isinstance(c, PolicyChoice) and (c.policy, c.streams) == ("round-robin", 16)
+    assert "(graph-build executor)" in c.reason
+    assert (pipeline_policy(small, eager_policy()).policy) == "by-engine"
+    assert (pipeline_policy(big, graph_policy()).policy) == "by-engine"
+    assert pipeline_policy(small, graph_policy(), "by-engine", 3).streams == 3
+    dev = FakeDevice()
+    dev.kernel_host_access = True
+    assert bound_streams(dev, small) == 16  # the graph rows run 16 lanes
+    assert bound_streams(dev, big) == 3     # every contender on 3 streams
+    dev.kernel_host_access = False
+    assert bound_streams(dev, small) == 3   # no copy kernels anywhere
