@@ -281,10 +281,10 @@ class _Batches:
         for node in nodes:
             items = []
             for pred, reason in preds[node.name].items():
-                kind, _, buf = reason.partition(" ")
-                if pred not in place or kind not in ("RAW", "WAR", "WAW") or buf not in roles:
+                kind, _, bname = reason.partition(" ")
+                if pred not in place or kind not in ("RAW", "WAR", "WAW") or bname not in roles:
                     return None
-                items.append((place[pred], kind + " ", ROLES.index(roles[buf])))
+                items.append((place[pred], kind + " ", ROLES.index(roles[bname])))
             pattern.append(tuple(items))
         # the nodes alloc_after applies to: the allocations, first in the batch and without
         # inferred edges (their buffer is new), so after= edges follow no inferred ones
@@ -452,6 +452,7 @@ class _Batches:
         allocations' after= edges ``dist`` places before the batch's first node."""
         back = self._back.get(dist)
         if back is None:
+            assert self._edges is not None  # learned from the first batch
             pattern, allocs = self._edges[0], self._edges[-1]
             back = tuple(tuple([j - p for p, _, _ in items])
                          + (tuple([d + j for d in dist]) if j in allocs else ())
@@ -502,6 +503,7 @@ class _Batches:
             if fresh_out:
                 new.append(hout.buffer)
             learned = self._edges
+            assert learned is not None  # learned from the first batch
             reasons = partial(_edge_reasons, learned[0],
                               (inp.name, out.name, hin.buffer.name, hout.buffer.name),
                               learned[-1], len(after))

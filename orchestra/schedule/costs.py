@@ -167,17 +167,17 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
     for ss in steps:
         used = set()
         for st in ss:
-            t = type(st)
-            if t is RunNode or (t is not RecordEvent and isinstance(st, RunNode)):
+            tp = type(st)
+            if tp is RunNode or (tp is not RecordEvent and isinstance(st, RunNode)):
                 node = by_name.get(st.node)
                 if node is None:
                     graph.node(st.node)  # raises GraphError naming it
-                cls = type(node)
+                cls: Any = type(node)
                 res = res_of.get(cls, 0)
                 if res == 0:
                     res = res_of[cls] = RESOURCES.get(cls.engine)
                 used.add(res)
-            elif t is RecordEvent or isinstance(st, RecordEvent):
+            elif tp is RecordEvent or isinstance(st, RecordEvent):
                 records.append(st.event)
         used.discard(None)
         uses.append(used)
@@ -246,7 +246,7 @@ def _walk_by_index(index, graph: TaskGraph, costs: Costs) -> float | None:
     nodes, _ = graph._by_index()
     res_of: dict[type, str | None] = {}
     for cls in set(map(type, nodes)):
-        res_of[cls] = RESOURCES.get(cls.engine)
+        res_of[cls] = RESOURCES.get(cls.engine)  # type: ignore[attr-defined]  # a Node class
     res = list(map(res_of.__getitem__, map(type, nodes)))
     uses = []
     for cs in codes:

@@ -35,7 +35,7 @@ from orchestra.schedule.plan import StreamSpec
 def graph_devices(graph: TaskGraph) -> tuple[int, ...]:
     """The devices the graph's device-bound nodes run on, ascending (``(0,)`` when none does)."""
     nodes = graph.nodes
-    if all(t.device_bound for t in set(map(type, nodes))):  # device_bound is the class's
+    if all(t.device_bound for t in set(map(type, nodes))):  # type: ignore[attr-defined]  # device_bound is the class's
         devs = set(map(attrgetter("device"), nodes))  # one pass in C over a long pipeline
         devs.discard(None)
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import compress, repeat
 from operator import add, mod, setitem
-from typing import Sequence, cast
+from typing import Any, Sequence, cast
 
 from orchestra.errors import GraphError
 from orchestra.graph import TaskGraph
@@ -43,7 +43,7 @@ def insert_events(graph: TaskGraph, node_stream: dict[str, str],
     else:
         gpos = _checked_positions(graph, order, graph.predecessor_map())
     # node -> stream index, from the mapping in one pass; anything unusual goes the slow way
-    fast = dict(zip(node_stream.keys(), map(sid.get, node_stream.values())))
+    fast: dict[str, Any] = dict(zip(node_stream.keys(), map(sid.get, node_stream.values())))
     if len(fast) != len(gpos) or None in fast.values() or fast.keys() != gpos.keys():
         fast = _checked_streams(order, node_stream, sid)
     on = list(map(cast("dict[str, int]", fast).__getitem__, graph.node_map()))

@@ -17,7 +17,7 @@ ancestor bitsets it replaced.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from orchestra.graph.reach import ChainClocks
 from orchestra.graph.taskgraph import kahn_order
@@ -55,6 +55,7 @@ class PlanOrder:
     def _table(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
         """``_at``, made from the table by index when the plan's codes built that one."""
         if self._rec is not None and not self._at:
+            assert self._index is not None  # set with _rec
             names = self._index.names
             self._at = {names[v]: r for v, r in enumerate(self._rec) if r is not None}
         return self._at
@@ -236,12 +237,13 @@ class PlanOrder:
         else:
             get = self._table().get
             rec = [get(n.name) for n in graph.nodes]
+        table: list[Any] = rec  # before() is asked only of nodes the plan runs (known)
 
         def before(i: int, j: int) -> bool:
             if i == j:
                 return False
-            sa, pa, _ = rec[i]
-            sb, pb, kb = rec[j]
+            sa, pa, _ = table[i]
+            sb, pb, kb = table[j]
             if sa == sb:
                 return pa < pb
             return kb[sa] >= pa
