@@ -114,7 +114,9 @@ def main(argv=None) -> int:
                     help="comma-separated node counts (default 1000,4000,16000,64000,100000)")
     ap.add_argument("--patterns", default=",".join(PATTERNS),
                     help=f"comma-separated, of {', '.join(PATTERNS)} (default all)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per measurement (best is shown)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs per measurement, the best shown (default 3: a 2-core machine's "
+                    "noise at the small sizes otherwise moves the x4 column by 2x)")
     ap.add_argument("--budget", type=float, default=60.0,
                     help="skip a column at larger sizes once it took longer than this (s)")
     args = ap.parse_args(argv)
