@@ -11,6 +11,7 @@ also checks the bodies and the conditions.
 from __future__ import annotations
 
 import heapq
+import threading
 from collections import defaultdict
 from typing import Callable, Sequence, TypeVar
 
@@ -22,6 +23,12 @@ from orchestra.graph.ranges import RangeTracker
 from orchestra.graph.reach import ChainClocks
 
 N = TypeVar("N", bound=Node)
+
+#: Held while the tables by name of nodes a builder added (`TaskGraph._add_known`) are made on
+#: first use: threads that query one graph at once (schedule / verify from many threads) must
+#: not see them half made. One lock for every graph (it is taken once per graph and batch of
+#: nodes, never on the queries' fast paths) keeps a graph picklable.
+_LAZY_LOCK = threading.RLock()
 
 
 class TaskGraph:
@@ -182,7 +189,14 @@ class TaskGraph:
         return True
 
     def _sync_names(self) -> None:
-        """Put the nodes `_add_known` added, and their new buffers, in the tables by name."""
+        """Put the nodes `_add_known` added, and their new buffers, in the tables by name.
+        Thread-safe (`_LAZY_LOCK`): ``_named`` moves only once the tables hold the nodes."""
+        if self._named == len(self._list):
+            return
+        with _LAZY_LOCK:
+            self._sync_names_locked()
+
+    def _sync_names_locked(self) -> None:
         lst = self._list
         k = self._named
         if k == len(lst):
@@ -204,9 +218,15 @@ class TaskGraph:
 
     def _edges_by_name(self) -> None:
         """Make the edge dicts of the nodes `_add_known` added (predecessors, successors,
-        explicit edges), in node order."""
+        explicit edges), in node order. Thread-safe (`_LAZY_LOCK`): ``_lazy`` empties only
+        once the dicts are made, so a thread that finds it empty reads complete dicts."""
+        with _LAZY_LOCK:
+            if self._lazy:
+                self._edges_by_name_locked()
+
+    def _edges_by_name_locked(self) -> None:
         self._sync_names()
-        lazy, self._lazy = self._lazy, []
+        lazy = self._lazy
         lst, back, preds, succs = self._list, self._back, self._preds, self._succs
         explicit = self._explicit
         for k, (start, reasons) in enumerate(lazy):
@@ -219,6 +239,7 @@ class TaskGraph:
                     succs[pred][name] = reason
                 for pred in lst[v].after:
                     explicit.add((pred, name))
+        self._lazy = []
 
     def _catch_up(self) -> None:
         """Before an `add`: the tables by name and the edge dicts of the nodes `_add_known`
