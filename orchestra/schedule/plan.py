@@ -581,7 +581,7 @@ def _step(value, where: str):
         raise PlanFormatError(f"plan JSON: {where} must be a [kind, name] pair such as"
                               f' ["run", "b0.h2d"], got {_got(value)}', where)
     tag, name = value
-    if tag not in _BY_TAG:
+    if not isinstance(tag, str) or tag not in _BY_TAG:  # a list or an object is no kind
         raise PlanFormatError(f"plan JSON: {where}: unknown step kind {tag!r}; kinds:"
                               f" {', '.join(_BY_TAG)}", where)
     return _BY_TAG[tag](_str(name, f"{where}[1]"))
