@@ -31,9 +31,10 @@ not already implied, so streams meet only where the graph joins them.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping
 
-from orchestra.errors import ScheduleError
+from orchestra.errors import ScheduleArgumentTypeError, ScheduleError
 from orchestra.schedule.costs import Costs, estimate_costs
 from orchestra.schedule.plan import StreamSpec
 
@@ -51,10 +52,20 @@ def capacity_of(node, resident_blocks: ResidentBlocks) -> int | None:
         return None
     if isinstance(resident_blocks, Mapping):
         value = resident_blocks.get(node.name)
-    else:
+    elif callable(resident_blocks):
         value = resident_blocks(node)
+    else:
+        raise ScheduleArgumentTypeError(
+            "resident_blocks must be None, a dict kernel node name -> blocks or a callable "
+            f"node -> blocks; got {type(resident_blocks).__name__} {resident_blocks!r:.80}")
     if value is None:
         return None
+    # a block count: an int (numpy's too), or a float holding one; not a bool, NaN or 2.5
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            isinstance(value, numbers.Integral) or float(value).is_integer()):
+        raise ScheduleError(f"resident_blocks of kernel node {node.name} must be a whole "
+                            f"number of blocks >= 0 (Kernel.occupancy() x SMs); got "
+                            f"{type(value).__name__} {value!r:.80}")
     value = int(value)
     if value < 0:
         raise ScheduleError(f"resident_blocks of kernel node {node.name} must be >= 0; got "

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from orchestra.errors import ScheduleError, int_text
+from orchestra.errors import ScheduleArgumentTypeError, ScheduleError, int_text
 from orchestra.graph import Mode, Node, TaskGraph
 from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
@@ -60,6 +60,16 @@ class CostModel:
 Costs = CostModel | Mapping[str, float] | Callable | None
 
 
+def check_costs_type(costs) -> None:
+    """`ScheduleArgumentTypeError` unless ``costs`` is one of the kinds `estimate_costs` takes
+    (a list or a number would otherwise be ignored, the default model used in its place)."""
+    if costs is None or isinstance(costs, (CostModel, Mapping)) or callable(costs):
+        return
+    raise ScheduleArgumentTypeError(
+        f"costs must be None, a CostModel, a dict node name -> µs or a callable node -> µs; "
+        f"got {type(costs).__name__} {_text(costs)[:80]}")
+
+
 def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
     """µs per node name. ``costs``: None (default model), a `CostModel`, a dict name -> µs (others
     from the default model), or a callable node -> µs (None falls back to the model)."""
@@ -69,6 +79,7 @@ def estimate_costs(graph: TaskGraph, costs: Costs = None) -> dict[str, float]:
 def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
     """`estimate_costs` by node index (`TaskGraph.index`): the same values, without a table by
     name (on a long pipeline, making that table costs as much as the values)."""
+    check_costs_type(costs)
     model = costs if isinstance(costs, CostModel) else CostModel()
     given = None  # node -> µs or None, from ``costs`` (decided once, not per node)
     if isinstance(costs, Mapping):
@@ -114,6 +125,8 @@ def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
                 value = cost(node, node._accesses) if ours and node.kind == "kernel" \
                     else cost(node)
             try:
+                if isinstance(value, bool):  # True is 1 to float(): a flag, not a time
+                    raise TypeError
                 value = float(value)
             except (TypeError, ValueError, OverflowError):  # not a number; an int beyond a double
                 raise ScheduleError(f"cost of node {node.name} must be a finite number >= 0 µs;"
@@ -122,6 +135,10 @@ def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
             raise ScheduleError(f"cost of node {node.name} must be a finite number >= 0 µs; got"
                                 f" {value!r}")
         append(value)
+    if sum(out) == math.inf:  # each finite, together beyond a double: no makespan (nor JSON)
+        raise ScheduleError(f"the costs of the graph's {len(out)} nodes add up to more than a "
+                            f"double holds (largest {max(out):.3g} µs); give costs in µs, "
+                            "below about 1e300 in all")
     return out
 
 

@@ -18,7 +18,7 @@ from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleErro
 from orchestra.graph import TaskGraph
 from orchestra.graph.collector import paused
 from orchestra.schedule.concurrent import concurrent
-from orchestra.schedule.costs import Costs, estimate_costs, resource_of
+from orchestra.schedule.costs import Costs, check_costs_type, estimate_costs, resource_of
 from orchestra.schedule.devices import graph_devices, place_by_device
 from orchestra.schedule.events import insert_events, plan_by_index
 from orchestra.schedule.plan import Plan, StreamSpec
@@ -64,6 +64,10 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
                                         f"got {type(graph).__name__}")
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
+    if not isinstance(policy, str):  # a list or a dict would fail the policy lookups inside
+        raise ScheduleArgumentTypeError(f"policy must be a string, one of {', '.join(POLICIES)};"
+                                        f" got {type(policy).__name__} {policy!r:.80}")
+    check_costs_type(costs)
     with paused():  # no cycles made: the collector's passes over the graph would find nothing
         return _schedule(graph, policy, streams, costs, resident_blocks)
 
