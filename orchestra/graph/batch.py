@@ -10,13 +10,16 @@ and verify every element; ``in_place=True`` uses one buffer ``b{i}.buf`` instead
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Iterable
 from functools import partial
 from itertools import accumulate, chain, repeat
 from typing import Any, Callable, Sequence
 
 import attrs
 
-from orchestra.errors import GraphError
+from orchestra.errors import GraphError, NodeFieldTypeError
+from orchestra.graph.fields import check_int, got, is_int
 from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode, as_range
 from orchestra.graph.kernel_ref import KernelRef
 from orchestra.graph.nodes import Alloc, DeviceToHost, Free, HostToDevice, In, KernelNode, Node, Out
@@ -87,8 +90,10 @@ def add_batch(graph: TaskGraph, *, index: int, kernel: KernelRef, nbytes: int, g
     hin = as_range(host_in if host_in is not None else HostBuffer(p + "host_in", nbytes), "host_in")
     hout = as_range(host_out if host_out is not None else HostBuffer(p + "host_out", nbytes), "host_out")
     if grid is None:
-        bx = block if isinstance(block, int) else block[0]
-        grid = max(1, -(-n // bx))
+        bx = block if isinstance(block, int) else block[0] if isinstance(block, tuple) and \
+            block else None
+        # a block that is no positive int leaves grid 1: KernelNode names the bad block
+        grid = max(1, -(-n // bx)) if type(bx) is int and bx >= 1 else 1
     kw: dict[str, Any] = dict(batch=index, device=device)
     after = tuple(alloc_after)
     alloc_in = graph.add(Alloc(p + ("alloc" if in_place else "alloc_in"), inp, after=after, **kw))
@@ -520,6 +525,11 @@ class _Batches:
                            free_in, free_out)
 
 
+#: `add_batch`'s keywords that `build_pipeline` passes through (it sets the others itself).
+_PIPELINE_KEYWORDS = frozenset({"grid", "block", "scalars", "element_size", "in_place",
+                                "arg_layout", "device"})
+
+
 def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: KernelRef, *,
                    host_in: HostBuffer | None = None, host_out: HostBuffer | None = None,
                    in_flight: int | None = None, **kwargs) -> tuple[TaskGraph, list[Batch]]:
@@ -535,9 +545,24 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
     at ``in_flight`` batches however long the pipeline, without the pool's hidden internal
     dependencies (`orchestra.driver.MemoryPool` turns those off). None: no bound.
     """
-    sizes = [batch_bytes] * batches if isinstance(batch_bytes, int) else list(batch_bytes)
+    check_int("build_pipeline", "batches", batches, minimum=0, maximum=sys.maxsize,
+              what="an int from 0 to 2**63 - 1 (the number of batches)")
+    unknown = sorted(set(kwargs) - _PIPELINE_KEYWORDS)
+    if unknown:  # before the first batch is made (add_batch would name one, half way)
+        raise NodeFieldTypeError(f"build_pipeline: unknown keyword(s) {', '.join(unknown)}; "
+                                 f"it passes these to add_batch: "
+                                 f"{', '.join(sorted(_PIPELINE_KEYWORDS))}")
+    if is_int(batch_bytes):
+        sizes = [int(batch_bytes)] * batches
+    elif isinstance(batch_bytes, (str, bytes)) or not isinstance(batch_bytes, Iterable):
+        raise NodeFieldTypeError(f"build_pipeline: batch_bytes must be an int (bytes per "
+                                 f"batch) or a list of one int per batch, got {got(batch_bytes)}")
+    else:
+        sizes = list(batch_bytes)
     if len(sizes) != batches:
         raise GraphError(f"batch_bytes has {len(sizes)} sizes for {batches} batches")
+    check_int("build_pipeline", "in_flight", in_flight, minimum=1, optional=True,
+              what="None or an int >= 1 (batches holding device memory at once)")
     total = sum(sizes)
     for hb, what in ((host_in, "host_in"), (host_out, "host_out")):
         if hb is not None and (not isinstance(hb, HostBuffer) or hb.nbytes < total):

@@ -16,7 +16,7 @@ from typing import cast
 import attrs
 
 from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
-from orchestra.graph.fields import check_int, check_name, got
+from orchestra.graph.fields import MAX_BYTES, MAX_DEVICE, check_int, check_name, got
 
 
 def _record(inst) -> str:
@@ -25,8 +25,8 @@ def _record(inst) -> str:
 
 
 def _positive_int(inst, attribute, value):
-    check_int(lambda: _record(inst), attribute.name, value, minimum=1,
-              what="a positive int (bytes)")
+    check_int(lambda: _record(inst), attribute.name, value, minimum=1, maximum=MAX_BYTES,
+              what="a positive int (bytes) below 2**64 (CUDA sizes are 64-bit)")
 
 
 def _name(inst, attribute, value):
@@ -57,7 +57,7 @@ class _RangeMixin:
 
     def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
-        if nbytes is None:
+        if nbytes is None and type(offset) is int:  # else BufferRange names the bad offset
             nbytes = self.nbytes - offset
         return BufferRange(cast("Buffer | HostBuffer", self), offset, nbytes)
 
@@ -82,8 +82,8 @@ class Buffer(_RangeMixin):
 
     @device.validator
     def _device(self, attribute, value):
-        check_int(lambda: _record(self), "device", value, minimum=0,
-                  what="a device ordinal (an int >= 0)")
+        check_int(lambda: _record(self), "device", value, minimum=0, maximum=MAX_DEVICE,
+                  what="a device ordinal (an int from 0 to 2**31 - 1)")
 
     is_host = False
 

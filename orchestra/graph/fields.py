@@ -12,11 +12,19 @@ record's ``__attrs_post_init__`` then calls these checks, which name the record.
 
 from __future__ import annotations
 
-from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
+from orchestra.errors import NodeFieldTypeError, NodeFieldValueError, int_text
+
+#: CUDA's sizes are ``size_t`` (64 bits): no buffer or range holds more bytes.
+MAX_BYTES = 2**64 - 1
+#: Device ordinals are C ints (``cuDeviceGet``).
+MAX_DEVICE = 2**31 - 1
 
 
 def got(value) -> str:
-    """``"float 1.0"``: the type and the value, as the messages show them."""
+    """``"float 1.0"``: the type and the value, as the messages show them (a huge int by its
+    magnitude, never its thousands of digits)."""
+    if type(value) is int:
+        return f"int {int_text(value)}"
     return f"{type(value).__name__} {value!r}"
 
 
@@ -47,12 +55,14 @@ def is_int(value) -> bool:
 
 
 def check_int(record, field: str, value, *, minimum: int | None = None,
-              optional: bool = False, what: str | None = None) -> None:
-    """``value`` is an int (or None when ``optional``) and at least ``minimum``; ``record`` is
-    the record's name, or a callable giving it."""
+              optional: bool = False, what: str | None = None,
+              maximum: int | None = None) -> None:
+    """``value`` is an int (or None when ``optional``) and at least ``minimum`` (at most
+    ``maximum``); ``record`` is the record's name, or a callable giving it."""
     if value is None and optional:
         return
-    if type(value) is int and (minimum is None or value >= minimum):
+    if type(value) is int and (minimum is None or value >= minimum) and (
+            maximum is None or value <= maximum):
         return
     if minimum is None:
         expected = what or ("an int or None" if optional else "an int")
@@ -61,6 +71,8 @@ def check_int(record, field: str, value, *, minimum: int | None = None,
     if not is_int(value):
         raise type_error(record, field, expected, value)
     if minimum is not None and value < minimum:
+        raise value_error(record, field, expected, value)
+    if maximum is not None and value > maximum:
         raise value_error(record, field, expected, value)
 
 

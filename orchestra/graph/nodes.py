@@ -28,7 +28,7 @@ from orchestra.graph.buffers import (
     to_range,
 )
 from orchestra.graph.bodies import body_accesses
-from orchestra.graph.fields import check_int, check_name, check_str_tuple, got, str_tuple
+from orchestra.graph.fields import MAX_DEVICE, check_int, check_name, check_str_tuple, got, str_tuple
 from orchestra.graph.kernel_ref import KernelRef
 
 _RANGE = "a Buffer, HostBuffer or BufferRange"
@@ -70,8 +70,8 @@ class Node:
         record = self._record_of
         check_name(type(self).__name__, "name", self.name)
         check_int(record, "batch", self.batch, optional=True)
-        check_int(record, "device", self.device, minimum=0, optional=True,
-                  what="a device ordinal (an int >= 0) or None")
+        check_int(record, "device", self.device, minimum=0, optional=True, maximum=MAX_DEVICE,
+                  what="a device ordinal (an int from 0 to 2**31 - 1) or None")
         check_str_tuple(record, "after", self.after, item="a node name (str)",
                         expected="a node name (str) or a list/tuple of node names")
         self._check()
