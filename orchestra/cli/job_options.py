@@ -18,6 +18,7 @@ from typing import Any
 
 from orchestra.cli.exit_codes import UsageError
 from orchestra.graph import COPY_LOWERINGS
+from orchestra.graph.fields import MAX_BYTES
 from orchestra.schedule import POLICIES
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,10 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
 
 def fmt_bytes(n: int) -> str:
     """``4.00 GiB``, ``64.0 MiB``, ``12.0 KiB``, ``100 B`` (and TiB)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= 2**70:  # beyond any machine: by its magnitude, never hundreds of digits
+        return f"{n / 2**60:.3g} EiB"
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30),
+                        ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             v = n / scale
             return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}"
@@ -210,7 +214,8 @@ def check_options(args: argparse.Namespace, command: str,
     """The checks `orchestra run` and `orchestra plan` both make, before any work.
 
     Raises `UsageError` for what cannot run anywhere: ``--staging-slots`` without ``--input``,
-    a block over `MAX_BLOCK` threads, and (``command`` ``"run"``) pinned host memory beyond
+    a block over `MAX_BLOCK` threads, memory beyond what a 64-bit size counts (``--batch-mib
+    1e300``), and (``command`` ``"run"``) pinned host memory beyond
     this machine's memory, which ``"plan"`` only warns about (it allocates nothing; the
     warning says `orchestra run` would refuse the job here, and why). Logs a warning for each
     option that does not apply (``--batches`` with ``--input``). Returns `memory_needs`.
@@ -245,6 +250,13 @@ def check_options(args: argparse.Namespace, command: str,
             f"{fmt_bytes(host)}; pass "
             + ("a larger --batch-mib" if args.input else "fewer --batches or a larger "
                "--batch-mib with the same data"))
+    if max(needs["pinned_bytes"], needs["device_batch_bytes"]) > MAX_BYTES:
+        # no machine has it, and no CUDA size (64 bits) counts it: refused by plan too
+        raise UsageError(
+            f"the job needs {fmt_bytes(needs['pinned_bytes'])} of pinned host memory and "
+            f"{fmt_bytes(needs['device_batch_bytes'])} of device memory per batch: beyond the "
+            f"16 EiB a 64-bit size can count; pass a smaller --batch-mib"
+            + ("" if args.input else " or fewer --batches"))
     log.debug("%s: %d batches of %s, %s pinned, %s device memory per batch (%s with every "
               "batch in flight)", command, needs["batches"], fmt_bytes(needs["batch_bytes"]),
               fmt_bytes(needs["pinned_bytes"]), fmt_bytes(needs["device_batch_bytes"]),
