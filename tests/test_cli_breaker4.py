@@ -36,3 +36,49 @@ def test_fmt_bytes_of_huge_sizes():
     assert jo.fmt_bytes(18 << 60) == "18.0 EiB"
     assert jo.fmt_bytes(10**306) == "8.67e+287 EiB"
     assert jo.fmt_bytes(6 << 40) == "6.00 TiB"
+
+
+_KERNEL = "extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n"
+
+
+def test_a_cache_dir_that_cannot_be_created_warns_and_compiles(tmp_path, monkeypatch, capsys):
+    # was "orchestra compile: [Errno 13] Permission denied: ..." (exit 2), no cubin written:
+    # a cache location that is not a folder warned and compiled; one that cannot be made failed
+    from pathlib import Path
+
+    from orchestra.compiler import cache
+
+    where = tmp_path / "ro" / "cache"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **k):
+        if self == where:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(where))
+    with pytest.raises(cache.CacheDirError, match=r"cannot be created \(Permission denied\)"):
+        cache.cache_dir()
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
+    err = capsys.readouterr().err
+    assert f"ORCHESTRA_CACHE_DIR={where} cannot be created (Permission denied)" in err
+    assert "compiling without the cache" in err
+    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+    assert main(["cache", "info", "--json"]) == 0  # info creates nothing: nothing to refuse
+    assert '"entries": 0' in capsys.readouterr().out
+
+
+def test_a_folder_by_an_entrys_name_is_no_entry(tmp_path, monkeypatch):
+    # info counted it (4096 bytes) and clear "removed 0 entries" of the 1 info showed
+    from orchestra.compiler import cache
+
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(tmp_path))
+    path = cache.store("nvrtc", "a" * 64, b"image", "", {})
+    (tmp_path / f"nvrtc-{'b' * 64}.bin").mkdir()
+    info = cache.cache_info()
+    assert (info.entries, info.bytes) == (1, path.stat().st_size)
+    assert cache.cache_clear() == (1, info.bytes)
+    assert cache.cache_info().entries == 0

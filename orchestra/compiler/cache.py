@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 import time
@@ -74,7 +75,8 @@ class CacheConfigError(OrchestraError, ValueError):
 
 
 class CacheDirError(CacheConfigError):
-    """The cache location (``$ORCHESTRA_CACHE_DIR``) exists but is not a directory.
+    """The cache location (``$ORCHESTRA_CACHE_DIR``) exists but is not a directory, or cannot
+    be created there (a read-only place, no permission).
 
     `cache_info` and `cache_clear` raise it; a compile warns and runs without the cache."""
 
@@ -139,7 +141,7 @@ def cache_dir(create: bool = True) -> Path:
     """The cache directory (see the module doc); created with mode 0o700 when ``create``.
 
     Raises `CacheDirError` when ``create`` and the location (or a folder above it) exists but
-    is not a directory."""
+    is not a directory, or it cannot be created."""
     env = os.environ.get("ORCHESTRA_CACHE_DIR")
     if env:
         d = Path(env).expanduser()
@@ -152,6 +154,12 @@ def cache_dir(create: bool = True) -> Path:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise _not_a_directory(d) from None
+        except OSError as exc:  # a read-only place, no permission, /proc: no cache there
+            where = (f"ORCHESTRA_CACHE_DIR={env}" if env
+                     else f"the compile cache location {d}")
+            raise CacheDirError(
+                f"{where} cannot be created ({exc.strerror or exc}): point ORCHESTRA_CACHE_DIR "
+                "at a folder you can write, or set ORCHESTRA_NO_CACHE=1") from None
     return d
 
 
@@ -341,6 +349,8 @@ def _scan(directory: Path) -> tuple[list[tuple[int, str, int, str]], list[tuple[
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a folder or a link by an entry's name: not ours
                 continue
             if is_entry:
                 entries.append((st.st_mtime_ns, e.name, st.st_size, e.path))
