@@ -82,3 +82,50 @@ def test_a_folder_by_an_entrys_name_is_no_entry(tmp_path, monkeypatch):
     assert (info.entries, info.bytes) == (1, path.stat().st_size)
     assert cache.cache_clear() == (1, info.bytes)
     assert cache.cache_info().entries == 0
+
+
+
+def _empty(p):
+    (p / "e.npy").write_bytes(b"")
+    return p / "e.npy"
+
+
+def _garbage(p):
+    (p / "g.npy").write_bytes(b"hello world")
+    return p / "g.npy"
+
+
+def _folder(p):
+    (p / "d.npy").mkdir()
+    return p / "d.npy"
+
+
+def _fifo(p):
+    import os
+
+    os.mkfifo(p / "pipe.npy")
+    return p / "pipe.npy"
+
+
+@pytest.mark.parametrize("make, message", [
+    (_empty, " is empty (0 bytes): not a .npy file"),  # was numpy's EOFError: exit 70
+    (_garbage, " is not a .npy file (it does not start with numpy's \\x93NUMPY header)"),
+    (_folder, " is a directory: pass a .npy file"),
+    (_fifo, " is not a regular file (a pipe, a socket or a device)"),  # np.load hung
+    (lambda p: p / "missing.npy", ": no such file"),
+])
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_input_files_that_are_no_npy_file(tmp_path, capsys, command, make, message):
+    path = make(tmp_path)
+    assert main([command, "--input", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"orchestra {command}: --input {path}{message}")
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_an_npz_archive_is_still_named_as_one(tmp_path, capsys):
+    import numpy as np
+
+    np.savez(tmp_path / "a.npz", x=np.zeros(3, np.float32))
+    assert main(["plan", "--input", str(tmp_path / "a.npz")]) == 2
+    assert "not a .npy array (NpzFile)" in capsys.readouterr().err

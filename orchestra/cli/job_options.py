@@ -84,6 +84,43 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK\x03\x04"  # an .npz archive: `open_input` names it
+
+
+def open_job_input(path: str):
+    """`open_input` of ``--input`` after the checks that need no numpy: a file that is missing,
+    a folder, a pipe or device (np.load would block on a FIFO), empty (numpy's EOFError) or
+    not a ``.npy`` file (numpy suggests allow_pickle=) is a `UsageError` naming it."""
+    import stat
+
+    from orchestra.app.job.inputs import open_input
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UsageError(f"--input {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"--input {path}: cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"--input {path} is a directory: pass a .npy file (np.save)")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"--input {path} is not a regular file (a pipe, a socket or a device): "
+                         "the array is memory-mapped from a file; save it with np.save first")
+    if st.st_size == 0:
+        raise UsageError(f"--input {path} is empty (0 bytes): not a .npy file; save the array "
+                         "with np.save")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_NPY_MAGIC))
+    except OSError as exc:
+        raise UsageError(f"--input {path}: cannot be read ({exc.strerror or exc})") from None
+    if head != _NPY_MAGIC and head[:4] != _ZIP_MAGIC:
+        raise UsageError(f"--input {path} is not a .npy file (it does not start with numpy's "
+                         "\\x93NUMPY header): save the float32 array with np.save")
+    return open_input(path)
+
+
 def same_file(a: str, b: str) -> bool:
     """Whether paths ``a`` and ``b`` name one file: the same path once resolved (links and
     ``..`` followed), or, both existing, the same inode (a hard link)."""

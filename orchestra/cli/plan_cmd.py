@@ -17,6 +17,7 @@ import logging
 from orchestra.cli import progress
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_options, device_budget, fmt_bytes,
+    open_job_input,
 )
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     per = batch_bytes_from_mib(args.batch_mib) // 4
     source = None
     if args.input:
-        from orchestra.app.job.inputs import open_input
-
-        inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
+        inp = open_job_input(args.input)  # what `orchestra run --input` accepts, and nothing else
         needs = check_options(args, "plan", input_elements=inp.size)
         sizes = batch_sizes(inp.size, per)
         slots = max(1, min(args.staging_slots or DEFAULT_STAGING_SLOTS, len(sizes)))
