@@ -129,3 +129,44 @@ def test_an_npz_archive_is_still_named_as_one(tmp_path, capsys):
     np.savez(tmp_path / "a.npz", x=np.zeros(3, np.float32))
     assert main(["plan", "--input", str(tmp_path / "a.npz")]) == 2
     assert "not a .npy array (NpzFile)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["", "  "])
+def test_compile_with_an_empty_arch_says_so(tmp_path, capsys, arch):
+    # was "no CUDA device to take the target architecture from: pass --arch" (it was passed)
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    assert main(["compile", str(src), "--arch", arch]) == 2
+    assert capsys.readouterr().err == (
+        f"orchestra compile: --arch {arch!r} is empty: pass a target such as --arch sm_90, or "
+        "leave --arch out to compile for the current GPU\n")
+
+
+def test_compile_output_that_is_a_folder(tmp_path, capsys):
+    # was "[Errno 21] Is a directory: 'out'" after compiling
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    (tmp_path / "out").mkdir()
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"orchestra compile: -o {str(tmp_path / 'out')!r} is a directory: pass a file name, "
+        f"e.g. -o {tmp_path / 'out' / 'k.cubin'}\n")
+
+
+def test_compile_output_that_cannot_be_written(tmp_path, capsys):
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", "/dev/full"]) == 2
+    assert capsys.readouterr().err == ("orchestra compile: -o /dev/full: cannot be written "
+                                       "(No space left on device)\n")
+
+
+def test_compile_input_that_is_a_pipe(tmp_path, capsys):
+    path = _fifo(tmp_path)  # was "no such file" (it is there)
+    assert main(["compile", str(path), "--arch", "sm_90"]) == 2
+    assert capsys.readouterr().err == (f"orchestra compile: {path} is not a regular file (a "
+                                       "pipe, a socket or a device): give a .cu or .ptx file\n")

@@ -156,8 +156,11 @@ def _arch_option(args) -> tuple[str | None, bool, str | None]:
     from orchestra.compiler.target import split_arch
     from orchestra.errors import CompilerArgumentValueError
 
-    if not args.arch:
+    if args.arch is None:
         return None, False, None
+    if not args.arch.strip():  # --arch "" (an unset variable in a script): not "no --arch"
+        return None, False, (f"--arch {args.arch!r} is empty: pass a target such as --arch "
+                             "sm_90, or leave --arch out to compile for the current GPU")
     try:
         arch, virtual = split_arch(args.arch)
     except CompilerArgumentValueError as exc:
@@ -211,6 +214,9 @@ def _run(args) -> int:
     if args.file.is_dir():
         return _fail(args, f"{args.file} is a directory: give a .cu or .ptx file")
     if not args.file.is_file():
+        if args.file.exists():  # a FIFO or a device: NVRTC reads files
+            return _fail(args, f"{args.file} is not a regular file (a pipe, a socket or a "
+                               "device): give a .cu or .ptx file")
         return _fail(args, f"no such file: {args.file}")
     ptx_input = args.file.suffix == ".ptx"
     out = args.output or args.file.with_suffix(".ptx" if args.ptx and not ptx_input else ".cubin")
@@ -231,6 +237,10 @@ def _run(args) -> int:
         return _fail(args, f"-o {out} is the input file {args.file}: writing the "
                            f"{'PTX' if args.ptx else 'cubin'} would overwrite the source; "
                            "pass another -o")
+    if os.path.isdir(out):  # -o build/ or -o "" (the current folder)
+        name = args.file.stem + (".ptx" if args.ptx and not ptx_input else ".cubin")
+        return _fail(args, f"-o {os.fspath(args.output)!r} is a directory: pass a file name, "
+                           f"e.g. -o {os.path.join(os.fspath(out), name)}")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):  # before compiling: was "[Errno 2] No such file" after it
         return _fail(args, f"-o {out}: the folder {folder} does not exist; create it or pass "
@@ -261,7 +271,10 @@ def _run(args) -> int:
         if args.strict:
             return _error(args, "NoKernelsError", f"{msg} (--strict: not written)", 1)
         warnings.append(msg)
-    Path(rec["output"]).write_bytes(data)
+    try:
+        Path(rec["output"]).write_bytes(data)
+    except OSError as exc:  # a full disk, no permission, /dev/full: named, with the file
+        return _fail(args, f"-o {rec['output']}: cannot be written ({exc.strerror or exc})")
     if rec["log"].strip() and not args.json:
         print(rec["log"].rstrip(), file=sys.stderr)
     for w in warnings:
