@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable
 from functools import partial
 from itertools import accumulate, chain, repeat
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import attrs
 
@@ -553,7 +553,7 @@ def build_pipeline(batches: int, batch_bytes: int | Sequence[int], kernel: Kerne
                                  f"it passes these to add_batch: "
                                  f"{', '.join(sorted(_PIPELINE_KEYWORDS))}")
     if is_int(batch_bytes):
-        sizes = [int(batch_bytes)] * batches
+        sizes = [int(cast(int, batch_bytes))] * batches
     elif isinstance(batch_bytes, (str, bytes)) or not isinstance(batch_bytes, Iterable):
         raise NodeFieldTypeError(f"build_pipeline: batch_bytes must be an int (bytes per "
                                  f"batch) or a list of one int per batch, got {got(batch_bytes)}")

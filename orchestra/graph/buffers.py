@@ -59,7 +59,7 @@ class _RangeMixin:
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
         if nbytes is None and type(offset) is int:  # else BufferRange names the bad offset
             nbytes = self.nbytes - offset
-        return BufferRange(cast("Buffer | HostBuffer", self), offset, nbytes)
+        return BufferRange(cast("Buffer | HostBuffer", self), offset, cast(int, nbytes))
 
     @property
     def whole(self) -> "BufferRange":
