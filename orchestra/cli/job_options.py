@@ -84,14 +84,11 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-_NPY_MAGIC = b"\x93NUMPY"
-_ZIP_MAGIC = b"PK\x03\x04"  # an .npz archive: `open_input` names it
-
-
 def open_job_input(path: str):
-    """`open_input` of ``--input`` after the checks that need no numpy: a file that is missing,
-    a folder, a pipe or device (np.load would block on a FIFO), empty (numpy's EOFError) or
-    not a ``.npy`` file (numpy suggests allow_pickle=) is a `UsageError` naming it."""
+    """`open_input` of ``--input`` after the checks of the file itself: one that is missing, a
+    folder, a pipe or device (np.load would block on a FIFO) or empty (numpy's EOFError, an
+    internal error) is a `UsageError` naming it. What the file holds `open_input` checks, with
+    the messages `MainJob` gives too."""
     import stat
 
     from orchestra.app.job.inputs import open_input
@@ -110,14 +107,6 @@ def open_job_input(path: str):
     if st.st_size == 0:
         raise UsageError(f"--input {path} is empty (0 bytes): not a .npy file; save the array "
                          "with np.save")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_NPY_MAGIC))
-    except OSError as exc:
-        raise UsageError(f"--input {path}: cannot be read ({exc.strerror or exc})") from None
-    if head != _NPY_MAGIC and head[:4] != _ZIP_MAGIC:
-        raise UsageError(f"--input {path} is not a .npy file (it does not start with numpy's "
-                         "\\x93NUMPY header): save the float32 array with np.save")
     return open_input(path)
 
 

@@ -25,8 +25,9 @@ def _record(inst) -> str:
 
 
 def _positive_int(inst, attribute, value):
-    check_int(lambda: _record(inst), attribute.name, value, minimum=1, maximum=MAX_BYTES,
-              what="a positive int (bytes) below 2**64 (CUDA sizes are 64-bit)")
+    check_int(lambda: _record(inst), attribute.name, value, minimum=1,
+              what="a positive int (bytes)", maximum=MAX_BYTES,
+              limit="below 2**64 (CUDA sizes are 64-bit)")
 
 
 def _name(inst, attribute, value):
@@ -82,8 +83,9 @@ class Buffer(_RangeMixin):
 
     @device.validator
     def _device(self, attribute, value):
-        check_int(lambda: _record(self), "device", value, minimum=0, maximum=MAX_DEVICE,
-                  what="a device ordinal (an int from 0 to 2**31 - 1)")
+        check_int(lambda: _record(self), "device", value, minimum=0,
+                  what="a device ordinal (an int >= 0)", maximum=MAX_DEVICE,
+                  limit="below 2**31 (a C int)")
 
     is_host = False
 

@@ -56,9 +56,10 @@ def is_int(value) -> bool:
 
 def check_int(record, field: str, value, *, minimum: int | None = None,
               optional: bool = False, what: str | None = None,
-              maximum: int | None = None) -> None:
+              maximum: int | None = None, limit: str = "") -> None:
     """``value`` is an int (or None when ``optional``) and at least ``minimum`` (at most
-    ``maximum``); ``record`` is the record's name, or a callable giving it."""
+    ``maximum``: above it, ``limit`` says why, e.g. "below 2**64 (CUDA sizes are 64-bit)");
+    ``record`` is the record's name, or a callable giving it."""
     if value is None and optional:
         return
     if type(value) is int and (minimum is None or value >= minimum) and (
@@ -73,7 +74,7 @@ def check_int(record, field: str, value, *, minimum: int | None = None,
     if minimum is not None and value < minimum:
         raise value_error(record, field, expected, value)
     if maximum is not None and value > maximum:
-        raise value_error(record, field, expected, value)
+        raise value_error(record, field, f"{expected} {limit or f'<= {maximum}'}", value)
 
 
 def check_name(record, field: str, value) -> None:

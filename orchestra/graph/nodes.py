@@ -70,8 +70,9 @@ class Node:
         record = self._record_of
         check_name(type(self).__name__, "name", self.name)
         check_int(record, "batch", self.batch, optional=True)
-        check_int(record, "device", self.device, minimum=0, optional=True, maximum=MAX_DEVICE,
-                  what="a device ordinal (an int from 0 to 2**31 - 1) or None")
+        check_int(record, "device", self.device, minimum=0, optional=True,
+                  what="a device ordinal (an int >= 0) or None", maximum=MAX_DEVICE,
+                  limit="below 2**31 (a C int)")
         check_str_tuple(record, "after", self.after, item="a node name (str)",
                         expected="a node name (str) or a list/tuple of node names")
         self._check()

@@ -125,9 +125,8 @@ def cost_list(graph: TaskGraph, costs: Costs = None) -> list[float]:
                 value = cost(node, node._accesses) if ours and node.kind == "kernel" \
                     else cost(node)
             try:
-                if isinstance(value, bool):  # True is 1 to float(): a flag, not a time
-                    raise TypeError
-                value = float(value)
+                # True is 1 to float(): a flag, not a time (None makes float() refuse it)
+                value = float(None if isinstance(value, bool) else value)  # type: ignore[arg-type]
             except (TypeError, ValueError, OverflowError):  # not a number; an int beyond a double
                 raise ScheduleError(f"cost of node {node.name} must be a finite number >= 0 µs;"
                                     f" got {type(value).__name__} {_text(value)}") from None
