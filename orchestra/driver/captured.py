@@ -83,9 +83,11 @@ class CapturedGraph:
         upload: ``cuGraphUpload`` on ``origin`` right after instantiating.
         api: the `DriverAPI` every driver call goes through (default: the process's).
 
-    Raises: whatever ``enqueue()`` raises; `CudaError` from a failed driver call;
-    `UnjoinedStreamError` when ``enqueue()`` used a stream that is neither ``origin`` nor
-    among ``others``. In every case nothing is left: no graph, no exec, no stream capturing.
+    Raises: whatever ``enqueue()`` raises; `CudaError` from a failed driver call (also
+    ``CUDA_ERROR_STREAM_CAPTURE_UNJOINED`` from ``cuStreamEndCapture`` when work reached a
+    stream the capture never joined back). In every case nothing is left: no graph, no exec,
+    no stream capturing. (Work on a stream that never joined the capture is not captured at
+    all but runs at once: ``enqueue()`` must use ``origin`` and ``others`` only.)
 
     Attributes: ``origin``, ``device``, ``launches`` (count of launches).
     """
