@@ -1270,3 +1270,91 @@ def test_batcher_sleeps_until_the_deadline_form_batches_saw_ahead(monkeypatch):
         for i in range(20):
             x = rows(1 + i % 3, seed=i)
             assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()
+
+
+# -- the light future ------------------------------------------------------------------------
+
+
+def test_serve_future_works_with_concurrent_futures_wait_as_completed_and_asyncio():
+    """`ServeFuture` runs on a plain lock, not a Condition, yet stays a
+    `concurrent.futures.Future`: `wait`, `as_completed` and `asyncio.wrap_future` work on it,
+    and every output is right."""
+    backend = GatedBackend()
+    with gated_engine(backend, buckets=[4], instances=2) as e:
+        xs = [rows(1 + k % 4, seed=k) for k in range(6)]
+        futs = [e.submit(x) for x in xs]
+        assert all(isinstance(f_, concurrent.futures.Future) for f_ in futs)
+        done, pending = concurrent.futures.wait(futs, timeout=0.01)
+        assert not done and len(pending) == 6  # two launched, gated; four queued
+        def completer():  # opens the gates until every future is done (10 s at most)
+            end = time.monotonic() + 10
+            while not all(f_.done() for f_ in futs) and time.monotonic() < end:
+                backend.complete()
+                time.sleep(0.001)
+
+        t = threading.Thread(target=completer)
+        t.start()
+        seen = [fut for fut in concurrent.futures.as_completed(futs, timeout=10)]
+        t.join()
+        assert sorted(map(id, seen)) == sorted(map(id, futs))
+        for x, fut in zip(xs, futs):
+            assert fut.result().tobytes() == f(x).tobytes() and fut.exception() is None
+        done, pending = concurrent.futures.wait(futs, timeout=0)
+        assert len(done) == 6 and not pending
+
+        async def wrapped():
+            backend.auto = True
+            x = rows(3, seed=99)
+            y = await asyncio.wrap_future(e.submit(x))
+            return x, y
+
+        x, y = asyncio.run(wrapped())
+        assert y.tobytes() == f(x).tobytes()
+
+
+def test_serve_future_sleepers_wake_on_result_cancel_and_time_out():
+    from orchestra.serve.engine import ServeFuture
+
+    fut = ServeFuture()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        fut.result(timeout=0.01)
+    assert fut._sleepers == []  # a sleeper that timed out leaves no lock behind
+    got = []
+    ts = [threading.Thread(target=lambda: got.append(fut.result())) for _ in range(3)]
+    for t in ts:
+        t.start()
+    wait_for(lambda: fut._sleepers is not None and len(fut._sleepers) == 3)
+    fut.set_result(7)
+    for t in ts:
+        t.join(5)
+    assert got == [7, 7, 7] and fut.done() and not fut.running()
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        fut.set_result(8)
+
+    other = ServeFuture()
+    errs = []
+
+    def waiter():
+        try:
+            other.result()
+        except concurrent.futures.CancelledError as exc:
+            errs.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    wait_for(lambda: other._sleepers)
+    calls = []
+    other.add_done_callback(lambda fu: calls.append(fu.cancelled()))
+    assert other.cancel() and other.cancel()  # cancelling twice: still cancelled
+    t.join(5)
+    assert len(errs) == 1 and calls == [True] and other.cancelled()
+    assert not other.set_running_or_notify_cancel()  # the engine skips a cancelled request
+
+    failed = ServeFuture()
+    failed.set_exception(ValueError("bad rows"))
+    assert isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError, match="bad rows"):
+        failed.result()
+    late = []
+    failed.add_done_callback(late.append)  # already done: called at once
+    assert late == [failed] and "raised ValueError" in repr(failed)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import functools
 import json
 import logging
@@ -63,6 +62,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
 )
+from orchestra.serve.future import ServeFuture
 from orchestra.serve.stats import BucketStats, percentiles
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
 
@@ -153,48 +153,6 @@ class _Launch:
             return False
         self.done = True
         return True
-
-
-class ServeFuture(concurrent.futures.Future):
-    """A `concurrent.futures.Future` for one request.
-
-    ``result()`` / ``exception()`` without a timeout, called once the request is launched, wait
-    in the calling thread on the request's own stream (and complete the future themselves when
-    they see the completion first): no thread hop on the way back. Called while the request
-    is still queued, they first complete other started launches nobody waits on (the engine's
-    host work done by a thread that would otherwise sleep), then wait for their own. Everything else is the
-    standard Future (callbacks run on the thread that completes it: an engine thread or a
-    caller's; keep them short and never call `Engine.close` from one).
-
-    Thread-safety: as `concurrent.futures.Future` (any thread may wait, cancel or add callbacks).
-    """
-
-    def __init__(self, engine=None):
-        super().__init__()
-        self._engine = engine
-        # the launches running this request, for result() to wait on; emptied when the future
-        # completes (a launch refers to its requests, which refer to this future: keeping the
-        # list would make a reference cycle per request, freed only by the cyclic GC)
-        self._launches: list = []
-        self._aio: Any = None  # run(): the awaiting asyncio future (the loop inbox resolves it)
-
-    def set_result(self, result):
-        self._launches.clear()
-        super().set_result(result)
-
-    def set_exception(self, exception):
-        self._launches.clear()
-        super().set_exception(exception)
-
-    def result(self, timeout=None):
-        if timeout is None and not self.done() and self._engine is not None:
-            self._engine._wait_inline(self)
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        if timeout is None and not self.done() and self._engine is not None:
-            self._engine._wait_inline(self)
-        return super().exception(timeout)
 
 
 def _set_result(fut, value) -> None:
@@ -911,7 +869,10 @@ class Engine:
         if self._head_due and self._timer_due is None and self.dispatch == "caller":
             # the head waits for its deadline and the timer sleeps without one: arm it (a
             # full head waiting for an instance needs no timer: the instance's return
-            # starts it)
+            # starts it). Marked armed at once, so the requests queued before the batcher
+            # runs do not notify it again; it reads the head's deadline itself when it wakes
+            # (a later head's deadline is never earlier: the FIFO's heads arrive in order)
+            self._timer_due = self._head_due
             self._work.notify()
         return todo
 
@@ -973,7 +934,17 @@ class Engine:
             if not self._set_running(r0):
                 reqs = []
         else:
-            reqs = [r for r in reqs if self._set_running(r)]
+            keep = []
+            for r in reqs:
+                if r.group is None:  # `_set_running` inline: one call per request saved
+                    try:
+                        if r.fut.set_running_or_notify_cancel():
+                            keep.append(r)
+                    except RuntimeError:  # failed meanwhile (engine broken)
+                        pass
+                elif self._set_running(r):
+                    keep.append(r)
+            reqs = keep
             r0 = reqs[0] if reqs else None
         if len(reqs) != len(launch.reqs):
             with self._lock:
@@ -1093,9 +1064,18 @@ class Engine:
             return
         inst = launch.inst
         reqs = launch.reqs
+        block = None
         try:
             gpu_ms = inst.finish(launch.timed)
-            if len(reqs) == 1:
+            single = self._single_output
+            if (len(reqs) > 1 and single is not None
+                    and all(r.out is None and r.group is None for r in reqs)):
+                # the common batch: one output, new arrays, no chunks: one copy of the rows,
+                # each request a view of its rows in it (`_split_outputs` without the dicts)
+                st = inst.outputs[single]
+                block = st[:launch.rows].copy() if launch.rows != inst.rows else st.copy()
+                results = None
+            elif len(reqs) == 1:
                 r = reqs[0]
                 n = r.rows
                 whole = n == inst.rows
@@ -1121,6 +1101,19 @@ class Engine:
         if nxt is not None:
             self._run(nxt)  # the next queued request first: keep the GPU busy
         stats = launch.bucket.stats
+        if block is not None:
+            lat = stats.latency_us
+            now = _now()
+            row = 0
+            for r in reqs:
+                end = row + r.rows
+                lat.add((now - r.t0) / 1e3)
+                try:
+                    r.fut.set_result(block[row:end])
+                except InvalidStateError:  # cancelled meanwhile, or failed (broken)
+                    pass
+                row = end
+            return
         for r, outs in zip(reqs, results):
             self._deliver(r, outs, stats)
 
