@@ -1358,3 +1358,85 @@ def test_serve_future_sleepers_wake_on_result_cancel_and_time_out():
     late = []
     failed.add_done_callback(late.append)  # already done: called at once
     assert late == [failed] and "raised ValueError" in repr(failed)
+
+
+# -- input limits --------------------------------------------------------------------------
+
+
+def test_bucket_counts_are_bounded_before_anything_is_built():
+    """``vllm_buckets(10**20)`` once built a set of 10**19 sizes (it never returned); a list
+    or range of more than MAX_BUCKETS sizes is refused without being read to its end."""
+    from orchestra.serve.buckets import MAX_BUCKETS
+    from orchestra.serve.errors import ServeConfigValueError
+
+    t0 = time.perf_counter()
+    for m in (10**20, 10**8, 8 * MAX_BUCKETS):
+        with pytest.raises(ServeConfigValueError, match=f"more than {MAX_BUCKETS}.*pow2"):
+            vllm_buckets(m)
+    for spec in (range(1, 10**20), (k for k in range(1, 10**9)), list(range(1, MAX_BUCKETS + 2))):
+        with pytest.raises(ServeConfigValueError, match=f"more than {MAX_BUCKETS} buckets"):
+            bucket_sizes(spec)
+    with pytest.raises(ServeConfigValueError, match="pow2"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT, max_rows=10**8)
+    assert time.perf_counter() - t0 < 5  # refused at once, not after building
+    top = vllm_buckets(8 * (MAX_BUCKETS - 4))  # the largest accepted
+    assert len(top) <= MAX_BUCKETS and top[-1] == 8 * (MAX_BUCKETS - 4)
+    assert len(bucket_sizes(range(1, MAX_BUCKETS + 1))) == MAX_BUCKETS
+
+
+def test_huge_max_rows_with_pow2_stays_lazy_and_serves_large_requests():
+    """``max_rows=10**8`` with pow2 buckets (28 of them) no longer builds a lookup table of
+    10**8 entries (800 MB): requests up to the direct table's rows use it, larger ones a
+    bisect; both run on the smallest bucket that fits, outputs checked."""
+    import tracemalloc
+
+    from orchestra.serve.engine import _TABLE_ROWS
+
+    tracemalloc.start()
+    try:
+        e = Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN,
+                   outputs=SPEC_OUT, buckets="pow2", max_rows=10**8, instances=1)
+        made = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    with e:
+        assert made < 8 * 1024 * 1024, f"{made} bytes to make the engine"
+        assert len(e.buckets) == 28 and e.buckets.largest == 10**8
+        for n in (3, _TABLE_ROWS, _TABLE_ROWS + 1, 3 * _TABLE_ROWS):
+            x = rows(n, seed=n)
+            assert e(x).tobytes() == f(x).tobytes()
+            assert e.submit(x).result(timeout=10).tobytes() == f(x).tobytes()
+        used = sorted(r for r, b in e.stats()["buckets"].items() if b["requests"])
+        assert used == [4, _TABLE_ROWS, 2 * _TABLE_ROWS, 4 * _TABLE_ROWS]
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 3 * _TABLE_ROWS],
+                batching=Batching(max_batch=2 * _TABLE_ROWS + 5, max_delay_us=5e6)) as e:
+        xs = [rows(_TABLE_ROWS, seed=1), rows(_TABLE_ROWS + 5, seed=2)]
+        t0 = time.perf_counter()
+        futs = [e.submit(x) for x in xs]  # one full batch above the table: goes at once
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert time.perf_counter() - t0 < 4  # not after the 5 s delay
+        assert e.stats()["buckets"][3 * _TABLE_ROWS]["requests_per_launch"] == 2
+
+
+def test_completion_threads_are_capped():
+    from orchestra.serve.engine import MAX_COMPLETION_THREADS
+    from orchestra.serve.errors import ServeConfigValueError
+
+    with pytest.raises(ServeConfigValueError, match=f"at most {MAX_COMPLETION_THREADS}"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT,
+               completion_threads=MAX_COMPLETION_THREADS + 1)
+    with pytest.raises(TypeError, match="completion_threads"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT,
+               completion_threads=2.5)
+    before = threading.active_count()
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4], completion_threads=4) as e:
+        assert threading.active_count() - before == 4
+        futs = [e.submit(rows(2, seed=k)) for k in range(8)]
+        done = threading.Event()
+        futs[-1].add_done_callback(lambda _: done.set())
+        assert done.wait(5)  # completed by a completion thread: nobody called result()
+        for k, fut in enumerate(futs):
+            assert fut.result().tobytes() == f(rows(2, seed=k)).tobytes()

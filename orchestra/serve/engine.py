@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 _now = time.perf_counter_ns
 _STOP = object()
+_TABLE_ROWS = 1 << 14  # requests up to this many rows find their bucket in one list lookup
+# completion threads an engine may start (each one a thread blocked on the driver; more than
+# this are many threads for no gain: head-of-line waits need a few, not hundreds)
+MAX_COMPLETION_THREADS = 64
 
 
 @attrs.frozen
@@ -215,7 +219,8 @@ class Engine:
         dispatch: ``"caller"`` (default: the submitting thread launches when an instance is
             free; with batching, the thread that fills a batch starts it) or ``"thread"``
             (one dispatcher thread launches everything).
-        completion_threads: threads that wait on blocking-sync events (default 1).
+        completion_threads: threads that wait on blocking-sync events (default 1, at most
+            `MAX_COMPLETION_THREADS` = 64).
         timing_every: measure GPU time on every n-th launch (timing events; 0: never).
         zero_padding: zero the padding rows of input staging that a larger earlier request
             left behind (default True: a request never sees another's data).
@@ -249,7 +254,11 @@ class Engine:
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        positive_count("completion_threads", completion_threads)
+        if positive_count("completion_threads", completion_threads) > MAX_COMPLETION_THREADS:
+            raise ServeConfigValueError(
+                f"completion_threads must be at most {MAX_COMPLETION_THREADS}; got "
+                f"{completion_threads} (each one is a thread waiting on the driver: a few "
+                "cover head-of-line waits; more instances or buckets serve more at once)")
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
@@ -298,10 +307,12 @@ class Engine:
         self._built = threading.Condition(self._lock)  # warmup(): a bucket's build ended
         self._buckets: dict[int, _Bucket] = {}  # the buckets requests have touched
         # rows -> the bucket a request of that many rows runs on (index 0 unused): one list
-        # lookup per request instead of a bisect and a dict lookup
+        # lookup per request instead of a bisect and a dict lookup, for up to _TABLE_ROWS
+        # rows (a list as long as max_rows would be built for any max_rows: 10**8 rows, 800
+        # MB); `_bucket_of` bisects above it
         table = {rows: _Bucket(rows) for rows in self.buckets.sizes}
         self._by_rows: list[_Bucket] = [table[self.buckets.sizes[0]]]  # [0]: never used
-        for rows in range(1, self.buckets.largest + 1):
+        for rows in range(1, min(self.buckets.largest, _TABLE_ROWS) + 1):
             self._by_rows.append(table[self.buckets.pick(rows) or self.buckets.largest])
         self._table = table
         self._inline = 0  # blocking calls running on their own thread (no _Launch object)
@@ -423,7 +434,7 @@ class Engine:
                     self._count_bad()
                     raise
             if 0 < rows <= self.buckets.largest:
-                b = self._by_rows[rows]
+                b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
                 inst = None
                 with self._lock:
                     if (b.ready and b.free and not b.queue and self._state == "open"
@@ -649,8 +660,8 @@ class Engine:
             # one input, checked inline (the checks check_inputs makes), one request
             rows = inputs.shape[0]
             fut = ServeFuture(self)
-            reqs = [_Req({self._fast_name: inputs}, rows, self._by_rows[rows].rows, None, t0,
-                         fut)]
+            b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
+            reqs = [_Req({self._fast_name: inputs}, rows, b.rows, None, t0, fut)]
         else:
             try:
                 reqs = self._requests(inputs, out, pinned, t0)
@@ -726,6 +737,11 @@ class Engine:
             raise EngineBroken(self._broken)
         if self._state != "open":
             raise EngineClosed("the engine is closed; create a new Engine to serve again")
+
+    def _bucket_of(self, rows: int) -> _Bucket:
+        """The bucket a request (or batch) of ``rows`` rows runs on, above the direct table
+        (1 <= rows <= the largest bucket)."""
+        return self._table[self.buckets.pick(rows) or self.buckets.largest]
 
     def _bucket(self, rows: int) -> _Bucket:
         b = self._buckets.get(rows)
@@ -839,7 +855,7 @@ class Engine:
                         break
                     total += r.rows
                     n += 1
-            b = by_rows[total]
+            b = by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)
             if not b.ready:
                 self._head_missed = True
                 if not b.building:
@@ -1398,7 +1414,7 @@ class Engine:
                     break
                 total += r.rows
                 n += 1
-        if self._by_rows[total] is not b:
+        if (self._by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)) is not b:
             return []
         reqs = [q.popleft() for _ in range(n)]
         self._batch_rows -= total
