@@ -302,6 +302,7 @@ class Engine:
 
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # queue space (blocked submitters)
+        self._space_waiting = 0  # submitters waiting on _space (under the lock)
         self._work = threading.Condition(self._lock)  # the dispatcher: requests, instances
         self._idle = threading.Condition(self._lock)  # close(): nothing queued or running
         self._built = threading.Condition(self._lock)  # warmup(): a bucket's build ended
@@ -776,7 +777,11 @@ class Engine:
                     self._overloaded += 1
                     raise Overloaded(f"no queue space within {timeout} s ({self._queued} "
                                      f"requests waiting, queue_limit={self.queue_limit})")
-                self._space.wait(left)
+                self._space_waiting += 1
+                try:
+                    self._space.wait(left)
+                finally:
+                    self._space_waiting -= 1
             if self._fifo:
                 q = self._batchq
                 was_empty = not q
@@ -872,7 +877,8 @@ class Engine:
                 reqs = [q.popleft() for _ in range(n)]
             self._batch_rows -= total
             self._queued -= n
-            self._space.notify(n)
+            if self._space_waiting:  # Condition.notify costs two lock calls even for nobody
+                self._space.notify(n)
             st = b.stats
             if self._head_missed:
                 self._head_missed = False
@@ -1038,6 +1044,11 @@ class Engine:
         for the GIL behind the callers at every step."""
         while not fut._launches and not fut.done():
             launch = None
+            # a look without the lock first (tuple() of a set is one C call: atomic under the
+            # GIL): most of the time nothing is left to help with and the lock is not taken
+            if not any(x.started and not x.waiter and not x.done and not x.inline
+                       for x in tuple(self._running)):
+                return
             with self._lock:
                 for x in self._running:
                     if x.started and not x.waiter and not x.done and not x.inline:
@@ -1252,7 +1263,8 @@ class Engine:
         if b.queue:  # per-bucket queues: dispatch "caller" without batching
             r = b.queue.popleft()
             self._queued -= 1
-            self._space.notify()
+            if self._space_waiting:
+                self._space.notify()
             nxt = _Launch(inst, b, [r])
             self._running.add(nxt)
             return nxt
