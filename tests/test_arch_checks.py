@@ -260,3 +260,35 @@ def test_normalize_arch_is_for_real_architectures():
     assert normalize_arch("sm_90a") == "sm_90a"
     with pytest.raises(CompilerArgumentValueError, match="virtual architecture"):
         normalize_arch("compute_90")
+
+
+# -- the command line: what the output holds and what its name says ---------------------------------
+
+
+def test_cli_names_a_virtual_arch_it_cannot_target_as_given(no_compiler, nvrtc_offers, capsys):
+    assert main(["compile", "burn.cu", "--arch", "compute_12"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("orchestra compile: --arch compute_12: NVRTC 13.0 cannot compile for "
+                   "compute_12: it supports " + OFFERED.replace("sm_", "compute_") +
+                   " (nvrtcGetSupportedArchs); pass one of those, or use a CUDA toolkit whose "
+                   "NVRTC supports compute_12\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "compute_90", "-o", "k.cubin"],
+     "-o k.cubin: --arch compute_90 makes PTX, not a cubin; name the output .ptx, or pass "
+     "--arch sm_90 for a cubin"),
+    (["--arch", "sm_90", "--ptx", "-o", "k.cubin"],
+     "-o k.cubin: --ptx makes PTX, not a cubin; name the output .ptx, or drop --ptx"),
+    (["--arch", "sm_90", "-o", "k.ptx"],
+     "-o k.ptx: this makes a cubin, not PTX; name the output .cubin, or pass --ptx for PTX"),
+])
+def test_cli_refuses_an_output_name_that_says_the_other_kind(no_compiler, nvrtc_offers, capsys,
+                                                              tmp_path, monkeypatch, args,
+                                                              message):
+    # PTX written as k.cubin was read back as a cubin (and a cubin as k.ptx as PTX) by the
+    # loaders and by `orchestra compile k.ptx`
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "burn.cu", *args]) == 2
+    assert capsys.readouterr().err == f"orchestra compile: {message}\n"
+    assert list(tmp_path.iterdir()) == []

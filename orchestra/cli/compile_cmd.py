@@ -181,7 +181,11 @@ def _unsupported(args, arch: str, ptx_input: bool) -> str | None:
             check_arch_supported(arch)
     except UnsupportedArchError as exc:
         where = f"--arch {args.arch}" if args.arch else f"the current GPU ({arch})"
-        return f"{where}: {exc}"
+        why = str(exc)
+        if args.arch and args.arch.strip().lower().startswith("compute_"):
+            # PTX for a virtual architecture: the same numbers, named as the user named them
+            why = why.replace("sm_", "compute_")
+        return f"{where}: {why}"
     return None
 
 
@@ -210,6 +214,17 @@ def _run(args) -> int:
         return _fail(args, f"no such file: {args.file}")
     ptx_input = args.file.suffix == ".ptx"
     out = args.output or args.file.with_suffix(".ptx" if args.ptx and not ptx_input else ".cubin")
+    if args.output is not None and not ptx_input:
+        # the suffix names what the file holds: a cubin named .ptx (or PTX named .cubin) is
+        # read back as the wrong kind by `orchestra compile` and by the loaders
+        made, wrong = (".ptx", ".cubin") if args.ptx else (".cubin", ".ptx")
+        if out.suffix.lower() == wrong:
+            how = (f"--arch {args.arch} makes PTX" if virtual else "--ptx makes PTX") \
+                if args.ptx else "this makes a cubin"
+            fix = (f"name the output {made}" + (f", or pass --arch {arch} for a cubin"
+                                                  if virtual else ", or drop --ptx")
+                   if args.ptx else f"name the output {made}, or pass --ptx for PTX")
+            return _fail(args, f"-o {out}: {how}, not {'a cubin' if args.ptx else 'PTX'}; {fix}")
     from orchestra.cli.job_options import same_file
 
     if same_file(os.fspath(args.file), os.fspath(out)):
