@@ -1440,3 +1440,24 @@ def test_completion_threads_are_capped():
         assert done.wait(5)  # completed by a completion thread: nobody called result()
         for k, fut in enumerate(futs):
             assert fut.result().tobytes() == f(rows(2, seed=k)).tobytes()
+
+
+def test_the_delay_timer_is_woken_once_per_head_not_per_request():
+    """Requests queued behind a head that waits for its delay do not notify the batcher
+    thread again: the first marks it armed (a wake-up of the timer thread per request would
+    cost each request a GIL hand-off). Six requests fill the batch: it goes at once."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        e.warmup()  # a build notifies the batcher too (notify_all): none during the test
+        wait_for(lambda: e._timer_due is None)  # the batcher sleeps without a deadline
+        notified = []
+        real = e._work.notify
+        e._work.notify = lambda n=1: (notified.append(n), real(n))[1]
+        xs = [rows(2, seed=k) for k in range(6)]
+        t0 = time.perf_counter()
+        futs = [e.submit(x) for x in xs]
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert time.perf_counter() - t0 < 4  # full: not after the 5 s delay
+        assert notified == [1], notified
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 6

@@ -1092,6 +1092,7 @@ class Engine:
         inst = launch.inst
         reqs = launch.reqs
         block = None
+        results: list[dict] = []
         try:
             gpu_ms = inst.finish(launch.timed)
             single = self._single_output
@@ -1101,7 +1102,6 @@ class Engine:
                 # each request a view of its rows in it (`_split_outputs` without the dicts)
                 st = inst.outputs[single]
                 block = st[:launch.rows].copy() if launch.rows != inst.rows else st.copy()
-                results = None
             elif len(reqs) == 1:
                 r = reqs[0]
                 n = r.rows
