@@ -991,10 +991,11 @@ def test_asyncio_event_loop_never_blocked_by_the_engine():
             lags = asyncio.run(main(e))
             assert sum(b["requests"] for b in e.stats()["buckets"].values()) == 1000
         assert len(lags) > 20
-        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise): a
-        # loop that launched itself would lag by seconds (1,000 launches of 3 ms); the lag
-        # goal itself is measured by orchestra bench serve --mode asyncio
-        assert max(lags) < 0.050, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
+        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise, 92
+        # ms with two busy loops on its cores): a loop that launched itself would lag by
+        # seconds (1,000 launches of 3 ms); the lag goal itself is measured by orchestra
+        # bench serve --mode asyncio
+        assert max(lags) < 0.250, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
 
 
 def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
@@ -1092,16 +1093,17 @@ def test_full_batch_starts_in_the_submitting_thread_and_shares_one_output_block(
 def test_partial_batch_goes_when_its_delay_expires_then_full_ones_without_waiting():
     with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
                 buckets=[4, 8], instances=1,
-                batching=Batching(max_batch=8, max_delay_us=30_000)) as e:
+                batching=Batching(max_batch=8, max_delay_us=300_000)) as e:
         t0 = time.perf_counter()
         assert e.submit(rows(4)).result(timeout=5).tobytes() == f(rows(4)).tobytes()
         waited = time.perf_counter() - t0
-        assert waited >= 0.025
+        assert waited >= 0.29
         t0 = time.perf_counter()
         futs = [e.submit(rows(4, seed=i)) for i in range(2)]  # 8 rows: full at once
         for i, fut in enumerate(futs):
             assert fut.result(timeout=5).tobytes() == f(rows(4, seed=i)).tobytes()
-        assert time.perf_counter() - t0 < 0.02
+        # well under the delay (a loaded machine took 24 ms against a 30 ms delay once)
+        assert time.perf_counter() - t0 < 0.2
         st = e.stats()["buckets"]
         assert st[4]["launches"] == 1 and st[8]["launches"] == 1
         assert st[8]["requests_per_launch"] == 2
