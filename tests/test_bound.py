@@ -2,6 +2,7 @@
 duplex overlap, one batch, kernel-bound and copy-bound pipelines, ragged batches, the loud
 warning, and the link term's small linear program against a brute-force search."""
 
+import contextlib
 import itertools
 import types
 
@@ -305,6 +306,7 @@ class _FakeStream:
     def __init__(self, device=None, priority=0):
         _FakeStream.made += 1
         self.id = _FakeStream.made
+        self.handle = 0x9000 + self.id  # what a capture on the graph fake keys streams by
         self.device = device
 
     def synchronize(self):
@@ -314,17 +316,48 @@ class _FakeStream:
         pass
 
 
-def _fake_timer(monkeypatch, latency, copy_kernel_latency=None):
+def _fake_timer(monkeypatch, latency, copy_kernel_latency=None, *, fake=None,
+                graph_latency=None):
     """A `BatchTimer` over fakes: every copy and kernel is logged with its stream, and the
     gated timer's elapsed time is a model of the GPU: items on one stream run one after the
-    other, items on different streams at once (``latency``: kind -> ms per item)."""
+    other, items on different streams at once (``latency``: kind -> ms per item).
+
+    ``fake``: a `FakeGraphDriver` made the process's driver API: an item enqueued on a stream
+    it is capturing becomes an empty node of the captured graph tagged with its kind (logged
+    as captured, not run), and a measurement whose enqueue launches a graph takes the graph's
+    longest path, ``graph_latency`` (kind -> ms) per node: as a graph runs it, each node
+    after its dependencies, independent branches at once."""
     import orchestra.driver as od
     import orchestra.kernel as ok
     from orchestra.app.job import sustained
     from orchestra.app.job.timing import BatchTimer
 
-    log = []  # (kind, stream) per enqueued item
+    log = []  # (kind, stream, captured) per enqueued item
     timed = []  # (kinds, streams used, the others forked) per gated measurement
+    launched = []  # the nodes of the graph of every graph launch
+    checked = []  # the kernels whose launch configuration was checked (launch_config)
+    if fake is not None:
+        real_launch = fake.cuGraphLaunch
+
+        def graph_launch(h, stream):
+            launched.append(list(fake.execs[int(h)].graph.nodes))  # what this launch runs
+            return real_launch(h, stream)
+        monkeypatch.setattr(fake, "cuGraphLaunch", graph_launch)
+
+    def enqueue(kind, stream):
+        captured = fake is not None and fake._capturing(stream.handle) is not None
+        if captured:
+            (err,) = fake._enqueue(stream.handle, "empty", {"tag": kind})
+            assert not err
+        log.append((kind, stream, captured))
+
+    def graph_ms(nodes):
+        """The launched graph's longest path."""
+        done: dict = {}
+        for n in nodes:  # creation order: every node after its dependencies
+            done[int(n.id)] = max((done[d] for d in n.deps), default=0.0) + \
+                graph_latency[n.params["tag"]]
+        return max(done.values())
 
     class Buf:
         ptr = 0x1000
@@ -334,10 +367,10 @@ def _fake_timer(monkeypatch, latency, copy_kernel_latency=None):
             return cls()
 
         def copy_from_host(self, src, stream, sync=False):
-            log.append(("h2d", stream))
+            enqueue("h2d", stream)
 
         def copy_to_host(self, out, stream, sync=False):
-            log.append(("d2h", stream))
+            enqueue("d2h", stream)
 
         def close(self):
             pass
@@ -353,20 +386,28 @@ def _fake_timer(monkeypatch, latency, copy_kernel_latency=None):
             kind = self.kind
             if kind == "copy":  # the copy kernel: src is a device pointer for a D2H
                 kind = "kh2d" if packed[0] == Buf.ptr else "kd2h"
-            log.append((kind, stream))
+            enqueue(kind, stream)
+
+        def launch_config(self, grid, block):
+            checked.append(self.kind)
 
     class Gated:
         def __init__(self, stream, repeats=5, warmup=1, gate_ms=None):
             self.stream = stream
 
         def median_ms(self, enqueue, others=()):
-            start = len(log)
+            start, graphs = len(log), len(launched)
             enqueue()
             items = log[start:]
+            if len(launched) > graphs:  # the enqueue was a graph launch: nothing enqueued
+                assert not items and len(launched) == graphs + 1 and not others
+                timed.append(("graph", launched[-1]))
+                return graph_ms(launched[-1])
+            assert not any(captured for *_, captured in items)
             per: dict = {}
-            for kind, stream in items:
+            for kind, stream, _ in items:
                 per[stream.id] = per.get(stream.id, 0.0) + latency[kind]
-            timed.append(({k for k, _ in items}, {s.id for _, s in items},
+            timed.append(({k for k, *_ in items}, {s.id for _, s, _ in items},
                           {o.id for o in others}))
             return max(per.values())
 
@@ -391,8 +432,10 @@ def _fake_timer(monkeypatch, latency, copy_kernel_latency=None):
     monkeypatch.setattr(sustained, "GatedTimer", Gated)
     monkeypatch.setattr(ok, "load_kernel", lambda *a, **k: Kernel("copy"))
     host = np.zeros(16384, np.float32)  # 64 KiB
-    dev = types.SimpleNamespace(sm_count=132, kernel_host_access=False, name="fake")
+    dev = types.SimpleNamespace(sm_count=132, kernel_host_access=False, name="fake", ordinal=0,
+                                pushed=contextlib.nullcontext)
     timer = BatchTimer(Kernel("kernel"), _FakeStream(dev), host, host, grid=16, block=256)
+    timer.fakes = types.SimpleNamespace(launched=launched, checked=checked)
     return timer, log, timed
 
 
@@ -431,13 +474,154 @@ def test_without_copy_kernels_only_the_copy_engines_are_timed(monkeypatch):
     lat = {"h2d": 8e-3, "d2h": 6e-3, "kernel": 1.2e-3, "kh2d": 1e-9, "kd2h": 1e-9}
     timer, log, timed = _fake_timer(monkeypatch, lat)
     su = timer.sustained(12, 1, streams=3, copy_kernel=False)
-    assert not any(k.startswith("k") and k != "kernel" for k, _ in log)
+    assert not any(k.startswith("k") and k != "kernel" for k, *_ in log)
     assert su.copies == "H2D by copy engine, D2H by copy engine, pair by copy engine"
     assert (su.items, su.streams) == (12, 3)
     assert su.h2d_ms == pytest.approx(4 * 8e-3 / 12) and su.h2d_chain_ms == pytest.approx(8e-3)
     assert {len(used) for _, used, _ in timed} == {1, 2, 3, 6}
     one = timer.sustained(12, 1, streams=1, copy_kernel=False)
     assert one.h2d_ms == one.h2d_chain_ms == pytest.approx(8e-3)
+    timer.close()
+
+
+# -- a run that is a CUDA graph: the sustained items as one graph ----------------------------------
+
+_LAT = {"h2d": 8e-3, "d2h": 6e-3, "kernel": 1.2e-3, "kh2d": 3.7e-3, "kd2h": 1.4e-3}
+
+
+def _graph_shape(nodes):
+    """(nodes, chains) of a launched graph, checking that it is ``chains`` independent chains
+    filled round-robin: the first ``chains`` nodes are roots, node j follows node j - chains
+    alone (the items of one stream back to back, item i on stream i % chains)."""
+    chains = sum(1 for n in nodes if not n.deps)
+    for j, n in enumerate(nodes):
+        want = [] if j < chains else [int(nodes[j - chains].id)]
+        assert n.deps == want, (j, chains)
+    return len(nodes), chains
+
+
+def _released(fake):
+    """Every graph and exec the fake made is destroyed and no stream is capturing."""
+    return (fake.live_graphs == [] and all(e.graph is None for e in fake.execs.values())
+            and not fake.capture)
+
+
+def test_a_graph_run_times_the_sustained_items_as_one_graph_on_the_lanes(monkeypatch):
+    """``launch="graph"``: each kind's K items are captured into one graph on the very streams
+    they are spread over (a chain per stream, round-robin), instantiated, uploaded, launched
+    behind the gate; the time is the graph's GPU time / K; every graph and exec is destroyed."""
+    from orchestra.driver import live_handles
+    from tests.fake_graph_cuda import install
+
+    fake = install(monkeypatch)
+    glat = {k: v / 2 for k, v in _LAT.items()}  # a graph runs each item in half the time
+    before = live_handles().get("captured_graph", 0)
+    timer, log, timed = _fake_timer(monkeypatch, _LAT, fake=fake, graph_latency=glat)
+    su = timer.sustained(64, 1, streams=16, copy_kernel=True, launch="graph")
+    assert su.launch == "graph" and su.launch_note == "launched as one CUDA graph"
+    # nothing was enqueued outside a capture: the graph launches are all the GPU ran
+    assert len(log) == 14 * 64 + 4 * 64 and all(captured for *_, captured in log)
+    assert len(timed) == 14 and all(t[0] == "graph" for t in timed)
+    for call in ("cuStreamBeginCapture", "cuStreamEndCapture", "cuGraphInstantiate",
+                 "cuGraphUpload", "cuGraphLaunch", "cuGraphExecDestroy"):
+        assert fake.counts[call] == 14, call
+    assert _released(fake) and live_handles().get("captured_graph", 0) == before
+    assert set(timer.fakes.checked) == {"kernel", "copy"}  # checked before any capture
+    # H2D, D2H (engine and kernel) and burn: 64 items on 1 stream and on 16; pairs: 2 x 64
+    # items on 1 + 1 streams and on 16 + 16
+    shapes = sorted(_graph_shape(nodes) for _, nodes in timed)
+    assert shapes == sorted([(64, 1)] * 5 + [(64, 16)] * 5 + [(128, 2)] * 2 + [(128, 32)] * 2)
+    # the graph's longest path / K: 4 items after each other on each of 16 chains
+    assert su.h2d_ms == pytest.approx(4 * glat["kh2d"] / 64)
+    assert su.d2h_ms == pytest.approx(4 * glat["kd2h"] / 64)
+    assert su.kernel_ms == pytest.approx(4 * glat["kernel"] / 64)
+    assert su.pair_ms == pytest.approx(4 * glat["kh2d"] / 64)
+    assert su.chain == pytest.approx((glat["kh2d"], glat["kernel"], glat["kd2h"]))
+    assert su.copies == "H2D by copy kernel, D2H by copy kernel, pair by copy kernel"
+    timer.close()
+
+
+def test_an_eager_run_times_the_sustained_items_on_streams(monkeypatch):
+    from tests.fake_graph_cuda import install
+
+    fake = install(monkeypatch)
+    timer, log, timed = _fake_timer(monkeypatch, _LAT, fake=fake,
+                                    graph_latency={k: v / 2 for k, v in _LAT.items()})
+    su = timer.sustained(64, 1, streams=16, copy_kernel=True)  # launch="stream", the default
+    assert su.launch == "stream"
+    assert not any(captured for *_, captured in log) and len(timed) == 14
+    assert fake.counts["cuStreamBeginCapture"] == fake.counts["cuGraphLaunch"] == 0
+    assert su.h2d_ms == pytest.approx(4 * _LAT["kh2d"] / 64)  # the stream model's times
+    timer.close()
+
+
+def test_both_launches_take_the_faster_of_each(monkeypatch):
+    """``launch="both"`` (a bound shared by eager and graph contenders): every kind on streams
+    and as a graph, the faster per kind."""
+    from tests.fake_graph_cuda import install
+
+    fake = install(monkeypatch)
+    glat = dict(_LAT, kernel=_LAT["kernel"] / 3, kh2d=2 * _LAT["kh2d"])
+    timer, log, timed = _fake_timer(monkeypatch, _LAT, fake=fake, graph_latency=glat)
+    su = timer.sustained(64, 1, streams=16, copy_kernel=True, launch="both")
+    assert su.launch == "both" and len(timed) == 28
+    assert sum(t[0] == "graph" for t in timed) == 14 and _released(fake)
+    assert su.kernel_ms == pytest.approx(4 * glat["kernel"] / 64)  # the graph was faster
+    assert su.h2d_ms == pytest.approx(4 * _LAT["kh2d"] / 64)     # the streams were
+    assert su.chain == pytest.approx((_LAT["kh2d"], glat["kernel"], _LAT["kd2h"]))
+    timer.close()
+
+
+@pytest.mark.parametrize("fail", [("cuGraphLaunch", 3), ("cuGraphInstantiate", 2),
+                                  ("cuGraphUpload", 5), ("enqueue", 4)])
+def test_a_failure_while_timing_as_a_graph_releases_every_graph(monkeypatch, fail):
+    """A driver call that fails part-way (a launch, an instantiation, an upload) or an item
+    that cannot be enqueued inside a capture: the error propagates, and every graph and exec
+    made so far is destroyed, no stream is left capturing, no handle is left live."""
+    from orchestra.driver import live_handles
+    from orchestra.errors import CudaError
+    from tests.fake_graph_cuda import install
+
+    fake = install(monkeypatch)
+    before = live_handles().get("captured_graph", 0)
+    timer, log, timed = _fake_timer(monkeypatch, _LAT, fake=fake,
+                                    graph_latency={k: v / 2 for k, v in _LAT.items()})
+    call, nth = fail
+    if call == "enqueue":  # the nth capture's 10th item raises while the streams capture
+        real = fake._enqueue
+        seen = []
+
+        def enqueue(stream, kind, params, programmatic=False):
+            if fake.counts["cuStreamBeginCapture"] == nth:
+                seen.append(1)
+                if len(seen) == 10:
+                    raise RuntimeError("cannot enqueue")
+            return real(stream, kind, params, programmatic)
+        monkeypatch.setattr(fake, "_enqueue", enqueue)
+        with pytest.raises(RuntimeError, match="cannot enqueue"):
+            timer.sustained(64, 1, streams=16, copy_kernel=True, launch="graph")
+        assert fake.counts["cuGraphInstantiate"] == nth - 1
+    else:
+        fake.fail[call] = nth
+        with pytest.raises(CudaError, match=call):
+            timer.sustained(64, 1, streams=16, copy_kernel=True, launch="graph")
+        assert fake.counts[call] == nth
+    assert fake.counts["cuStreamBeginCapture"] >= 1
+    assert _released(fake) and live_handles().get("captured_graph", 0) == before
+    # one graph per capture, each destroyed once (an aborted capture's by the capture)
+    assert fake.counts["cuGraphDestroy"] == fake.counts["cuStreamEndCapture"]
+    assert fake.counts["cuGraphExecDestroy"] == fake.counts["cuGraphInstantiate"] - (
+        call == "cuGraphInstantiate")  # the failed instantiation made no exec
+    timer.close()
+
+
+def test_an_unknown_launch_is_refused_before_anything_is_timed(monkeypatch):
+    timer, log, timed = _fake_timer(monkeypatch, _LAT)
+    with pytest.raises(ValueError, match="launched as one of stream, graph, both"):
+        timer.measure(1, items=16, launch="graphs")
+    assert log == [] and timed == []
+    with pytest.raises(ValueError, match="Sustained.launch"):
+        Sustained(4, 16, 1.0, 1.0, 1.0, 1.0, launch="cuda graph")
     timer.close()
 
 

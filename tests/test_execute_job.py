@@ -400,6 +400,10 @@ def test_print_report_bound_lines(fake_job, capsys):
     out = capsys.readouterr()
     line = [x for x in out.out.splitlines() if x.startswith("sustained per batch")]
     assert len(line) == 1 and "1.2500 ms per pair" in line[0] and "4 back-to-back" in line[0]
+    assert "launched on streams" in line[0]  # an eager run's items
+    print_report(attrs.evolve(r, sustained={**r.sustained, "launch": "graph"}))
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sustained per")]
+    assert "launched as one CUDA graph" in line[0]
     assert any(x.startswith("bound = the largest of (upload") for x in out.out.splitlines())
     assert "BOUND BUG" not in out.out + out.err
     fast = attrs.evolve(r, wall_ms=r.bound_ms / 1.05, efficiency=1.05,

@@ -1,5 +1,7 @@
 """GPU tests of this work: the sustained times behind the bound are physical and the main job
-never beats its bound (by-engine, round-robin, concurrent, and lane plans over copy kernels); the concurrent policy's plan on real occupancy gives exact outputs;
+never beats its bound (by-engine, round-robin, concurrent, and lane plans over copy kernels);
+a graph run's sustained items are timed as a CUDA graph, no slower than on streams, and the
+run stays within that bound; the concurrent policy's plan on real occupancy gives exact outputs;
 short runs of `orchestra bench peers`, benchmarks/bench_fanout.py and
 benchmarks/probe_graph_launch.py (each in a child process with a timeout, every output
 checked by the programs themselves)."""
@@ -72,11 +74,16 @@ def test_the_main_job_never_beats_its_bound(dev, policy):
           f"({r.bound_limiter}), efficiency {r.efficiency:.3f}; sustained {r.sustained}")
 
 
-# Known open bug: the sustained times behind the bound are measured on streams, and a CUDA graph
-# of 16 lanes launches its copy kernels faster than a stream does; on the H200, 1024 x 64 KiB
-# graph and capture runs reached 1.02-1.06 of the bound and 4096 x 4 KiB 1.66.
-_GRAPH_LANES = pytest.mark.xfail(strict=False, reason="the lane bound is measured on streams; "
-                                 "a CUDA graph of lanes can beat it (open)")
+# Was a known bug: the sustained times behind the bound were measured on streams, and a CUDA
+# graph of 16 lanes launches its copy kernels faster than a stream does; on the H200, 1024 x 64
+# KiB graph and capture runs reached 1.02-1.06 of that bound and 4096 x 4 KiB 1.66. The
+# sustained items of a graph run are now timed as one CUDA graph (not yet measured on the
+# H200): an XPASS here confirms the fix at the 1.01 limit, an XFAIL with its printout says by
+# how much a graph run still beats its bound (test_a_graph_run_stays_within_its_graph_timed_bound
+# below checks the 1.05 that the fix must reach at least).
+_GRAPH_LANES = pytest.mark.xfail(strict=False, reason="the lane bound of a graph run is now "
+                                 "timed as a graph; to be confirmed at the 1.01 limit on the "
+                                 "H200")
 
 
 @pytest.mark.parametrize("executor,lowering", [
@@ -100,10 +107,94 @@ def test_a_lane_plan_never_beats_its_bound(dev, executor, lowering):
         r.policy_reason
     assert r.sustained["streams"] == r.streams
     assert r.sustained["items"] == (256 if lanes else 48)
-    assert r.bound_warning is None and r.efficiency <= 1.01, (r.efficiency, r.bound_terms,
-                                                             r.sustained)
+    assert r.sustained["launch"] == ("stream" if executor == "eager" else "graph")
     print(f"\n{executor} {lowering}: {r.policy} x{r.streams}, wall {r.wall_ms:.3f} ms, bound "
           f"{r.bound_ms:.3f} ms ({r.bound_limiter}), efficiency {r.efficiency:.3f}")
+    assert r.bound_warning is None and r.efficiency <= 1.01, (r.efficiency, r.bound_terms,
+                                                             r.sustained)
+
+
+# -- the sustained items of a graph run, timed as a CUDA graph ----------------------------------
+
+# The child's body: 64 KiB items (copy engines, copy kernels, burn at 1 iteration), 256 of
+# them over 16 streams (a lane plan's concurrency), timed on streams and as one CUDA graph;
+# prints the two `Sustained` records and the captured graphs left open (must be 0) as JSON.
+_GRAPH_VS_STREAM = r"""
+import json, sys
+import numpy as np
+from orchestra.app.job.graphs import burn_grid, burn_kernel_ref
+from orchestra.app.job.timing import BatchTimer
+from orchestra.driver import Device, PinnedBuffer, Stream, live_handles
+from orchestra.execute import KernelResolver
+
+dev = Device.get(0)
+dev.make_current()
+n = 16384  # 64 KiB of float32
+kernel = KernelResolver(dev).resolve(burn_kernel_ref())
+grid = burn_grid(n, 256, dev.sm_count)
+kernel.launch_config(grid, 256)
+out = {}
+with PinnedBuffer.empty(n, np.float32, dev) as pin_in, \
+        PinnedBuffer.empty(n, np.float32, dev) as pin_out, Stream(dev) as s:
+    pin_in.array[:] = 1.0
+    timer = BatchTimer(kernel, s, pin_in.array, pin_out.array, grid=grid, block=256)
+    try:
+        for launch in ("stream", "graph"):
+            out[launch] = timer.sustained(256, 1, streams=16, copy_kernel=True,
+                                          launch=launch).as_dict()
+    finally:
+        timer.close()
+out["captured_graphs_open"] = live_handles().get("captured_graph", 0)
+print(json.dumps(out))
+"""
+
+
+def test_sustained_items_timed_as_a_graph_are_no_slower_than_on_streams():
+    """For 64 KiB items over 16 lanes, the per-item times measured as one CUDA graph are at
+    most those measured on streams (5% noise allowed): a graph launches the copy kernels
+    with less overhead per launch, which is why graph runs beat a stream-timed bound."""
+    proc = _run([sys.executable, "-c", _GRAPH_VS_STREAM], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    st, gr = rep["stream"], rep["graph"]
+    assert (st["launch"], gr["launch"]) == ("stream", "graph")
+    assert gr["items"] == st["items"] == 256 and gr["streams"] == st["streams"] == 16
+    assert rep["captured_graphs_open"] == 0
+    rows = [(k, st[k], gr[k], gr[k] / st[k]) for k in (
+        "h2d_ms", "d2h_ms", "pair_ms", "kernel_ms", "h2d_chain_ms", "d2h_chain_ms",
+        "kernel_chain_ms")]
+    print("\n64 KiB x 256 over 16 streams, per item (ms): stream / graph / ratio\n" + "\n".join(
+        f"  {k:16s} {s:.5f} {g:.5f} {r:.3f}" for k, s, g, r in rows)
+          + f"\n  copies: stream {st['copies']}; graph {gr['copies']}")
+    for t in (st, gr):
+        for k in ("h2d_ms", "d2h_ms", "pair_ms", "kernel_ms"):
+            assert 0.0 < t[k] < 1.0, (k, t)
+    for k in ("h2d_ms", "d2h_ms"):  # the copies' rates at the lanes' concurrency
+        assert gr[k] <= 1.05 * st[k], (k, rows)
+
+
+@pytest.mark.parametrize("executor,batches,mib", [
+    ("graph", 1024, 0.0625), ("capture", 1024, 0.0625),
+    pytest.param("graph", 4096, 4 / 1024, marks=pytest.mark.xfail(
+        strict=False, reason="4096 x 4 KiB beat the stream-timed bound by 1.66; the graph-timed "
+                             "one is not measured yet"))])
+def test_a_graph_run_stays_within_its_graph_timed_bound(executor, batches, mib):
+    """``orchestra run --executor graph|capture`` on small batches (lanes of copy kernels in a
+    CUDA graph under ``--policy auto``): the sustained items are timed as a graph, and the run
+    reaches at most 1.05 of the bound (the stream-timed bound was beaten by up to 1.10 at
+    1024 x 64 KiB; 1.01 is the BOUND BUG limit the run also prints)."""
+    proc = _run([sys.executable, "-m", "orchestra.cli.main", "run", "--batches", str(batches),
+                 "--batch-mib", repr(mib), "--executor", executor, "--json"], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(proc.stdout)
+    su = r["sustained"]
+    print(f"\n{executor} {batches} x {mib * 1024:g} KiB: {r['policy']} x{r['streams']}, wall "
+          f"{r['wall_ms']:.3f} ms, bound {r['bound_ms']:.3f} ms ({r['bound_limiter']}), "
+          f"efficiency {r['efficiency']:.3f}{' (BOUND BUG > 1.01)' if r['bound_warning'] else ''}"
+          f"; sustained {su}")
+    assert r["verified"] is True, r["check"]
+    assert su["launch"] == "graph" and su["streams"] == r["streams"]
+    assert r["efficiency"] <= 1.05, (r["efficiency"], r["bound_terms"], su)
 
 
 def test_bench_copy_lowering_small_run_picks_lanes_for_copy_kernels(tmp_path):

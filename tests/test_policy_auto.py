@@ -196,7 +196,8 @@ def test_plan_with_an_input_file_caps_the_lanes_at_the_staging_slots(tmp_path, c
 
 def test_main_job_times_the_sustained_items_over_the_lanes(monkeypatch):
     """`MainJob._timings` hands the plan's concurrency to the sustained measurement: the lane
-    count as streams, K grown to 4 items per lane, and the copy kernel timed too."""
+    count as streams, K grown to 16 items per lane, the copy kernel timed too, and the items
+    launched as the run is (streams for eager, one CUDA graph for the graph executors)."""
     from orchestra.app.job import main_job as mj
 
     calls = []
@@ -217,10 +218,17 @@ def test_main_job_times_the_sustained_items_over_the_lanes(monkeypatch):
     x = np.zeros(16384, np.float32)
     job.choice = choose_policy(copies=2048, copy_kernels=2048, batches=1024)
     assert job._timings(None, None, x, x, 16, 1024) == "single"
-    assert calls[-1] == {"items": 256, "streams": 16, "copy_kernel": True}
+    assert calls[-1] == {"items": 256, "streams": 16, "copy_kernel": True, "launch": "stream"}
     job.choice = choose_policy(copies=2048, copy_kernels=0, batches=1024)
     job._timings(None, None, x, x, 16, 1024)
-    assert calls[-1] == {"items": 48, "streams": 3, "copy_kernel": False}
+    assert calls[-1] == {"items": 48, "streams": 3, "copy_kernel": False, "launch": "stream"}
+    # a run that is a CUDA graph times its sustained items as a CUDA graph
+    for executor in ("graph", "capture"):
+        job = mj.MainJob(batches=1024, batch_mib=0.0625, compute_iters=1, executor=executor)
+        job.choice = choose_policy(copies=2048, copy_kernels=2048, batches=1024)
+        job._timings(None, None, x, x, 16, 1024)
+        assert calls[-1] == {"items": 256, "streams": 16, "copy_kernel": True,
+                             "launch": "graph"}
 
 
 @pytest.fixture

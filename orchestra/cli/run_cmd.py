@@ -144,6 +144,8 @@ def format_table(header, rows) -> str:
 
 
 def print_report(r) -> None:
+    from orchestra.app.job.bound import LAUNCH_NOTES
+
     src = f"{r.input} -> {r.output or 'a temporary file'}" if r.input else f"seed {r.seed}"
     print(f"orchestra run: {r.device}, executor {r.executor}, policy {r.policy}, "
           f"{r.streams} stream(s), {src}")
@@ -168,8 +170,9 @@ def print_report(r) -> None:
         su = r.sustained
         spread = (f", the faster of 1 and {su['streams']} streams (the plan's concurrency)"
                   if su.get("streams", 1) > 1 else "")
-        print(f"sustained per batch ({su['items']} back-to-back{spread}, GPU time behind a "
-              f"gate): H2D {su['h2d_ms']:.4f} ms, kernel {su['kernel_ms']:.4f} ms, D2H "
+        launched = LAUNCH_NOTES.get(su.get("launch", "stream"), "")
+        print(f"sustained per batch ({su['items']} back-to-back{spread}, {launched}, GPU time "
+              f"behind a gate): H2D {su['h2d_ms']:.4f} ms, kernel {su['kernel_ms']:.4f} ms, D2H "
               f"{su['d2h_ms']:.4f} ms, H2D + D2H at once {su['pair_ms']:.4f} ms per pair"
               + (f" ({su['copies']})" if su.get("copies") else ""))
         chain = [su.get(f"{k}_chain_ms") for k in ("h2d", "kernel", "d2h")]

@@ -11,7 +11,8 @@ skipped because the primary context is already gone (interpreter exit) too.
     assert live_handles() == before       # no stream, event, buffer or pinned memory leaked
 
 Kinds: ``stream``, ``event``, ``device_buffer``, ``pinned_buffer``, ``host_registration``,
-``module`` (the names below), plus any other `Owner` ``what`` seen, lower-cased.
+``module`` (the names below), plus any other `Owner` ``what`` seen, lower-cased, and
+``captured_graph`` (`orchestra.driver.captured.CapturedGraph`: a graph and its exec).
 `deferred_releases` counts, by the same kinds, the handles closed by their owner but still
 held by a `Lease` (diagnostics: a count that does not return to 0 names a lease never ended).
 Allocations the executors make themselves (raw ``cuMemAllocFromPoolAsync`` in a plan) are not

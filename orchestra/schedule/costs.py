@@ -202,24 +202,13 @@ def estimate_makespan(plan: Plan, graph: TaskGraph, costs: Costs = None) -> floa
         while i < end:
             st = ss[i]
             tp = type(st)
+            if tp is not RunNode and tp is not WaitEvent and tp is not RecordEvent:
+                # a subclass of a step kind: the exact-type tests above are the fast path
+                tp = RunNode if isinstance(st, RunNode) else \
+                    WaitEvent if isinstance(st, WaitEvent) else RecordEvent
             if tp is RunNode:
                 t += cost[st.node]
             elif tp is WaitEvent:
-                e = st.event
-                if e in recorded:
-                    at = ev_time.get(e)
-                    if at is None:
-                        waiting.setdefault(e, []).append(k)
-                        break
-                    if at > t:
-                        t = at
-            elif tp is RecordEvent:
-                ev_time[st.event] = t
-                for j in waiting.pop(st.event, ()):
-                    todo.append(j)
-            elif isinstance(st, RunNode):
-                t += cost[st.node]
-            elif isinstance(st, WaitEvent):
                 e = st.event
                 if e in recorded:
                     at = ev_time.get(e)

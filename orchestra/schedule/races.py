@@ -29,6 +29,18 @@ _READ = Mode.READ
 VERB = {Mode.READ: "reads", Mode.WRITE: "writes", Mode.READ_WRITE: "reads and writes"}
 
 
+def _mark_unordered(found, idx, verdict: dict, before, node, unordered: set) -> None:
+    """Adds to ``unordered`` the frontier entries of ``found`` whose node is not ordered
+    before ``node`` (``before(a, node)``, each node asked once: ``verdict`` keeps answers)."""
+    for k in found:
+        a = idx[k]
+        ok = verdict.get(a)
+        if ok is None:
+            ok = verdict[a] = before(a, node)
+        if not ok:
+            unordered.add(k)
+
+
 class _Buffer:
     """The sweep state of one buffer: the frontier of its accesses so far.
 
@@ -76,13 +88,7 @@ class _Buffer:
             if mode is not _READ and readers.pts:
                 more = readers.overlapping(s, e)
                 found = found + more if found else more
-            for k in found:
-                a = idx[k]
-                ok = verdict.get(a)
-                if ok is None:
-                    ok = verdict[a] = before(a, node)
-                if not ok:
-                    unordered.add(k)
+            _mark_unordered(found, idx, verdict, before, node, unordered)
         if unordered:
             self._exhaustive(node, i, xs, before, verdict)
         for s, e, mode, _ in xs:  # every write carves first, then every access is added
@@ -184,13 +190,7 @@ class _Buffer:
         unordered: set[int] = set()
         for _, _, mode, _ in xs:
             found = writers + readers if mode is not _READ and readers else writers
-            for k in found:
-                a = idx[k]
-                ok = verdict.get(a)
-                if ok is None:
-                    ok = verdict[a] = before(a, node)
-                if not ok:
-                    unordered.add(k)
+            _mark_unordered(found, idx, verdict, before, node, unordered)
         if unordered:
             self._exhaustive(node, i, xs, before, verdict)
         if any(mode is not _READ for _, _, mode, _ in xs):

@@ -6,7 +6,9 @@ The inputs are *sustained* per-item times, measured in the same run for the batc
 (`orchestra.app.job.timing.BatchTimer.sustained`): K back-to-back items of one kind, the stream
 held by a gate kernel while the host enqueues them, elapsed / K. A single item timed alone
 includes launch latency and idle clocks, which a full pipeline hides; that is why a bound made
-of single-item times was beaten by real runs.
+of single-item times was beaten by real runs. The items are launched as the run launches its
+work: on streams for the eager executor, as one CUDA graph for the graph executors (a graph
+launches small kernels faster than a stream, and a graph of lanes beat a stream-timed bound).
 
 With ``h``, ``k``, ``d`` the sustained H2D, kernel and D2H times per item at the plan's
 concurrency (the faster of one stream and the plan's streams: a lane plan runs L batches at
@@ -53,6 +55,13 @@ EFFICIENCY_LIMIT = 1.01
 
 TERMS = ("upload", "download", "compute", "link")
 
+#: How sustained items may be launched (`Sustained.launch`): enqueued on streams, captured into
+#: one CUDA graph and launched as one, or both ways (the faster of each counts); and how each
+#: reads in printouts.
+LAUNCHES = ("stream", "graph", "both")
+LAUNCH_NOTES = {"stream": "launched on streams", "graph": "launched as one CUDA graph",
+                "both": "launched on streams and as one CUDA graph, the faster of each"}
+
 
 @attrs.frozen
 class Sustained:
@@ -65,6 +74,10 @@ class Sustained:
     faster counts), for printouts. ``h2d_chain_ms``, ``kernel_chain_ms``, ``d2h_chain_ms``:
     the per-item times of the items back to back on one stream (a step of one batch's chain;
     None: the rate times above), at least the rate times (`JobConfigError` otherwise).
+    ``launch``: how the items were launched (one of `LAUNCHES`; `JobConfigError` otherwise):
+    ``"stream"`` (enqueued on streams, as the eager executor runs), ``"graph"`` (captured into
+    one CUDA graph and launched as one, as the graph executors run), or ``"both"`` (each
+    kind both ways, the faster counting); `launch_note` says it in words.
     """
 
     nbytes: int
@@ -78,6 +91,7 @@ class Sustained:
     h2d_chain_ms: float | None = None
     kernel_chain_ms: float | None = None
     d2h_chain_ms: float | None = None
+    launch: str = "stream"
 
     def __attrs_post_init__(self):
         for name in ("h2d_ms", "kernel_ms", "d2h_ms", "pair_ms"):
@@ -90,6 +104,9 @@ class Sustained:
                 raise JobConfigError(
                     f"Sustained.{name}_chain_ms must be a time >= {name}_ms (one stream is "
                     f"never faster than the best of one and several); got {v!r}")
+        if self.launch not in LAUNCHES:
+            raise JobConfigError(f"Sustained.launch must be one of {', '.join(LAUNCHES)}; got "
+                                 f"{self.launch!r}")
         if self.nbytes < 1 or self.items < 1 or self.streams < 1:
             raise JobConfigError("Sustained needs nbytes >= 1, items >= 1 and streams >= 1")
 
@@ -100,6 +117,11 @@ class Sustained:
         return (self.h2d_ms if self.h2d_chain_ms is None else self.h2d_chain_ms,
                 self.kernel_ms if self.kernel_chain_ms is None else self.kernel_chain_ms,
                 self.d2h_ms if self.d2h_chain_ms is None else self.d2h_chain_ms)
+
+    @property
+    def launch_note(self) -> str:
+        """How the items were launched, in words (`LAUNCH_NOTES`)."""
+        return LAUNCH_NOTES[self.launch]
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -205,5 +227,5 @@ def bound_warning(efficiency: float, what: str = "run") -> str | None:
     return None
 
 
-__all__ = ["EFFICIENCY_LIMIT", "PipelineBound", "Sustained", "TERMS", "bound_warning",
-           "middle_ms", "pipeline_bound"]
+__all__ = ["EFFICIENCY_LIMIT", "LAUNCHES", "LAUNCH_NOTES", "PipelineBound", "Sustained",
+           "TERMS", "bound_warning", "middle_ms", "pipeline_bound"]

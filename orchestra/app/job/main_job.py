@@ -27,8 +27,9 @@ What `MainJob.run` does, in order:
 ``efficiency = bound / wall`` with the fill-aware pipeline bound from the sustained times, the
 duplex rate where both directions overlap (`bound.pipeline_bound`; N counts a shorter last
 batch by its fraction of a full one). The sustained times are measured at the plan's
-concurrency (items spread over its streams: a lane plan runs that many batches at once) and
-with the copy mechanism the run uses (the copy kernel too when any copy runs as one). An
+concurrency (items spread over its streams: a lane plan runs that many batches at once),
+with the copy mechanism the run uses (the copy kernel too when any copy runs as one) and
+launched as the run is (captured into one CUDA graph for the graph executors). An
 efficiency above 1.01 is a bug in the bound: ``JobReport.bound_warning`` says so.
 
 With ``input=FILE.npy`` the data comes from a float32 ``.npy`` file (memory-mapped, any shape,
@@ -72,7 +73,7 @@ from orchestra.app.job.policy import (
     AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies,
 )
 from orchestra.app.job.sustained import items_for
-from orchestra.app.job.timing import BatchTimer, SingleBatch
+from orchestra.app.job.timing import BatchTimer, SingleBatch, launch_for
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,9 @@ class MainJob:
 
     def _timings(self, kernel, stream, host_in, host_out, grid, batches: int) -> SingleBatch:
         """Single-batch and sustained times; the sustained items spread over the plan's
-        streams (its concurrency), with the copy kernel timed too when the run has any."""
+        streams (its concurrency), with the copy kernel timed too when the run has any, and
+        launched as the run launches its work (one CUDA graph for the graph executors,
+        `timing.launch_for`)."""
         self._step("single-batch timings", 0, self.warmup + self.repeat + int(self.trace))
         c = self._resolved()
         timer = BatchTimer(kernel, stream, host_in, host_out, grid=grid, block=self.block,
@@ -259,7 +262,8 @@ class MainJob:
         try:
             return timer.measure(self.iters,
                                  items=items_for(batches, host_in.nbytes, streams=c.streams),
-                                 streams=c.streams, copy_kernel=c.copy_kernels > 0)
+                                 streams=c.streams, copy_kernel=c.copy_kernels > 0,
+                                 launch=launch_for(self.executor_name))
         finally:
             timer.close()
 

@@ -15,6 +15,11 @@ GPU overlap across streams, as round-robin and concurrent-kernel plans let them;
 counts); K H2Ds on one stream while K D2Hs run on another (per pair). Every kind is also
 spread over the plan's streams (`BatchTimer.sustained`), and K grows to `ITEMS_PER_STREAM`
 per stream for plans of many streams (`items_for`).
+
+When the run is a CUDA graph, the "enqueue" the gate holds the stream for is one
+``cuGraphLaunch`` of the K items captured into a graph beforehand
+(`orchestra.driver.captured.CapturedGraph`): the same gate, events and median, and the GPU
+time is that of the items as a graph runs them.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ single item timed alone includes latency a full pipeline hides (`bound`).
 ``--compute-iters auto`` (the default) calibrates the kernel to the slower copy: the kernel's
 time is affine in ``iters`` (a fixed part plus the per-iteration FMAs), so two probe launches
 give the line, one more launch at the predicted count corrects it (`calibrate_iters`).
+
+The sustained items are launched the way the run launches its work (``launch=``): enqueued
+on streams for the eager executor, captured into one CUDA graph and launched as one for the
+graph executors (a graph launches small kernels with less per-launch overhead than a stream,
+so items timed on streams overstate what a graph of them takes: a graph of 16 lanes beat such
+a bound), or both, the faster counting, where contenders of both kinds share one bound.
 """
 
 from __future__ import annotations
@@ -20,11 +26,26 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from orchestra.app.job.bound import PipelineBound, Sustained, pipeline_bound
+from orchestra.app.job.bound import LAUNCHES, PipelineBound, Sustained, pipeline_bound
 from orchestra.errors import JobConfigError
 
 PROBES = (64, 512)
 MAX_ITERS = 1 << 20
+
+
+def launch_for(executor: str) -> str:
+    """How to launch the sustained items for a run by ``executor`` (``"eager"``, ``"capture"``
+    or ``"graph"``, as `orchestra.execute.make_executor` names them): ``"graph"`` for the two
+    CUDA-graph executors (the run is one graph launch), ``"stream"`` for the eager one."""
+    return "graph" if executor in ("capture", "graph") else "stream"
+
+
+def check_launch(launch) -> str:
+    """``launch`` if it is one of `LAUNCHES`, else `JobConfigError` (a ``ValueError``)."""
+    if launch not in LAUNCHES:
+        raise JobConfigError(f"the sustained items are launched as one of "
+                             f"{', '.join(LAUNCHES)}; got {launch!r}")
+    return launch
 
 
 @attrs.frozen
@@ -171,7 +192,7 @@ class BatchTimer:
         return k, copy_grid(self.nbytes, dev.sm_count), COPY_BLOCK
 
     def sustained(self, items: int, iters: int, *, streams: int = 1,
-                  copy_kernel: bool | str = "auto") -> Sustained:
+                  copy_kernel: bool | str = "auto", launch: str = "stream") -> Sustained:
         """Sustained per-item times of ``items`` back-to-back items (`sustained.GatedTimer`):
         H2Ds, D2Hs, kernels at ``iters``, and H2D / D2H pairs at once.
 
@@ -191,11 +212,25 @@ class BatchTimer:
         crossover); True whatever the size (the run lowers its copies to it); False never
         (the run keeps every copy on the copy engines). The kernel's items each use their own
         host region (docs/execution.md, "Either copy mechanism"). ``Sustained.copies`` says
-        which mechanism each copy time came from."""
+        which mechanism each copy time came from.
+
+        ``launch`` (one of `LAUNCHES`): how the items are launched, as the run launches its
+        work. ``"stream"`` (default; the eager executor): the K items enqueued on the streams
+        behind the gate. ``"graph"`` (the capture and graph-build executors): the K items
+        captured once into a CUDA graph on the same streams (item i on stream i % width: one
+        chain per stream, `orchestra.driver.captured.CapturedGraph`), instantiated and
+        uploaded, then the graph launched behind the gate (one untimed launch sizes the
+        gate, one more warms up, the median of the timed ones counts), GPU time / K; the
+        graph is destroyed before the next kind is timed, also when timing fails.
+        ``"both"``: each kind both ways, the faster counting (a bound shared by eager and
+        graph contenders). ``Sustained.launch`` records it; another value raises
+        `JobConfigError`."""
         from orchestra.app.job.graphs import burn_scalars
         from orchestra.app.job.sustained import GatedTimer
         from orchestra.driver import Stream
+        from orchestra.driver.captured import CapturedGraph
 
+        check_launch(launch)
         K = max(1, int(items))
         S = max(1, min(int(streams), K))
         s = self.stream
@@ -232,14 +267,30 @@ class BatchTimer:
                     d_out.copy_to_host(h_out, down[i % width])
             return run
 
+        def timed(make, width, others_of) -> float:
+            """GPU ms of the K items ``make(width)`` enqueues, launched as ``launch`` says."""
+            run, others = make(width), others_of(width)
+            times = []
+            if launch != "graph":
+                times.append(gated.median_ms(run, others))
+            if launch != "stream":
+                # captured on the very streams, so the graph has one chain per stream
+                with CapturedGraph(s, run, others) as graph:
+                    times.append(gated.median_ms(graph.launch))
+            return min(times)
+
         def both(make, others_of):
             """(per item on one stream, per item at the best of 1 and S streams)."""
-            one = gated.median_ms(make(1), others_of(1)) / K
+            one = timed(make, 1, others_of) / K
             if S == 1:
                 return one, one
-            return one, min(one, gated.median_ms(make(S), others_of(S)) / K)
+            return one, min(one, timed(make, S, others_of) / K)
 
         ck = self._copy_kernel(copy_kernel)
+        if launch != "stream":  # the launch checks now, not first inside a capture
+            kern.launch_config(grid, block)
+            if ck is not None:
+                ck[0].launch_config(ck[1], ck[2])
         spans = []  # the copy kernels' own pinned host memory, one region per item
         kh2ds = kd2hs = kpairs = None  # the copy-kernel variants, where the kernel applies
         if ck is not None:
@@ -304,13 +355,17 @@ class BatchTimer:
                 b.close()
         return Sustained(self.nbytes, K, t_h, t_k, t_d, t_p, S,
                          copies=f"H2D by {by_h}, D2H by {by_d}, pair by {by_p}",
-                         h2d_chain_ms=c_h, kernel_chain_ms=c_k, d2h_chain_ms=c_d)
+                         h2d_chain_ms=c_h, kernel_chain_ms=c_k, d2h_chain_ms=c_d,
+                         launch=launch)
 
     def measure(self, iters: int | None, *, items: int | None = None,
-                streams: int = 1, copy_kernel: bool | str = "auto") -> SingleBatch:
+                streams: int = 1, copy_kernel: bool | str = "auto",
+                launch: str = "stream") -> SingleBatch:
         """Time H2D and D2H alone, then the kernel at ``iters`` (None: calibrate to the slower
         copy alone); with ``items``, the sustained times of that many back-to-back items too,
-        on one stream and on ``streams`` (`sustained`, with ``copy_kernel``)."""
+        on one stream and on ``streams`` (`sustained`, with ``copy_kernel`` and ``launch``).
+        A bad ``launch`` raises `JobConfigError` before anything is timed."""
+        check_launch(launch)
         self.d_in.copy_from_host(self.host_in, self.stream, sync=True)
         t_h2d, t_d2h = self.h2d_ms(), self.d2h_ms()
         if iters is None:
@@ -318,7 +373,8 @@ class BatchTimer:
         t_k = self.kernel_ms(iters)
         sus = None
         if items:
-            sus = self.sustained(items, iters, streams=streams, copy_kernel=copy_kernel)
+            sus = self.sustained(items, iters, streams=streams, copy_kernel=copy_kernel,
+                                 launch=launch)
         return SingleBatch(self.nbytes, int(iters), t_h2d, t_k, t_d2h, self.repeats, sus)
 
     def close(self) -> None:

@@ -95,10 +95,12 @@ class PipelineData:
                     iters = timer.measure(None).iters
                 self.iters = ck.odd_iters(iters)
                 self.streams = bound_streams(dev, self)
+                # eager and graph contenders share the bound: the items both ways, the
+                # faster counting
                 self.single = timer.measure(
                     self.iters, items=items_for(self.batches, self.batch_bytes,
                                                 streams=self.streams),
-                    streams=self.streams)
+                    streams=self.streams, launch="both")
             finally:
                 timer.close()
         self.bound = self.single.bound(self.sizes)
@@ -121,7 +123,8 @@ class PipelineData:
                 "bound_line": (f"{self.bound.describe()}; sustained per batch ({su.items} "
                                f"items, the faster of 1 and {su.streams} streams): H2D "
                                f"{su.h2d_ms:.4f}, kernel {su.kernel_ms:.4f}, D2H "
-                               f"{su.d2h_ms:.4f}, pair {su.pair_ms:.4f} ms ({su.copies}); burn "
+                               f"{su.d2h_ms:.4f}, pair {su.pair_ms:.4f} ms ({su.copies}; "
+                               f"{su.launch_note}); burn "
                                f"{self.iters} iters")}
 
     def close(self) -> None:
@@ -170,7 +173,7 @@ class RequestData:
                 # per-item times of 16 back-to-back requests: one gated item alone still
                 # carries a launch gap per step, so h + k + d of single items overstates
                 # what one request must take (runs beat it by ~3%)
-                self.single = timer.measure(self.iters, items=16)
+                self.single = timer.measure(self.iters, items=16, launch="both")
             finally:
                 timer.close()
         self.bound = self.single.bound(1)
