@@ -1317,9 +1317,13 @@ def test_serve_future_works_with_concurrent_futures_wait_as_completed_and_asynci
 def test_serve_future_sleepers_wake_on_result_cancel_and_time_out():
     from orchestra.serve.engine import ServeFuture
 
+    from orchestra.serve import ResultTimeout
+
     fut = ServeFuture()
-    with pytest.raises(concurrent.futures.TimeoutError):
+    with pytest.raises(concurrent.futures.TimeoutError):  # the standard future's error...
         fut.result(timeout=0.01)
+    with pytest.raises(ResultTimeout, match="within 0.01 s"):  # ...an OrchestraError too
+        fut.exception(timeout=0.01)
     assert fut._sleepers == []  # a sleeper that timed out leaves no lock behind
     got = []
     ts = [threading.Thread(target=lambda: got.append(fut.result())) for _ in range(3)]

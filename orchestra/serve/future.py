@@ -21,7 +21,7 @@ callbacks; the engine completes it from one of its threads or a caller's.
 from __future__ import annotations
 
 import concurrent.futures
-from concurrent.futures import CancelledError, InvalidStateError, TimeoutError
+from concurrent.futures import CancelledError, InvalidStateError
 from concurrent.futures._base import (  # the standard future's states (cf.wait reads them)
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
@@ -32,6 +32,8 @@ from concurrent.futures._base import (  # the standard future's states (cf.wait 
 )
 from threading import Lock
 from typing import Any
+
+from orchestra.serve.errors import FutureStateError, ResultTimeout
 
 _DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 _CANCELLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
@@ -123,7 +125,8 @@ class ServeFuture(concurrent.futures.Future):
             if state in _CANCELLED:
                 raise CancelledError()
             if state != FINISHED:
-                raise TimeoutError()
+                raise ResultTimeout(f"the request did not complete within {timeout} s (it "
+                                    "keeps running: wait again, or cancel it)")
         if self._exception is not None:
             try:
                 raise self._exception
@@ -140,7 +143,8 @@ class ServeFuture(concurrent.futures.Future):
             if state in _CANCELLED:
                 raise CancelledError()
             if state != FINISHED:
-                raise TimeoutError()
+                raise ResultTimeout(f"the request did not complete within {timeout} s (it "
+                                    "keeps running: wait again, or cancel it)")
         return self._exception
 
     # -- callbacks -----------------------------------------------------------------------------
@@ -226,7 +230,7 @@ class ServeFuture(concurrent.futures.Future):
                     w.add_cancelled(self)
                 return False
         LOGGER.critical("Future %s in unexpected state: %s", id(self), state)
-        raise RuntimeError("Future in unexpected state")
+        raise FutureStateError(f"the future is {state.lower()} already; it cannot start")
 
 
 __all__ = ["ServeFuture"]
