@@ -991,10 +991,11 @@ def test_asyncio_event_loop_never_blocked_by_the_engine():
             lags = asyncio.run(main(e))
             assert sum(b["requests"] for b in e.stats()["buckets"].values()) == 1000
         assert len(lags) > 20
-        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise): a
-        # loop that launched itself would lag by seconds (1,000 launches of 3 ms); the lag
-        # goal itself is measured by orchestra bench serve --mode asyncio
-        assert max(lags) < 0.050, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
+        # a coarse bound (a loaded 2-core CI machine sees tens of ms of scheduling noise, 92
+        # ms with two busy loops on its cores): a loop that launched itself would lag by
+        # seconds (1,000 launches of 3 ms); the lag goal itself is measured by orchestra
+        # bench serve --mode asyncio
+        assert max(lags) < 0.250, f"event-loop lag {max(lags) * 1e3:.1f} ms (batching={batching})"
 
 
 def test_asyncio_back_pressure_awaits_and_raise_mode_refuses():
@@ -1092,16 +1093,17 @@ def test_full_batch_starts_in_the_submitting_thread_and_shares_one_output_block(
 def test_partial_batch_goes_when_its_delay_expires_then_full_ones_without_waiting():
     with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
                 buckets=[4, 8], instances=1,
-                batching=Batching(max_batch=8, max_delay_us=30_000)) as e:
+                batching=Batching(max_batch=8, max_delay_us=300_000)) as e:
         t0 = time.perf_counter()
         assert e.submit(rows(4)).result(timeout=5).tobytes() == f(rows(4)).tobytes()
         waited = time.perf_counter() - t0
-        assert waited >= 0.025
+        assert waited >= 0.29
         t0 = time.perf_counter()
         futs = [e.submit(rows(4, seed=i)) for i in range(2)]  # 8 rows: full at once
         for i, fut in enumerate(futs):
             assert fut.result(timeout=5).tobytes() == f(rows(4, seed=i)).tobytes()
-        assert time.perf_counter() - t0 < 0.02
+        # well under the delay (a loaded machine took 24 ms against a 30 ms delay once)
+        assert time.perf_counter() - t0 < 0.2
         st = e.stats()["buckets"]
         assert st[4]["launches"] == 1 and st[8]["launches"] == 1
         assert st[8]["requests_per_launch"] == 2
@@ -1270,3 +1272,198 @@ def test_batcher_sleeps_until_the_deadline_form_batches_saw_ahead(monkeypatch):
         for i in range(20):
             x = rows(1 + i % 3, seed=i)
             assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()
+
+
+# -- the light future ------------------------------------------------------------------------
+
+
+def test_serve_future_works_with_concurrent_futures_wait_as_completed_and_asyncio():
+    """`ServeFuture` runs on a plain lock, not a Condition, yet stays a
+    `concurrent.futures.Future`: `wait`, `as_completed` and `asyncio.wrap_future` work on it,
+    and every output is right."""
+    backend = GatedBackend()
+    with gated_engine(backend, buckets=[4], instances=2) as e:
+        xs = [rows(1 + k % 4, seed=k) for k in range(6)]
+        futs = [e.submit(x) for x in xs]
+        assert all(isinstance(f_, concurrent.futures.Future) for f_ in futs)
+        done, pending = concurrent.futures.wait(futs, timeout=0.01)
+        assert not done and len(pending) == 6  # two launched, gated; four queued
+        def completer():  # opens the gates until every future is done (10 s at most)
+            end = time.monotonic() + 10
+            while not all(f_.done() for f_ in futs) and time.monotonic() < end:
+                backend.complete()
+                time.sleep(0.001)
+
+        t = threading.Thread(target=completer)
+        t.start()
+        seen = [fut for fut in concurrent.futures.as_completed(futs, timeout=10)]
+        t.join()
+        assert sorted(map(id, seen)) == sorted(map(id, futs))
+        for x, fut in zip(xs, futs):
+            assert fut.result().tobytes() == f(x).tobytes() and fut.exception() is None
+        done, pending = concurrent.futures.wait(futs, timeout=0)
+        assert len(done) == 6 and not pending
+
+        async def wrapped():
+            backend.auto = True
+            x = rows(3, seed=99)
+            y = await asyncio.wrap_future(e.submit(x))
+            return x, y
+
+        x, y = asyncio.run(wrapped())
+        assert y.tobytes() == f(x).tobytes()
+
+
+def test_serve_future_sleepers_wake_on_result_cancel_and_time_out():
+    from orchestra.serve.engine import ServeFuture
+
+    from orchestra.serve import ResultTimeout
+
+    fut = ServeFuture()
+    with pytest.raises(concurrent.futures.TimeoutError):  # the standard future's error...
+        fut.result(timeout=0.01)
+    with pytest.raises(ResultTimeout, match="within 0.01 s"):  # ...an OrchestraError too
+        fut.exception(timeout=0.01)
+    assert fut._sleepers == []  # a sleeper that timed out leaves no lock behind
+    got = []
+    ts = [threading.Thread(target=lambda: got.append(fut.result())) for _ in range(3)]
+    for t in ts:
+        t.start()
+    wait_for(lambda: fut._sleepers is not None and len(fut._sleepers) == 3)
+    fut.set_result(7)
+    for t in ts:
+        t.join(5)
+    assert got == [7, 7, 7] and fut.done() and not fut.running()
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        fut.set_result(8)
+
+    other = ServeFuture()
+    errs = []
+
+    def waiter():
+        try:
+            other.result()
+        except concurrent.futures.CancelledError as exc:
+            errs.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    wait_for(lambda: other._sleepers)
+    calls = []
+    other.add_done_callback(lambda fu: calls.append(fu.cancelled()))
+    assert other.cancel() and other.cancel()  # cancelling twice: still cancelled
+    t.join(5)
+    assert len(errs) == 1 and calls == [True] and other.cancelled()
+    assert not other.set_running_or_notify_cancel()  # the engine skips a cancelled request
+
+    failed = ServeFuture()
+    failed.set_exception(ValueError("bad rows"))
+    assert isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError, match="bad rows"):
+        failed.result()
+    late = []
+    failed.add_done_callback(late.append)  # already done: called at once
+    assert late == [failed] and "raised ValueError" in repr(failed)
+
+
+# -- input limits --------------------------------------------------------------------------
+
+
+def test_bucket_counts_are_bounded_before_anything_is_built():
+    """``vllm_buckets(10**20)`` once built a set of 10**19 sizes (it never returned); a list
+    or range of more than MAX_BUCKETS sizes is refused without being read to its end."""
+    from orchestra.serve.buckets import MAX_BUCKETS
+    from orchestra.serve.errors import ServeConfigValueError
+
+    t0 = time.perf_counter()
+    for m in (10**20, 10**8, 8 * MAX_BUCKETS):
+        with pytest.raises(ServeConfigValueError, match=f"more than {MAX_BUCKETS}.*pow2"):
+            vllm_buckets(m)
+    for spec in (range(1, 10**20), (k for k in range(1, 10**9)), list(range(1, MAX_BUCKETS + 2))):
+        with pytest.raises(ServeConfigValueError, match=f"more than {MAX_BUCKETS} buckets"):
+            bucket_sizes(spec)
+    with pytest.raises(ServeConfigValueError, match="pow2"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT, max_rows=10**8)
+    assert time.perf_counter() - t0 < 5  # refused at once, not after building
+    top = vllm_buckets(8 * (MAX_BUCKETS - 4))  # the largest accepted
+    assert len(top) <= MAX_BUCKETS and top[-1] == 8 * (MAX_BUCKETS - 4)
+    assert len(bucket_sizes(range(1, MAX_BUCKETS + 1))) == MAX_BUCKETS
+
+
+def test_huge_max_rows_with_pow2_stays_lazy_and_serves_large_requests():
+    """``max_rows=10**8`` with pow2 buckets (28 of them) no longer builds a lookup table of
+    10**8 entries (800 MB): requests up to the direct table's rows use it, larger ones a
+    bisect; both run on the smallest bucket that fits, outputs checked."""
+    import tracemalloc
+
+    from orchestra.serve.engine import _TABLE_ROWS
+
+    tracemalloc.start()
+    try:
+        e = Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN,
+                   outputs=SPEC_OUT, buckets="pow2", max_rows=10**8, instances=1)
+        made = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    with e:
+        assert made < 8 * 1024 * 1024, f"{made} bytes to make the engine"
+        assert len(e.buckets) == 28 and e.buckets.largest == 10**8
+        for n in (3, _TABLE_ROWS, _TABLE_ROWS + 1, 3 * _TABLE_ROWS):
+            x = rows(n, seed=n)
+            assert e(x).tobytes() == f(x).tobytes()
+            assert e.submit(x).result(timeout=10).tobytes() == f(x).tobytes()
+        used = sorted(r for r, b in e.stats()["buckets"].items() if b["requests"])
+        assert used == [4, _TABLE_ROWS, 2 * _TABLE_ROWS, 4 * _TABLE_ROWS]
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 3 * _TABLE_ROWS],
+                batching=Batching(max_batch=2 * _TABLE_ROWS + 5, max_delay_us=5e6)) as e:
+        xs = [rows(_TABLE_ROWS, seed=1), rows(_TABLE_ROWS + 5, seed=2)]
+        t0 = time.perf_counter()
+        futs = [e.submit(x) for x in xs]  # one full batch above the table: goes at once
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert time.perf_counter() - t0 < 4  # not after the 5 s delay
+        assert e.stats()["buckets"][3 * _TABLE_ROWS]["requests_per_launch"] == 2
+
+
+def test_completion_threads_are_capped():
+    from orchestra.serve.engine import MAX_COMPLETION_THREADS
+    from orchestra.serve.errors import ServeConfigValueError
+
+    with pytest.raises(ServeConfigValueError, match=f"at most {MAX_COMPLETION_THREADS}"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT,
+               completion_threads=MAX_COMPLETION_THREADS + 1)
+    with pytest.raises(TypeError, match="completion_threads"):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT,
+               completion_threads=2.5)
+    before = threading.active_count()
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4], completion_threads=4) as e:
+        assert threading.active_count() - before == 4
+        futs = [e.submit(rows(2, seed=k)) for k in range(8)]
+        done = threading.Event()
+        futs[-1].add_done_callback(lambda _: done.set())
+        assert done.wait(5)  # completed by a completion thread: nobody called result()
+        for k, fut in enumerate(futs):
+            assert fut.result().tobytes() == f(rows(2, seed=k)).tobytes()
+
+
+def test_the_delay_timer_is_woken_once_per_head_not_per_request():
+    """Requests queued behind a head that waits for its delay do not notify the batcher
+    thread again: the first marks it armed (a wake-up of the timer thread per request would
+    cost each request a GIL hand-off). Six requests fill the batch: it goes at once."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        e.warmup()  # a build notifies the batcher too (notify_all): none during the test
+        wait_for(lambda: e._timer_due is None)  # the batcher sleeps without a deadline
+        notified = []
+        real = e._work.notify
+        e._work.notify = lambda n=1: (notified.append(n), real(n))[1]
+        xs = [rows(2, seed=k) for k in range(6)]
+        t0 = time.perf_counter()
+        futs = [e.submit(x) for x in xs]
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert time.perf_counter() - t0 < 4  # full: not after the 5 s delay
+        assert notified == [1], notified
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 6

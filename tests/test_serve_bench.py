@@ -52,7 +52,10 @@ def test_sizes_and_mixes():
 
 @pytest.mark.parametrize("mode", ["latency", "closed", "open", "asyncio", "soak"])
 def test_every_mode_on_the_cpu_backend(mode, capsys):
-    o = BenchOptions(mode=mode, mix="4K:1,16K:2", duration=0.2, threads=3, tasks=20,
+    # the soak stops at its requests or its duration, whichever first: a duration it never
+    # reaches (0.2 s was reached first on a loaded machine: 14 bad requests of 15)
+    o = BenchOptions(mode=mode, mix="4K:1,16K:2", duration=120 if mode == "soak" else 0.2,
+                     threads=3, tasks=20,
                      requests={"latency": 100, "soak": 1500, "asyncio": 200}.get(mode),
                      rate=1000, engine=cpu_config())
     assert main(o, as_json=True) == 0
@@ -70,6 +73,7 @@ def test_every_mode_on_the_cpu_backend(mode, capsys):
         assert all("loop_lag_max_ms" in r for r in res)
     if mode == "soak":
         (r,) = res
+        assert r["stopped_by"] == "requests"
         assert r["bad_requests"] == 15 and r["bad_refused_ok"] == 15 and r["errors"] == 0
         assert r["engine_bad_requests"] == 15
         assert r["first"]["rss_bytes"] > 0 and r["last"]["rss_bytes"] > 0

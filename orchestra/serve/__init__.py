@@ -30,6 +30,7 @@ from orchestra.serve.errors import (
     InputTypeError,
     Overloaded,
     RequestTooLarge,
+    ResultTimeout,
     ServeConfigError,
     ServeConfigTypeError,
     ServeConfigValueError,
@@ -50,7 +51,7 @@ def __getattr__(name):
 __all__ = [
     "BadRequest", "Backend", "Batching", "Buckets", "CudaBackend", "Engine", "EngineBroken",
     "EngineClosed", "Instance", "InputTypeError", "NumpyBackend", "Overloaded",
-    "RequestTooLarge", "ServeConfigError", "ServeConfigTypeError", "ServeConfigValueError",
-    "ServeError", "ServeFuture", "ServeGraph",
+    "RequestTooLarge", "ResultTimeout", "ServeConfigError", "ServeConfigTypeError",
+    "ServeConfigValueError", "ServeError", "ServeFuture", "ServeGraph",
     "TensorSpec", "bucket_sizes", "pow2_buckets", "vllm_buckets",
 ]

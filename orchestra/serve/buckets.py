@@ -15,16 +15,28 @@ padded to the bucket's rows, its outputs sliced back. Three ways to give the buc
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from typing import Sequence
 
 from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 DEFAULT_MAX_ROWS = 256
+# buckets one engine may have: each is built (K instances of a graph) by its first request,
+# and the engine keeps a record per bucket; vLLM captures 67 sizes
+MAX_BUCKETS = 4096
 
 
 def vllm_buckets(max_rows: int = DEFAULT_MAX_ROWS) -> tuple[int, ...]:
-    """``(1, 2, 4, 8, 16, 24, ..., max_rows)``: 1, 2, 4, then steps of 8, and ``max_rows``."""
+    """``(1, 2, 4, 8, 16, 24, ..., max_rows)``: 1, 2, 4, then steps of 8, and ``max_rows``.
+
+    Raises `ServeConfigValueError` when that makes more than `MAX_BUCKETS` buckets
+    (``max_rows`` above about 8 x 4096 rows): use ``"pow2"`` or a list for such sizes."""
     m = positive_count("max_rows", max_rows)
+    if m // 8 + 4 > MAX_BUCKETS:  # counted before building: 10**20 rows would never end
+        raise ServeConfigValueError(
+            f"buckets='vllm' with max_rows={m} makes {m // 8 + 3} buckets, more than "
+            f"{MAX_BUCKETS} (one per 8 rows); use buckets='pow2' or a list of row counts "
+            f"for such sizes, or max_rows <= {8 * (MAX_BUCKETS - 4)}")
     sizes = {s for s in (1, 2, 4) if s <= m} | set(range(8, m + 1, 8)) | {m}
     return tuple(sorted(sizes))
 
@@ -52,7 +64,9 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
     if isinstance(spec, int):
         spec = [spec]
     try:
-        sizes = {operator.index(s) for s in spec}
+        # at most one more than the limit is read: range(10**20) or a generator never ends
+        given = list(itertools.islice(iter(spec), MAX_BUCKETS + 1))
+        sizes = {operator.index(s) for s in given}
     except TypeError:
         raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts "
                                    f"(ints); got {spec!r}") from None
@@ -60,6 +74,10 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
         sizes.add(operator.index(max_rows))
     if not sizes or min(sizes) < 1:
         raise ServeConfigValueError(f"bucket row counts must be positive ints; got {spec!r}")
+    if len(given) > MAX_BUCKETS:
+        raise ServeConfigValueError(f"more than {MAX_BUCKETS} buckets given; "
+                                    "give fewer row counts (a request runs on the smallest "
+                                    "that fits)")
     return tuple(sorted(sizes))
 
 
@@ -108,4 +126,4 @@ def positive_count(name: str, value) -> int:
     return n
 
 
-__all__ = ["Buckets", "DEFAULT_MAX_ROWS", "bucket_sizes", "pow2_buckets", "vllm_buckets"]
+__all__ = ["Buckets", "DEFAULT_MAX_ROWS", "MAX_BUCKETS", "bucket_sizes", "pow2_buckets", "vllm_buckets"]

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import functools
 import json
 import logging
@@ -63,6 +62,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
 )
+from orchestra.serve.future import ServeFuture
 from orchestra.serve.stats import BucketStats, percentiles
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
 
@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 _now = time.perf_counter_ns
 _STOP = object()
+_TABLE_ROWS = 1 << 14  # requests up to this many rows find their bucket in one list lookup
+# completion threads an engine may start (each one a thread blocked on the driver; more than
+# this are many threads for no gain: head-of-line waits need a few, not hundreds)
+MAX_COMPLETION_THREADS = 64
 
 
 @attrs.frozen
@@ -155,48 +159,6 @@ class _Launch:
         return True
 
 
-class ServeFuture(concurrent.futures.Future):
-    """A `concurrent.futures.Future` for one request.
-
-    ``result()`` / ``exception()`` without a timeout, called once the request is launched, wait
-    in the calling thread on the request's own stream (and complete the future themselves when
-    they see the completion first): no thread hop on the way back. Called while the request
-    is still queued, they first complete other started launches nobody waits on (the engine's
-    host work done by a thread that would otherwise sleep), then wait for their own. Everything else is the
-    standard Future (callbacks run on the thread that completes it: an engine thread or a
-    caller's; keep them short and never call `Engine.close` from one).
-
-    Thread-safety: as `concurrent.futures.Future` (any thread may wait, cancel or add callbacks).
-    """
-
-    def __init__(self, engine=None):
-        super().__init__()
-        self._engine = engine
-        # the launches running this request, for result() to wait on; emptied when the future
-        # completes (a launch refers to its requests, which refer to this future: keeping the
-        # list would make a reference cycle per request, freed only by the cyclic GC)
-        self._launches: list = []
-        self._aio: Any = None  # run(): the awaiting asyncio future (the loop inbox resolves it)
-
-    def set_result(self, result):
-        self._launches.clear()
-        super().set_result(result)
-
-    def set_exception(self, exception):
-        self._launches.clear()
-        super().set_exception(exception)
-
-    def result(self, timeout=None):
-        if timeout is None and not self.done() and self._engine is not None:
-            self._engine._wait_inline(self)
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        if timeout is None and not self.done() and self._engine is not None:
-            self._engine._wait_inline(self)
-        return super().exception(timeout)
-
-
 def _set_result(fut, value) -> None:
     try:
         fut.set_result(value)
@@ -257,7 +219,8 @@ class Engine:
         dispatch: ``"caller"`` (default: the submitting thread launches when an instance is
             free; with batching, the thread that fills a batch starts it) or ``"thread"``
             (one dispatcher thread launches everything).
-        completion_threads: threads that wait on blocking-sync events (default 1).
+        completion_threads: threads that wait on blocking-sync events (default 1, at most
+            `MAX_COMPLETION_THREADS` = 64).
         timing_every: measure GPU time on every n-th launch (timing events; 0: never).
         zero_padding: zero the padding rows of input staging that a larger earlier request
             left behind (default True: a request never sees another's data).
@@ -291,7 +254,11 @@ class Engine:
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        positive_count("completion_threads", completion_threads)
+        if positive_count("completion_threads", completion_threads) > MAX_COMPLETION_THREADS:
+            raise ServeConfigValueError(
+                f"completion_threads must be at most {MAX_COMPLETION_THREADS}; got "
+                f"{completion_threads} (each one is a thread waiting on the driver: a few "
+                "cover head-of-line waits; more instances or buckets serve more at once)")
         if batching is True:
             batching = Batching()
         if batching is not None and not isinstance(batching, Batching):
@@ -335,15 +302,18 @@ class Engine:
 
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # queue space (blocked submitters)
+        self._space_waiting = 0  # submitters waiting on _space (under the lock)
         self._work = threading.Condition(self._lock)  # the dispatcher: requests, instances
         self._idle = threading.Condition(self._lock)  # close(): nothing queued or running
         self._built = threading.Condition(self._lock)  # warmup(): a bucket's build ended
         self._buckets: dict[int, _Bucket] = {}  # the buckets requests have touched
         # rows -> the bucket a request of that many rows runs on (index 0 unused): one list
-        # lookup per request instead of a bisect and a dict lookup
+        # lookup per request instead of a bisect and a dict lookup, for up to _TABLE_ROWS
+        # rows (a list as long as max_rows would be built for any max_rows: 10**8 rows, 800
+        # MB); `_bucket_of` bisects above it
         table = {rows: _Bucket(rows) for rows in self.buckets.sizes}
         self._by_rows: list[_Bucket] = [table[self.buckets.sizes[0]]]  # [0]: never used
-        for rows in range(1, self.buckets.largest + 1):
+        for rows in range(1, min(self.buckets.largest, _TABLE_ROWS) + 1):
             self._by_rows.append(table[self.buckets.pick(rows) or self.buckets.largest])
         self._table = table
         self._inline = 0  # blocking calls running on their own thread (no _Launch object)
@@ -465,7 +435,7 @@ class Engine:
                     self._count_bad()
                     raise
             if 0 < rows <= self.buckets.largest:
-                b = self._by_rows[rows]
+                b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
                 inst = None
                 with self._lock:
                     if (b.ready and b.free and not b.queue and self._state == "open"
@@ -691,8 +661,8 @@ class Engine:
             # one input, checked inline (the checks check_inputs makes), one request
             rows = inputs.shape[0]
             fut = ServeFuture(self)
-            reqs = [_Req({self._fast_name: inputs}, rows, self._by_rows[rows].rows, None, t0,
-                         fut)]
+            b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
+            reqs = [_Req({self._fast_name: inputs}, rows, b.rows, None, t0, fut)]
         else:
             try:
                 reqs = self._requests(inputs, out, pinned, t0)
@@ -769,6 +739,11 @@ class Engine:
         if self._state != "open":
             raise EngineClosed("the engine is closed; create a new Engine to serve again")
 
+    def _bucket_of(self, rows: int) -> _Bucket:
+        """The bucket a request (or batch) of ``rows`` rows runs on, above the direct table
+        (1 <= rows <= the largest bucket)."""
+        return self._table[self.buckets.pick(rows) or self.buckets.largest]
+
     def _bucket(self, rows: int) -> _Bucket:
         b = self._buckets.get(rows)
         if b is None:
@@ -802,7 +777,11 @@ class Engine:
                     self._overloaded += 1
                     raise Overloaded(f"no queue space within {timeout} s ({self._queued} "
                                      f"requests waiting, queue_limit={self.queue_limit})")
-                self._space.wait(left)
+                self._space_waiting += 1
+                try:
+                    self._space.wait(left)
+                finally:
+                    self._space_waiting -= 1
             if self._fifo:
                 q = self._batchq
                 was_empty = not q
@@ -881,7 +860,7 @@ class Engine:
                         break
                     total += r.rows
                     n += 1
-            b = by_rows[total]
+            b = by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)
             if not b.ready:
                 self._head_missed = True
                 if not b.building:
@@ -898,7 +877,8 @@ class Engine:
                 reqs = [q.popleft() for _ in range(n)]
             self._batch_rows -= total
             self._queued -= n
-            self._space.notify(n)
+            if self._space_waiting:  # Condition.notify costs two lock calls even for nobody
+                self._space.notify(n)
             st = b.stats
             if self._head_missed:
                 self._head_missed = False
@@ -911,7 +891,10 @@ class Engine:
         if self._head_due and self._timer_due is None and self.dispatch == "caller":
             # the head waits for its deadline and the timer sleeps without one: arm it (a
             # full head waiting for an instance needs no timer: the instance's return
-            # starts it)
+            # starts it). Marked armed at once, so the requests queued before the batcher
+            # runs do not notify it again; it reads the head's deadline itself when it wakes
+            # (a later head's deadline is never earlier: the FIFO's heads arrive in order)
+            self._timer_due = self._head_due
             self._work.notify()
         return todo
 
@@ -973,7 +956,17 @@ class Engine:
             if not self._set_running(r0):
                 reqs = []
         else:
-            reqs = [r for r in reqs if self._set_running(r)]
+            keep = []
+            for r in reqs:
+                if r.group is None:  # `_set_running` inline: one call per request saved
+                    try:
+                        if r.fut.set_running_or_notify_cancel():
+                            keep.append(r)
+                    except RuntimeError:  # failed meanwhile (engine broken)
+                        pass
+                elif self._set_running(r):
+                    keep.append(r)
+            reqs = keep
             r0 = reqs[0] if reqs else None
         if len(reqs) != len(launch.reqs):
             with self._lock:
@@ -1051,6 +1044,11 @@ class Engine:
         for the GIL behind the callers at every step."""
         while not fut._launches and not fut.done():
             launch = None
+            # a look without the lock first (tuple() of a set is one C call: atomic under the
+            # GIL): most of the time nothing is left to help with and the lock is not taken
+            if not any(x.started and not x.waiter and not x.done and not x.inline
+                       for x in tuple(self._running)):
+                return
             with self._lock:
                 for x in self._running:
                     if x.started and not x.waiter and not x.done and not x.inline:
@@ -1093,9 +1091,18 @@ class Engine:
             return
         inst = launch.inst
         reqs = launch.reqs
+        block = None
+        results: list[dict] = []
         try:
             gpu_ms = inst.finish(launch.timed)
-            if len(reqs) == 1:
+            single = self._single_output
+            if (len(reqs) > 1 and single is not None
+                    and all(r.out is None and r.group is None for r in reqs)):
+                # the common batch: one output, new arrays, no chunks: one copy of the rows,
+                # each request a view of its rows in it (`_split_outputs` without the dicts)
+                st = inst.outputs[single]
+                block = st[:launch.rows].copy() if launch.rows != inst.rows else st.copy()
+            elif len(reqs) == 1:
                 r = reqs[0]
                 n = r.rows
                 whole = n == inst.rows
@@ -1121,6 +1128,19 @@ class Engine:
         if nxt is not None:
             self._run(nxt)  # the next queued request first: keep the GPU busy
         stats = launch.bucket.stats
+        if block is not None:
+            lat = stats.latency_us
+            now = _now()
+            row = 0
+            for r in reqs:
+                end = row + r.rows
+                lat.add((now - r.t0) / 1e3)
+                try:
+                    r.fut.set_result(block[row:end])
+                except InvalidStateError:  # cancelled meanwhile, or failed (broken)
+                    pass
+                row = end
+            return
         for r, outs in zip(reqs, results):
             self._deliver(r, outs, stats)
 
@@ -1243,7 +1263,8 @@ class Engine:
         if b.queue:  # per-bucket queues: dispatch "caller" without batching
             r = b.queue.popleft()
             self._queued -= 1
-            self._space.notify()
+            if self._space_waiting:
+                self._space.notify()
             nxt = _Launch(inst, b, [r])
             self._running.add(nxt)
             return nxt
@@ -1405,7 +1426,7 @@ class Engine:
                     break
                 total += r.rows
                 n += 1
-        if self._by_rows[total] is not b:
+        if (self._by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)) is not b:
             return []
         reqs = [q.popleft() for _ in range(n)]
         self._batch_rows -= total

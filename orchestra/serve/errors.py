@@ -68,6 +68,18 @@ class EngineClosed(ServeError, ClosedError):
     """The engine is closing or closed and takes no new work (a `ClosedError`)."""
 
 
+class ResultTimeout(ServeError, TimeoutError):
+    """``ServeFuture.result(timeout)`` / ``exception(timeout)``: the request did not complete
+    within ``timeout`` seconds (it keeps running; wait again or cancel it). A
+    `concurrent.futures.TimeoutError` (the builtin `TimeoutError`), as the standard future
+    raises."""
+
+
+class FutureStateError(ServeError, RuntimeError):
+    """A `ServeFuture` moved to running that is running or done already (the engine's own
+    bookkeeping: a `RuntimeError`, as the standard future raises)."""
+
+
 class EngineBroken(ServeError, StateError):
     """A sticky CUDA error made the device context unusable: every pending request failed with
     it and the engine refuses new work. ``cause`` is the `CudaError`. Only a new process can use
@@ -82,6 +94,6 @@ class EngineBroken(ServeError, StateError):
         return (type(self), (self.cause,))
 
 
-__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "InputTypeError", "Overloaded",
-           "RequestTooLarge", "ServeConfigError", "ServeConfigTypeError",
-           "ServeConfigValueError", "ServeError"]
+__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "FutureStateError", "InputTypeError",
+           "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
+           "ServeConfigTypeError", "ServeConfigValueError", "ServeError"]
