@@ -122,16 +122,8 @@ class _Buffer:
                 if not before(a, node):
                     unordered, verdict = {found[0]}, {a: False}
             else:
-                verdict = {}
-                for k in found:
-                    a = idx[k]
-                    ok = verdict.get(a)
-                    if ok is None:
-                        ok = verdict[a] = before(a, node)
-                    if not ok:
-                        if unordered is None:
-                            unordered = set()
-                        unordered.add(k)
+                verdict, unordered = {}, set()
+                _mark_unordered(found, idx, verdict, before, node, unordered)
             if unordered:
                 self._exhaustive(node, i, [(0, self.buffer.nbytes, mode, i)], before, verdict)
                 if writes:

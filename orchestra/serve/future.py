@@ -116,17 +116,23 @@ class ServeFuture(concurrent.futures.Future):
             if self._sleepers is not None and me in self._sleepers:
                 self._sleepers.remove(me)
 
+    def _wait_finished(self, timeout) -> None:
+        """Until FINISHED (the caller checked it is not yet): `CancelledError` if cancelled,
+        `ResultTimeout` after ``timeout`` s. A blocking wait (``timeout=None``) on a request
+        of the engine lets the engine run it in this thread where it can (`_wait_inline`)."""
+        if timeout is None and self._engine is not None and self._state not in _DONE:
+            self._engine._wait_inline(self)
+        self._sleep(timeout)
+        state = self._state
+        if state in _CANCELLED:
+            raise CancelledError()
+        if state != FINISHED:
+            raise ResultTimeout(f"the request did not complete within {timeout} s (it "
+                                "keeps running: wait again, or cancel it)")
+
     def result(self, timeout=None):
         if self._state != FINISHED:
-            if timeout is None and self._engine is not None and self._state not in _DONE:
-                self._engine._wait_inline(self)
-            self._sleep(timeout)
-            state = self._state
-            if state in _CANCELLED:
-                raise CancelledError()
-            if state != FINISHED:
-                raise ResultTimeout(f"the request did not complete within {timeout} s (it "
-                                    "keeps running: wait again, or cancel it)")
+            self._wait_finished(timeout)
         if self._exception is not None:
             try:
                 raise self._exception
@@ -136,15 +142,7 @@ class ServeFuture(concurrent.futures.Future):
 
     def exception(self, timeout=None):
         if self._state != FINISHED:
-            if timeout is None and self._engine is not None and self._state not in _DONE:
-                self._engine._wait_inline(self)
-            self._sleep(timeout)
-            state = self._state
-            if state in _CANCELLED:
-                raise CancelledError()
-            if state != FINISHED:
-                raise ResultTimeout(f"the request did not complete within {timeout} s (it "
-                                    "keeps running: wait again, or cancel it)")
+            self._wait_finished(timeout)
         return self._exception
 
     # -- callbacks -----------------------------------------------------------------------------
