@@ -269,24 +269,14 @@ class Replay(ExecParts):
                         keep = value
                     addr = k[1]
                     if addr != b.address:
-                        refused = None
                         try:
                             one = p.one
                             if one is not None:  # one field, one node: the common case
                                 one[0].value = addr + one[1]
                                 (err,) = one[2]()
-                                if err:
-                                    refused = (p.nodes[0], err)
-                            else:
-                                for cell, off in p.cells:
-                                    cell.value = addr + off
-                                for struct, field, off in p.fields:
-                                    setattr(struct, field, addr + off)
-                                for node in p.nodes:
-                                    (err,) = node[0]()
-                                    if err:
-                                        refused = (node, err)
-                                        break
+                                refused = self._refused(p, p.nodes[0], err) if err else None
+                            else:  # a fast plan has no unsupported node: _apply writes all
+                                refused = self._apply(p, addr)
                         except BaseException:
                             if keep is not b.keep:
                                 release_keep(keep)
@@ -295,7 +285,7 @@ class Replay(ExecParts):
                         if refused is not None:  # the exec is updated for the caller instead
                             if keep is not b.keep:
                                 release_keep(keep)  # the rebuild takes its own lease
-                            self._update_for(b, value, self._refused(p, *refused))
+                            self._update_for(b, value, refused)
                             plans = self._rebinds
                             version = bind_version()
                             continue
