@@ -151,6 +151,25 @@ class FakePinned:
         self.closed = True
 
 
+class FakeStreamObj:
+    def __init__(self, device=None, priority=0):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def patch_main_job(monkeypatch, fake, make_executor, fake_timings) -> None:
+    """The main job on ``fake`` (a `FakeCuda`): fake pinned buffers and streams, executors from
+    ``make_executor``, device timings from ``fake_timings`` (a `MainJob._timings`)."""
+    monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
+    monkeypatch.setattr(od, "Stream", FakeStreamObj)
+    monkeypatch.setattr(oe, "make_executor", make_executor)
+    monkeypatch.setattr("orchestra.driver.device.as_device", lambda d=None: fake.device)
+    monkeypatch.setattr(mj.MainJob, "_timings", fake_timings)
+
+
 @pytest.fixture
 def fake_job(monkeypatch):
     fake = FakeCuda(monkeypatch)
@@ -163,13 +182,6 @@ def fake_job(monkeypatch):
         made.append(ex)
         return ex
 
-    class FakeStreamObj:
-        def __init__(self, device=None, priority=0):
-            self.closed = False
-
-        def close(self):
-            self.closed = True
-
     timings = []
 
     def fake_timings(self, kernel, stream, host_in, host_out, grid, batches):
@@ -179,12 +191,7 @@ def fake_job(monkeypatch):
                            1.0, 1.0, 1.0, 7,
                            Sustained(host_in.nbytes, min(batches, 16), 1.0, 1.0, 1.0, 1.25))
 
-    monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
-    monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
-    monkeypatch.setattr(od, "Stream", FakeStreamObj)
-    monkeypatch.setattr(oe, "make_executor", make_executor)
-    monkeypatch.setattr("orchestra.driver.device.as_device", lambda d=None: fake.device)
-    monkeypatch.setattr(mj.MainJob, "_timings", fake_timings)
+    patch_main_job(monkeypatch, fake, make_executor, fake_timings)
     fake.made, fake.timings = made, timings
     return fake
 

@@ -235,15 +235,11 @@ def test_main_job_times_the_sustained_items_over_the_lanes(monkeypatch):
 def lane_job(monkeypatch):
     """The main job on the eager fake (tests/test_execute_job.py's fixture), with kernels
     that address host memory (so copies can be copy kernels) and the copy kernel loadable."""
-    import orchestra.driver as od
-    import orchestra.execute as oe
     from orchestra.app.job import Sustained
-    from orchestra.app.job import main_job as mj
     from orchestra.app.job.timing import SingleBatch
     from orchestra.execute import EagerExecutor, KernelResolver
-    from orchestra.execute import staging as staging_mod
     from tests.fake_cuda import FakeCuda, fake_kernel
-    from tests.test_execute_job import FakePinned
+    from tests.test_execute_job import patch_main_job
 
     fake = FakeCuda(monkeypatch)
     fake.device.kernel_host_access = True
@@ -253,24 +249,12 @@ def lane_job(monkeypatch):
         return EagerExecutor(kernel_resolver=KernelResolver(fake.device, fake_kernel),
                              verify=verify, copy_lowering=copy_lowering)
 
-    class FakeStreamObj:
-        def __init__(self, device=None, priority=0):
-            pass
-
-        def close(self):
-            pass
-
     def fake_timings(self, kernel, stream, host_in, host_out, grid, batches):
         seen["choice"] = self.choice  # resolved before the timings
         return SingleBatch(host_in.nbytes, self.iters, 1.0, 1.0, 1.0, 7,
                            Sustained(host_in.nbytes, 16, 1.0, 1.0, 1.0, 1.25))
 
-    monkeypatch.setattr(od, "PinnedBuffer", FakePinned)
-    monkeypatch.setattr(staging_mod, "PinnedBuffer", FakePinned)
-    monkeypatch.setattr(od, "Stream", FakeStreamObj)
-    monkeypatch.setattr(oe, "make_executor", make_executor)
-    monkeypatch.setattr("orchestra.driver.device.as_device", lambda d=None: fake.device)
-    monkeypatch.setattr(mj.MainJob, "_timings", fake_timings)
+    patch_main_job(monkeypatch, fake, make_executor, fake_timings)
     fake.seen = seen
     return fake
 
