@@ -230,11 +230,15 @@ def test_streams_no_node_would_run_on_are_left_out(policy):
 def _schedule_keeping_empty_streams(g, policy, streams):
     from orchestra.schedule import policies
 
-    specs, assign, order, meta = {"round-robin": policies._round_robin,
-                                  "by-engine": policies._by_engine,
-                                  "critical-path": lambda g, s: policies._critical_path(g, s, None),
-                                  "concurrent": policies.concurrent,
-                                  }[policy](g, streams)
+    if policy in policies._BY_INDEX:
+        specs, on, _ = policies._BY_INDEX[policy](g, streams)
+        specs, assign, order, meta = (specs, policies._as_assign(g, specs, on),
+                                      g.topological_order(), {})
+    else:
+        specs, assign, order, meta = {
+            "critical-path": lambda g, s: policies._critical_path(g, s, None),
+            "concurrent": policies.concurrent,
+        }[policy](g, streams)
     # round-robin and by-engine name only the streams some node can use: add the others back
     # (s{i}, compute{i}) as the empty streams the plan leaves out
     from orchestra.schedule import StreamSpec

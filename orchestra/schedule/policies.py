@@ -86,8 +86,7 @@ def _schedule(graph, policy, streams, costs, resident_blocks) -> Plan:
             if devs != (0,):
                 specs = tuple(attrs.evolve(sp, device=devs[0]) for sp in specs)
             return plan_by_index(graph, on, specs, seq, policy, {})
-        names = graph.node_map().keys()
-        assign = dict(zip(names, [specs[k].name for k in on]))
+        assign = _as_assign(graph, specs, on)
         order = graph.topological_order()
         meta: dict = {}
     elif policy == "critical-path":
@@ -206,11 +205,6 @@ def _round_robin_index(graph, S):
     return specs, on, seq
 
 
-def _round_robin(graph, S):
-    specs, on, seq = _round_robin_index(graph, S)
-    return specs, _as_assign(graph, specs, on), graph.topological_order(), {}
-
-
 def _as_assign(graph, specs, on) -> dict[str, str]:
     """Node name -> stream name, from stream indices by node index."""
     return dict(zip(graph.node_map().keys(), [specs[k].name for k in on]))
@@ -276,11 +270,6 @@ def _by_engine_index(graph, S):
             on[v] = one if one is not None else first + key[v] % nc
     specs, on = _used_streams(on, spec_of)
     return specs, on, seq
-
-
-def _by_engine(graph, S):
-    specs, on, seq = _by_engine_index(graph, S)
-    return specs, _as_assign(graph, specs, on), graph.topological_order(), {}
 
 
 _BY_INDEX = {"round-robin": _round_robin_index, "by-engine": _by_engine_index}
