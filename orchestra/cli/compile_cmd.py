@@ -223,14 +223,14 @@ def _run(args) -> int:
     if args.output is not None and not ptx_input:
         # the suffix names what the file holds: a cubin named .ptx (or PTX named .cubin) is
         # read back as the wrong kind by `orchestra compile` and by the loaders
-        made, wrong = (".ptx", ".cubin") if args.ptx else (".cubin", ".ptx")
-        if out.suffix.lower() == wrong:
-            how = (f"--arch {args.arch} makes PTX" if virtual else "--ptx makes PTX") \
-                if args.ptx else "this makes a cubin"
-            fix = (f"name the output {made}" + (f", or pass --arch {arch} for a cubin"
-                                                  if virtual else ", or drop --ptx")
-                   if args.ptx else f"name the output {made}, or pass --ptx for PTX")
-            return _fail(args, f"-o {out}: {how}, not {'a cubin' if args.ptx else 'PTX'}; {fix}")
+        if args.ptx and out.suffix.lower() == ".cubin":
+            how = f"--arch {args.arch}" if virtual else "--ptx"
+            other = f"pass --arch {arch} for a cubin" if virtual else "drop --ptx"
+            return _fail(args, f"-o {out}: {how} makes PTX, not a cubin; name the output .ptx, "
+                               f"or {other}")
+        if not args.ptx and out.suffix.lower() == ".ptx":
+            return _fail(args, f"-o {out}: this makes a cubin, not PTX; name the output "
+                               ".cubin, or pass --ptx for PTX")
     from orchestra.cli.job_options import same_file
 
     if same_file(os.fspath(args.file), os.fspath(out)):
