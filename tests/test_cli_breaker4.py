@@ -113,7 +113,7 @@ def test_input_files_that_are_no_npy_file(tmp_path, capsys, command, make, messa
     path = make(tmp_path)
     assert main([command, "--input", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"orchestra {command}: --input {path}{message}")
+    assert err.startswith(f"orchestra {command}: {path}{message}")  # MainJob's message too
     assert err.count("\n") == 1  # one line, no traceback
 
 

@@ -2,6 +2,9 @@
 iteration calibration, and `MainJob` end to end (generated data and an --input file through the
 staging slots) on the fake driver of tests/fake_cuda.py."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,6 +24,7 @@ from orchestra.app.job import (
 from orchestra.app.job import data as jd
 from orchestra.app.job import main_job as mj
 from orchestra.app.job.timing import SingleBatch
+from orchestra.errors import JobInputError
 from orchestra.schedule import POLICIES
 from tests.fake_cuda import FakeCuda, FakeKernel, patch_eager_tracer
 
@@ -379,8 +383,83 @@ def test_open_input_keeps_the_storage_order(tmp_path):
         np.testing.assert_array_equal(inp.flat, arr.T.reshape(-1) if fortran else arr.reshape(-1))
     np.save(tmp_path / "s.npy", np.float32(2.5))  # a 0-d array is one element
     assert open_input(tmp_path / "s.npy").flat.tolist() == [2.5]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(JobInputError, match=": no such file$"):
         open_input(tmp_path / "missing.npy")
+
+
+def _fifo_unblocked_after(path, seconds):
+    """A FIFO at ``path``, and a thread that opens it for writing after ``seconds`` (so a
+    reader that blocked on it gets EOF instead of hanging the test run)."""
+    import threading
+
+    os.mkfifo(path)
+
+    def unblock():
+        if not done.wait(seconds):
+            with open(path, "wb"):
+                pass
+
+    done = threading.Event()
+    t = threading.Thread(target=unblock, daemon=True)
+    t.start()
+    return done, t
+
+
+NOT_A_FILE = {
+    "empty": " is empty (0 bytes): not a .npy file; save the array with np.save",  # EOFError
+    "folder": " is a directory: pass a .npy file (np.save)",  # IsADirectoryError
+    "fifo": " is not a regular file (a pipe, a socket or a device): the array is "
+            "memory-mapped from a file; save it with np.save first",  # np.load blocked
+    "devnull": " is not a regular file (a pipe, a socket or a device)",  # a raw mmap error
+    "missing": ": no such file",  # FileNotFoundError
+    "under a file": ": cannot be read (Not a directory)",  # NotADirectoryError
+}
+
+
+@pytest.mark.parametrize("bad", NOT_A_FILE)
+def test_main_job_refuses_paths_that_are_no_npy_file_as_the_cli_does(
+        fake_job, monkeypatch, tmp_path, capsys, bad):
+    from orchestra.cli.main import main
+
+    done = None
+    path = tmp_path / "x.npy"
+    if bad == "empty":
+        path.write_bytes(b"")
+    elif bad == "folder":
+        path.mkdir()
+    elif bad == "fifo":
+        done, thread = _fifo_unblocked_after(path, 5.0)
+    elif bad == "devnull":
+        path = Path(os.devnull)
+    elif bad == "under a file":
+        np.save(tmp_path / "f.npy", np.ones(3, np.float32))
+        path = tmp_path / "f.npy" / "x.npy"
+    try:
+        with pytest.raises(JobInputError) as info:
+            MainJob(input=path, compute_iters=3, repeat=1).run()
+    finally:
+        if done is not None:
+            done.set()
+            thread.join()
+    msg = str(info.value)
+    assert msg.startswith(f"{path}{NOT_A_FILE[bad]}")
+    assert isinstance(info.value, ValueError)
+    assert fake_job.made == [] and fake_job.used == 0  # refused before any executor or memory
+    if bad == "fifo":
+        return  # the CLI's own test covers it
+    monkeypatch.setattr(od.Device, "get", classmethod(lambda cls, ordinal=0: fake_job.device))
+    assert main(["run", "--input", str(path), "--compute-iters", "3", "--repeat", "1"]) == 2
+    assert capsys.readouterr().err == f"orchestra run: {msg}\n"  # one check, one message
+    assert main(["plan", "--input", str(path)]) == 2
+    assert capsys.readouterr() == ("", f"orchestra plan: {msg}\n")
+
+
+def test_a_truncated_npy_header_is_named_not_an_eof_error(fake_job, tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.ones(8, np.float32))
+    path.write_bytes(path.read_bytes()[:9])  # the magic string and half the header length
+    with pytest.raises(JobInputError, match="not a .npy array numpy can load"):
+        MainJob(input=path, compute_iters=3, repeat=1).run()
 
 
 def test_main_job_reports_the_streams_the_plan_runs_on(fake_job):

@@ -84,32 +84,6 @@ def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def open_job_input(path: str):
-    """`open_input` of ``--input`` after the checks of the file itself: one that is missing, a
-    folder, a pipe or device (np.load would block on a FIFO) or empty (numpy's EOFError, an
-    internal error) is a `UsageError` naming it. What the file holds `open_input` checks, with
-    the messages `MainJob` gives too."""
-    import stat
-
-    from orchestra.app.job.inputs import open_input
-
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise UsageError(f"--input {path}: no such file") from None
-    except OSError as exc:
-        raise UsageError(f"--input {path}: cannot be read ({exc.strerror or exc})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"--input {path} is a directory: pass a .npy file (np.save)")
-    if not stat.S_ISREG(st.st_mode):
-        raise UsageError(f"--input {path} is not a regular file (a pipe, a socket or a device): "
-                         "the array is memory-mapped from a file; save it with np.save first")
-    if st.st_size == 0:
-        raise UsageError(f"--input {path} is empty (0 bytes): not a .npy file; save the array "
-                         "with np.save")
-    return open_input(path)
-
-
 def same_file(a: str, b: str) -> bool:
     """Whether paths ``a`` and ``b`` name one file: the same path once resolved (links and
     ``..`` followed), or, both existing, the same inode (a hard link)."""

@@ -17,7 +17,6 @@ import logging
 from orchestra.cli import progress
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_options, device_budget, fmt_bytes,
-    open_job_input,
 )
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     dict) for the options: the graph `orchestra run` would build, after the checks `run` makes
     (`check_options`), scheduled with the policy and streams ``auto`` resolves to."""
     from orchestra.app.job import (
-        batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph,
+        batch_bytes_from_mib, batch_sizes, build_job_graph, build_staged_graph, open_input,
     )
     from orchestra.app.job.policy import choose_policy
     from orchestra.schedule import schedule
@@ -53,7 +52,7 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
     per = batch_bytes_from_mib(args.batch_mib) // 4
     source = None
     if args.input:
-        inp = open_job_input(args.input)  # what `orchestra run --input` accepts, and nothing else
+        inp = open_input(args.input)  # what `orchestra run --input` accepts, and nothing else
         needs = check_options(args, "plan", input_elements=inp.size)
         sizes = batch_sizes(inp.size, per)
         slots = max(1, min(args.staging_slots or DEFAULT_STAGING_SLOTS, len(sizes)))

@@ -25,7 +25,7 @@ from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, device_budget,
     fmt_bytes,
-    nonnegative_int, open_job_input, positive_int, same_file,
+    nonnegative_int, positive_int, same_file,
 )
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         log.warning("--seed does not apply with --input: the file is the input")
     input_elements = None
     if args.input:
-        input_elements = open_job_input(args.input).size  # the checks `orchestra plan` makes too
+        from orchestra.app.job.inputs import open_input
+
+        input_elements = open_input(args.input).size  # the checks `orchestra plan` makes too
     needs = check_options(args, "run", input_elements)
     from orchestra.cli.trace_out import check_outputs
 
