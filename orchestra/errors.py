@@ -514,6 +514,18 @@ class PrebuiltCubinError(OrchestraError, RuntimeError):
     architecture; the message says how to rebuild it."""
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: ``counted(1, "batch")`` is ``"1 batch"``,
+    ``counted(3, "batch")`` ``"3 batches"`` (``s``, or ``es`` after s/x/z/ch/sh; ``plural``
+    for any other form: ``counted(2, "entry", "entries")``). For printouts and messages
+    that count things, so none says "1 batches"."""
+    if n == 1:
+        return f"1 {noun}"
+    if plural is None:
+        plural = noun + ("es" if noun.endswith(("s", "x", "z", "ch", "sh")) else "s")
+    return f"{n} {plural}"
+
+
 def int_text(v: int) -> str:
     """``v`` in decimal, or for a huge int (over 40 digits) its magnitude and bit length
     (``1.000e+400 (a 1329-bit int)``): ``str()`` of an int over 4300 digits raises, and a

@@ -70,11 +70,35 @@ def test_plan_counts_only_the_streams_the_plan_uses(capsys):
     assert main(["plan", "--batches", "4", "--batch-mib", "0.01", "--streams", "100",
                  "--summary"]) == 0
     text = capsys.readouterr().out
-    assert "policy by-engine, 6 stream(s) (of 100 requested: no node would run on the others)" in text
+    assert "policy by-engine, 6 streams (of 100 requested: no node would run on the others)" in text
     assert "8 waits, 6 streams" in text  # upload, compute0..compute3, download
     assert main(["plan", "--batches", "4", "--batch-mib", "0.01", "--streams", "6"]) == 0
     text = capsys.readouterr().out
-    assert "policy by-engine, 6 stream(s), compute iters" in text and "requested" not in text
+    assert "policy by-engine, 6 streams, compute iters" in text and "requested" not in text
+
+
+def test_plan_printout_says_1_batch_not_1_batches(tmp_path, capsys):
+    # was "1 batches x 64.0 MiB", "1 batches, 1 staging slots", "1 lanes (16, capped at the
+    # 1 batches)"
+    assert main(["plan", "--batches", "1", "--policy", "round-robin", "--copy-lowering",
+                 "kernel", "--summary"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("orchestra plan: 1 batch x 64.0 MiB (64.0 MiB), policy round-robin, "
+                           "1 stream, compute iters auto\n")
+    assert "streams auto: 1 lane (16, capped at the 1 batch))" in text
+    assert "counts: 7 nodes, 8 edges, 0 events, 0 waits, 1 stream\n" in text
+    np.save(tmp_path / "x.npy", np.ones(10, np.float32))
+    assert main(["plan", "--input", str(tmp_path / "x.npy"), "--summary"]) == 0
+    assert f"{tmp_path / 'x.npy'} (10 float32, 1 batch, 1 staging slot), policy" in \
+        capsys.readouterr().out
+
+
+def test_counted_takes_the_number_of_its_noun():
+    from orchestra.errors import counted
+
+    assert [counted(n, "batch") for n in (0, 1, 2)] == ["0 batches", "1 batch", "2 batches"]
+    assert counted(1, "stream") == "1 stream" and counted(16, "stream") == "16 streams"
+    assert counted(3, "entry", "entries") == "3 entries" and counted(1, "entry") == "1 entry"
 
 
 def test_plan_with_input_file_shows_the_staged_graph(tmp_path, capsys):

@@ -67,7 +67,7 @@ def test_plan_with_a_huge_stream_count_prints_the_streams_it_uses(capsys):
     assert main(["plan", "--summary", "--batches", "4", "--batch-mib", "0.01",
                  "--policy", "round-robin", "--streams", "99999999999999999999999"]) == 0
     out = capsys.readouterr().out
-    assert "policy round-robin, 4 stream(s) (of 99999999999999999999999 requested" in out
+    assert "policy round-robin, 4 streams (of 99999999999999999999999 requested" in out
 
 
 def test_plan_compute_iters_beyond_the_kernels_int_is_a_usage_error(capsys):

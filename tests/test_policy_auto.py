@@ -147,15 +147,15 @@ def test_plan_printout_shows_the_choice_and_why(capsys):
                  "--summary"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("orchestra plan: 1024 batches x 64.0 KiB (64.0 MiB), policy "
-                               "round-robin, 16 stream(s), compute iters")
+                               "round-robin, 16 streams, compute iters")
     assert lines[1] == (
-        "policy choice: round-robin on 16 stream(s) (auto: 2048 of 2048 host copies run as "
+        "policy choice: round-robin on 16 streams (auto: 2048 of 2048 host copies run as "
         "copy kernels (graph executor), which are latency-bound and overlap on the SMs: batch "
         "b runs in lane b % 16; streams auto: 16 lanes)")
     assert "7168 nodes" in lines[2] and "0 events, 0 waits, 16 streams" in lines[2]
     assert main(["plan", "--batches", "4", "--batch-mib", "64", "--summary"]) == 0
     text = capsys.readouterr().out
-    assert "policy choice: by-engine on 3 stream(s) (auto: 0 of 8 host copies run as copy " \
+    assert "policy choice: by-engine on 3 streams (auto: 0 of 8 host copies run as copy " \
            "kernels (eager executor); by-engine feeds one copy engine per direction; streams " \
            "auto: 3)" in text
 
@@ -325,7 +325,7 @@ def test_run_report_prints_the_choice_and_the_chain_times(lane_job, capsys):
     su = dict(r.sustained, streams=16, h2d_chain_ms=2.0, kernel_chain_ms=1.5, d2h_chain_ms=2.5)
     print_report(attrs.evolve(r, sustained=su, bound_warning=None))
     out = capsys.readouterr().out
-    assert "executor eager, policy round-robin, 16 stream(s)" in out
+    assert "executor eager, policy round-robin, 16 streams" in out
     assert "policy choice: --policy round-robin given; streams auto: 16 lanes" in out
     assert "the faster of 1 and 16 streams (the plan's concurrency)" in out
     assert ("one batch's chain step by step (the same items on one stream; the bound's fill "

@@ -15,6 +15,7 @@ import gc
 import logging
 
 from orchestra.cli import progress
+from orchestra.errors import counted
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_options, device_budget, fmt_bytes,
 )
@@ -56,14 +57,17 @@ def build(args: argparse.Namespace, update: progress.Update = progress._noop):
         needs = check_options(args, "plan", input_elements=inp.size)
         sizes = batch_sizes(inp.size, per)
         slots = max(1, min(args.staging_slots or DEFAULT_STAGING_SLOTS, len(sizes)))
-        update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
+        update(0, total=3,
+               description=f"plan: building the graph ({counted(len(sizes), 'batch')})")
         jg = build_staged_graph(sizes, slots=slots, iters=iters, block=args.block)
-        source = f"{args.input} ({inp.size} float32, {len(sizes)} batches, {slots} staging slots)"
+        source = (f"{args.input} ({inp.size} float32, {counted(len(sizes), 'batch')}, "
+                  f"{counted(slots, 'staging slot')})")
         in_flight = slots  # a slot's next batch waits for the one before it
     else:
         needs = check_options(args, "plan")
         sizes = batch_sizes(needs["batches"] * per, per)
-        update(0, total=3, description=f"plan: building the graph ({len(sizes)} batches)")
+        update(0, total=3,
+               description=f"plan: building the graph ({counted(len(sizes), 'batch')})")
         jg = build_job_graph(sizes, iters=iters, block=args.block,
                              device_budget=device_budget(args))
         in_flight = needs["in_flight"]
@@ -173,10 +177,11 @@ def copy_lowering(args: argparse.Namespace, graph) -> dict:
 def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
                 notes: dict | None = None, choice=None) -> str:
     """The human-readable listing `orchestra plan` prints (``choice``: the `PolicyChoice`)."""
-    what = source or (f"{info['batches']} batches x {fmt_bytes(info['batch_bytes'])} "
+    what = source or (f"{counted(info['batches'], 'batch')} x "
+                      f"{fmt_bytes(info['batch_bytes'])} "
                       f"({fmt_bytes(info['data_bytes'])})")
     asked = choice.streams if choice is not None else args.streams
-    streams = f"{info['streams']} stream(s)"
+    streams = counted(info["streams"], "stream")
     if info["streams"] < asked:
         streams += f" (of {asked} requested: no node would run on the others)"
     lines = [f"orchestra plan: {what}, policy {info['policy']}, {streams}, "
@@ -187,8 +192,8 @@ def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
         lines.append(plan.text(notes))
     c = info.get("copy_lowering")
     lines += [
-        f"counts: {info['nodes']} nodes, {info['edges']} edges, {info['events']} events, "
-        f"{info['waits']} waits, {info['streams']} streams",
+        "counts: " + ", ".join(counted(info[k], k[:-1]) for k in
+                               ("nodes", "edges", "events", "waits", "streams")),
     ]
     if c is not None:
         lines.append(f"copies ({c['executor']} executor): {c['copies']}, {c['copy_kernels']} as "
@@ -200,7 +205,8 @@ def format_text(args: argparse.Namespace, info: dict, plan, source: str | None,
         f"{fmt_bytes(info['device_batch_bytes'])} device per batch, up to "
         f"{fmt_bytes(info['device_peak_bytes'])} with "
         + ("every batch in flight" if info.get("in_flight") is None
-           else f"at most {info['in_flight']} batches in flight (--device-budget-mib)"),
+           else f"at most {counted(info['in_flight'], 'batch')} in flight "
+                "(--device-budget-mib)"),
         f"estimated makespan: {info['estimated_makespan_ms']:.3f} ms ({COST_NOTE})",
     ]
     if info["policy"] == "critical-path":

@@ -22,6 +22,7 @@ import os
 
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK, UsageError
+from orchestra.errors import counted
 from orchestra.cli.job_options import (
     DEFAULT_STAGING_SLOTS, add_graph_options, check_device, check_options, device_budget,
     fmt_bytes,
@@ -148,7 +149,7 @@ def print_report(r) -> None:
 
     src = f"{r.input} -> {r.output or 'a temporary file'}" if r.input else f"seed {r.seed}"
     print(f"orchestra run: {r.device}, executor {r.executor}, policy {r.policy}, "
-          f"{r.streams} stream(s), {src}")
+          f"{counted(r.streams, 'stream')}, {src}")
     if r.policy_reason:
         print(f"policy choice: {r.policy_reason}")
     how = "auto" if r.compute_iters_auto else "given"
@@ -164,7 +165,7 @@ def print_report(r) -> None:
           f"{r.efficiency:.3f}", f"{r.host_us_per_node:.2f}", "PASS" if r.verified else "FAIL")]))
     print()
     runs = ", ".join(f"{w:.2f}" for w in r.wall_ms_runs)
-    print(f"wall ms: median of {r.repeat} run(s) ({runs}); host clock from the first enqueue to "
+    print(f"wall ms: median of {counted(r.repeat, 'run')} ({runs}); host clock from the first enqueue to "
           "the end of the synchronize")
     if r.sustained:
         su = r.sustained

@@ -18,6 +18,7 @@ import json
 from orchestra.cli import progress
 from orchestra.cli.exit_codes import CHECK_FAILED, OK
 from orchestra.cli.job_options import nonnegative_int, positive_int
+from orchestra.errors import counted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +55,7 @@ def run_copies(args: argparse.Namespace) -> int:
     from orchestra.cli.run_cmd import format_table
 
     print(f"orchestra tune copies: {rep.device}, the pipeline (H2D -> kernel -> D2H per batch, "
-          f"by-engine, 3 streams), median wall ms of {args.repeats} runs")
+          f"by-engine, 3 streams), median wall ms of {counted(args.repeats, 'run')}")
     rows = []
     for r in rep.rows:
         eng = r.ms["copy-engine"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from orchestra.errors import MissingExtraError, TraceTypeError
+from orchestra.errors import MissingExtraError, TraceTypeError, counted
 from orchestra.trace.timeline import Timeline, engine_color
 
 MISSING = ("plot_gantt needs matplotlib, which is not installed: pip install orchestra[plot] "
@@ -71,8 +71,8 @@ def plot_gantt(timeline: Timeline, path, *, title: str | None = None,
                   frameon=False)
     if title is None:
         bits = [x for x in (timeline.executor, timeline.policy) if x]
-        title = f"{' / '.join(bits) + ': ' if bits else ''}{len(timeline.spans)} nodes, " \
-                f"makespan {timeline.makespan_ms:.3f} ms"
+        title = f"{' / '.join(bits) + ': ' if bits else ''}" \
+                f"{counted(len(timeline.spans), 'node')}, makespan {timeline.makespan_ms:.3f} ms"
     ax.set_title(title, fontsize=9)
     fig.savefig(path, bbox_inches="tight")
     return path

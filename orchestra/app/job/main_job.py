@@ -52,7 +52,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from orchestra.errors import JobConfigError, JobConfigTypeError
+from orchestra.errors import JobConfigError, JobConfigTypeError, counted
 from orchestra.app.job import data as jd
 from orchestra.app.job.graphs import (
     DEVICE_BUDGET,
@@ -293,7 +293,7 @@ class MainJob:
             bound_limiter=bound.limiter, bound_terms=bound.terms,
             sustained=None if single.sustained is None else single.sustained.as_dict(),
             bound_warning=bound_warning(efficiency, f"{self.executor_name} {c.policy} "
-                                                    f"({c.streams} streams)"),
+                                                    f"({counted(c.streams, 'stream')})"),
             copy_lowering=self.copy_lowering, copy_kernels=last.copy_kernels,
             policy_requested=c.requested_policy, streams_requested=c.requested_streams,
             policy_reason=c.reason)

@@ -34,7 +34,7 @@ from typing import Iterable
 import attrs
 
 from orchestra.app.job.checks import whole
-from orchestra.errors import JobConfigError
+from orchestra.errors import JobConfigError, counted
 from orchestra.schedule import POLICIES
 
 AUTO = "auto"
@@ -85,7 +85,7 @@ class PolicyChoice:
 
     def describe(self) -> str:
         """One line for printouts: ``round-robin on 16 stream(s) (auto: ...)``."""
-        return f"{self.policy} on {self.streams} stream(s) ({self.reason})"
+        return f"{self.policy} on {counted(self.streams, 'stream')} ({self.reason})"
 
 
 @attrs.frozen
@@ -176,10 +176,11 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
         if resolved == LANE_POLICY and kernels:
             limit = ""
             if lane_count < lanes:
-                what = ("batches in flight" if in_flight is not None and in_flight < batches
-                        else "batches")
-                limit = f" ({lanes}, capped at the {cap} {what})"
-            why += f"; streams auto: {n} lanes{limit}"
+                what = counted(cap, "batch")
+                if in_flight is not None and in_flight < batches:
+                    what += " in flight"
+                limit = f" ({lanes}, capped at the {what})"
+            why += f"; streams auto: {counted(n, 'lane')}{limit}"
         else:
             why += f"; streams auto: {n}"
     else:
