@@ -89,3 +89,34 @@ def test_plan_json_step_kind_that_is_not_a_string(graph, tag):
     d["streams"][0]["steps"][0] = [tag, "b0.alloc_in"]
     with pytest.raises(PlanFormatError, match=r"streams\[0\]\.steps\[0\]: unknown step kind"):
         Plan.from_dict(d)
+
+
+@pytest.mark.parametrize("where, set_empty, what", [
+    (r"streams[0].name", lambda d: d["streams"][0].__setitem__("name", ""), "stream"),
+    (r"streams[0].steps[0][1]", lambda d: d["streams"][0]["steps"][0].__setitem__(1, ""),
+     "node"),
+    (r"streams[0].steps[1][1]", lambda d: d["streams"][0]["steps"].insert(1, ["record", ""]),
+     "event"),
+    (r"streams[1].steps[0][1]", lambda d: d["streams"][1]["steps"].insert(0, ["wait", ""]),
+     "event"),
+    (r"order[0]", lambda d: d["order"].__setitem__(0, ""), "node"),
+])
+def test_plan_json_with_an_empty_name_names_where(graph, where, set_empty, what):
+    # an empty stream name was accepted ("stream  (role general, ...)" in the printout)
+    d = json.loads(schedule(graph).to_json())
+    set_empty(d)
+    with pytest.raises(PlanFormatError) as info:
+        Plan.from_dict(d)
+    assert str(info.value) == (f"plan JSON: {where} must be a non-empty string (the {what}'s "
+                               "name), got ''")
+    assert info.value.path == where and isinstance(info.value, ValueError)
+
+
+def test_a_stream_spec_needs_a_name():
+    from orchestra.errors import PlanError
+    from orchestra.schedule import PlanBuilder, StreamSpec
+
+    with pytest.raises(PlanError, match="a stream name must be a non-empty string, got ''"):
+        StreamSpec("")
+    with pytest.raises(PlanError, match="a stream name must be a non-empty string"):
+        PlanBuilder().stream("", role="upload")

@@ -67,10 +67,15 @@ class StreamSpec:
     ``role`` (which engine it mostly feeds: upload, compute, download, general) and ``device``
     (the ordinal of the GPU the stream belongs to; its events are recorded there)."""
 
-    name: str
+    name: str = attrs.field()
     priority: int = attrs.field(default=0)
     role: str = attrs.field(default="general")
     device: int = attrs.field(default=0, kw_only=True)
+
+    @name.validator
+    def _name(self, attribute, value):
+        if value == "":  # the plan's printout, a trace and the executor's streams go by name
+            raise PlanError("a stream name must be a non-empty string, got ''")
 
     @priority.validator
     def _priority(self, attribute, value):
@@ -490,7 +495,7 @@ class Plan:
         for i, sd in enumerate(_list(_need(d, "streams", ""), "streams")):
             where = f"streams[{i}]"
             _obj(sd, where)
-            name = _str(_need(sd, "name", where), f"{where}.name")
+            name = _name(_need(sd, "name", where), f"{where}.name", "stream")
             priority = sd.get("priority", 0)
             problem = priority_problem(priority)
             if problem:
@@ -511,7 +516,8 @@ class Plan:
             steps[name] = [_step(st, f"{where}.steps[{j}]") for j, st in
                            enumerate(_list(_need(sd, "steps", where), f"{where}.steps"))]
         policy = _str(d.get("policy", "manual"), "policy")
-        order = [_str(n, f"order[{j}]") for j, n in enumerate(_list(d.get("order", []), "order"))]
+        order = [_name(n, f"order[{j}]", "node")
+                 for j, n in enumerate(_list(d.get("order", []), "order"))]
         meta = d.get("meta", {})
         _obj(meta, "meta")
         if "makespan_us" in meta:  # the one number a policy writes (the critical-path estimate)
@@ -576,6 +582,14 @@ def _str(value, where: str) -> str:
     return value
 
 
+def _name(value, where: str, what: str) -> str:
+    """A ``what`` (stream, node, event) name: a non-empty string (graph nodes have one)."""
+    if _str(value, where) == "":
+        raise PlanFormatError(f"plan JSON: {where} must be a non-empty string (the {what}'s "
+                              "name), got ''", where)
+    return value
+
+
 def _step(value, where: str):
     if not (isinstance(value, list) and len(value) == 2):
         raise PlanFormatError(f"plan JSON: {where} must be a [kind, name] pair such as"
@@ -584,7 +598,7 @@ def _step(value, where: str):
     if not isinstance(tag, str) or tag not in _BY_TAG:  # a list or an object is no kind
         raise PlanFormatError(f"plan JSON: {where}: unknown step kind {tag!r}; kinds:"
                               f" {', '.join(_BY_TAG)}", where)
-    return _BY_TAG[tag](_str(name, f"{where}[1]"))
+    return _BY_TAG[tag](_name(name, f"{where}[1]", "node" if tag == "run" else "event"))
 
 
 # Plan._derived's constructor (every field set as given; `maker` refuses a field list that
