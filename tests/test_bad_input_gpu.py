@@ -29,7 +29,7 @@ from orchestra.compiler import compile as nvrtc_compile
 from orchestra.driver import (
     DeviceBuffer, PinnedBuffer, Stream, leaked, live_handles,
 )
-from orchestra.errors import CompileError, CudaError, GraphError, HazardError
+from orchestra.errors import CompileError, CudaError, GraphError, HazardError, NodeFieldValueError
 from orchestra.execute import BindingError, EagerExecutor, PageableMemoryError
 from orchestra.app.job.graphs import BURN_PARAMS
 from orchestra.graph import (
@@ -209,8 +209,13 @@ def test_launch_limits(dev, pool, what):
                "grid": "exceeds the device's max grid dims",
                "shared memory": "opt-in limit"}[what]
     with nothing_lost(dev, pool):
-        run_refused(dev, kernel_graph(burn_kernel_ref(), **kw), ValueError,
-                    rf"kernel node k: launch of burn: .*{pattern}")
+        if what == "shared memory":  # the device's own limit: refused when the run resolves it
+            run_refused(dev, kernel_graph(burn_kernel_ref(), **kw), ValueError,
+                        rf"kernel node k: launch of burn: .*{pattern}")
+        else:  # past CUDA's limits on every GPU: refused when the node is made
+            with pytest.raises(NodeFieldValueError,
+                               match=rf"KernelNode k: {what} [xy] = \d+ is above CUDA's limit"):
+                kernel_graph(burn_kernel_ref(), **kw)
         with Stream(dev) as s, DeviceBuffer.allocate(4 * N, s) as d:
             args = [d, d, N, 3, 0.5, 1.0]
             with pytest.raises(ValueError, match=pattern):

@@ -257,8 +257,14 @@ def test_resolve_kernel_node_refusals_name_the_node_and_parameter():
     int_for_ptr = KernelNode("k5", K, 1, 256, (12345, Out(y), 1024, 3, 0.5, 1.0))
     with pytest.raises(TypeError, match="parameter x .* is a pointer; pass a graph buffer"):
         resolve_kernel_node(int_for_ptr, fk)
-    too_big = KernelNode("k6", K, 1, 2048, (In(x), Out(y), 1024, 3, 0.5, 1.0))
-    with pytest.raises(ValueError, match="kernel node k6: launch of burn: block .* 2048 threads"):
+    # a block past CUDA's own 1024 threads is refused when the node is made; what depends on
+    # the device (here its shared memory) is refused when the launch is resolved
+    with pytest.raises(ValueError, match="KernelNode k6: block x = 2048 is above CUDA's limit"):
+        KernelNode("k6", K, 1, 2048, (In(x), Out(y), 1024, 3, 0.5, 1.0))
+    too_big = KernelNode("k6", K, 1, 256, (In(x), Out(y), 1024, 3, 0.5, 1.0),
+                         shared_mem=227 * 1024 + 1)
+    with pytest.raises(ValueError, match="kernel node k6: launch of burn: shared memory .* "
+                                         "opt-in limit"):
         resolve_kernel_node(too_big, fk)
     attr = KernelNode("k7", K, 1, 256, (In(x), Out(y), 1024, 3, 0.5, 1.0),
                       attributes={"warp_speed": 9})

@@ -169,3 +169,61 @@ def test_good_records_still_normalize():
     assert KernelRef(Path("k.cu"), "k").source == "k.cu"  # a Path is kept as str
     assert KernelRef("k.cu", "k", options="-O3").options == ("-O3",)
     assert Memset("m", X, np.int32(7)).unsigned_value == 7  # numpy ints are ints
+
+
+@pytest.mark.parametrize("grid, block, message", [
+    (2**40, 256, "grid x = 1099511627776 is above CUDA's limit of 2147483647 (gridDim.x on "
+                 "every GPU): use fewer blocks (a grid-stride loop in the kernel) or split the "
+                 "launch"),
+    ((1, 65536), 256, "grid y = 65536 is above CUDA's limit of 65535 (gridDim.y on every GPU), "
+                      "in grid (1, 65536, 1): put the blocks in grid x (up to 2**31-1) instead"),
+    ((1, 1, 65536), 1, "grid z = 65536 is above CUDA's limit of 65535 (gridDim.z on every "
+                       "GPU), in grid (1, 1, 65536): put the blocks in grid x"),
+    (1, 2048, "block x = 2048 is above CUDA's limit of 1024 (blockDim.x on every GPU): use "
+              "fewer threads per block and more blocks"),
+    (1, (1, 1025), "block y = 1025 is above CUDA's limit of 1024 (blockDim.y on every GPU)"),
+    (1, (1, 1, 128), "block z = 128 is above CUDA's limit of 64 (blockDim.z on every GPU), "
+                     "in block (1, 1, 128)"),
+    (1, (64, 32), "block (64, 32, 1) has 2048 threads, above CUDA's limit of 1024 threads per "
+                  "block: use fewer threads per block and more blocks"),
+    (2**4000, 1, "grid x = 1.318e+1204 (a 4001-bit int) is above CUDA's limit"),
+])
+def test_kernel_node_refuses_a_grid_or_block_past_cuda_limits(grid, block, message):
+    # was accepted here and refused only at the launch, after the plan was made
+    with pytest.raises(NodeFieldValueError) as info:
+        KernelNode("k", K, grid, block)
+    assert str(info.value).startswith("KernelNode k: " + message)
+    assert isinstance(info.value, ValueError)
+
+
+def test_kernel_node_takes_the_largest_legal_launch_and_numpy_ints():
+    k = KernelNode("k", K, (2**31 - 1, 65535, 65535), (1024, 1, 1))
+    assert k.grid == (2**31 - 1, 65535, 65535) and k.block == (1024, 1, 1)
+    assert KernelNode("k", K, 1, (16, 16, 4)).block == (16, 16, 4)  # 1024 threads, z = 4
+    k = KernelNode("k", K, np.int64(40), (np.int32(128), 2))  # was a NodeFieldTypeError
+    assert k.grid == (40, 1, 1) and k.block == (128, 2, 1)
+    assert all(type(v) is int for v in k.grid + k.block)  # packed for the driver as ints
+
+
+def test_kernel_node_checks_stay_out_of_cuda():
+    import subprocess
+    import sys
+
+    code = ("import sys; from orchestra.graph import KernelNode, KernelRef\n"
+            "try:\n    KernelNode('k', KernelRef('k.cu', 'k'), 2**40, 1)\n"
+            "except ValueError as e:\n    print(e)\n"
+            "print(any(m.startswith('cuda') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.endswith("split the launch\nFalse\n")
+
+
+def test_build_pipeline_refuses_a_later_batch_whose_grid_is_past_the_limit():
+    from orchestra.graph import build_pipeline
+
+    # the first batch is checked; the later ones are made without checks (trusted): the
+    # larger last batch's grid must still be refused, naming it
+    with pytest.raises(NodeFieldValueError, match=r"KernelNode b2\.kernel: grid x = "
+                                                  r"2147483648 is above CUDA's limit"):
+        build_pipeline(3, [4096, 4096, 4 * 32 * 2**31], K,
+                       block=32)

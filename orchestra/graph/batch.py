@@ -22,7 +22,9 @@ from orchestra.errors import GraphError, NodeFieldTypeError
 from orchestra.graph.fields import check_int, got, is_int
 from orchestra.graph.buffers import Access, Buffer, BufferRange, HostBuffer, Mode, as_range
 from orchestra.graph.kernel_ref import KernelRef
-from orchestra.graph.nodes import Alloc, DeviceToHost, Free, HostToDevice, In, KernelNode, Node, Out
+from orchestra.graph.nodes import (
+    MAX_GRID_DIM, Alloc, DeviceToHost, Free, HostToDevice, In, KernelNode, Node, Out,
+)
 from orchestra.graph.taskgraph import TaskGraph
 from orchestra.graph.trusted import make_columns, maker, set_column
 
@@ -365,6 +367,8 @@ class _Batches:
         if any(type(x) is not int or x <= 0 or x % es for x in sizes) \
                 or any(type(x) is not int for x in offsets):
             return None
+        if grid is None and -(-max(sizes) // es // bx) > MAX_GRID_DIM[0]:
+            return None  # a grid past CUDA's limit: the checked path names the batch
         first = len(done)
         m = len(sizes)
         idx = range(first, first + m)
@@ -483,14 +487,14 @@ class _Batches:
                                                       (wout,), out)
         h2d = _make_h2d(p + "h2d", index, device, (), (_make_access(hin, _READ), win),
                         "auto", hin, inp._whole)
-        if default_layout:  # elementwise_args: (In(inp), Out(out), n, *scalars)
+        if default_layout and grid[0] <= MAX_GRID_DIM[0]:  # elementwise_args: (In, Out, n, ...)
             args = (_make_in(inp._whole), _make_out(out._whole), n, *scalars)
             knode = _make_kernel(p + "kernel", index, device, (), (rin, wout), kernel, grid,
                                  block, args, 0, ())
         else:
-            knode = KernelNode(p + "kernel", kernel, grid, block,
-                               self._kw["arg_layout"](inp, out, n, scalars), batch=index,
-                               device=device)
+            layout = self._kw.get("arg_layout", elementwise_args)
+            knode = KernelNode(p + "kernel", kernel, grid, block, layout(inp, out, n, scalars),
+                               batch=index, device=device)  # checked: names a grid too large
         d2h = _make_d2h(p + "d2h", index, device, (), (rout, _make_access(hout, _WRITE)),
                         "auto", out._whole, hout)
         free_in = _make_free(p + ("free" if in_place else "free_in"), index, device, (),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 
-from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
+from orchestra.errors import NodeFieldTypeError, NodeFieldValueError, int_text
 from orchestra.graph.buffers import (
     Access,
     Buffer,
@@ -351,14 +351,30 @@ def _is_scalar(x) -> bool:
                                              and getattr(x, "shape", None) == ())
 
 
+#: CUDA's launch limits on every GPU CUDA 13 supports (CUDA C++ Programming Guide,
+#: "Compute Capabilities", technical specifications table: maximum x-dimension of a grid
+#: 2**31-1, y and z 65535; maximum x/y-dimension of a block 1024, z 64; 1024 threads per
+#: block). `KernelNode` refuses a launch outside them when it is made; what depends on the
+#: device (shared memory, a kernel's own thread limit) is checked at launch (`check_launch`).
+MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+MAX_BLOCK_DIM = (1024, 1024, 64)
+MAX_THREADS_PER_BLOCK = 1024
+
+
+def _is_whole(v) -> bool:
+    """An int, numpy integer or other `numbers.Integral`, not a bool (numpy's bool is no
+    Integral)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _dim3(value):
-    """Converter: an int or a list/tuple of 1-3 ints -> ``(x, y, z)``; anything else unchanged
-    (`KernelNode` names the field)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    """Converter: an int or a list/tuple of 1-3 ints (numpy integers too) -> ``(x, y, z)`` of
+    Python ints; anything else unchanged (`KernelNode` names the field)."""
+    if _is_whole(value):
         value = (value,)
     if isinstance(value, (list, tuple)) and 1 <= len(value) <= 3 \
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value) + (1,) * (3 - len(value))
+            and all(_is_whole(v) for v in value):
+        return tuple(int(v) for v in value) + (1,) * (3 - len(value))
     return value
 
 
@@ -370,7 +386,28 @@ def _check_dim3(node, field: str) -> None:
         raise NodeFieldTypeError(f"{node._record}: {field} must be {expected}, got {got(value)}")
     if any(v < 1 for v in value):
         raise NodeFieldValueError(f"{node._record}: {field} must be positive ({expected} >= 1),"
-                                  f" got {value!r}")
+                                  f" got {_dims_text(value)}")
+    limits = MAX_GRID_DIM if field == "grid" else MAX_BLOCK_DIM
+    for axis, v, lim in zip("xyz", value, limits):
+        if v > lim:
+            fix = (("use fewer blocks (a grid-stride loop in the kernel) or split the launch"
+                    if axis == "x" else "put the blocks in grid x (up to 2**31-1) instead")
+                   if field == "grid" else
+                   "use fewer threads per block and more blocks")
+            whole = "" if value[1:] == (1, 1) else f", in {field} {_dims_text(value)}"
+            raise NodeFieldValueError(
+                f"{node._record}: {field} {axis} = {int_text(v)} is above CUDA's limit of "
+                f"{lim} ({field}Dim.{axis} on every GPU){whole}: {fix}")
+    if field == "block" and value[0] * value[1] * value[2] > MAX_THREADS_PER_BLOCK:
+        raise NodeFieldValueError(
+            f"{node._record}: block {value!r} has {value[0] * value[1] * value[2]} threads, "
+            f"above CUDA's limit of {MAX_THREADS_PER_BLOCK} threads per block: use fewer "
+            "threads per block and more blocks")
+
+
+def _dims_text(value: tuple) -> str:
+    """``(x, y, z)`` as written, a huge int as its magnitude (`int_text`)."""
+    return "(" + ", ".join(int_text(v) for v in value) + ")"
 
 
 def _args(value):
@@ -398,6 +435,13 @@ class KernelNode(Node):
     kernel sets the condition: a write of it; the executor passes the handle). ``shared_mem``
     is dynamic shared memory in bytes; ``attributes`` are launch attributes (name -> value),
     kept sorted.
+
+    ``grid`` and ``block``: an int or 1-3 ints (numpy integers too), padded with 1 to
+    ``(x, y, z)``. A dimension below 1 or past CUDA's limits on every GPU (`MAX_GRID_DIM`,
+    `MAX_BLOCK_DIM`, `MAX_THREADS_PER_BLOCK`) is a `NodeFieldValueError` (a ``ValueError``)
+    when the node is made, a wrong type a `NodeFieldTypeError`; what depends on the device
+    (its shared memory, a kernel's register-limited threads) is checked at the launch
+    (``cuLaunchKernel``'s limits, `orchestra.compiler.launch.check_launch`).
     """
 
     kernel: KernelRef
