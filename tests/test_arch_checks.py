@@ -292,3 +292,20 @@ def test_cli_refuses_an_output_name_that_says_the_other_kind(no_compiler, nvrtc_
     assert main(["compile", "burn.cu", *args]) == 2
     assert capsys.readouterr().err == f"orchestra compile: {message}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, message", [
+    ("", "options: an empty option '': drop it (NVRTC takes it for an unknown one)"),
+    ("  ", "options: an empty option '  ': drop it"),
+    ("-DN=4\0-lineinfo", "options: '-DN=4\\x00-lineinfo' contains a NUL character: NVRTC reads "
+                         "an option as a C string and would drop what follows it; remove it"),
+])
+def test_an_empty_or_nul_option_is_refused_before_nvrtc(saxpy, capsys, no_compiler, option,
+                                                         message):
+    # was NVRTC_ERROR_INVALID_OPTION "unrecognized option  found" (exit 4, a compile error),
+    # and a NUL silently cut the option short
+    with pytest.raises(CompilerArgumentValueError) as info:
+        nvrtc_compile(saxpy, arch="sm_90", options=("-lineinfo", option))
+    assert str(info.value).startswith(message) and isinstance(info.value, ValueError)
+    assert main(["compile", str(saxpy), "--arch", "sm_90", f"-O={option}"]) == 2
+    assert capsys.readouterr().err.startswith(f"orchestra compile: {message}")

@@ -213,11 +213,21 @@ def _as_str_tuple(items, what: str) -> tuple[str, ...]:
 def build_options(arch: str, ptx: bool, user_options=(), include_dirs=()) -> tuple[str, ...]:
     """The full NVRTC option list (see the module doc).
 
-    Raises ``ValueError`` when ``user_options`` carries its own architecture flag (pass
-    ``arch=`` instead, so the cache key and the result's ``arch`` stay truthful).
+    Raises `CompilerArgumentValueError` (a ``ValueError``) when ``user_options`` carries its
+    own architecture flag (pass ``arch=`` instead, so the cache key and the result's ``arch``
+    stay truthful), an empty option (NVRTC's "unrecognized option  found", a compile error
+    naming nothing) or one with a NUL character (NVRTC reads C strings: the rest would be
+    dropped without a word).
     """
     user = _as_str_tuple(user_options, "options")
     for o in user:
+        if not o.strip():
+            raise CompilerArgumentValueError(
+                f"options: an empty option {o!r}: drop it (NVRTC takes it for an unknown one)")
+        if "\0" in o:
+            raise CompilerArgumentValueError(
+                f"options: {o!r} contains a NUL character: NVRTC reads an option as a C "
+                "string and would drop what follows it; remove it")
         if o.startswith(ARCH_OPTIONS):
             raise CompilerArgumentValueError(
                 f"option {o!r} sets the target architecture: pass arch=\"sm_XY\" (and ptx=True"
