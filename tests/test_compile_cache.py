@@ -449,6 +449,8 @@ def test_kernel_ref_options_reach_the_key(case, monkeypatch):
     ("2MiB", 2 << 20), ("1.5G", 3 << 29), ("3 GiB", 3 << 30), ("1T", 1 << 40), ("7B", 7),
     (" 512m ", 512 << 20), ("0", None), ("0K", None), ("none", None), ("unlimited", None),
     ("UNLIMITED", None),
+    ("99999999999999999999999999", 99999999999999999999999999),  # was 1e26 rounded by a float
+    (".5K", 512), ("0.001K", 1),
 ])
 def test_parse_size(text, value):
     assert cache.parse_size(text) == value
@@ -617,3 +619,22 @@ def test_cache_info_and_clear(tmp_path, monkeypatch):
     assert oc.cache_info().entries == 0 and (d / "unrelated.txt").exists()
     assert not oc.compile("saxpy.cu", arch=ARCH).cache_hit
     assert oc.compile("saxpy.cu", arch=ARCH).cubin == a.cubin
+
+
+@pytest.mark.parametrize("value, enabled", [
+    ("1", False), ("yes", False), ("true", False), ("anything", False),
+    ("", True), ("0", True), ("false", True), ("False", True), ("no", True), (" off ", True),
+])
+def test_no_cache_reads_the_usual_spellings_of_no(monkeypatch, value, enabled):
+    # ORCHESTRA_NO_CACHE=false turned the cache off
+    monkeypatch.setenv("ORCHESTRA_NO_CACHE", value)
+    assert cache.cache_enabled() is enabled
+
+
+def test_a_relative_cache_dir_is_shown_as_the_folder_it_is(tmp_path, monkeypatch):
+    # info showed "relative/dir", which names a different folder in every working directory
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ORCHESTRA_CACHE_DIR", "relative/dir")
+    info = oc.cache_info()
+    assert info.location == tmp_path / "relative" / "dir" and info.location.is_absolute()
+    assert not (tmp_path / "relative").exists()  # info creates nothing

@@ -1,7 +1,9 @@
 """The on-disk cache of compiled images (cubin or PTX) with their log and lowered names.
 
 Location: ``$ORCHESTRA_CACHE_DIR`` if set, else platformdirs' user cache directory +
-``/orchestra``; created with mode 0o700. ``ORCHESTRA_NO_CACHE=1`` turns the cache off. A
+``/orchestra`` (a relative path is taken from the working directory: `cache_info` shows the
+absolute one); created with mode 0o700. ``ORCHESTRA_NO_CACHE=1`` turns the cache off (``0``,
+``false``, ``no``, ``off`` or empty leave it on). A
 location that is not a directory (a file there): a compile warns once and compiles without the
 cache; `cache_info` / `cache_clear` raise `CacheDirError`.
 
@@ -45,6 +47,7 @@ import stat
 import struct
 import tempfile
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import attrs
@@ -91,9 +94,15 @@ class CacheEntry:
     names: dict
 
 
+#: ``$ORCHESTRA_NO_CACHE`` values that leave the cache on (any case, spaces ignored): unset
+#: or empty, and the usual spellings of "no" (``ORCHESTRA_NO_CACHE=false`` turned it off)
+_OFF_WORDS = ("", "0", "false", "no", "off")
+
+
 def cache_enabled() -> bool:
-    """False when ``$ORCHESTRA_NO_CACHE`` is set to anything but ``""``/``"0"``."""
-    return os.environ.get("ORCHESTRA_NO_CACHE", "") in ("", "0")
+    """False when ``$ORCHESTRA_NO_CACHE`` is set to anything but ``""``, ``0``, ``false``,
+    ``no`` or ``off`` (any case)."""
+    return os.environ.get("ORCHESTRA_NO_CACHE", "").strip().lower() in _OFF_WORDS
 
 
 def parse_size(text: str) -> int | None:
@@ -107,7 +116,8 @@ def parse_size(text: str) -> int | None:
         raise CacheConfigError(
             f"{MAX_BYTES_ENV}={text!r} is not a size: give bytes (500000000), a number with K, M,"
             " G or T (512M, 2G, 1.5GiB), or 0 / none / unlimited for no cap")
-    n = int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+    # Decimal, not float: a byte count of more than 16 digits stays the count given
+    n = int(Decimal(m.group(1)) * _SUFFIX[m.group(2).upper()])
     return n or None
 
 
@@ -143,8 +153,8 @@ def cache_dir(create: bool = True) -> Path:
     Raises `CacheDirError` when ``create`` and the location (or a folder above it) exists but
     is not a directory, or it cannot be created."""
     env = os.environ.get("ORCHESTRA_CACHE_DIR")
-    if env:
-        d = Path(env).expanduser()
+    if env:  # a relative path is this process's working directory's: say which folder
+        d = Path(env).expanduser().absolute()
     else:
         import platformdirs
 
