@@ -234,3 +234,17 @@ def test_launch_config_refuses_out_of_range_shared_memory_and_priority(kw, match
     with pytest.raises(LaunchConfigValueError, match=match):
         LaunchConfig.make(1, 32, **kw)
     assert LaunchConfig.make(1, 32, shared_mem=2**32 - 1, priority=-(2**31)).priority == -(2**31)
+
+
+@pytest.mark.parametrize("flag", ["pdl", "cooperative"])
+def test_launch_flags_are_bools_not_truthy_values(flag):
+    from orchestra.compiler.launch import LaunchConfig
+    from orchestra.errors import LaunchConfigTypeError
+
+    # bool("no") is True: pdl="no" turned programmatic dependent launch on
+    for value in ("no", "false", 2, 1.0, None, [0]):
+        with pytest.raises(LaunchConfigTypeError, match=f"{flag} must be True or False, got "):
+            LaunchConfig.make(1, 32, **{flag: value})
+    for value, want in ((True, True), (False, False), (1, True), (0, False),
+                        (np.True_, True), (np.False_, False)):
+        assert getattr(LaunchConfig.make(1, 32, **{flag: value}), flag) is want

@@ -227,3 +227,25 @@ def test_build_pipeline_refuses_a_later_batch_whose_grid_is_past_the_limit():
                                                   r"2147483648 is above CUDA's limit"):
         build_pipeline(3, [4096, 4096, 4 * 32 * 2**31], K,
                        block=32)
+
+
+def test_numpy_sizes_and_offsets_become_python_ints():
+    # nbytes / offsets stayed numpy scalars, and b.range(np.uint64(4)) said
+    # "nbytes must be an int >= 0, got NoneType None" (the nbytes it was not given)
+    b = Buffer("b", np.uint64(16), np.int32(1))
+    assert (b.nbytes, b.device) == (16, 1) and type(b.nbytes) is int and type(b.device) is int
+    r = b.range(np.uint64(4))
+    assert (r.offset, r.nbytes) == (4, 12) and type(r.offset) is type(r.nbytes) is int
+    r = BufferRange(HostBuffer("h", np.int64(8)), np.int64(2), np.int16(6))
+    assert (r.offset, r.nbytes, r.end) == (2, 6, 8) and type(r.buffer.nbytes) is int
+    assert Buffer("b", np.int64(16)) == Buffer("b", 16)
+    k = KernelNode("k", K, 1, 1, shared_mem=np.int64(64))
+    assert k.shared_mem == 64 and type(k.shared_mem) is int
+
+
+def test_shared_mem_past_an_unsigned_int_is_refused_when_the_node_is_made():
+    KernelNode("k", K, 1, 1, shared_mem=2**32 - 1)  # the device's limit is checked at launch
+    with pytest.raises(NodeFieldValueError, match=r"KernelNode k: shared_mem must be an int >= 0 "
+                                                  r"\(bytes\) below 2\*\*32 \(cuLaunchKernel's "
+                                                  r"unsigned int sharedMemBytes\)"):
+        KernelNode("k", K, 1, 1, shared_mem=2**40)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 
 import attrs
+import numpy as np
 
 from orchestra.errors import LaunchConfigTypeError, LaunchConfigValueError, int_text
 
@@ -63,6 +64,16 @@ def normalize_dims(value, what: str) -> tuple[int, int, int]:
     while len(out) < 3:
         out.append(1)
     return (out[0], out[1], out[2])
+
+
+def _flag(value, what: str) -> bool:
+    """``value`` as a bool: True or False (numpy's too, or the ints 0 and 1), else
+    `LaunchConfigTypeError`: ``bool("no")`` is True, so ``pdl="no"`` turned PDL on."""
+    if value is True or value is False or isinstance(value, np.bool_) or \
+            (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise LaunchConfigTypeError(f"{what} must be True or False, got {type(value).__name__} "
+                                f"{value!r}")
 
 
 @attrs.frozen
@@ -111,9 +122,9 @@ class LaunchConfig:
                     f"priority must be an int from {_INT_MIN} to {_INT_MAX}, got "
                     f"{int_text(priority)}")
         return cls(normalize_dims(grid, "grid"), normalize_dims(block, "block"), smem,
-                   bool(cooperative), None if cluster is None else normalize_dims(cluster,
-                   "cluster"),
-                   bool(pdl), priority)
+                   _flag(cooperative, "cooperative"), None if cluster is None else
+                   normalize_dims(cluster, "cluster"),
+                   _flag(pdl, "pdl"), priority)
 
     @property
     def threads_per_block(self) -> int:

@@ -16,7 +16,7 @@ from typing import cast
 import attrs
 
 from orchestra.errors import NodeFieldTypeError, NodeFieldValueError
-from orchestra.graph.fields import MAX_BYTES, MAX_DEVICE, check_int, check_name, got
+from orchestra.graph.fields import MAX_BYTES, MAX_DEVICE, as_int, check_int, check_name, got, is_int
 
 
 def _record(inst) -> str:
@@ -58,8 +58,8 @@ class _RangeMixin:
 
     def range(self, offset: int = 0, nbytes: int | None = None) -> "BufferRange":
         """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to the end)."""
-        if nbytes is None and type(offset) is int:  # else BufferRange names the bad offset
-            nbytes = self.nbytes - offset
+        if nbytes is None and is_int(offset):  # else BufferRange names the bad offset
+            nbytes = self.nbytes - int(offset)
         return BufferRange(cast("Buffer | HostBuffer", self), offset, cast(int, nbytes))
 
     @property
@@ -77,8 +77,8 @@ class Buffer(_RangeMixin):
     """Device memory of ``nbytes`` bytes on ``device`` (a logical buffer)."""
 
     name: str = attrs.field(validator=_name)
-    nbytes: int = attrs.field(validator=_positive_int)
-    device: int = attrs.field(default=0)
+    nbytes: int = attrs.field(converter=as_int, validator=_positive_int)
+    device: int = attrs.field(default=0, converter=as_int)
     _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @device.validator
@@ -99,7 +99,7 @@ class HostBuffer(_RangeMixin):
     """A host slot of ``nbytes`` bytes, bound at run time to a pinned numpy array."""
 
     name: str = attrs.field(validator=_name)
-    nbytes: int = attrs.field(validator=_positive_int)
+    nbytes: int = attrs.field(converter=as_int, validator=_positive_int)
     _whole: "BufferRange | None" = attrs.field(init=False, default=None, eq=False, repr=False)
 
     is_host = True
@@ -115,8 +115,8 @@ class BufferRange:
     """Bytes ``[offset, offset + nbytes)`` of ``buffer``; checked to be in bounds."""
 
     buffer: Buffer | HostBuffer
-    offset: int
-    nbytes: int
+    offset: int = attrs.field(converter=as_int)
+    nbytes: int = attrs.field(converter=as_int)
 
     def __attrs_post_init__(self):
         if not isinstance(self.buffer, (Buffer, HostBuffer, Condition)):

@@ -54,6 +54,15 @@ def is_int(value) -> bool:
         and value.dtype.kind in "iu" and getattr(value, "shape", None) == ()
 
 
+def as_int(value):
+    """Converter: a numpy integer -> the same Python int (sizes and offsets add up without
+    numpy's fixed-width overflow, and go into JSON and driver calls as ints); anything else
+    unchanged (the record's check names it)."""
+    if type(value) is int or not is_int(value):
+        return value
+    return int(value)
+
+
 def check_int(record, field: str, value, *, minimum: int | None = None,
               optional: bool = False, what: str | None = None,
               maximum: int | None = None, limit: str = "") -> None:

@@ -28,7 +28,9 @@ from orchestra.graph.buffers import (
     to_range,
 )
 from orchestra.graph.bodies import body_accesses
-from orchestra.graph.fields import MAX_DEVICE, check_int, check_name, check_str_tuple, got, str_tuple
+from orchestra.graph.fields import (
+    MAX_DEVICE, as_int, check_int, check_name, check_str_tuple, got, str_tuple,
+)
 from orchestra.graph.kernel_ref import KernelRef
 
 _RANGE = "a Buffer, HostBuffer or BufferRange"
@@ -359,6 +361,9 @@ def _is_scalar(x) -> bool:
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_THREADS_PER_BLOCK = 1024
+#: Dynamic shared memory is an unsigned int to ``cuLaunchKernel``; the device's own (much
+#: lower) opt-in limit is checked at the launch.
+MAX_SHARED_MEM = 2**32 - 1
 
 
 def _is_whole(v) -> bool:
@@ -448,7 +453,7 @@ class KernelNode(Node):
     grid: tuple[int, int, int] = attrs.field(converter=_dim3)
     block: tuple[int, int, int] = attrs.field(converter=_dim3)
     args: tuple = attrs.field(default=(), converter=_args)
-    shared_mem: int = 0
+    shared_mem: int = attrs.field(default=0, converter=as_int)
     attributes: tuple = attrs.field(default=(), converter=_attributes)
     kind: ClassVar[str] = "kernel"
 
@@ -459,7 +464,9 @@ class KernelNode(Node):
         _check_dim3(self, "grid")
         _check_dim3(self, "block")
         check_int(self._record_of, "shared_mem", self.shared_mem, minimum=0,
-                  what="an int >= 0 (bytes)")
+                  what="an int >= 0 (bytes)", maximum=MAX_SHARED_MEM,
+                  limit="below 2**32 (cuLaunchKernel's unsigned int sharedMemBytes); a "
+                        "GPU's own limit is far lower (227 KiB on an H100 or H200)")
         r = self._record_of
         if not isinstance(self.attributes, tuple):
             raise NodeFieldTypeError(f"{r()}: attributes must be a mapping of launch attribute"
