@@ -14,9 +14,10 @@ from typing import cast
 
 import attrs
 
-from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleError
+from orchestra.errors import GraphError, ScheduleArgumentTypeError, ScheduleError, int_text
 from orchestra.graph import TaskGraph
 from orchestra.graph.collector import paused
+from orchestra.graph.fields import is_int
 from orchestra.schedule.concurrent import concurrent
 from orchestra.schedule.costs import Costs, check_costs_type, estimate_costs, resource_of
 from orchestra.schedule.devices import graph_devices, place_by_device
@@ -62,8 +63,11 @@ def schedule(graph: TaskGraph, policy: str = "by-engine", streams: int = 3,
     if not isinstance(graph, TaskGraph):
         raise ScheduleArgumentTypeError(f"schedule() needs a TaskGraph as its first argument; "
                                         f"got {type(graph).__name__}")
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise ScheduleError(f"streams must be an int >= 1; got {streams!r}")
+    if not is_int(streams):  # a numpy integer is one (np.int64(4) was refused)
+        raise ScheduleArgumentTypeError(f"streams must be an int >= 1; got {streams!r}")
+    streams = int(streams)
+    if streams < 1:
+        raise ScheduleError(f"streams must be an int >= 1; got {int_text(streams)}")
     if not isinstance(policy, str):  # a list or a dict would fail the policy lookups inside
         raise ScheduleArgumentTypeError(f"policy must be a string, one of {', '.join(POLICIES)};"
                                         f" got {type(policy).__name__} {policy!r:.80}")
