@@ -94,7 +94,7 @@ def check_inputs(specs: dict[str, TensorSpec], inputs) -> tuple[dict[str, np.nda
         a = _check_array(spec, inputs, "input")
         return {name: a}, a.shape[0]
     if not isinstance(inputs, Mapping):
-        raise InputTypeError(f"inputs must be an array (numpy, or a host tensor) or a dict of "
+        raise InputTypeError(f"inputs must be a numpy array (or a host tensor) or a dict of "
                              f"name -> array; got {type(inputs).__name__}")
     if inputs.keys() != specs.keys():
         missing = [n for n in specs if n not in inputs]
