@@ -2,9 +2,10 @@
 
 A public class is a class named in some orchestra module's ``__all__``, defined in orchestra,
 and not an exception. Its docstring must hold a paragraph that starts ``Thread-safety:`` (what
-may be shared between threads and what may not) or ``Immutable`` (a frozen record: "Immutable:
-may be shared between threads freely."). The test imports every module of the package, so a
-new module or a new public class is checked without being listed here.
+may be shared between threads and what may not, and why) or, for a frozen record, a sentence
+that starts ``Immutable`` ("Immutable: may be shared between threads freely."). The test
+imports every module of the package, so a new module or a new public class is checked without
+being listed here.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import pytest
 
 import orchestra
 
-#: how the paragraph that states a class's thread-safety begins
-OPENINGS = ("Thread-safety:", "Immutable")
-
 
 def states_thread_safety(doc: str | None) -> bool:
     """True when ``doc`` has a paragraph (text after a blank line, or the first one) that
-    starts with one of `OPENINGS`."""
+    starts with ``Thread-safety:``, or a sentence that starts with ``Immutable`` (a frozen
+    record says so where it describes itself: "... ``row_nbytes``: bytes per row. Immutable:
+    may be shared between threads freely.")."""
     if not doc:
         return False
-    paragraphs = inspect.cleandoc(doc).split("\n\n")
-    return any(p.strip().startswith(OPENINGS) for p in paragraphs)
+    text = inspect.cleandoc(doc)
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
+    if any(p.startswith("Thread-safety:") for p in paragraphs):
+        return True
+    return any(p.startswith("Immutable") or ". Immutable" in p for p in paragraphs)
 
 
 def public_classes() -> dict[str, type]:
@@ -69,6 +72,8 @@ def test_every_public_class_states_its_thread_safety():
     ("A record.\n\n    Immutable: may be shared between threads freely.\n    ", True),
     ("A pool.\n\n    Args:\n        n: size.\n\n    Thread-safety: one lock covers `get`.", True),
     ("Thread-safety: not thread-safe; use one per thread.", True),
+    ("A spec: ``rows``: the row count. Immutable: may be shared between threads freely.", True),
+    ("Holds mutable state (not Immutable at all).", False),
 ])
 def test_the_check_tells_a_statement_from_none(doc, expected):
     assert states_thread_safety(doc) is expected

@@ -57,8 +57,8 @@ class Collective(Node):
     """Base of the NCCL node kinds: ``comm`` and ``dtype``; subclasses add their ranges.
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     comm: Any = attrs.field(kw_only=True)
@@ -181,8 +181,8 @@ class AllReduce(_SendRecvCollective):
     """``recv = op(send of every rank)`` (``ncclAllReduce``); in place when send is recv.
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     op: str = attrs.field(default="sum", kw_only=True)
@@ -209,8 +209,8 @@ class AllGather(_SendRecvCollective):
     (``ncclAllGather``; ``count`` = send elements).
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     kind: ClassVar[str] = "all_gather"
@@ -238,8 +238,8 @@ class ReduceScatter(_SendRecvCollective):
     ``count`` = recv elements).
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     op: str = attrs.field(default="sum", kw_only=True)
@@ -269,8 +269,8 @@ class Broadcast(_SendRecvCollective):
     root only (other ranks may pass recv as send).
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     root: int = attrs.field(default=0, kw_only=True)
@@ -299,8 +299,8 @@ class Send(Collective):
     """Send ``src`` to rank ``peer`` (``ncclSend``); ``peer`` runs the matching `Recv`.
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     src: BufferRange = attrs.field(converter=to_range)
@@ -326,8 +326,8 @@ class Recv(Collective):
     """Receive into ``dst`` from rank ``peer`` (``ncclRecv``).
 
     Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
-    copied: running the node follows the communicator's own rules (NCCL calls on one communicator
-    are issued from one thread).
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
     """
 
     dst: BufferRange = attrs.field(converter=to_range)

@@ -32,8 +32,8 @@ class CollectiveCall:
     addresses and the stream: count, element type, operator / root / peer).
 
     Thread-safety: not thread-safe: one per prepared plan or built graph, called on the thread that
-    enqueues it, under its executor's lock. NCCL calls on one communicator are issued from one
-    thread.
+    enqueues it, under its executor's lock (NCCL operations on one communicator are issued by
+    one thread at a time).
     """
 
     __slots__ = ("fn", "comm", "lease", "static", "node")
