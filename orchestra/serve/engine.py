@@ -323,6 +323,7 @@ class Engine:
         self._fast_ndim = 1 + len(self._fast_in.row_shape) if self._fast_in is not None else 0
         self._aio_q: queue.SimpleQueue | None = None  # the asyncio bridge (run())
         self._bridge_closed = False  # set by close() once the bridge is gone: run() refuses
+        self._bridge_lock = threading.Lock()  # _bridge_closed vs run()'s hand-over only
         self._cancel_all = False  # close(cancel=True): the bridge cancels what it still holds
         # event loop -> its _LoopInbox (completions handed to it, its in-flight bound)
         self._aio_boxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -582,12 +583,19 @@ class Engine:
             reqs[0].group.fut = fut
         aio = loop.create_future()
         fut._aio = aio
-        fut.add_done_callback(box.push)
+        # the inbox's one shared callback list instead of add_done_callback: no list and no
+        # bound method per request (two objects fewer for the garbage collector to traverse
+        # while a thousand requests are in flight); nobody else sees this future, so nobody
+        # adds to the list, and completing the future only drops its reference to it
+        fut._done_callbacks = box.callbacks
         try:
             q = self._aio_q
             if q is None:
                 q = self._start_bridge()
-            with self._lock:  # close() sets the flag under the lock before its last sweep
+            # close() sets the flag under this lock before its last sweep; not the engine's
+            # lock: the loop thread would sleep behind the engine's threads holding it, then
+            # wait for the GIL to come back (up to a switch interval of loop lag)
+            with self._bridge_lock:
                 refused = self._bridge_closed
                 if not refused:
                     q.put(reqs)
@@ -1555,7 +1563,7 @@ class Engine:
             for t in self._threads:
                 if t.name == "orchestra-serve-asyncio":
                     t.join()
-            with self._lock:  # from here run() refuses instead of handing over
+            with self._bridge_lock:  # from here run() refuses instead of handing over
                 self._bridge_closed = True
             while True:  # handed over while the bridge was stopping: refused
                 try:
@@ -1639,10 +1647,12 @@ class _LoopInbox:
     Thread-safety: `push` from any thread; `drain` only on the loop's thread.
     """
 
-    __slots__ = ("loop", "sem", "per_turn", "items", "lock", "scheduled", "__weakref__")
+    __slots__ = ("loop", "sem", "per_turn", "items", "lock", "scheduled", "callbacks",
+                 "__weakref__")
 
     def __init__(self, loop, sem, per_turn: int):
         self.loop = loop
+        self.callbacks = [self.push]  # every request's done-callbacks (`Engine.run`)
         self.sem = sem
         self.per_turn = per_turn
         self.items: collections.deque = collections.deque()
