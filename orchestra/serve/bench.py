@@ -759,9 +759,9 @@ def format_lag(r: Result) -> list[str]:
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")
     if "gc_left_for_full_collection" in x:
-        lines.append(f"    young collections from the loop (automatic collector off); a full "
-                     f"collection after the run found {x['gc_left_for_full_collection']:,} "
-                     "unreachable objects (reference cycles the young collections left)")
+        lines.append(f"    collections of generation 0 from the loop, the automatic collector "
+                     f"off; a full collection after the load found "
+                     f"{x['gc_left_for_full_collection']:,} unreachable objects (cycles)")
     return lines
 
 
