@@ -172,6 +172,9 @@ def test_asyncio_mode_collects_the_young_generation_from_the_loop(young_ms, caps
     results, _, _ = run(o)
     (r,) = results
     assert r.requests == 800 and r.wrong == 0 and r.errors == 0
+    # the loop thread's CPU per request, and the benchmark's own share of it, both measured
+    assert 0 < r.extra["bench_own_us_per_request"] < r.extra["loop_cpu_us_per_request"]
+    assert "of which the benchmark's own (pick the input, compare the output)" in text
     if young_ms:
         assert r.extra["gc_left_for_full_collection"] == 0
         # at least one timed collection per 10 ms of load (a loaded machine stretches it)

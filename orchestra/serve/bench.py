@@ -682,15 +682,20 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     left = [tasks]
     finished = asyncio.Event()
 
+    own = [0]  # ns the tasks spent on the loop picking inputs and comparing outputs
+
     async def task(k):
         pick = picks[k]
         try:
             for _ in range(per):
+                t = _now()
                 x, y_ref = pick()
                 t0 = _now()
                 y = await e.run(x)
-                res.latency_us.append((_now() - t0) / 1e3)
+                t1 = _now()
+                res.latency_us.append((t1 - t0) / 1e3)
                 res.wrong += y.tobytes() != y_ref
+                own[0] += _now() - t1 + t0 - t
         except Exception as exc:  # noqa: BLE001 - counted and shown as the run's error
             errs.append(exc)
         finally:
@@ -704,7 +709,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
         if young_ms:
             gc.disable()
             young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         # the tasks start ARRIVALS_PER_TURN per loop turn, as a server's connections arrive:
         # the first steps of 1,000 coroutines in one turn would be the benchmark's own lag
         started = []
@@ -714,6 +719,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             await asyncio.sleep(0)
         await finished.wait()
         res.seconds = time.perf_counter() - t0
+        loop_cpu = time.thread_time() - cpu0
         stop = True
         await p
         if young is not None:
@@ -738,6 +744,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                       "loop_lag_samples": len(samples),
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
+                      # the loop thread's CPU time per request (the engine's run() and inbox,
+                      # asyncio's turns, the probe) and the benchmark's own part of it
+                      "loop_cpu_us_per_request": loop_cpu * 1e6 / max(1, res.requests),
+                      "bench_own_us_per_request": own[0] / 1e3 / max(1, res.requests),
                       "gc_collections": {str(g): {"count": c, "max_ms": m}
                                          for g, (c, m) in sorted(gens.items())}})
     res.note = (res.note or "") + (f"loop lag p50 {np.percentile(lag, 50):.3f} / p99 "
@@ -755,6 +765,10 @@ def format_lag(r: Result) -> list[str]:
     for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
         lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "
                      f"(max {c['max_ms']:.3f} ms)")
+    if "loop_cpu_us_per_request" in x:
+        lines.append(f"    loop thread CPU per request {x['loop_cpu_us_per_request']:.1f} us, of "
+                     f"which the benchmark's own (pick the input, compare the output) "
+                     f"{x['bench_own_us_per_request']:.1f} us")
     gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")
