@@ -36,7 +36,10 @@ def _row_shape(value) -> tuple[int, ...]:
 @attrs.frozen
 class TensorSpec:
     """One named tensor: ``row_shape`` (the shape of one row: everything after axis 0) and
-    ``dtype``. ``row_nbytes``: bytes per row. Immutable."""
+    ``dtype``. ``row_nbytes``: bytes per row.
+
+    Immutable: may be shared between threads freely.
+    """
 
     name: str
     row_shape: tuple[int, ...] = attrs.field(converter=_row_shape)
