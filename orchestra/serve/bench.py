@@ -13,9 +13,12 @@ Modes (``--mode``):
   peers (one client per thread);
 - ``open``: Poisson arrivals at ``--rate`` requests/s from one generator thread; latency is
   measured from each request's scheduled arrival (no coordinated omission);
-- ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started in waves of 50 per
-  loop turn, as connections arrive); the event loop's lag is
-  measured by a probe task sleeping 0.5 ms in a loop;
+- ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started 8 per loop turn,
+  as connections arrive), each output compared on the loop (the benchmark's own cost: one
+  64 KiB copy and compare per request); the event loop's lag is measured by a probe task
+  sleeping 0.5 ms in a loop, every late wake-up put down to its cause; the garbage collector
+  runs as docs/serving.md recommends for a lag bound (``gc.freeze()`` after the warm-up,
+  young collections from the loop every ``--gc-young-ms``; both printed);
 - ``soak``: T threads, ``--requests`` requests or ``--duration`` seconds, 1% bad requests (each
   must fail only its own future with the specific error); RSS, pool bytes, graph memory and live
   handles printed at the start and the end;
@@ -383,6 +386,9 @@ class BenchOptions:
     dispatch: str = "both"  # caller | thread | both
     peers: bool = True
     gc_freeze: bool = True  # asyncio: gc.freeze() after the warm-up
+    # asyncio: gc.disable() and a young collection every this many ms from the loop (None or
+    # 0: the automatic collector)
+    gc_young_ms: float | None = 5.0
     switch_interval_ms: float | None = None  # sys.setswitchinterval for the run (None: as is)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
@@ -574,6 +580,10 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
         notes.append("asyncio: gc.freeze() after the engine's warm-up (docs/serving.md "
                      "recommends it for servers with a lag bound; --no-gc-freeze measures "
                      "without)")
+    if o.gc_young_ms:
+        notes.append(f"asyncio: gc.disable() during the load and gc.collect(0) every "
+                     f"{o.gc_young_ms:g} ms from the loop (docs/serving.md; its pauses are in "
+                     "the lag; --gc-young-ms 0 leaves collections to the allocation counter)")
     for name, batching, dispatch in _engine_variants(o):
         if dispatch == "thread" and not batching and o.dispatch == "both":
             continue  # asyncio: the caller design and batching
@@ -584,7 +594,7 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                 gc.collect()
                 gc.freeze()
             try:
-                r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total))
+                r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total, o.gc_young_ms))
             finally:
                 if o.gc_freeze:
                     gc.unfreeze()
@@ -616,6 +626,7 @@ class _GcPauses:
 
 
 LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
+ARRIVALS_PER_TURN = 8  # asyncio: tasks started per loop turn (connections arriving)
 
 
 def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
@@ -646,7 +657,21 @@ def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
     return out
 
 
-async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) -> Result:
+async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
+    """What a server with a lag bound runs beside its tasks while the automatic collector is
+    off (``gc.disable()``): a collection of the youngest generation every ``every_s`` seconds,
+    in a loop turn of its own. A young collection traverses the tracked objects made since the
+    one before that are still alive; left to the allocation counter, that is every request in
+    flight (the counter counts allocations minus frees, and a steady stream of requests
+    allocates as much as it frees: it runs seldom, and then finds thousands); on a timer it
+    finds the requests of the last ``every_s`` seconds."""
+    while not stop():
+        await asyncio.sleep(every_s)
+        gc.collect(0)
+
+
+async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
+                        young_ms: float | None = None) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
     samples = []
     stop = False
@@ -661,32 +686,62 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
             samples.append((t, t1, (t1 - t - period) * 1e3, (cpu() - c) * 1e3))
 
     per = max(1, total // tasks)
+    # the benchmark's own work on the loop, kept as small as a client's can be: the pickers
+    # (a seeded random.Random each) are made before the load, the tasks start a few per loop
+    # turn, and the end is a counter (asyncio.gather of 1,000 tasks registers 1,000
+    # callbacks in one turn); what is left is each task's step: pick an input, await the
+    # engine, compare the output with the expected bytes (one 64 KiB copy and compare,
+    # about 3 us) -- the engine's cost is run()'s checks and hand-over and the inbox
+    picks = [w.picker(5000 + k) for k in range(tasks)]
+    errs: list[BaseException] = []
+    left = [tasks]
+    finished = asyncio.Event()
+
+    own = [0]  # ns the tasks spent on the loop picking inputs and comparing outputs
 
     async def task(k):
-        pick = w.picker(5000 + k)
-        for _ in range(per):
-            x, y_ref = pick()
-            t0 = _now()
-            y = await e.run(x)
-            res.latency_us.append((_now() - t0) / 1e3)
-            res.wrong += y.tobytes() != y_ref
+        pick = picks[k]
+        try:
+            for _ in range(per):
+                t = _now()
+                x, y_ref = pick()
+                t0 = _now()
+                y = await e.run(x)
+                t1 = _now()
+                res.latency_us.append((t1 - t0) / 1e3)
+                res.wrong += y.tobytes() != y_ref
+                own[0] += _now() - t1 + t0 - t
+        except Exception as exc:  # noqa: BLE001 - counted and shown as the run's error
+            errs.append(exc)
+        finally:
+            left[0] -= 1
+            if not left[0]:
+                finished.set()
 
     with _GcPauses() as gcp:
         p = asyncio.ensure_future(probe())
-        t0 = time.perf_counter()
-        # the tasks start in waves of completions_per_turn per loop turn, as a server's
-        # connections arrive: the first steps of 1,000 coroutines in one turn would be the
-        # benchmark's own lag, not the engine's
-        wave = e.completions_per_turn
+        young = None
+        if young_ms:
+            gc.disable()
+            young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        # the tasks start ARRIVALS_PER_TURN per loop turn, as a server's connections arrive:
+        # the first steps of 1,000 coroutines in one turn would be the benchmark's own lag
         started = []
-        for lo in range(0, tasks, wave):
-            started += [asyncio.ensure_future(task(k)) for k in range(lo, min(tasks, lo + wave))]
+        for lo in range(0, tasks, ARRIVALS_PER_TURN):
+            started += [asyncio.ensure_future(task(k))
+                        for k in range(lo, min(tasks, lo + ARRIVALS_PER_TURN))]
             await asyncio.sleep(0)
-        results = await asyncio.gather(*started, return_exceptions=True)
+        await finished.wait()
         res.seconds = time.perf_counter() - t0
+        loop_cpu = time.thread_time() - cpu0
         stop = True
         await p
-    errs = [r for r in results if isinstance(r, BaseException)]
+        if young is not None:
+            await young
+            gc.enable()
+    if young is not None:  # what the timer left to full collections (0: no cycles)
+        res.extra["gc_left_for_full_collection"] = gc.collect()
     res.errors = len(errs)
     if errs:
         res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120] + "; "
@@ -704,6 +759,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int) ->
                       "loop_lag_samples": len(samples),
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
+                      # the loop thread's CPU time per request (the engine's run() and inbox,
+                      # asyncio's turns, the probe) and the benchmark's own part of it
+                      "loop_cpu_us_per_request": loop_cpu * 1e6 / max(1, res.requests),
+                      "bench_own_us_per_request": own[0] / 1e3 / max(1, res.requests),
                       "gc_collections": {str(g): {"count": c, "max_ms": m}
                                          for g, (c, m) in sorted(gens.items())}})
     res.note = (res.note or "") + (f"loop lag p50 {np.percentile(lag, 50):.3f} / p99 "
@@ -721,9 +780,17 @@ def format_lag(r: Result) -> list[str]:
     for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
         lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "
                      f"(max {c['max_ms']:.3f} ms)")
+    if "loop_cpu_us_per_request" in x:
+        lines.append(f"    loop thread CPU per request {x['loop_cpu_us_per_request']:.1f} us, of "
+                     f"which the benchmark's own (pick the input, compare the output) "
+                     f"{x['bench_own_us_per_request']:.1f} us")
     gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")
+    if "gc_left_for_full_collection" in x:
+        lines.append(f"    collections of generation 0 from the loop, the automatic collector "
+                     f"off; a full collection after the load found "
+                     f"{x['gc_left_for_full_collection']:,} unreachable objects (cycles)")
     return lines
 
 

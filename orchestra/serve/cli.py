@@ -64,6 +64,11 @@ def register(bsub) -> None:
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="asyncio: leave the garbage collector as it is (default: gc.freeze() "
                         "after the warm-up, as docs/serving.md recommends for a lag bound)")
+    p.add_argument("--gc-young-ms", type=float, default=5.0,
+                   help="asyncio: gc.disable() during the load and a collection of the young "
+                        "generation every this many ms from the event loop, as "
+                        "docs/serving.md recommends for a lag bound (default 5; 0: the "
+                        "automatic collector)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -94,6 +99,9 @@ def _check_numbers(args) -> None:
                         ("row-kib", args.row_kib)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise BenchConfigError(f"--{name} must be a finite number > 0, got {value}")
+    if not (math.isfinite(args.gc_young_ms) and args.gc_young_ms >= 0):
+        raise BenchConfigError(f"--gc-young-ms must be a finite number >= 0, got "
+                               f"{args.gc_young_ms}")
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
         raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
                                f"{args.max_delay_us}")
@@ -159,7 +167,7 @@ def options(args):
         threads=args.threads, window=args.window, duration=args.duration,
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
-        switch_interval_ms=args.switch_interval_ms,
+        switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
