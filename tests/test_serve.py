@@ -43,6 +43,7 @@ from orchestra.serve import (
     pow2_buckets,
     vllm_buckets,
 )
+from orchestra.serve.timer import deadline_timer
 
 ROW = 4
 SPEC_IN = {"x": ((ROW,), "float32")}
@@ -1448,12 +1449,17 @@ def test_completion_threads_are_capped():
             assert fut.result().tobytes() == f(rows(2, seed=k)).tobytes()
 
 
-def test_the_delay_timer_is_woken_once_per_head_not_per_request():
-    """Requests queued behind a head that waits for its delay do not notify the batcher
-    thread again: the first marks it armed (a wake-up of the timer thread per request would
-    cost each request a GIL hand-off). Six requests fill the batch: it goes at once."""
+def test_the_delay_timer_is_woken_once_per_head_not_per_request(monkeypatch):
+    """Without a timerfd (the condition-variable timer): requests queued behind a head that
+    waits for its delay do not notify the batcher thread again: the first marks it armed (a
+    wake-up of the timer thread per request would cost each request a GIL hand-off). Six
+    requests fill the batch: it goes at once."""
+    import orchestra.serve.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "deadline_timer", lambda: None)
     with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
                 buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        assert e._tfd is None
         e.warmup()  # a build notifies the batcher too (notify_all): none during the test
         wait_for(lambda: e._timer_due is None)  # the batcher sleeps without a deadline
         notified = []
@@ -1467,3 +1473,43 @@ def test_the_delay_timer_is_woken_once_per_head_not_per_request():
         assert time.perf_counter() - t0 < 4  # full: not after the 5 s delay
         assert notified == [1], notified
         assert e.stats()["buckets"][16]["requests_per_launch"] == 6
+
+
+@pytest.mark.skipif(deadline_timer() is None, reason="no timerfd on this platform")
+def test_the_timerfd_is_armed_once_per_head_and_never_wakes_the_batcher_for_full_batches():
+    """With a timerfd the thread that queues a head arms it (one system call) and nobody
+    notifies the batcher thread: full batches start in the submitting thread and the timer
+    thread never wakes. Three heads, three arms; a partial one then goes at its deadline."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        assert e._tfd is not None
+        e.warmup()
+        notified = []
+        real = e._work.notify
+        e._work.notify = lambda n=1: (notified.append(n), real(n))[1]
+        arms0 = e._tfd.arms
+        launchers = []
+        real_start = e._start
+
+        def start(launch, mine=None):
+            launchers.append(threading.current_thread().name)
+            return real_start(launch, mine)
+
+        e._start = start
+        for k in range(3):
+            xs = [rows(2, seed=10 * k + i) for i in range(6)]
+            futs = [e.submit(x) for x in xs]
+            for x, fut in zip(xs, futs):
+                assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert e._tfd.arms - arms0 == 3 and notified == []
+        assert launchers == [threading.current_thread().name] * 3
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 6
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=50_000)) as e:
+        t0 = time.perf_counter()
+        fut = e.submit(rows(3))  # nobody waits in result(): the timer thread must start it
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        assert done.wait(5)
+        assert time.perf_counter() - t0 >= 0.049
+        assert fut.result().tobytes() == f(rows(3)).tobytes()
