@@ -870,7 +870,8 @@ class Engine:
             if not batching:
                 n, total = 1, q[0].rows
             else:
-                if self._batch_rows < mb and not self._stopping:  # not full: due yet?
+                # not full: due yet? (once close() began, every batch goes at once)
+                if self._batch_rows < mb and self._state == "open":
                     if not now:
                         now = _now()
                     due = q[0].t0 + self._max_delay_ns
@@ -1621,6 +1622,11 @@ class Engine:
             self._space.notify_all()
             self._work.notify_all()
             bridge = self._aio_q
+            # partial batches waiting for their delay go now (drain), not at their deadline
+            flush = (self._form_batches() if self._fifo and self.dispatch == "caller"
+                     and not cancel else [])
+        if flush:
+            self._run_todo(flush, build_here=False)
         for r in dropped:
             if r.group is None:
                 if not r.fut.cancel():
