@@ -16,6 +16,7 @@ its counters out of ``/proc/self/task``).
 
     python benchmarks/bench_serve_host.py                    # all variants, 8 threads
     python benchmarks/bench_serve_host.py --variants batching --repeats 7
+    python benchmarks/bench_serve_host.py --variants batching,batching-call   # engine(x) too
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def make_engine(variant: str, threads: int, row_floats: int, rows: int, delay_us
     be = NumpyBackend(lambda d: d["x"], device_thread=device_thread)
     spec_in = {"x": ((row_floats,), "float32")}
     spec_out = {"y": ((row_floats,), "float32")}
-    if variant == "batching":
+    if variant.startswith("batching"):
         return Engine(backend=be, inputs=spec_in, outputs=spec_out, buckets="pow2",
                       max_rows=rows * threads, instances=2, queue_limit=4096,
                       batching=Batching(max_batch=rows * threads, max_delay_us=delay_us))
@@ -72,7 +73,7 @@ def run_once(variant: str, threads: int, duration: float, row_floats: int, rows:
     barrier = threading.Barrier(threads + 1)
     counts = [0] * threads
     wrong = [0] * threads
-    call = variant == "call"
+    call = variant in ("call", "batching-call")  # engine(x); the others submit().result()
 
     def worker(k):
         rng = np.random.default_rng(k)
@@ -138,7 +139,10 @@ def main() -> None:
     ap.add_argument("--max-delay-us", type=float, default=200.0)
     ap.add_argument("--inline-device", action="store_true",
                     help="run the device function inside launch (no device thread)")
-    ap.add_argument("--variants", default="call,submit,batching")
+    ap.add_argument("--variants", default="call,submit,batching,batching-call",
+                    help="call (engine(x)), submit (submit(x).result()), batching "
+                         "(submit(x).result() with dynamic batching), batching-call "
+                         "(engine(x) with dynamic batching)")
     a = ap.parse_args()
     print(f"{a.threads} threads, window {a.window}, {a.rows} x {a.row_floats * 4 // 1024} KiB "
           f"rows per request, median of {a.repeats} runs of {a.duration:g} s, "

@@ -28,8 +28,11 @@ The life of one request, in the default ``dispatch="caller"`` mode:
 With dynamic batching, requests wait in one arrival-order queue; a batch (the requests at its
 head that fit ``max_batch`` rows, concatenated along axis 0) is started by the thread whose
 request fills it, or by the thread that returns an instance while a full or overdue batch
-waits, and by the batcher thread (the delay timer) once its first request waited
-``max_delay_us``. With ``dispatch="thread"`` the batcher thread forms and launches
+waits, and by the batcher thread (the delay timer: a timerfd the queuing thread arms, see
+`orchestra.serve.timer`) once its first request waited ``max_delay_us``. The thread that
+fills a batch some caller blocks on (its own ``engine(x)``, or a follower asleep in
+``result()``) also waits for it on the instance's stream and completes all of its requests:
+no completion-thread hop. With ``dispatch="thread"`` the batcher thread forms and launches
 everything; the rest is the same.
 """
 
