@@ -213,6 +213,27 @@ def test_zero_copy_pinned_inputs_and_pageable_refused(dev):
             pin.close()
 
 
+def test_torch_cpu_tensors_in_and_out_pinned_or_not(dev):
+    """CPU torch tensors wherever numpy arrays go (read through DLPack views): pageable ones
+    copied into staging, a pinned one read in place with pinned=True, out= a tensor written in
+    place; a CUDA tensor refused before anything is queued."""
+    torch = pytest.importorskip("torch")
+    from orchestra.serve import InputTypeError
+
+    with engine(buckets=[4, 16]) as e:
+        x3 = rows(3)
+        assert e(torch.from_numpy(x3)).tobytes() == demo_reference(x3).tobytes()
+        t4 = torch.from_numpy(rows(4)).pin_memory()
+        want = demo_reference(t4.numpy())
+        assert e(t4, pinned=True).tobytes() == want.tobytes()
+        dst = torch.full((4, ROW), float("nan"))
+        e.submit(t4, out=dst).result()
+        assert dst.numpy().tobytes() == want.tobytes()
+        if torch.cuda.is_available():
+            with pytest.raises(InputTypeError, match="device memory"):
+                e(t4.cuda())
+
+
 @pytest.mark.parametrize("memory", ["external", "graph"])
 def test_close_leaves_handles_pool_and_graph_memory_at_baseline(dev, memory):
     pool = MemoryPool.default(dev)

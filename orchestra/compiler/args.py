@@ -289,6 +289,9 @@ class ArgLayout:
 
     Attributes: ``params`` (tuple of `Param`), ``struct_type`` (ctypes Structure class),
     ``offsets`` (byte offset of each field), ``size`` (struct size in bytes).
+
+    Thread-safety: read-only once made (every attribute is set in ``__init__``; `pack` makes a new
+    `PackedArgs` each call): may be shared between threads freely.
     """
 
     def __init__(self, params, kernel_name: str = "kernel"):
@@ -380,6 +383,11 @@ class PackedArgs:
         pointers: the ``c_void_p`` array (``kernelParams``).
         address: the int address of ``pointers`` (what ``cuLaunchKernel`` receives); 0 for a
             kernel without parameters.
+
+    Thread-safety: not thread-safe to rewrite: `set` writes the struct in place, so a thread that
+    rewrites a field while another launches with it or reads it races. Confine one to a thread, or
+    give each thread its own (`copy`). The driver copies the parameter values when
+    ``cuLaunchKernel`` is called, so a rewrite after `launch` returns does not change that launch.
     """
 
     __slots__ = ("layout", "struct", "pointers", "address")

@@ -390,7 +390,10 @@ def evict(cap: int, *, keep: Path | None = None, directory: Path | None = None) 
 class CacheInfo:
     """What `cache_info` reports: ``location`` (Path), ``entries`` (count), ``bytes`` (their
     total size), ``max_bytes`` (the cap, None for none), ``enabled`` (False with
-    ``$ORCHESTRA_NO_CACHE``)."""
+    ``$ORCHESTRA_NO_CACHE``).
+
+    Immutable: may be shared between threads freely.
+    """
 
     location: Path
     entries: int

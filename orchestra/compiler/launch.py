@@ -71,6 +71,8 @@ class LaunchConfig:
 
     ``grid``/``block``: ``(x, y, z)``; ``shared_mem``: dynamic shared memory per block in bytes;
     ``cluster``: ``(x, y, z)`` blocks per cluster or None; ``priority``: int or None.
+
+    Immutable: may be shared between threads freely.
     """
 
     grid: tuple

@@ -85,6 +85,9 @@ class CompileResult:
         name: the program name (the source path, or ``inline.cu``).
         key: the cache key (sha256 hex).
         include_dirs: the include directories searched.
+
+    Immutable (frozen), but ``lowered_names`` is a plain dict: may be shared between threads freely
+    as long as nobody modifies that dict.
     """
 
     cubin: bytes
@@ -237,6 +240,11 @@ class CompileJob:
     """A compile with every input resolved and its cache key computed; `run` performs it.
 
     Made by `prepare_compile`. ``source`` is a `Source`; ``options`` the full option list.
+
+    Immutable (frozen): may be shared between threads freely. `run` may be called from several
+    threads (or processes) at once: each call compiles its own NVRTC program, and the on-disk cache
+    writes an entry whole (temporary file, then ``os.replace``), so concurrent runs of one job at
+    most compile it twice.
     """
 
     source: Source

@@ -78,6 +78,8 @@ class Param:
         kind: ``"pointer"``, ``"scalar"`` or ``"handle"`` (a conditional handle).
         const: for a pointer, True when the pointee is const (read-only access); False for
             scalars.
+
+    Immutable: may be shared between threads freely.
     """
 
     name: str

@@ -31,8 +31,11 @@ import threading
 class DriverAPI:
     """The real driver: cuda-bindings' ``driver`` module plus the driver layer's objects.
 
-    ``module``: the bindings module (default ``cuda.bindings.driver``). Thread-safe: lookups
-    only add attributes, and the objects made here are independent.
+    ``module``: the bindings module (default ``cuda.bindings.driver``).
+
+    Thread-safety: may be shared between threads (one per process is): driver functions are looked
+    up on first use and cached as attributes (an idempotent write), and the objects its methods make
+    are independent of each other.
     """
 
     def __init__(self, module=None):

@@ -127,7 +127,11 @@ class CaptureToGraph:
     the capture on the way out whatever happened (``cuStreamEndCapture``; an error inside the
     block propagates, a failed end raises `CudaError`). ``mode``: ``relaxed`` by default: the
     capture runs inside another one on this thread, whose mode already guards the thread.
-    ``api``: the `DriverAPI` (default: the process's)."""
+    ``api``: the `DriverAPI` (default: the process's).
+
+    Thread-safety: not thread-safe: it begins and ends a capture on the calling thread; use it
+    inside one thread's ``with`` block, with no other thread enqueueing on ``stream`` meanwhile.
+    """
 
     def __init__(self, stream, graph, mode="relaxed", api=None):
         self.stream = stream
@@ -178,7 +182,12 @@ class CaptureSession:
     inside the block ends the capture (`abort`) and propagates. ``events``: two sync-only
     events to use for fork and join (created here when not given: before the capture, since
     creating objects during a capture is best avoided). ``api``: the `DriverAPI` every call
-    goes through (default: the process's). One session per capture; not thread-safe.
+    goes through (default: the process's).
+
+    Thread-safety: not thread-safe: one session per capture, driven by one thread. In the default
+    ``thread-local`` mode other threads' CUDA calls cannot invalidate the capture, but their work on
+    the captured streams would be captured with it: no other thread may enqueue on ``origin`` or a
+    forked stream until the session ends.
     """
 
     def __init__(self, origin: Stream, mode="thread-local", *, events=None, api=None):

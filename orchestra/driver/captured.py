@@ -90,6 +90,10 @@ class CapturedGraph:
     all but runs at once: ``enqueue()`` must use ``origin`` and ``others`` only.)
 
     Attributes: ``origin``, ``device``, ``launches`` (count of launches).
+
+    Thread-safety: not thread-safe: confine it to one thread, or guard it with a lock of your own.
+    Launches of one ``CUgraphExec`` serialize on the GPU anyway; `launch` from two threads races on
+    the ``launches`` count, and a `close` racing a `launch` can destroy the exec under it.
     """
 
     def __init__(self, origin, enqueue: Callable[[], object], others: Sequence = (), *,

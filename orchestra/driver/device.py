@@ -86,6 +86,8 @@ class DeviceLimits:
     Sizes are in bytes; dimensions are ``(x, y, z)`` tuples of ints. Stream priorities follow
     CUDA's convention: lower numbers are higher priority, so the valid range is
     ``greatest_stream_priority <= p <= least_stream_priority`` (for example -5 .. 0).
+
+    Immutable: may be shared between threads freely.
     """
 
     max_threads_per_block: int
@@ -117,6 +119,13 @@ class Device:
     ``async_engine_count`` (copy engines), ``total_memory`` (bytes, ``cuDeviceTotalMem``),
     ``warp_size``, ``limits`` (`DeviceLimits`), ``context`` (``CUcontext``, retained on first use),
     ``kernel_host_access`` (kernels can address pinned host memory: copy kernels).
+
+    Thread-safety: one instance per ordinal, shared by every thread: `get` makes it and `context`
+    retains the primary context once, both under a module lock; the attributes are read-only and
+    `limits` is queried once and assigned whole. The current context is per host thread:
+    `make_current` binds it on the calling thread only (a thread-local cache skips the call when it
+    is current already), so code that calls the driver directly on a new thread calls it first;
+    orchestra's own objects do that themselves.
     """
 
     def __init__(self, ordinal: int, handle):

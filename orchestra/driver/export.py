@@ -112,7 +112,10 @@ class BufferView:
     (bytes, C order), ``readonly``, ``stream`` (the orchestra `Stream` its contents are ready
     on), ``device``, ``ptr``. Holds a lease on the buffer while it lives (`release` ends it
     early; the view is unusable afterwards). Exports ``__dlpack__`` / ``__dlpack_device__`` and
-    ``__cuda_array_interface__`` (see the module doc). Thread-safe.
+    ``__cuda_array_interface__`` (see the module doc).
+
+    Thread-safety: may be shared between threads: its fields are set once, `release` ends the lease
+    under a lock (once, whoever calls it), and each export records its own ordering event.
     """
 
     def __init__(self, buffer, dtype=np.uint8, shape=None, *, stream=None, readonly=False):

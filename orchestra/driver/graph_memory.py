@@ -18,7 +18,10 @@ from orchestra.driver.device import as_device
 class GraphMemory:
     """``cuDeviceGetGraphMemAttribute`` for one device, in bytes: memory currently associated
     with graphs (``used``), the graph allocator's reservation (``reserved``) and their high
-    watermarks."""
+    watermarks.
+
+    Immutable: may be shared between threads freely.
+    """
 
     used: int
     used_high: int

@@ -53,9 +53,9 @@ class PinnedRanges:
     unchanged (adding a range never unpins anything), which lets callers remember checked
     arrays.
 
-    Thread-safe. The lock is re-entrant because a finalizer (a forgotten buffer's release,
-    which removes its range) may run on the thread that holds it; every change is one step
-    that leaves the lists consistent.
+    Thread-safety: may be shared between threads: every query and change holds the re-entrant lock.
+    It is re-entrant because a finalizer (a forgotten buffer's release, which removes its range) may
+    run on the thread that holds it; every change is one step that leaves the lists consistent.
     """
 
     def __init__(self):
@@ -189,6 +189,13 @@ class PinnedBuffer(Resource):
     memory stays allocated while a view lives and the garbage collector cannot free it under
     one; `close()` (``cuMemFreeHost``, idempotent) frees it at once, so drop the views first.
     ``cuMemHostAlloc`` failing raises `CudaError` (``CUDA_ERROR_OUT_OF_MEMORY``).
+
+    Thread-safety: the object may be shared between threads: `close` and `lease` go through the
+    `Owner`, whose bookkeeping is atomic, so they may race each other and the finalizer from any
+    thread: the handle is released exactly once, after the last lease. The memory is plain host
+    memory: threads (and the copies the GPU runs) that write it at once race, so order them
+    yourself; `close` frees it at once even while another thread uses a view (take a `lease` for
+    work in flight).
     """
 
     def __init__(self, nbytes: int, device: Device | int | None = None):
@@ -269,7 +276,11 @@ class HostRegistration(Resource):
     is out returns at once and the registration reads as closed (``.ptr`` raises
     `ResourceClosedError`, no new lease, `is_pinned` is False for the array), but
     ``cuMemHostUnregister`` runs when the last lease ends (docs/errors.md, "Lifetimes").
-    Thread-safe.
+
+    Thread-safety: the object may be shared between threads: `close` and `lease` go through the
+    `Owner`, whose bookkeeping is atomic, so they may race each other and the finalizer from any
+    thread: the handle is released exactly once, after the last lease. The array's contents are the
+    caller's to guard, as for any numpy array.
     """
 
     def __init__(self, array: np.ndarray, device: Device | int | None = None):

@@ -93,7 +93,11 @@ class ExternalArray:
             ``"none: ..."``).
 
     It has ``.ptr`` and ``.nbytes``, so it binds wherever a `DeviceBuffer` does. Hold it until
-    the work that uses the memory has completed; then `release` it (or drop it). Thread-safe.
+    the work that uses the memory has completed; then `release` it (or drop it).
+
+    Thread-safety: may be shared between threads: its fields are set once, and `release` may be
+    called from several threads (what it lets go of, a DLPack holder under its own lock or a
+    `Lease`, releases once).
     """
 
     __slots__ = ("ptr", "nbytes", "device", "shape", "strides", "dtype", "itemsize",

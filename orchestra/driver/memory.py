@@ -35,6 +35,11 @@ class MemoryPool:
     setup, never while a stream capture is in progress: the capture records allocations with
     the pool's properties at that moment, and the executors call `MemoryPool.default()` before
     they begin capturing.
+
+    Thread-safety: `default` makes one pool object per device under a lock and may be called from
+    any thread; the queries are single driver calls. Setting attributes (`release_threshold`,
+    `internal_dependencies`) or `trim` from one thread while others allocate is allowed by the
+    driver but changes their behaviour mid-run: configure pools at setup, in one thread.
     """
 
     _defaults: dict[int, "MemoryPool"] = {}
@@ -177,7 +182,13 @@ class DeviceBuffer(Resource):
     to it. `close()` / `free()` while a lease is out return at once and the buffer reads as
     closed (``.ptr`` raises `ResourceClosedError`, no new lease), but ``cuMemFreeAsync`` runs
     when the last lease ends (docs/errors.md, "Lifetimes"); ``live_handles()`` counts the
-    buffer, and the pool's ``used_bytes`` its memory, until then. Thread-safe.
+    buffer, and the pool's ``used_bytes`` its memory, until then.
+
+    Thread-safety: the object may be shared between threads: `close` and `lease` go through the
+    `Owner`, whose bookkeeping is atomic, so they may race each other and the finalizer from any
+    thread: the handle is released exactly once, after the last lease. The memory itself is ordered
+    only by streams: work from different threads (or streams) that touches it must be ordered by
+    events, as for any device memory.
     """
 
     def __init__(self, nbytes: int, stream: Stream, pool: MemoryPool | None = None):

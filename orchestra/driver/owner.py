@@ -80,6 +80,9 @@ class Lease:
     one that is garbage-collected unreleased ends itself.
 
     Release a lease only after the work that used ``handle`` has completed on the device.
+
+    Thread-safety: may be shared between threads; `release` may be called from several at once: one
+    ``list.pop`` claims the release, so it ends the lease exactly once.
     """
 
     __slots__ = ("_claim", "_token", "_handle", "what", "__weakref__")
@@ -142,6 +145,11 @@ class Owner:
     registries that must stop handing the resource out at once (`PinnedRanges`).
     ``release`` (and everything it refers to) is kept until the release has run; it must not
     refer to ``obj``, or ``obj`` could never be collected.
+
+    Thread-safety: `lease`, `close`, the leases' `release` and the finalizer may run on any thread,
+    interleaved in any way: the bookkeeping takes no lock but is made of single atomic operations on
+    builtin containers, ordered so that the handle is released exactly once, only when closed and no
+    lease is out (see the module doc).
     """
 
     __slots__ = ("_handle", "_finalizer", "_what", "_kind", "_release", "_device",
@@ -266,7 +274,11 @@ class Owner:
 
 
 class Resource:
-    """Mixin for classes that own one handle in ``self._own`` (an `Owner`)."""
+    """Mixin for classes that own one handle in ``self._own`` (an `Owner`).
+
+    Thread-safety: `close`, `closed` and `lease` may be called from any thread (they go to the
+    `Owner`); what else may be shared is the subclass's to say.
+    """
 
     _own: Owner
 

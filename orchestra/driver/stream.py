@@ -56,6 +56,14 @@ class Stream(Resource):
     Created with ``cuStreamCreateWithPriority(CU_STREAM_NON_BLOCKING, priority)``, destroyed with
     ``cuStreamDestroy`` on `close()` (idempotent; also a context manager) or by the finalizer.
     Destroying a stream with pending work is allowed: the work completes first.
+
+    Thread-safety: may be shared between threads: the handle never changes while the stream is
+    open, and `close` and `lease` go through the `Owner`, whose bookkeeping is atomic, so they
+    may race each other and the finalizer from any thread: the handle is released exactly once,
+    after the last lease. Work that several threads enqueue on one stream interleaves in
+    whatever order their calls happen (the stream orders it only in that order): give each
+    thread its own stream, or order the threads yourself. Do not `close` a stream another
+    thread is still enqueueing on.
     """
 
     external = False  # True for a stream wrapped by from_handle (not owned, never destroyed)
@@ -228,7 +236,11 @@ class DefaultStream:
     `orchestra.driver.ordering`), and it may be synchronized or queried; nothing is ever
     enqueued on it: ``.handle`` raises `DriverArgumentValueError` saying so, and every API that
     enqueues work refuses it. ``ordering_handle`` is the ``CUstream`` used for the ordering calls
-    (``CU_STREAM_LEGACY`` for 0). Never destroyed; `close` does nothing. Thread-safe.
+    (``CU_STREAM_LEGACY`` for 0). Never destroyed; `close` does nothing.
+
+    Thread-safety: may be shared between threads: it holds no state that changes. A default
+    stream handle means the default stream of the *calling thread's* current context, so `wait`,
+    `synchronize` and `query` make the device's context current on the calling thread first.
     """
 
     external = True

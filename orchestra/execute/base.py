@@ -71,6 +71,11 @@ class ExecutorBase(Closable):
             otherwise: ``"auto"`` (copy kernels below the device's crossover, see
             `lowering.copy_policy`), ``"kernel"``, ``"copy-engine"``, or a `CopyPolicy`.
             `CopyLoweringError` for anything else.
+
+    Thread-safety: `close` holds the executor's re-entrant lock; the shared pieces (the
+    `KernelResolver`, the `PinnedCheck`, the per-device pools) are safe to use from several threads.
+    What else may be shared is each executor's to say: see `EagerExecutor`, `CaptureExecutor`,
+    `GraphBuildExecutor`.
     """
 
     executor_name: ClassVar[str] = "executor"

@@ -86,6 +86,10 @@ class PinnedCheck:
        `MAX_REMEMBERED`). Negative answers are not (the user may pin the array next).
 
     ``driver_queries`` counts step 3 (tests and benchmarks read it).
+
+    Thread-safety: may be shared between threads: the pinned ranges and the remembered answers are
+    behind their own locks; ``driver_queries`` is a plain counter that concurrent calls may
+    undercount.
     """
 
     MAX_REMEMBERED = 1024
@@ -122,7 +126,11 @@ class PinnedCheck:
 
 @attrs.frozen
 class HostBinding:
-    """A resolved host binding: ``address`` (int) of ``array`` (kept alive by this record)."""
+    """A resolved host binding: ``address`` (int) of ``array`` (kept alive by this record).
+
+    Immutable (frozen), but ``array`` is the caller's numpy array, held by reference: the record may
+    be shared, the array's contents are guarded by whoever writes them.
+    """
 
     name: str
     array: np.ndarray
@@ -132,7 +140,11 @@ class HostBinding:
 
 @attrs.frozen
 class DeviceBinding:
-    """A resolved external device buffer: ``address`` (int) of ``obj`` (kept alive)."""
+    """A resolved external device buffer: ``address`` (int) of ``obj`` (kept alive).
+
+    Immutable (frozen): may be shared between threads freely; ``obj`` is held by reference, not
+    copied.
+    """
 
     name: str
     obj: Any
@@ -142,7 +154,11 @@ class DeviceBinding:
 
 @attrs.frozen
 class ResolvedBindings:
-    """Everything a run needs from ``bindings``: addresses by buffer name."""
+    """Everything a run needs from ``bindings``: addresses by buffer name.
+
+    Immutable (frozen), but the two mappings are plain dicts held by reference: may be shared
+    between threads as long as nobody modifies them.
+    """
 
     host: Mapping[str, HostBinding]
     device: Mapping[str, DeviceBinding]
@@ -279,7 +295,11 @@ class BindingUser:
     ``kind`` says which ``cuGraphExec*NodeSetParams`` applies it, and ``gnode`` the node),
     ``params`` (the struct the field lives in: the record's parameter struct, or a kernel's
     packed argument struct), ``field`` and ``offset`` (bytes into the buffer: the field holds
-    address + offset). ``cell``: a ctypes cell over the field (None: set the attribute)."""
+    address + offset). ``cell``: a ctypes cell over the field (None: set the attribute).
+
+    Thread-safety: not thread-safe: a mutable record of a `BindingTable`, changed only by its table,
+    under the lock of the table's owner (an executor, a `GraphExec`).
+    """
 
     __slots__ = ("record", "params", "field", "offset", "cell", "gnode")
 
@@ -303,7 +323,11 @@ class BindingUser:
 
 
 class SlotUser:
-    """An address slot of an eager run's address table: ``slots[index]`` holds the address."""
+    """An address slot of an eager run's address table: ``slots[index]`` holds the address.
+
+    Thread-safety: not thread-safe: a mutable record of a `BindingTable`, changed only by its table,
+    under the lock of the table's owner (an executor, a `GraphExec`).
+    """
 
     __slots__ = ("slots", "index")
     record = None
@@ -341,6 +365,9 @@ class Binding:
     ``id(value) -> (weak reference, address, version, leaser, keep or None)`` (a few staging
     arrays or device buffers bound in turn skip their checks and their lease lookup:
     `BindingTable.remembered`).
+
+    Thread-safety: not thread-safe: a mutable record of a `BindingTable`, changed only by its table,
+    under the lock of the table's owner (an executor, a `GraphExec`).
     """
 
     __slots__ = ("name", "kind", "buffer", "nbytes", "writer", "value", "array", "address",
@@ -401,8 +428,10 @@ class BindingTable:
     owner when nothing is queued) or the table is released (`release`). A value whose owner is
     closed is refused with `ClosedBindingError` before anything changes.
 
-    Not thread-safe: its owner (an executor, a graph exec) holds its own lock. Also importable
-    as ``BindingSpec`` (its earlier name).
+    Also importable as ``BindingSpec`` (its earlier name).
+
+    Thread-safety: not thread-safe: its owner (an executor, a graph exec) calls it under its own
+    lock.
     """
 
     CHECKED_MAX = 64  # remembered checked arrays (a pool of staging arrays bound in turn)
@@ -767,7 +796,11 @@ class Held:
     made it), shared by the bindings bound to that owner's memory: ``count`` of them, plus the
     replaced values whose work may still run. At 0 the lease stays with the table (the next
     rebinding to the same memory costs no new lease) until `BindingTable.sweep` or `release`
-    ends it."""
+    ends it.
+
+    Thread-safety: not thread-safe: a mutable record of a `BindingTable`, changed only by its table,
+    under the lock of the table's owner (an executor, a `GraphExec`).
+    """
 
     __slots__ = ("lease", "count", "source", "epoch")
 

@@ -10,7 +10,11 @@ from orchestra.errors import ClosedError
 class Closable:
     """Mixin for objects with a ``_closed`` flag that their ``close()`` sets: the ``closed``
     property, `_check_open` (``ValueError`` naming the class once closed) and a ``with`` block
-    that calls ``close()``."""
+    that calls ``close()``.
+
+    Thread-safety: ``closed`` reads one flag; whether ``close`` may race other calls is each
+    subclass's to say.
+    """
 
     _closed = False
 

@@ -60,7 +60,11 @@ def batches_for(size: int) -> int:
 @attrs.frozen
 class CrossoverRow:
     """One (mode, size): the median wall ms of each variant (`VARIANTS`) and whether every
-    variant's output was right."""
+    variant's output was right.
+
+    Immutable (frozen), but ``ms`` is a plain dict: may be shared between threads freely as long as
+    nobody modifies it.
+    """
 
     mode: str
     size: int
@@ -75,7 +79,10 @@ class CrossoverRow:
 @attrs.frozen
 class CrossoverReport:
     """What `measure_copy_crossover` found: ``crossover`` (the `CopyCrossover`), ``rows``,
-    ``seconds`` (how long it took), ``saved`` (the cache entry's path, or None), ``device``."""
+    ``seconds`` (how long it took), ``saved`` (the cache entry's path, or None), ``device``.
+
+    Immutable (frozen): may be shared between threads freely.
+    """
 
     device: str
     crossover: CopyCrossover

@@ -133,8 +133,10 @@ class EagerExecutor(ExecutorBase):
     memory goes then; binding it again is refused with `ClosedBindingError`), the rest when the
     prepared plan is evicted or the executor closes.
 
-    One run at a time per executor (``run`` holds a lock); create one executor per host thread
-    for concurrent submission.
+    Thread-safety: may be shared between threads, but it runs one thing at a time: `run`, `prepare`,
+    `synchronize` and `close` hold the executor's lock, so submissions from several threads
+    serialize (their work is enqueued on the executor's pooled streams one run after another). For
+    concurrent submission create one executor per host thread.
     """
 
     executor_name = "eager"

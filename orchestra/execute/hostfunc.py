@@ -30,6 +30,10 @@ class HostCallbacks:
 
     ``address``: the trampoline's C function pointer (int), for ``cuLaunchHostFunc`` /
     ``CUDA_HOST_NODE_PARAMS.fn``; pass the token from `add` as ``userData``.
+
+    Thread-safety: may be shared between threads: `add` and `remove` are single dict operations and
+    token numbers come from one counter; the trampoline runs on the driver's host-function thread
+    and records errors under the table's lock.
     """
 
     def __init__(self):

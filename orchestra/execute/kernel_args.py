@@ -34,7 +34,10 @@ LAUNCH_ATTRIBUTES = ("cluster", "cooperative", "pdl", "priority")
 
 @attrs.frozen
 class PointerArg:
-    """Parameter ``index`` (ctypes field ``field``) holds the address of ``buffer`` + ``offset``."""
+    """Parameter ``index`` (ctypes field ``field``) holds the address of ``buffer`` + ``offset``.
+
+    Immutable: may be shared between threads freely.
+    """
 
     index: int
     field: str
@@ -56,7 +59,11 @@ class KernelArgs:
     """One kernel node, ready to launch: ``kernel`` (`orchestra.kernel.Kernel`), ``config`` (checked
     `LaunchConfig`), ``packed`` (`PackedArgs`), ``pointers`` (`PointerArg` per buffer argument),
     ``handles`` (`HandleArg` per `Condition` argument), ``attributes`` (launch keyword
-    arguments: cooperative, cluster, pdl, priority)."""
+    arguments: cooperative, cluster, pdl, priority).
+
+    Thread-safety: not thread-safe: `bind` writes addresses into its packed struct in place; one
+    belongs to one prepared plan or built graph, used under its owner's lock.
+    """
 
     __slots__ = ("node", "kernel", "config", "packed", "pointers", "handles", "attributes")
 

@@ -51,7 +51,9 @@ class KernelResolver:
     the cache, load the module, look the kernel up); tests pass a fake. ``waits(ref, kernel,
     device) -> bool`` answers `waits_on_grid_dependency` (default `ptx_waits`; a loaded kernel
     with a ``waits`` attribute, as the CPU tests' fakes have, answers for itself).
-    Thread-safe.
+
+    Thread-safety: may be shared between threads (executors share one): a kernel is loaded once per
+    `KernelRef` under the resolver's lock, and the memo is read without it.
     """
 
     def __init__(self, device, loader: Callable | None = None, waits: Callable | None = None):

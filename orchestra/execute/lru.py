@@ -30,7 +30,9 @@ class IdentityLRU:
     (each must support them) instead of the objects. ``on_evict(value)`` is called for every
     value dropped to make room (not for `clear`, nor for a value `put` replaces).
 
-    Thread-safe (one lock); ``on_evict`` runs outside it.
+    Thread-safety: may be shared between threads: one lock covers the entries; ``on_evict`` runs
+    outside it, and so does `get_or_make`'s ``make`` (two threads that miss on one key at once
+    both make a value; the later one is kept).
     """
 
     def __init__(self, size: int, *, weak: bool = False,

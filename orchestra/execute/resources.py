@@ -20,7 +20,11 @@ from orchestra.schedule import schedule
 class StreamPool:
     """Streams by priority and sync-only events of one executor on ``device`` (and on
     ``others``, the further devices of a multi-device executor), made with
-    ``api.stream(device, priority)`` / ``api.event(device)`` (``api``: a `DriverAPI`)."""
+    ``api.stream(device, priority)`` / ``api.event(device)`` (``api``: a `DriverAPI`).
+
+    Thread-safety: not thread-safe: one executor's streams and events, taken and returned under that
+    executor's lock; a stream handed out is used by one run at a time.
+    """
 
     def __init__(self, device, api, others=()):
         self.device = device
@@ -112,7 +116,12 @@ class StreamPool:
 class PlanCache:
     """Plans by (graph object, node count, policy, streams, costs object), at most ``size``,
     least recently used dropped first. Holds the graph and costs it keyed by, so their ids
-    stay unique."""
+    stay unique.
+
+    Thread-safety: may be shared between threads: the plans live in an `IdentityLRU` (one
+    lock); two threads that miss on one key at once both schedule it (the later, equal plan
+    replaces the earlier). Scheduling reads the task graph: do not add to it meanwhile.
+    """
 
     def __init__(self, size: int = 16):
         self._plans = IdentityLRU(max(1, int(size)))

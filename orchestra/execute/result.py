@@ -24,6 +24,10 @@ class RunResult:
 
     A plain record (``__slots__``, built on every run: a frozen attrs class cost 2 µs per run
     against 0.3 µs); treat it as read-only. Equal when every field is.
+
+    Thread-safety: a plain record (not frozen, for speed), filled by the run that makes it and never
+    changed by orchestra afterwards: may be shared between threads as read-only data (do not assign
+    to its fields).
     """
 
     __slots__ = _FIELDS

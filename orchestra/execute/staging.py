@@ -34,7 +34,11 @@ class StagingPool:
     memory allocated for a built exec or queued work that reads it. `close()` returns at once
     and the pool reads as closed (`bindings`, `view` and `lease` raise `ResourceClosedError`);
     each slot is freed now if no lease is out, else when its last lease ends (docs/errors.md,
-    "Lifetimes"). Thread-safe as `PinnedBuffer` is; `close()` is idempotent.
+    "Lifetimes").
+
+    Thread-safety: the pool may be shared between threads as its `PinnedBuffer` slots may (leases
+    and closes go through their `Owner`; `close` is idempotent), but a slot's memory is plain host
+    memory: give each thread (or each run in flight) its own slot.
     """
 
     def __init__(self, slots: int, slot_bytes: int, device=None, *, prefix: str = "stage"):

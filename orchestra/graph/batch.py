@@ -37,7 +37,10 @@ ArgLayout = Callable[[Buffer, Buffer, int, tuple], tuple]
 
 @attrs.frozen
 class Batch:
-    """The buffers and nodes of one batch (``alloc_out``/``free_out`` are None when in place)."""
+    """The buffers and nodes of one batch (``alloc_out``/``free_out`` are None when in place).
+
+    Immutable (frozen; its nodes and buffers are frozen too): may be shared between threads freely.
+    """
 
     index: int
     input: Buffer

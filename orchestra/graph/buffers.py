@@ -35,7 +35,10 @@ def _name(inst, attribute, value):
 
 
 class Mode(enum.Enum):
-    """How a node touches a byte range."""
+    """How a node touches a byte range.
+
+    Immutable (an enum): may be shared between threads freely.
+    """
 
     READ = "read"
     WRITE = "write"
@@ -74,7 +77,11 @@ class _RangeMixin:
 
 @attrs.frozen
 class Buffer(_RangeMixin):
-    """Device memory of ``nbytes`` bytes on ``device`` (a logical buffer)."""
+    """Device memory of ``nbytes`` bytes on ``device`` (a logical buffer).
+
+    Immutable (frozen): may be shared between threads freely. `whole` is cached on first use by an
+    idempotent write, so threads that ask at once at most make equal ranges.
+    """
 
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
@@ -96,7 +103,11 @@ class Buffer(_RangeMixin):
 
 @attrs.frozen
 class HostBuffer(_RangeMixin):
-    """A host slot of ``nbytes`` bytes, bound at run time to a pinned numpy array."""
+    """A host slot of ``nbytes`` bytes, bound at run time to a pinned numpy array.
+
+    Immutable (frozen): may be shared between threads freely. `whole` is cached on first use by an
+    idempotent write, so threads that ask at once at most make equal ranges.
+    """
 
     name: str = attrs.field(validator=_name)
     nbytes: int = attrs.field(validator=_positive_int)
@@ -112,7 +123,10 @@ class HostBuffer(_RangeMixin):
 
 @attrs.frozen
 class BufferRange:
-    """Bytes ``[offset, offset + nbytes)`` of ``buffer``; checked to be in bounds."""
+    """Bytes ``[offset, offset + nbytes)`` of ``buffer``; checked to be in bounds.
+
+    Immutable: may be shared between threads freely.
+    """
 
     buffer: Buffer | HostBuffer
     offset: int
@@ -194,6 +208,9 @@ class Condition(_RangeMixin):
         device: the device whose graph holds the handle (default 0).
 
     Wrong types and values raise `NodeFieldTypeError` / `NodeFieldValueError` naming the field.
+
+    Immutable (frozen): may be shared between threads freely. `whole` is cached on first use by an
+    idempotent write, so threads that ask at once at most make equal ranges.
     """
 
     name: str = attrs.field(validator=_name)
@@ -259,7 +276,10 @@ def to_range(x):
 
 @attrs.frozen
 class Access:
-    """One declared access: ``mode`` on the bytes of ``range``."""
+    """One declared access: ``mode`` on the bytes of ``range``.
+
+    Immutable: may be shared between threads freely.
+    """
 
     range: BufferRange
     mode: Mode

@@ -73,7 +73,10 @@ _BUILDERS_LOCK = threading.Lock()
 class Lifetime:
     """The nodes that bound a graph-allocated buffer's life: ``alloc`` (inserted right before
     its first use) and ``free`` (right after its last use), by name. Both exist in the graph
-    once the buffer is used; ``after=`` may name them before the builder closes."""
+    once the buffer is used; ``after=`` may name them before the builder closes.
+
+    Immutable: may be shared between threads freely.
+    """
 
     buffer: Buffer
     alloc: str

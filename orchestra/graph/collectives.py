@@ -54,7 +54,12 @@ def dtype_name(value) -> Any:
 
 @attrs.frozen
 class Collective(Node):
-    """Base of the NCCL node kinds: ``comm`` and ``dtype``; subclasses add their ranges."""
+    """Base of the NCCL node kinds: ``comm`` and ``dtype``; subclasses add their ranges.
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     comm: Any = attrs.field(kw_only=True)
     dtype: str = attrs.field(default="float32", kw_only=True, converter=dtype_name)
@@ -173,7 +178,12 @@ class _SendRecvCollective(Collective):
 
 @attrs.frozen
 class AllReduce(_SendRecvCollective):
-    """``recv = op(send of every rank)`` (``ncclAllReduce``); in place when send is recv."""
+    """``recv = op(send of every rank)`` (``ncclAllReduce``); in place when send is recv.
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     op: str = attrs.field(default="sum", kw_only=True)
     kind: ClassVar[str] = "all_reduce"
@@ -196,7 +206,12 @@ class AllReduce(_SendRecvCollective):
 @attrs.frozen
 class AllGather(_SendRecvCollective):
     """Every rank's send, concatenated in rank order, into every rank's recv
-    (``ncclAllGather``; ``count`` = send elements)."""
+    (``ncclAllGather``; ``count`` = send elements).
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     kind: ClassVar[str] = "all_gather"
     call: ClassVar[str] = "ncclAllGather"
@@ -220,7 +235,12 @@ class AllGather(_SendRecvCollective):
 @attrs.frozen
 class ReduceScatter(_SendRecvCollective):
     """Chunk ``rank`` of ``op(send of every rank)`` into recv (``ncclReduceScatter``;
-    ``count`` = recv elements)."""
+    ``count`` = recv elements).
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     op: str = attrs.field(default="sum", kw_only=True)
     kind: ClassVar[str] = "reduce_scatter"
@@ -246,7 +266,12 @@ class ReduceScatter(_SendRecvCollective):
 @attrs.frozen
 class Broadcast(_SendRecvCollective):
     """Rank ``root``'s send into every rank's recv (``ncclBroadcast``); send is read on the
-    root only (other ranks may pass recv as send)."""
+    root only (other ranks may pass recv as send).
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     root: int = attrs.field(default=0, kw_only=True)
     kind: ClassVar[str] = "broadcast"
@@ -271,7 +296,12 @@ class Broadcast(_SendRecvCollective):
 
 @attrs.frozen
 class Send(Collective):
-    """Send ``src`` to rank ``peer`` (``ncclSend``); ``peer`` runs the matching `Recv`."""
+    """Send ``src`` to rank ``peer`` (``ncclSend``); ``peer`` runs the matching `Recv`.
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     src: BufferRange = attrs.field(converter=to_range)
     peer: int = attrs.field(kw_only=True)
@@ -293,7 +323,12 @@ class Send(Collective):
 
 @attrs.frozen
 class Recv(Collective):
-    """Receive into ``dst`` from rank ``peer`` (``ncclRecv``)."""
+    """Receive into ``dst`` from rank ``peer`` (``ncclRecv``).
+
+    Immutable (frozen): may be shared between threads freely. ``comm`` is held by reference, not
+    copied: running the node follows `Communicator`'s rules (NCCL operations on one communicator
+    are issued by one thread at a time).
+    """
 
     dst: BufferRange = attrs.field(converter=to_range)
     peer: int = attrs.field(kw_only=True)

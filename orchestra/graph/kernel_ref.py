@@ -62,6 +62,8 @@ class KernelRef:
     A field of the wrong type raises `NodeFieldTypeError` (a ``TypeError``), an empty name or
     source, or an option that sets the architecture, `NodeFieldValueError` (a ``ValueError``),
     both naming the field.
+
+    Immutable: may be shared between threads freely.
     """
 
     source: str = attrs.field(converter=_source)

@@ -36,7 +36,12 @@ _RANGE = "a Buffer, HostBuffer or BufferRange"
 
 @attrs.frozen
 class Node:
-    """Base of every node record. Subclasses define ``accesses()`` and ``engine``."""
+    """Base of every node record. Subclasses define ``accesses()`` and ``engine``.
+
+    Immutable (frozen): may be shared between threads freely; the accesses are computed once, at
+    construction. Kinds with bodies (`ChildGraph`, the conditional nodes) hold mutable `TaskGraph`
+    objects: see theirs.
+    """
 
     name: str
     batch: int | None = attrs.field(default=None, kw_only=True)
@@ -124,7 +129,10 @@ def _device_buffer(node, value, what):
 
 @attrs.frozen
 class Alloc(Node):
-    """Allocate ``buffer`` stream-ordered (``cuMemAllocAsync``); a write of all its bytes."""
+    """Allocate ``buffer`` stream-ordered (``cuMemAllocAsync``); a write of all its bytes.
+
+    Immutable: may be shared between threads freely.
+    """
 
     buffer: Buffer
     engine: ClassVar[str] = "memory"
@@ -140,7 +148,10 @@ class Alloc(Node):
 @attrs.frozen
 class Free(Node):
     """Free ``buffer`` stream-ordered (``cuMemFreeAsync``); a write of all its bytes, so it
-    follows every use."""
+    follows every use.
+
+    Immutable: may be shared between threads freely.
+    """
 
     buffer: Buffer
     engine: ClassVar[str] = "memory"
@@ -209,7 +220,10 @@ class _HostCopy(Node):
 @attrs.frozen
 class HostToDevice(_HostCopy):
     """Copy ``src`` (host, pinned) to ``dst`` (device): ``cuMemcpyHtoDAsync``, or a copy kernel
-    (``lowering=``, see `_HostCopy`)."""
+    (``lowering=``, see `_HostCopy`).
+
+    Immutable: may be shared between threads freely.
+    """
 
     src: BufferRange = attrs.field(converter=to_range)
     dst: BufferRange = attrs.field(converter=to_range)
@@ -221,7 +235,10 @@ class HostToDevice(_HostCopy):
 @attrs.frozen
 class DeviceToHost(_HostCopy):
     """Copy ``src`` (device) to ``dst`` (host, pinned): ``cuMemcpyDtoHAsync``, or a copy kernel
-    (``lowering=``, see `_HostCopy`)."""
+    (``lowering=``, see `_HostCopy`).
+
+    Immutable: may be shared between threads freely.
+    """
 
     src: BufferRange = attrs.field(converter=to_range)
     dst: BufferRange = attrs.field(converter=to_range)
@@ -241,6 +258,8 @@ class PeerCopy(Node):
     devices cannot reach each other, naming it. Both ranges on one device make a plain
     device-to-device copy (``cuMemcpyDtoDAsync``), so code written for several GPUs runs on
     one. Sizes must match.
+
+    Immutable: may be shared between threads freely.
     """
 
     src: BufferRange = attrs.field(converter=to_range)
@@ -286,7 +305,10 @@ class PeerCopy(Node):
 @attrs.frozen
 class Memset(Node):
     """Fill ``dst`` (device) with ``value`` repeated as ``element_size``-byte elements
-    (``cuMemsetD8/D16/D32Async``). To poison float32 with NaN: value=0x7FC00000, element_size=4."""
+    (``cuMemsetD8/D16/D32Async``). To poison float32 with NaN: value=0x7FC00000, element_size=4.
+
+    Immutable: may be shared between threads freely.
+    """
 
     dst: BufferRange = attrs.field(converter=to_range)
     value: int
@@ -323,7 +345,10 @@ class Memset(Node):
 
 @attrs.frozen
 class In:
-    """A kernel argument the kernel only reads."""
+    """A kernel argument the kernel only reads.
+
+    Immutable: may be shared between threads freely.
+    """
 
     target: BufferRange = attrs.field(converter=lambda x: as_range(x, "In(...)"))
     mode: ClassVar[Mode] = Mode.READ
@@ -331,7 +356,10 @@ class In:
 
 @attrs.frozen
 class Out:
-    """A kernel argument the kernel only writes."""
+    """A kernel argument the kernel only writes.
+
+    Immutable: may be shared between threads freely.
+    """
 
     target: BufferRange = attrs.field(converter=lambda x: as_range(x, "Out(...)"))
     mode: ClassVar[Mode] = Mode.WRITE
@@ -339,7 +367,10 @@ class Out:
 
 @attrs.frozen
 class InOut:
-    """A kernel argument the kernel reads and writes."""
+    """A kernel argument the kernel reads and writes.
+
+    Immutable: may be shared between threads freely.
+    """
 
     target: BufferRange = attrs.field(converter=lambda x: as_range(x, "InOut(...)"))
     mode: ClassVar[Mode] = Mode.READ_WRITE
@@ -398,6 +429,9 @@ class KernelNode(Node):
     kernel sets the condition: a write of it; the executor passes the handle). ``shared_mem``
     is dynamic shared memory in bytes; ``attributes`` are launch attributes (name -> value),
     kept sorted.
+
+    Immutable (frozen; its arguments are scalars and frozen buffer records): may be shared between
+    threads freely.
     """
 
     kernel: KernelRef
@@ -465,6 +499,10 @@ class HostFunc(Node):
 
     ``reads``/``writes`` name the host (and, for managed memory, device) buffers it touches.
     ``fn`` must not call CUDA: the driver forbids it inside a host function.
+
+    Immutable (frozen): the record may be shared between threads freely. ``fn`` itself is the
+    caller's: it runs on a thread the driver or the executor chooses, never the submitting one, so
+    whatever it touches must be safe to touch from another thread.
     """
 
     fn: Callable[[], Any]
@@ -513,6 +551,11 @@ class ChildGraph(Node):
     child graph: checked before any CUDA call (`BodyRestrictionError`). A child graph node
     cannot be disabled (``cuGraphNodeSetEnabled``); its nodes are not replayed one by one (see
     `orchestra.execute.lowering.bodies`). Node names are unique across the graph and the child.
+
+    Thread-safety: the record is frozen, but its bodies are `TaskGraph` objects held by reference:
+    share the node between threads only once its bodies are complete (no further `add` to them, see
+    `TaskGraph`). `TaskGraph.add` recomputes the node's cached accesses when it is added (an
+    idempotent write).
     """
 
     graph: Any
@@ -550,6 +593,11 @@ class Conditional(Node):
     by reading the condition's ``flag`` back (a condition without one is refused there, naming
     the graph executors). Nodes inside bodies are not replayed one by one
     (`orchestra.execute.lowering.bodies`).
+
+    Thread-safety: the record is frozen, but its bodies are `TaskGraph` objects held by reference:
+    share the node between threads only once its bodies are complete (no further `add` to them, see
+    `TaskGraph`). `TaskGraph.add` recomputes the node's cached accesses when it is added (an
+    idempotent write).
     """
 
     condition: Condition
@@ -579,7 +627,13 @@ class Conditional(Node):
 @attrs.frozen
 class If(Conditional):
     """Run ``then`` (a `TaskGraph`) once when the condition is non-zero, else ``otherwise``
-    (optional): an IF conditional node (size 2 with an ``otherwise``: IF / ELSE)."""
+    (optional): an IF conditional node (size 2 with an ``otherwise``: IF / ELSE).
+
+    Thread-safety: the record is frozen, but its bodies are `TaskGraph` objects held by reference:
+    share the node between threads only once its bodies are complete (no further `add` to them, see
+    `TaskGraph`). `TaskGraph.add` recomputes the node's cached accesses when it is added (an
+    idempotent write).
+    """
 
     then: Any
     otherwise: Any = None
@@ -601,7 +655,13 @@ class While(Conditional):
     """Run ``body`` (a `TaskGraph`) while the condition is non-zero: tested when the node is
     reached and after every run of the body, which sets it for the next test (a WHILE
     conditional node). Give the condition a default (1 runs the body at least once) or set it
-    before the node."""
+    before the node.
+
+    Thread-safety: the record is frozen, but its bodies are `TaskGraph` objects held by reference:
+    share the node between threads only once its bodies are complete (no further `add` to them, see
+    `TaskGraph`). `TaskGraph.add` recomputes the node's cached accesses when it is added (an
+    idempotent write).
+    """
 
     body: Any
     cond_type: ClassVar[str] = "while"
@@ -618,7 +678,13 @@ class While(Conditional):
 @attrs.frozen
 class Switch(Conditional):
     """Run ``cases[v]`` (a list of `TaskGraph`) once, where ``v`` is the condition's value;
-    nothing when ``v >= len(cases)`` (a SWITCH conditional node)."""
+    nothing when ``v >= len(cases)`` (a SWITCH conditional node).
+
+    Thread-safety: the record is frozen, but its bodies are `TaskGraph` objects held by reference:
+    share the node between threads only once its bodies are complete (no further `add` to them, see
+    `TaskGraph`). `TaskGraph.add` recomputes the node's cached accesses when it is added (an
+    idempotent write).
+    """
 
     cases: tuple = attrs.field(converter=_cases)
     cond_type: ClassVar[str] = "switch"

@@ -135,7 +135,11 @@ class SegmentMap:
 
 
 class RangeTracker:
-    """Infers RAW, WAR and WAW dependencies from accesses given in program order."""
+    """Infers RAW, WAR and WAW dependencies from accesses given in program order.
+
+    Thread-safety: not thread-safe (`access` updates per-buffer tables in place): use one per
+    thread; a `TaskGraph` owns its own and uses it only while nodes are added.
+    """
 
     def __init__(self):
         # buffer key -> [writers, readers, split]: with ``split`` False every access so far

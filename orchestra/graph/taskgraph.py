@@ -41,6 +41,13 @@ class TaskGraph:
     ``_explicit``) are made when something first asks for them (`_edges_by_name`), and the
     dependency tracker is fed their accesses before the next `add` (a 350,000-node pipeline
     that is only scheduled and printed never makes either).
+
+    Thread-safety: building is not thread-safe: `add` (and the builders that add) must not run while
+    any other thread uses the graph, so build it in one thread. A graph no longer added to may be
+    read by several threads at once: the tables made on first query (names, edge dicts of nodes a
+    builder added) are made under a module lock, and the cached orders are written whole (at worst
+    computed twice). The dicts some queries return (`topological_positions`, `node_map`) are the
+    graph's own: do not modify them.
     """
 
     def __init__(self):

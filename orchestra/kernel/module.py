@@ -96,7 +96,11 @@ class Module(Resource):
     its kernels. `close()` while a lease is out returns at once and the module reads as closed
     (``library`` raises `ResourceClosedError`, `kernel` refuses, no new lease), but the kernels
     it handed out keep working and ``cuLibraryUnload`` runs when the last lease ends
-    (docs/errors.md, "Lifetimes"). Thread-safe.
+    (docs/errors.md, "Lifetimes").
+
+    Thread-safety: may be shared between threads: `kernel` looks kernels up once each under the
+    module's lock (then returns the same `Kernel`), and `close` / `lease` go through the
+    `Owner`'s lock.
     """
 
     def __init__(self, library, image: bytes, device, *, lowered_names=None, source=None):
@@ -253,6 +257,14 @@ class Kernel:
     Attributes: ``name`` (as asked), ``lowered_name``, ``module``, ``device``, ``function``
     (``CUfunction``), ``handle`` (``CUkernel``), ``params`` (tuple of `Param`, or None when
     unknown), ``layout`` (`ArgLayout`, or None).
+
+    Thread-safety: may be shared between threads; `launch` may be called from several threads at
+    once. The remembered last launch, configuration and stream are tuples read and replaced whole,
+    the per-configuration caches are dicts updated by whole entries, and `check` opts in to dynamic
+    shared memory (``cuFuncSetAttribute``) under the kernel's lock. Launches from several threads
+    onto one stream interleave in whatever order the calls happen: give each thread its own stream,
+    or order them. A `PackedArgs` passed to `launch` must not be rewritten by another thread
+    meanwhile.
     """
 
     # `launch`'s fast path (the instance's own once it has launched)
@@ -794,6 +806,9 @@ class KernelAttributes:
     ``local_bytes`` (per thread), ``const_bytes``, ``max_dynamic_shared_bytes`` (current
     opt-in), ``ptx_version`` and ``binary_version`` (major*10+minor),
     ``non_portable_cluster_size_allowed``.
+
+    Thread-safety: plain values set once, when queried (``cuFuncGetAttribute``), and never changed
+    by orchestra: may be shared between threads (do not assign to its fields).
     """
 
     __slots__ = ("num_regs", "static_shared_bytes", "max_threads_per_block", "local_bytes",

@@ -57,9 +57,13 @@ def _result_name(code: int) -> str:
 
 
 class NcclAPI:
-    """nccl4py's bindings behind orchestra's names (see the module doc). Thread-safe: the
-    module is imported once under a lock; the calls are NCCL's (thread-safe per
-    communicator as NCCL documents)."""
+    """nccl4py's bindings behind orchestra's names (see the module doc).
+
+    Thread-safety: the object may be shared between threads (the module is imported once, under
+    a lock), but the calls are NCCL's, which are not thread-safe: issue the operations of one
+    communicator from one thread at a time, all of a group (``ncclGroupStart`` ..
+    ``ncclGroupEnd``) from one thread (NCCL User Guide, "Thread Safety").
+    """
 
     def __init__(self, module=None):
         self._module = module

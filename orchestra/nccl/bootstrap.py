@@ -56,7 +56,13 @@ def _parse(blob: bytes, nranks: int, where: str) -> bytes:
 
 class FileStore:
     """The id through a file at ``path`` (see the module doc). ``poll``: seconds between
-    looks; ``timeout``: seconds the other ranks wait for rank 0."""
+    looks; ``timeout``: seconds the other ranks wait for rank 0.
+
+    Thread-safety: its fields are set once; `exchange` is one rank's call, made once per process by
+    one thread (rank 0's temporary file is named by process id, so two threads of one process
+    writing the same path would collide). Processes share the file safely: it is written whole and
+    renamed into place (``os.replace``).
+    """
 
     def __init__(self, path, *, timeout: float = DEFAULT_TIMEOUT, poll: float = 0.01):
         self.path = os.fspath(path)
@@ -91,7 +97,11 @@ class FileStore:
 
 
 class TCPStore:
-    """The id over TCP: rank 0 serves ``host:port``, the others ask (see the module doc)."""
+    """The id over TCP: rank 0 serves ``host:port``, the others ask (see the module doc).
+
+    Thread-safety: one `exchange` per store object, from one thread: rank 0's serving thread updates
+    ``served``; other ranks connect from their own processes.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 29511, *,
                  timeout: float = DEFAULT_TIMEOUT):

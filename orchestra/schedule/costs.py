@@ -24,7 +24,10 @@ RESOURCES = {"upload": "upload", "download": "download", "compute": "compute"}
 
 @attrs.frozen
 class CostModel:
-    """Default cost model. Bandwidths in GB/s, times in µs."""
+    """Default cost model. Bandwidths in GB/s, times in µs.
+
+    Immutable: may be shared between threads freely.
+    """
 
     h2d_gbps: float = 50.0
     d2h_gbps: float = 50.0

@@ -22,7 +22,10 @@ class Finding:
 
     WAIT_UNRECORDED names the node the wait holds up (the next node run on its stream) first;
     DEADLOCK (of a plan) lists one held-up node per blocked stream, in ``streams``' order (at
-    least two entries); either is None where no node follows the wait. EVENT_REUSED names none."""
+    least two entries); either is None where no node follows the wait. EVENT_REUSED names none.
+
+    Immutable: may be shared between threads freely.
+    """
 
     kind: str
     buffer: str | None

@@ -27,7 +27,12 @@ from orchestra.schedule.plan import Plan, RecordEvent, RunNode, WaitEvent
 
 class PlanOrder:
     """Happens-before of the nodes of ``plan``; ``findings`` holds structural problems
-    (a node run twice, an event recorded twice or never, waits that can never be issued)."""
+    (a node run twice, an event recorded twice or never, waits that can never be issued).
+
+    Thread-safety: made once (in one thread), then only read: its queries may run in several threads
+    at once. Tables made on first query are assigned whole, so threads that ask at once at most make
+    them twice; ``findings`` is a list filled while it is made: do not modify it.
+    """
 
     mode = "plan"
 
@@ -313,7 +318,12 @@ class GraphOrder:
     """Happens-before from a graph's edges only (what a CUDA graph built from them guarantees).
 
     ``programmatic``: the edges among ``edges`` that are programmatic; each orders only when
-    ``waits(consumer)`` is true (default: never), see `orchestra.schedule.verify`."""
+    ``waits(consumer)`` is true (default: never), see `orchestra.schedule.verify`.
+
+    Thread-safety: made once (in one thread), then only read: its queries may run in several threads
+    at once. Tables made on first query are assigned whole, so threads that ask at once at most make
+    them twice; ``findings`` is a list filled while it is made: do not modify it.
+    """
 
     mode = "graph"
 

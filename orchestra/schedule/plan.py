@@ -65,7 +65,10 @@ def device_problem(value) -> str | None:
 class StreamSpec:
     """A non-blocking stream: ``name``, ``priority`` (CUDA: lower number = higher priority),
     ``role`` (which engine it mostly feeds: upload, compute, download, general) and ``device``
-    (the ordinal of the GPU the stream belongs to; its events are recorded there)."""
+    (the ordinal of the GPU the stream belongs to; its events are recorded there).
+
+    Immutable: may be shared between threads freely.
+    """
 
     name: str
     priority: int = attrs.field(default=0)
@@ -92,21 +95,30 @@ class StreamSpec:
 
 @attrs.frozen
 class RunNode:
-    """Enqueue graph node ``node`` on the stream."""
+    """Enqueue graph node ``node`` on the stream.
+
+    Immutable: may be shared between threads freely.
+    """
 
     node: str
 
 
 @attrs.frozen
 class RecordEvent:
-    """Record ``event`` on the stream (``cuEventRecord``)."""
+    """Record ``event`` on the stream (``cuEventRecord``).
+
+    Immutable: may be shared between threads freely.
+    """
 
     event: str
 
 
 @attrs.frozen
 class WaitEvent:
-    """Make the stream wait for ``event`` (``cuStreamWaitEvent``)."""
+    """Make the stream wait for ``event`` (``cuStreamWaitEvent``).
+
+    Immutable: may be shared between threads freely.
+    """
 
     event: str
 
@@ -164,6 +176,11 @@ class Plan:
         meta: JSON-able extras, e.g. ``{"makespan_us": ...}`` from the critical-path policy.
         node_stream: node -> stream of its first `RunNode`.
         events: every event name, in order of first record (then unrecorded waits).
+
+    Thread-safety: frozen, and orchestra never changes a plan once it is made, so one plan may be
+    shared by several threads (executors in different threads read it at once). ``steps`` and
+    ``meta`` are plain dicts, though: do not modify them while others read the plan. `node_stream`
+    and `events` are made on first use and assigned whole (at worst made twice).
     """
 
     streams: tuple[StreamSpec, ...] = attrs.field(converter=_stream_specs)
@@ -616,6 +633,9 @@ class PlanBuilder:
 
         plan = (PlanBuilder().stream("up", role="upload").run("alloc", "h2d").record("e0")
                 .stream("comp", role="compute").wait("e0").run("kernel").build())
+
+    Thread-safety: not thread-safe (every call appends to the builder's lists): use one per thread.
+    The `Plan` that `build` returns may be shared.
     """
 
     def __init__(self, policy: str = "manual"):

@@ -105,8 +105,11 @@ class Backend(abc.ABC):
 
 class NumpyInstance(Instance):
     """`NumpyBackend`'s instance: ``fn`` runs synchronously inside `launch`, or on the backend's
-    device thread (``device_thread=True``). Used by one launch at a time (the engine's lease),
-    like every `Instance`; `wait` may run in several threads at once."""
+    device thread (``device_thread=True``).
+
+    Thread-safety: used by one launch at a time (the engine's lease), like every `Instance`; `wait`
+    may run in several threads at once (it takes and gives back the launch's lock).
+    """
 
     def __init__(self, fn, rows, inputs, outputs, device=None):
         self.rows = rows
@@ -173,7 +176,9 @@ class NumpyBackend(Backend):
     completion) runs as it does on a GPU; `orchestra bench serve --cpu` profiles it this way.
     An exception of ``fn`` is raised by the launch's `Instance.wait`.
 
-    Thread-safe: instances are independent; ``fn`` must be safe to call from several threads
+    Thread-safety: `create` may run in several threads (the device thread is started once, under the
+    backend's lock; ``created`` is a plain counter that concurrent creates may undercount);
+    instances are independent; ``fn`` must be safe to call from several threads
     (``device_thread=True``: it is only called on the worker thread).
     """
 

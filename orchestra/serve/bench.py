@@ -85,8 +85,11 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 class Workload:
-    """Pre-generated requests (``pool`` per size) and their expected outputs. Read-only once
-    made: threads share it; each thread makes its own `picker`."""
+    """Pre-generated requests (``pool`` per size) and their expected outputs.
+
+    Thread-safety: read-only once made: threads share it; each thread makes its own `picker` (a
+    picker's random generator is not shared).
+    """
 
     def __init__(self, mix: str = "64K", row_floats: int = 1024, iters: int = 1, pool: int = 16,
                  seed: int = 0):
@@ -145,7 +148,11 @@ class Workload:
 
 @attrs.define
 class Result:
-    """One contender's row of a table (filled by one runner; its threads add under a lock)."""
+    """One contender's row of a table.
+
+    Thread-safety: filled by one runner; its threads add to it under the runner's lock, and it is
+    read only after they have joined.
+    """
 
     mode: str
     name: str
@@ -203,7 +210,11 @@ def format_results(results: list[Result]) -> str:
 
 @attrs.define
 class EngineConfig:
-    """How the bench builds engines (everything but batching and dispatch). Plain data."""
+    """How the bench builds engines (everything but batching and dispatch). Plain data.
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
 
     executor: str = "graph"
     instances: int = 2
@@ -352,7 +363,11 @@ def _call(client, x):
 
 @attrs.define
 class BenchOptions:
-    """What `orchestra bench serve` runs (the CLI's options). Plain data."""
+    """What `orchestra bench serve` runs (the CLI's options). Plain data.
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
 
     mode: str = "all"
     mix: str = "64K"

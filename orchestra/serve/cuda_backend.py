@@ -51,7 +51,9 @@ class ServeGraph:
             that the instance closes after its last launch.
         plan: a `Plan` to build with (default: the executor schedules it).
 
-    Immutable; build a new one per instance.
+    Immutable (frozen) record, but it holds ``graph`` (a `TaskGraph`), ``bindings`` and
+    ``owned`` by reference: the instance built from it owns them, so build a new one per
+    instance and share none of those objects between instances (or threads).
     """
 
     graph: TaskGraph
@@ -179,8 +181,12 @@ class _CudaInstance(Instance):
 
 
 class GraphInstance(_CudaInstance):
-    """An instance whose launch is one ``cuGraphLaunch`` of its own `GraphExec`. Used by one
-    launch at a time (the engine's lease); `wait` and `wait_blocking` may run at once."""
+    """An instance whose launch is one ``cuGraphLaunch`` of its own `GraphExec`.
+
+    Thread-safety: used by one launch at a time (the engine's lease): `launch` and `finish` must not
+    run in two threads at once; `wait` and `wait_blocking` may run at once (the engine's completion
+    threads wait while the submitting thread goes on).
+    """
 
     def _setup(self, backend, sg, bindings):
         with backend.build_lock:  # graph executors build one graph at a time
@@ -235,7 +241,12 @@ class GraphInstance(_CudaInstance):
 
 class EagerInstance(_CudaInstance):
     """An instance with its own `EagerExecutor` (its own streams); a launch enqueues the plan
-    with ``sync=False``. Used by one launch at a time (the engine's lease)."""
+    with ``sync=False``.
+
+    Thread-safety: used by one launch at a time (the engine's lease); its `EagerExecutor` serializes
+    what reaches it under its own lock, so `wait` from another thread waits for the launch to be
+    enqueued first.
+    """
 
     def _setup(self, backend, sg, bindings):
         from orchestra.execute import EagerExecutor

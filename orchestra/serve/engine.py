@@ -407,8 +407,10 @@ class Engine:
         one-output engine, else ``{name: array}``).
 
         Args:
-            inputs: ``{name: array}`` (one array for a one-input engine): C-contiguous, the
-                declared dtype, shape ``(rows, *row_shape)``. Copied into the instance's pinned
+            inputs: ``{name: array}`` (one array for a one-input engine): numpy arrays or
+                host tensors (CPU torch tensors, DLPack / ``__array_interface__`` objects,
+                read through a view of their memory; device tensors raise `InputTypeError`),
+                C-contiguous, the declared dtype, shape ``(rows, *row_shape)``. Copied into the instance's pinned
                 staging when the request launches (at once when an instance is free; keep the
                 arrays unchanged until the future is done).
             out: arrays to write the outputs into (``(rows, *row_shape)``, the dtype,

@@ -21,7 +21,11 @@ _capture_lock = threading.Lock()  # one torch graph capture at a time in the pro
 class BareClient:
     """One thread's bare cuda-python loop: ``cuMemcpyHtoDAsync``, ``cuLaunchKernel``,
     ``cuMemcpyDtoHAsync``, ``cuStreamSynchronize`` on the thread's own stream, from pinned
-    staging sized for the largest request. Not thread-safe: one per thread."""
+    staging sized for the largest request.
+
+    Thread-safety: not thread-safe: one per thread (its stream, buffers and packed arguments are its
+    own), used by the thread that made it.
+    """
 
     def __init__(self, device, max_elems: int, iters: int, s: float, t: float, block=256):
         from cuda.bindings import driver
@@ -84,7 +88,12 @@ class BareClient:
 class TorchClient:
     """One thread's PyTorch CUDA graph per request size: captured once (pinned host tensors,
     H2D copy, one kernel ``t + s * x`` per iteration, D2H copy), replayed on the thread's own
-    stream. Not thread-safe: one per thread, used by the thread that made it."""
+    stream.
+
+    Thread-safety: not thread-safe: one per thread, used by the thread that made it (its constructor
+    makes its stream that thread's current torch stream); captures of different clients are
+    serialized by a module lock.
+    """
 
     def __init__(self, shapes, iters: int, s: float, t: float, device: int = 0):
         import torch

@@ -21,9 +21,11 @@ class Samples:
     """The most recent ``capacity`` float samples (a power of two) in a fixed-size ring.
 
     `add` is one array store and one attribute store (no allocation once the ring exists; the
-    ring itself is allocated by the first `add`, or at once with ``prealloc=True``). Several
-    threads may `add` at once without a lock: a race can overwrite one sample with another
-    (statistics, not bookkeeping); `values` copies a snapshot.
+    ring itself is allocated by the first `add`, or at once with ``prealloc=True``).
+
+    Thread-safety: `add` may run in several threads at once without a lock: a race can overwrite one
+    sample with another, or make ``total`` miss an add (statistics, not bookkeeping); `values`
+    copies a snapshot.
     """
 
     __slots__ = ("_ring", "_n", "_mask", "capacity")
@@ -83,8 +85,12 @@ def percentiles(samples, qs=(50, 95, 99)) -> dict:
 
 
 class BucketStats:
-    """Counters of one bucket. Mutated under the engine's lock, except the latency ring
-    (`Samples.add`, lock-free), read as a snapshot by `as_dict`."""
+    """Counters of one bucket, read as a snapshot by `as_dict`.
+
+    Thread-safety: not thread-safe by itself: the counters are changed under the engine's lock; the
+    latency and GPU-time rings (`Samples`) take adds from any thread without it; `as_dict` reads a
+    snapshot (counters read without the lock may be one event apart).
+    """
 
     def __init__(self, rows: int):
         self.rows = rows

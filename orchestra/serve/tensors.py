@@ -4,9 +4,14 @@ of rows (axis 0), and the checks a request passes before anything is enqueued (p
     inputs={"x": ((1024,), "float32")}    # requests send x of shape (rows, 1024), float32
     inputs={"x": ((), "float32")}         # 1-D: x of shape (rows,)
 
-A request's arrays must be numpy arrays of exactly the declared dtype (no silent casts),
-C-contiguous, of shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same ``rows`` for
-every input. The checks raise `InputTypeError` / `BadRequest` naming the input and the fix.
+A request's arrays must be of exactly the declared dtype (no silent casts), C-contiguous, of
+shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same ``rows`` for every input. They are
+numpy arrays or host tensors of other libraries (CPU torch tensors, anything with ``__dlpack__``
+on the host, ``__array_interface__`` or the buffer protocol): those are read through a numpy view
+of their memory (`orchestra.driver.interop.host_view`, nothing copied), which the request holds
+until its future is done. Device tensors (CUDA torch tensors, CuPy arrays) are refused: an
+engine's graphs start from host memory. The checks raise `InputTypeError` / `BadRequest`
+naming the input and the fix.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ def _row_shape(value) -> tuple[int, ...]:
 @attrs.frozen
 class TensorSpec:
     """One named tensor: ``row_shape`` (the shape of one row: everything after axis 0) and
-    ``dtype``. ``row_nbytes``: bytes per row. Immutable."""
+    ``dtype``. ``row_nbytes``: bytes per row.
+
+    Immutable: may be shared between threads freely.
+    """
 
     name: str
     row_shape: tuple[int, ...] = attrs.field(converter=_row_shape)
@@ -80,15 +88,17 @@ def check_inputs(specs: dict[str, TensorSpec], inputs) -> tuple[dict[str, np.nda
 
     ``inputs``: ``{name: array}``, or one array when the engine has one input.
     """
-    if isinstance(inputs, np.ndarray):
+    if isinstance(inputs, np.ndarray) or (not isinstance(inputs, Mapping)
+                                          and _is_tensor(inputs)):
         if len(specs) != 1:
             raise BadRequest(f"this engine takes {len(specs)} inputs ({', '.join(specs)}); pass "
                              "a dict of name -> array")
         ((name, spec),) = specs.items()
-        return {name: _check_array(spec, inputs, "input")}, inputs.shape[0]
+        a = _check_array(spec, inputs, "input")
+        return {name: a}, a.shape[0]
     if not isinstance(inputs, Mapping):
-        raise InputTypeError(f"inputs must be a numpy array or a dict of name -> numpy array; "
-                             f"got {type(inputs).__name__}")
+        raise InputTypeError(f"inputs must be a numpy array (or a host tensor) or a dict of "
+                             f"name -> array; got {type(inputs).__name__}")
     if inputs.keys() != specs.keys():
         missing = [n for n in specs if n not in inputs]
         unknown = [str(n) for n in inputs if n not in specs]
@@ -115,7 +125,7 @@ def check_inputs(specs: dict[str, TensorSpec], inputs) -> tuple[dict[str, np.nda
 def check_out(specs: dict[str, TensorSpec], out, rows: int) -> dict[str, np.ndarray]:
     """``out=`` arrays (``{name: array}`` or one array for a one-output engine): the dtype and
     ``(rows, *row_shape)`` of the output, C-contiguous and writable."""
-    if isinstance(out, np.ndarray):
+    if isinstance(out, np.ndarray) or (not isinstance(out, Mapping) and _is_tensor(out)):
         if len(specs) != 1:
             raise BadRequest(f"this engine has {len(specs)} outputs ({', '.join(specs)}); pass "
                              "out= as a dict of name -> array")
@@ -139,12 +149,48 @@ def check_out(specs: dict[str, TensorSpec], out, rows: int) -> dict[str, np.ndar
     return checked
 
 
+def _is_tensor(obj) -> bool:
+    """Whether ``obj`` is an array of another library (host or device): DLPack, the CUDA Array
+    Interface or ``__array_interface__``. Looked up on the type and the instance's own
+    attributes: no property is evaluated."""
+    return any(_speaks(obj, n) for n in _TENSOR_PROTOCOLS)
+
+
+_TENSOR_PROTOCOLS = ("__dlpack__", "__array_interface__", "__cuda_array_interface__")
+
+
+def _speaks(obj, protocol: str) -> bool:
+    return hasattr(type(obj), protocol) or protocol in getattr(obj, "__dict__", ())
+
+
+def _as_array(spec: TensorSpec, a: Any, what: str) -> Any:
+    """``a`` itself when it is a numpy array or not a tensor (the checks below name it), else a
+    numpy view of a host tensor's memory; a device tensor, or a host tensor its producer does
+    not export, is an `InputTypeError`."""
+    if isinstance(a, np.ndarray) or not _is_tensor(a):
+        return a
+    from orchestra.driver.interop import host_view  # the driver layer only for tensors
+    from orchestra.errors import OrchestraError
+
+    name = spec.name
+    if _speaks(a, "__cuda_array_interface__") and not _speaks(a, "__dlpack__"):
+        raise InputTypeError(f"{what} {name} is device memory (CUDA Array Interface); an engine "
+                             "takes host arrays: copy it to the host first (e.g. .get() / "
+                             ".cpu()), or call the exec with device bindings directly")
+    try:
+        return host_view(a, what=f"{what} {name}")
+    except OrchestraError as exc:
+        raise InputTypeError(f"{exc}; an engine takes host arrays: pass a CPU tensor (e.g. "
+                             "t.cpu()) or a numpy array") from exc
+
+
 def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
     name = spec.name
+    a = _as_array(spec, a, what)
     if not isinstance(a, np.ndarray):
-        raise InputTypeError(f"{what} {name}: expected a numpy array {spec.describe()}, got "
-                             f"{type(a).__name__}; convert it with np.asarray(..., "
-                             f"dtype=np.{spec.dtype.name})")
+        raise InputTypeError(f"{what} {name}: expected a numpy array or a host tensor "
+                             f"{spec.describe()}, got {type(a).__name__}; convert it with "
+                             f"np.asarray(..., dtype=np.{spec.dtype.name})")
     if a.dtype != spec.dtype:
         raise InputTypeError(f"{what} {name}: dtype {a.dtype.name}, the engine takes "
                              f"{spec.dtype.name}; convert it with .astype(np.{spec.dtype.name})")

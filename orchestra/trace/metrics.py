@@ -99,6 +99,9 @@ class Metrics:
         engines: the engines the overlap numbers count (those of the requested set that ran).
         concurrency_ms: k -> ms during which exactly k of ``engines`` were busy.
         pairs_ms: (a, b) -> ms both were busy, for each pair of ``engines``.
+
+    Immutable (frozen), but the per-engine tables are plain dicts: may be shared between threads
+    freely as long as nobody modifies them.
     """
 
     makespan_ms: float

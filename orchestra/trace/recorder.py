@@ -28,7 +28,11 @@ _TIMELINE_FIELDS = ("streams", "policy", "executor", "device")
 
 @runtime_checkable
 class EventTimer(Protocol):
-    """What an executor calls when ``trace=True`` (see docs/trace.md)."""
+    """What an executor calls when ``trace=True`` (see docs/trace.md).
+
+    Thread-safety: a protocol; the implementations (`EagerTracer`, `GraphTracer`) are not
+    thread-safe: one run at a time, driven by the thread that enqueues it.
+    """
 
     def begin(self, streams, *, policy: str = "", meta: Mapping | None = None) -> None:
         """Start a run on ``streams`` (name -> Stream, in track order)."""
@@ -48,7 +52,11 @@ class EventTimer(Protocol):
 
 @attrs.frozen
 class EventPair:
-    """``start`` / ``end`` events around ``node`` (a graph node) on ``stream`` (its name)."""
+    """``start`` / ``end`` events around ``node`` (a graph node) on ``stream`` (its name).
+
+    Immutable (frozen): the record may be shared between threads freely; the two events are the
+    tracer's, recorded only by the run it times.
+    """
 
     stream: str
     node: Any
@@ -103,6 +111,9 @@ class EventPool:
 
     `take` hands out a free event (creating one if none is free); `reset` makes every event
     free again once the run that used them has been read. `close` destroys them all.
+
+    Thread-safety: not thread-safe: `take` and `reset` change plain lists; a pool belongs to one
+    tracer.
     """
 
     def __init__(self, device=None):
@@ -262,6 +273,9 @@ class EagerTracer(_PairBook):
 
     The pool's events are reused by the next run (so ``2 * nodes + streams`` events in all).
     ``pool`` and ``elapsed`` are for tests (fake events); normally leave them out.
+
+    Thread-safety: not thread-safe: one run at a time, from `begin` to `finish`, driven by the
+    thread that enqueues the run (the executor calls it under its lock).
     """
 
     def __init__(self, device=None, *, executor: str = "eager", pool: EventPool | None = None,
@@ -341,6 +355,9 @@ class GraphTracer(_PairBook):
     then (after the launch) ``tracer.finish()``. The events stay bound to the graph exec, so
     `finish` can be called after every launch; `close` the tracer only after the exec is
     destroyed.
+
+    Thread-safety: not thread-safe: used by the build that makes the graph, then by the graph exec
+    it belongs to, under the exec's lock (`mark_launch` and `finish` around each launch).
     """
 
     def __init__(self, device=None, *, executor: str = "graph", pool: EventPool | None = None,

@@ -55,6 +55,8 @@ class NodeSpan:
     ``lowering`` how a host copy ran: ``"copy-kernel"`` (the SMs ran the copy kernel; the
     node's ``engine`` stays its own, "upload" / "download"), else None (a copy engine, or
     not a copy).
+
+    Immutable: may be shared between threads freely.
     """
 
     name: str
@@ -122,6 +124,9 @@ class Timeline:
         executor: "eager", "capture", "graph-build", ...
         device: the device ordinal the events were recorded on.
         meta: JSON-able extras.
+
+    Immutable (frozen; the spans are a tuple of frozen `NodeSpan`), but ``meta`` is a plain dict:
+    may be shared between threads freely as long as nobody modifies it.
     """
 
     spans: tuple[NodeSpan, ...] = attrs.field(converter=_spans)

@@ -78,6 +78,8 @@ class Sustained:
     ``"stream"`` (enqueued on streams, as the eager executor runs), ``"graph"`` (captured into
     one CUDA graph and launched as one, as the graph executors run), or ``"both"`` (each
     kind both ways, the faster counting); `launch_note` says it in words.
+
+    Immutable: may be shared between threads freely.
     """
 
     nbytes: int
@@ -130,7 +132,8 @@ class Sustained:
 @attrs.frozen
 class PipelineBound:
     """The bound of one pipeline: each term (ms), the largest (``bound_ms``) and which term
-    it is (``limiter``: "upload", "download", "compute" or "link"). Immutable."""
+    it is (``limiter``: "upload", "download", "compute" or "link"). Immutable: may be shared
+    between threads freely."""
 
     batches: float
     smallest: float  # the smallest batch as a fraction of a full one

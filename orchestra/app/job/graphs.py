@@ -67,7 +67,11 @@ def burn_scalars(iters: int) -> tuple:
 
 @attrs.frozen
 class JobGraph:
-    """A built job graph: ``graph``, its `Batch` records, the host buffers to bind."""
+    """A built job graph: ``graph``, its `Batch` records, the host buffers to bind.
+
+    Immutable (frozen) record, but ``graph`` is a `TaskGraph` and ``batches`` a list: share it
+    between threads only as read-only data (see `TaskGraph`).
+    """
 
     graph: TaskGraph
     batches: list

@@ -19,7 +19,11 @@ from orchestra.errors import JobInputError
 @attrs.frozen
 class InputArray:
     """A checked ``.npy`` input: ``array`` (memory-mapped, as stored) and ``fortran``
-    (stored in Fortran order: `flat` and a result written with the same order follow it)."""
+    (stored in Fortran order: `flat` and a result written with the same order follow it).
+
+    Immutable (frozen) record; ``array`` is a read-only memory map of the file: may be shared
+    between threads for reading.
+    """
 
     path: Path
     array: np.ndarray = attrs.field(eq=False, repr=False)

@@ -86,7 +86,11 @@ CHECK_ITERS = 3
 
 @attrs.frozen
 class JobReport:
-    """Everything `MainJob.run` measured. Times in ms, sizes in bytes."""
+    """Everything `MainJob.run` measured. Times in ms, sizes in bytes.
+
+    Immutable (frozen), but ``bound_terms`` and ``sustained`` are plain dicts (and ``timeline`` a
+    `Timeline`): may be shared between threads as long as nobody modifies them.
+    """
 
     device: str
     executor: str
@@ -177,6 +181,9 @@ class MainJob:
     (`orchestra.execute.ExecutorBase`). ``device_budget``: device memory (bytes) the batches in
     flight may hold together before batch ``b`` waits for batch ``b - k``'s frees
     (`orchestra.app.job.graphs.in_flight_for`; default 8 GiB).
+
+    Thread-safety: not thread-safe: `run` drives one executor, its staging and its device buffers
+    from the calling thread; run one job at a time per object.
     """
 
     def __init__(self, batches: int = 32, batch_mib: float = 64, streams: int | str = AUTO,

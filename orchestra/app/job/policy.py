@@ -56,7 +56,8 @@ class PolicyChoice:
     """A resolved ``(policy, streams)`` and why. ``requested_policy`` / ``requested_streams``:
     what was asked for (``"auto"`` or the value given); ``copies`` / ``copy_kernels``: the
     job's host copies and how many of them run as copy kernels; ``lanes``: whether the plan
-    runs each batch's chain in its own lane (round-robin with copy kernels). Immutable."""
+    runs each batch's chain in its own lane (round-robin with copy kernels). Immutable: may be
+    shared between threads freely."""
 
     policy: str
     streams: int

@@ -68,6 +68,9 @@ class GatedTimer:
     (an event after the gate), record the start event, call ``enqueue()`` (which enqueues on
     ``stream`` and ``others``), join ``others`` back, record the end event, wait; returns the
     GPU ms between the events. `median_ms` repeats that. `close()` frees the events.
+
+    Thread-safety: not thread-safe: its gate, fork and timing events are reused by every
+    measurement; use one per thread, from the thread that enqueues the timed work.
     """
 
     def __init__(self, stream, *, repeats: int = 5, warmup: int = 1,

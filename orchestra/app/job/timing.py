@@ -51,7 +51,10 @@ def check_launch(launch) -> str:
 @attrs.frozen
 class SingleBatch:
     """Median single-batch times (ms) of ``nbytes`` bytes, the kernel's ``iters``, and the
-    sustained times the bound is made of (None when not measured)."""
+    sustained times the bound is made of (None when not measured).
+
+    Immutable: may be shared between threads freely.
+    """
 
     nbytes: int
     iters: int

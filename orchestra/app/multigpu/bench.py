@@ -35,6 +35,12 @@ DEFAULT_SIZES = tuple(MIB << k for k in range(11))  # 1 MiB .. 1 GiB
 
 @attrs.define
 class Row:
+    """One contender on one part of the benchmark (times in ms, bandwidths in GB/s).
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
+
     part: str
     contender: str
     size_bytes: int
@@ -47,6 +53,12 @@ class Row:
 
 @attrs.define
 class MultiGpuReport:
+    """What `run_multigpu` measured: the devices, ranks, result rows and skipped parts.
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
+
     devices: list
     ranks: int
     rows: list = attrs.field(factory=list)

@@ -69,7 +69,11 @@ class _Timed:
 
 
 class ByHand(_Timed):
-    """cuda-python, written out: no orchestra executor on the hot path."""
+    """cuda-python, written out: no orchestra executor on the hot path.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, w, style: str):
         from cuda.bindings import driver as d
@@ -149,7 +153,11 @@ class BareGraph(_Timed):
 
     ``launch()`` / ``sync()`` / ``gpu_ms()`` (timing events around one launch); with a
     workload that has alternate arrays ``x2`` / ``y2``, ``rebind()`` moves every H2D / D2H
-    node onto the other set (``cuGraphExecMemcpyNodeSetParams``) and launches."""
+    node onto the other set (``cuGraphExecMemcpyNodeSetParams``) and launches.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     name = "cuda-python bare captured graph (by-engine shape)"
     mode = "graph"
@@ -330,7 +338,11 @@ class BareRequest(_Timed):
     ``cuMemcpyDtoHAsync``, ``cuStreamSynchronize`` on device buffers allocated once; with
     ``graph=True`` the three calls captured once and each request one ``cuGraphLaunch`` and
     the synchronize. ``r``: the request data (``dev``, ``x``, ``y`` pinned float32 of ``n``,
-    ``kernel``, ``grid``, ``block``, ``iters``, ``burn_st``)."""
+    ``kernel``, ``grid``, ``block``, ``iters``, ``burn_st``).
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, r, graph: bool = False):
         from cuda.bindings import driver as d
@@ -384,7 +396,11 @@ class BareChain(_Timed):
     ``dev``, ``bufs`` (two `DeviceBuffer`), ``n``, ``kernels``, ``step`` (the link `Kernel`),
     ``grid``, ``block``): ``cuLaunchKernel``, or with ``pdl`` ``cuLaunchKernelEx`` and the
     programmatic-stream-serialization attribute on every link but the first; ``graph=True``
-    captures the chain once and launches it."""
+    captures the chain once and launches it.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, c, *, pdl: bool, graph: bool):
         from cuda.bindings import driver as d

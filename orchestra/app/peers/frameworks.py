@@ -67,6 +67,12 @@ class _CuPyStreams(_Peer):
 
 
 class CuPyLoop(_CuPyStreams):
+    """The pipeline with CuPy: the classic loop on three streams (the burn kernel as a RawKernel).
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
+
     name = "CuPy, classic loop on 3 streams (RawKernel)"
 
     def __init__(self, w, cp):
@@ -92,6 +98,13 @@ class CuPyLoop(_CuPyStreams):
 
 
 class CuPyGraph(_CuPyStreams):
+    """The pipeline with CuPy, its classic three-stream loop captured once (stream capture) and
+    launched per run.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
+
     name = "CuPy, classic loop captured (stream capture)"
     mode = "graph"
 
@@ -157,7 +170,11 @@ def _capture_cupy(stream, enqueue):
 
 class CuPyRequest(_Peer):
     """One request with CuPy: memcpyAsync, the RawKernel, memcpyAsync, synchronize (device
-    buffers allocated once); ``graph=True``: captured once, launched per request."""
+    buffers allocated once); ``graph=True``: captured once, launched per request.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     family = "cupy"
 
@@ -202,7 +219,11 @@ class CuPyRequest(_Peer):
 class CuPyChain(_Peer):
     """The chain with CuPy: ``c.kernels`` launches of ``pdl_chain_step`` (pdl.cu compiled by
     CuPy) over two CuPy buffers; without PDL (CuPy's launch has no attributes); ``graph=True``
-    captures it once."""
+    captures it once.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     family = "cupy"
 
@@ -274,6 +295,13 @@ class _TorchPeer(_Peer):
 
 
 class TorchLoop(_TorchPeer):
+    """The pipeline with PyTorch: the classic loop on three streams (the burn cubin on torch's
+    stream).
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
+
     name = "PyTorch, classic loop on 3 streams (burn cubin on torch's stream)"
 
     def __init__(self, w, torch):
@@ -309,6 +337,13 @@ class TorchLoop(_TorchPeer):
 
 
 class TorchGraph(_TorchPeer):
+    """The pipeline with PyTorch, its classic loop captured once (``torch.cuda.graph``) and replayed
+    per run.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
+
     name = "PyTorch, classic loop captured (torch.cuda.graph)"
     mode = "graph"
 
@@ -359,7 +394,11 @@ class TorchGraph(_TorchPeer):
 class TorchRequest(_TorchPeer):
     """One request with PyTorch: ``copy_(non_blocking=True)`` from the pinned input, burn on
     torch's stream (arguments packed once), ``copy_`` back, ``Stream.synchronize``; with
-    ``graph=True`` the three captured with ``torch.cuda.graph`` and replayed per request."""
+    ``graph=True`` the three captured with ``torch.cuda.graph`` and replayed per request.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, r, torch, graph: bool = False):
         self._setup(r, torch)

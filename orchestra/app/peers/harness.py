@@ -60,7 +60,11 @@ def _watchdog(seconds: float | None):
 
 
 class PipelineData:
-    """The data of a pipeline workload, its kernel and its bound (closes its pinned arrays)."""
+    """The data of a pipeline workload, its kernel and its bound (closes its pinned arrays).
+
+    Thread-safety: not thread-safe: made and used by the harness's thread; the contenders that read
+    it run one after another.
+    """
 
     def __init__(self, dev, spec: Workload, resolver, seed: int = 0):
         from orchestra.app.job import data as jd
@@ -148,7 +152,11 @@ def bound_streams(dev, w) -> int:
 
 
 class RequestData:
-    """One request's pinned input / output (``n`` floats), kernel and bound."""
+    """One request's pinned input / output (``n`` floats), kernel and bound.
+
+    Thread-safety: not thread-safe: made and used by the harness's thread; the contenders that read
+    it run one after another.
+    """
 
     def __init__(self, dev, spec: Workload, resolver, seed: int = 0):
         from orchestra.app.job.graphs import burn_grid, burn_kernel_ref
@@ -190,7 +198,11 @@ class RequestData:
 
 
 class ChainData:
-    """Two device buffers, the link kernel, the input and the numpy result of the chain."""
+    """Two device buffers, the link kernel, the input and the numpy result of the chain.
+
+    Thread-safety: not thread-safe: made and used by the harness's thread; the contenders that read
+    it run one after another.
+    """
 
     def __init__(self, dev, spec: Workload, resolver, seed: int = 7):
         from orchestra.app.kernels_bench import reference as ref

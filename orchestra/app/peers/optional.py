@@ -22,7 +22,10 @@ LABEL = {"cupy": "CuPy", "torch": "PyTorch"}
 
 @attrs.frozen
 class Skip:
-    """A peer that does not run, and why (``note``: one line for the report)."""
+    """A peer that does not run, and why (``note``: one line for the report).
+
+    Immutable: may be shared between threads freely.
+    """
 
     peer: str
     note: str

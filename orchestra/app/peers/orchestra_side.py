@@ -80,7 +80,11 @@ class OrchestraPipeline(_Replay):
     """``kind``: "eager", "capture" or "graph-build"; ``w`` as in `cuda_python`, plus
     ``resolver`` (the shared `KernelResolver`). ``policy`` / ``streams``: ``"auto"`` (default:
     `pipeline_policy`) or given; ``copy_lowering``: the executor's. ``choice``: the resolved
-    `PolicyChoice`."""
+    `PolicyChoice`.
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, w, kind: str, policy: str = AUTO, streams: int | str = AUTO,
                  copy_lowering: str = "auto"):
@@ -130,7 +134,11 @@ class OrchestraPipeline(_Replay):
 class OrchestraRequest(_Replay):
     """One request (``r``: ``dev``, ``resolver``, ``x`` / ``y`` pinned of ``n`` floats, grid,
     block, iters, burn_st). ``external``: device buffers allocated once and bound (else the
-    graph allocates and frees them per run)."""
+    graph allocates and frees them per run).
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, r, kind: str, external: bool = True):
         from orchestra.app.job.graphs import burn_kernel_ref
@@ -191,7 +199,11 @@ class OrchestraRequest(_Replay):
 
 class OrchestraChain(_Replay):
     """The chain (``c``: ``dev``, ``resolver``, ``bufs`` (two `DeviceBuffer`), ``n``,
-    ``kernels``, ``step_ref`` (the link's `KernelRef`), ``grid``, ``block``)."""
+    ``kernels``, ``step_ref`` (the link's `KernelRef`), ``grid``, ``block``).
+
+    Thread-safety: not thread-safe: a benchmark contender, driven by one thread (the harness runs
+    contenders one after another); its streams, buffers and graphs are its own.
+    """
 
     def __init__(self, c, kind: str, pdl: bool):
         from orchestra.graph import Buffer, In, KernelNode, Out, TaskGraph

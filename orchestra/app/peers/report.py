@@ -25,7 +25,11 @@ MISSING_MATPLOTLIB = ("--plot needs matplotlib, which is not installed: pip inst
 
 @attrs.define
 class Row:
-    """One contender on one workload (times in ms, host cost in µs per node)."""
+    """One contender on one workload (times in ms, host cost in µs per node).
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
 
     workload: str
     contender: str
@@ -100,7 +104,11 @@ def format_table(rows: Sequence[Row]) -> str:
 
 @attrs.define
 class PeersReport:
-    """Everything one ``orchestra bench peers`` run measured."""
+    """Everything one ``orchestra bench peers`` run measured.
+
+    Thread-safety: plain mutable data (``attrs.define``), filled by one thread: share it only once
+    it is complete, and do not change it while others read it.
+    """
 
     device: str
     versions: dict

@@ -32,7 +32,10 @@ MIB = 1 << 20
 class Workload:
     """One workload. ``kind``: "pipeline" (``batches`` x ``batch_bytes``, kernel ``iters``:
     an int or None = calibrated to the copies), "request" (``requests`` single requests of
-    ``batch_bytes``) or "chain" (``kernels`` dependent kernels of ``batch_bytes``)."""
+    ``batch_bytes``) or "chain" (``kernels`` dependent kernels of ``batch_bytes``).
+
+    Immutable: may be shared between threads freely.
+    """
 
     key: str
     name: str

@@ -92,7 +92,14 @@ def programmatic_edge():
 class GraphBuildExecutor(GraphExecutorBase):
     """Builds CUDA graphs explicitly from task graphs (``cuGraphAdd*Node``); see the module
     doc. ``device``, ``verify``, ``kernel_resolver``, ``auto_free``, ``driver``: as for the
-    capture executor. ``build`` / ``run`` (from `GraphExecutorBase`) give `GraphExec` objects."""
+    capture executor. ``build`` / ``run`` (from `GraphExecutorBase`) give `GraphExec` objects.
+
+    Thread-safety: `build` takes no executor-wide lock: each build creates its own ``CUgraph``,
+    records and binding table, and the pieces it shares (the `KernelResolver`, the copy-policy memo,
+    the `PinnedCheck`) are safe to share. Concurrent builds are not exercised by the tests, though:
+    orchestra's own users serialize them (`CudaBackend` holds a lock), and so should other callers.
+    The `GraphExec` objects it returns are thread-safe.
+    """
 
     executor_name = "graph-build"
 

@@ -20,7 +20,11 @@ class NodeRecord:
     kind: the node lowering's ``graph_node``) and ``params`` (the ``CUDA_MEMCPY3D`` /
     ``CUDA_KERNEL_NODE_PARAMS`` / ``CUDA_MEMSET_NODE_PARAMS`` / ``CUDA_HOST_NODE_PARAMS`` /
     ``CUDA_MEM_ALLOC_NODE_PARAMS`` object it was created with, or None), ``container`` (the
-    node whose body holds it, None at the top level)."""
+    node whose body holds it, None at the top level).
+
+    Thread-safety: not thread-safe: part of a `BuiltGraph`; its ``params`` are rewritten by replays
+    under the owning `GraphExec`'s lock.
+    """
 
     __slots__ = ("name", "kind", "gnode", "params", "container", "__weakref__")
 
@@ -60,6 +64,9 @@ class BuiltGraph:
         tracer: the `GraphTracer` whose events the graph records (None untraced).
         build_ms: host time spent building. meta: what the executor adds (the graph-build
             translation as ``meta["spec"]``).
+
+    Thread-safety: not thread-safe: filled by the one build that makes it, then owned by its
+    `GraphExec`, which reads and changes it only under the exec's lock.
     """
 
     def __init__(self, cugraph, taskgraph, plan, executor: str, bindings=None):

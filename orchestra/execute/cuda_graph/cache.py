@@ -61,7 +61,10 @@ def _dtype_name(dtype) -> str:
 
 
 class BucketPolicy:
-    """Rounds a size up to a bucket. ``kind``: ``"pow2"`` or ``"list"``; ``sizes`` for lists."""
+    """Rounds a size up to a bucket. ``kind``: ``"pow2"`` or ``"list"``; ``sizes`` for lists.
+
+    Thread-safety: its fields are set once, in ``__init__``: may be shared between threads freely.
+    """
 
     def __init__(self, spec):
         if spec == "pow2":
@@ -104,7 +107,10 @@ class Signature:
     """What an exec is keyed by: ``shapes`` ((name, shape, dtype), sorted by name) and
     ``topology`` ((key, value), sorted by key): batch count, policy, streams, kernel identity,
     launch shapes... anything that changes the task graph. ``requested``: the shapes before
-    bucketing (not part of equality or the hash)."""
+    bucketing (not part of equality or the hash).
+
+    Immutable: may be shared between threads freely.
+    """
 
     shapes: tuple
     topology: tuple = ()
@@ -171,6 +177,9 @@ class CacheLease:
     closed now, on this thread. A context manager: ``with cache.lease(sig, build) as exe:``
     gives the value and releases at the end of the block. A lease garbage-collected unreleased
     is ended by the cache's next call (a finalizer must not take the cache's lock).
+
+    Thread-safety: may be shared between threads; `release` may be called from several at once: one
+    ``list.pop`` claims it, so the lease ends exactly once.
     """
 
     __slots__ = ("value", "_claim", "_entry", "__weakref__")
@@ -219,7 +228,12 @@ class GraphCache:
             of every input shape (see the module doc).
 
     Values are closed by calling their ``close()`` (if they have one) exactly once, after
-    eviction and after the last `lease` on them ended. Thread-safe.
+    eviction and after the last `lease` on them ended.
+
+    Thread-safety: may be shared between threads: one lock covers the entries, the counts and the
+    builds in flight; a value is built outside the lock, once per signature (other threads asking
+    for it wait for that build), and closed outside it. Use `lease` where other threads may evict a
+    value you still use.
     """
 
     def __init__(self, max_entries: int | None = None, buckets=None):

@@ -129,6 +129,11 @@ class CaptureExecutor(GraphExecutorBase):
     seam: a test injects an illegal stream query there). Streams (one per plan `StreamSpec`, by priority),
     the origin stream and sync-only events are pooled and reused by every capture; one capture
     at a time per executor.
+
+    Thread-safety: may be shared between threads: every capture holds the executor's lock (one
+    capture at a time: the pooled streams and events are reused by every capture), so builds from
+    several threads serialize. Captures use the ``thread-local`` mode by default, so other threads'
+    CUDA calls cannot invalidate one. The `GraphExec` objects it returns are thread-safe.
     """
 
     executor_name = "capture"

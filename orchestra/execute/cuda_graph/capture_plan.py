@@ -31,7 +31,10 @@ ORIGIN = "<origin>"
 class CaptureStep:
     """One step of a capture: ``op`` is ``begin``, ``fork``, ``join``, ``end`` (on ``stream``)
     or ``plan`` (``step`` is the plan's `RunNode` / `RecordEvent` / `WaitEvent` on
-    ``stream``)."""
+    ``stream``).
+
+    Immutable: may be shared between threads freely.
+    """
 
     op: str
     stream: str

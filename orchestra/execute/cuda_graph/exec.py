@@ -86,10 +86,12 @@ class GraphExec(Replay, Update, Toggle, Closable):
     ``repoint_updates`` counts rebindings the driver could not apply per node, done by
     updating the whole exec instead (see `replay`).
 
-    Thread-safe: every method holds the exec's lock (one launch/replay at a time; a replay
-    with ``sync=True`` keeps it until its launch is done), and `launch`, `replay`,
-    `synchronize` make the exec's device current on a host thread that does not have it yet
-    (``cuCtxSetCurrent``, once per thread).
+    Thread-safety: may be shared between threads: every method holds the exec's lock (one
+    launch/replay at a time, as launches of one ``CUgraphExec`` serialize anyway; a replay with
+    ``sync=True`` keeps it until its launch is done), and `launch`, `replay`, `synchronize`
+    make the exec's device current on a host thread that does not have it yet
+    (``cuCtxSetCurrent``, once per thread). For launches that overlap, use one exec per thread
+    (or a `GraphCache` / serving engine with several instances).
     """
 
     def __init__(self, built: BuiltGraph, device: Device, *, flags: int = 0, upload: bool = True,

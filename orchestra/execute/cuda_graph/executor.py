@@ -25,6 +25,9 @@ class GraphExecutorBase(ExecutorBase):
 
     Subclasses implement ``_build_graph(taskgraph, plan, bindings, *, trace, policy, streams,
     costs, auto_free, copies, **kw) -> BuiltGraph`` (``copies``: the build's `CopyPolicy`).
+
+    Thread-safety: see `CaptureExecutor` (captures serialize on the executor's lock) and
+    `GraphBuildExecutor` (serialize builds yourself); `close` holds the executor's lock.
     """
 
     _build_graph: Callable[..., BuiltGraph]  # each subclass's own (see above)

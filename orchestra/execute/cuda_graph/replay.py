@@ -71,7 +71,11 @@ _WITH_CONTEXT = frozenset(("memcpy", "memset"))  # these SetParams take the CUco
 class KernelScalars:
     """A kernel node's replay state: its `KernelArgs` (``ka``), record, parameter struct,
     graph node, packed struct, the per-parameter (field, converter) slots looked up once, and
-    ``apply`` (its ``cuGraphExecKernelNodeSetParams`` with every argument bound)."""
+    ``apply`` (its ``cuGraphExecKernelNodeSetParams`` with every argument bound).
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     __slots__ = ("ka", "rec", "params", "gnode", "struct", "layout", "pointers", "slots",
                  "apply")
@@ -116,7 +120,11 @@ class Rebind:
     1 for an external device buffer, 2 for a host buffer nodes only read, 3 for one a node
     writes (the bound array's writability is checked at every rebinding); ``one``: ``(cell,
     offset, apply)`` when the binding has one field and one node (the usual case), else
-    None."""
+    None.
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     __slots__ = ("binding", "cells", "fields", "nodes", "unsupported", "inner", "fast", "one")
 
@@ -183,7 +191,11 @@ def plan_rebinds(table, setters: dict, exec_, ctx) -> dict:
 
 class Replay(ExecParts):
     """`GraphExec.replay` and `GraphExec.scalars` (a part of `GraphExec`: it uses the exec's
-    state, lock, binding table and bound driver functions)."""
+    state, lock, binding table and bound driver functions).
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     def replay(self, bindings: Mapping[str, Any] | None = None,
                scalars: Mapping[str, Mapping] | None = None, *, stream=None,

@@ -42,7 +42,12 @@ class GraphRunner(Closable):
     """``kind``: ``"capture"`` or ``"graph"`` (explicit build). Other arguments as for the
     executors (`CaptureExecutor`, `GraphBuildExecutor`; ``copy_lowering``: how host copies
     are built, see `GraphExecutorBase.build`); ``trace=True`` builds traced execs (each run's
-    `RunResult.timeline` is set)."""
+    `RunResult.timeline` is set).
+
+    Thread-safety: may be shared between threads: `run`, `synchronize` and `close` hold the runner's
+    re-entrant lock, so runs from several threads serialize (one exec per signature, launched one
+    run at a time).
+    """
 
     def __init__(self, kind: str = "capture", device=None, *, verify: bool = True,
                  kernel_resolver=None, cache_size: int = 8, auto_free: bool = False,

@@ -81,7 +81,10 @@ class SpecNode:
     see `cuda_kind`), ``source_kind`` (the orchestra kind), ``deps`` (names of the nodes it
     depends on, in creation order), ``direction`` ("h2d" / "d2h" for host copies, memcpy
     nodes and copy kernels alike, else None), ``programmatic`` (the deps whose edges are
-    programmatic; see the module doc)."""
+    programmatic; see the module doc).
+
+    Immutable: may be shared between threads freely.
+    """
 
     name: str
     kind: str
@@ -93,7 +96,10 @@ class SpecNode:
 
 @attrs.frozen
 class GraphSpec:
-    """The CUDA graph to build: `nodes` in creation order (every node after its deps)."""
+    """The CUDA graph to build: `nodes` in creation order (every node after its deps).
+
+    Immutable: may be shared between threads freely.
+    """
 
     nodes: tuple[SpecNode, ...]
 

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 
 class ExecState:
-    """Everything the finalizer releases (no reference back to the `GraphExec`)."""
+    """Everything the finalizer releases (no reference back to the `GraphExec`).
+
+    Thread-safety: changed under the owning `GraphExec`'s lock, and released once by its finalizer,
+    which may run on any thread (it makes the device's context current with `Device.pushed`).
+    """
 
     def __init__(self, device: Device, api):
         self.device = device
@@ -85,7 +89,11 @@ def release_exec(state: ExecState) -> None:
 
 class ExecParts:
     """The fields of a `GraphExec` that its parts read and write (declarations only: the
-    exec's ``__init__`` and ``_adopt`` set them)."""
+    exec's ``__init__`` and ``_adopt`` set them).
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     device: Device
     flags: int

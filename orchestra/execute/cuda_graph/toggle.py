@@ -26,7 +26,11 @@ SWITCHABLE = frozenset({"kernel", "memcpy", "memset"})
 
 class Toggle(ExecParts):
     """`GraphExec.disable`, `GraphExec.enable`, `GraphExec.is_enabled`, `GraphExec.disabled`
-    (a part of `GraphExec`: it uses the exec's lock, records and driver API)."""
+    (a part of `GraphExec`: it uses the exec's lock, records and driver API).
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     _disabled: set
 

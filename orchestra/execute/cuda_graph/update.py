@@ -30,7 +30,10 @@ class UpdateResult:
     """What `GraphExec.update` did: ``updated`` (``cuGraphExecUpdate`` accepted the new graph)
     or ``reinstantiated`` (it refused: ``reason`` is the ``CUgraphExecUpdateResult`` name,
     ``node`` / ``from_node`` the offending orchestra nodes when the driver named them,
-    ``message`` one line saying so)."""
+    ``message`` one line saying so).
+
+    Immutable: may be shared between threads freely.
+    """
 
     updated: bool
     reinstantiated: bool
@@ -42,7 +45,11 @@ class UpdateResult:
 
 class Update(ExecParts):
     """`GraphExec.update` and what it needs (a part of `GraphExec`: it uses the exec's state,
-    lock and driver API)."""
+    lock and driver API).
+
+    Thread-safety: as `GraphExec`'s: its methods run under the exec's re-entrant lock; it is not
+    used on its own.
+    """
 
     def update(self, taskgraph, plan=None, bindings: Mapping[str, Any] | None = None
                ) -> UpdateResult:

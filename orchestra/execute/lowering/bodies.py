@@ -43,7 +43,11 @@ from orchestra.execute.lowering.table import lowering_for
 
 class InnerUser(BindingUser):
     """A binding user (`BindingUser`) whose node is inside the body of node ``inside``: the
-    build writes it like any other; replays refuse to rewrite it (see the module doc)."""
+    build writes it like any other; replays refuse to rewrite it (see the module doc).
+
+    Thread-safety: not thread-safe: a mutable record of a `BindingTable`, changed only by its table,
+    under the lock of the table's owner (an executor, a `GraphExec`).
+    """
 
     __slots__ = ("inside",)
 

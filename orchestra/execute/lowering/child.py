@@ -38,6 +38,12 @@ def add_child_node(api, graph, deps: list):
 
 @register
 class ChildGraphLowering(Lowering):
+    """The lowering of `ChildGraph` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = ChildGraph
     graph_node = "graph"
     driver_node_type = "CU_GRAPH_NODE_TYPE_GRAPH"

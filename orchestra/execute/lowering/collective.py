@@ -29,7 +29,12 @@ _THREAD_LOCAL = _d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
 class CollectiveCall:
     """A resolved collective node: ``fn`` (the `NcclAPI` method), ``comm`` (the handle),
     ``lease`` (on the communicator), ``static`` (the call's arguments besides the buffer
-    addresses and the stream: count, element type, operator / root / peer)."""
+    addresses and the stream: count, element type, operator / root / peer).
+
+    Thread-safety: not thread-safe: one per prepared plan or built graph, called on the thread that
+    enqueues it, under its executor's lock (NCCL operations on one communicator are issued by
+    one thread at a time).
+    """
 
     __slots__ = ("fn", "comm", "lease", "static", "node")
 
@@ -154,6 +159,12 @@ class _CollectiveLowering(Lowering):
 
 @register
 class AllReduceLowering(_CollectiveLowering):
+    """The lowering of `AllReduce` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = AllReduce
     method = "all_reduce"
     last_arg = "op"
@@ -161,12 +172,24 @@ class AllReduceLowering(_CollectiveLowering):
 
 @register
 class AllGatherLowering(_CollectiveLowering):
+    """The lowering of `AllGather` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = AllGather
     method = "all_gather"
 
 
 @register
 class ReduceScatterLowering(_CollectiveLowering):
+    """The lowering of `ReduceScatter` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = ReduceScatter
     method = "reduce_scatter"
     last_arg = "op"
@@ -174,6 +197,12 @@ class ReduceScatterLowering(_CollectiveLowering):
 
 @register
 class BroadcastLowering(_CollectiveLowering):
+    """The lowering of `Broadcast` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Broadcast
     method = "broadcast"
     last_arg = "root"
@@ -181,6 +210,12 @@ class BroadcastLowering(_CollectiveLowering):
 
 @register
 class SendLowering(_CollectiveLowering):
+    """The lowering of `Send` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Send
     method = "send"
     last_arg = "peer"
@@ -188,6 +223,12 @@ class SendLowering(_CollectiveLowering):
 
 @register
 class RecvLowering(_CollectiveLowering):
+    """The lowering of `Recv` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Recv
     method = "recv"
     last_arg = "peer"

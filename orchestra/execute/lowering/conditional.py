@@ -73,6 +73,12 @@ def body_graphs(params) -> list:
 
 @register
 class ConditionalLowering(Lowering):
+    """The lowering of `If`, `While` and `Switch` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Conditional
     graph_node = "conditional"
     driver_node_type = "CU_GRAPH_NODE_TYPE_CONDITIONAL"

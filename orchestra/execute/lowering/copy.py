@@ -88,7 +88,11 @@ def memcpy_params(node, host_addr: int, dev_addr: int):
 class CopyKernelArgs(KernelArgs):
     """A host copy lowered to the copy kernel: `KernelArgs` (its ``pointers`` hold the device
     side) plus ``host`` (the `PointerArg` of the pinned host side: parameter, field, host
-    buffer, offset)."""
+    buffer, offset).
+
+    Thread-safety: not thread-safe: as `KernelArgs` (addresses written in place, under the owner's
+    lock).
+    """
 
     __slots__ = ("host",)
 
@@ -266,6 +270,12 @@ class _HostCopyLowering(Lowering):
 
 @register
 class HostToDeviceLowering(_HostCopyLowering):
+    """The lowering of `HostToDevice` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = HostToDevice
     to_device = True
     call = "cuMemcpyHtoDAsync"
@@ -273,6 +283,12 @@ class HostToDeviceLowering(_HostCopyLowering):
 
 @register
 class DeviceToHostLowering(_HostCopyLowering):
+    """The lowering of `DeviceToHost` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = DeviceToHost
     to_device = False
     call = "cuMemcpyDtoHAsync"

@@ -57,6 +57,9 @@ class CopyCrossover:
 
     ``source``: where the numbers come from (``"default"``, or the measurement: device, date);
     ``measured``: the measurement's rows (a dict, informational; empty for the default).
+
+    Immutable (frozen), but ``measured`` is a plain dict: may be shared between threads freely as
+    long as nobody modifies it.
     """
 
     graph_h2d: int
@@ -114,6 +117,8 @@ class CopyPolicy:
     or an event, and a kernel's writes to mapped memory are visible to the host by then (CUDA
     C++ Programming Guide, "Mapped Memory"; the fence cost 1.8 µs per 64 KiB copy on an H200).
     Immutable and hashable: the eager executor keys its prepared plans by it.
+
+    Immutable: may be shared between threads freely.
     """
 
     lowering: str = attrs.field(default="auto", validator=lambda i, a, v: check_lowering(v))

@@ -26,7 +26,11 @@ class GraphContext:
     (condition name -> its conditional handle as an int, created before the nodes that use
     it are added), ``container`` (the node whose body ``graph`` is, None at the top),
     ``executor_name``, ``copies`` (the build's `CopyPolicy`, the same in every body). `sub`
-    makes the context of a body graph (`orchestra.execute.lowering.bodies`)."""
+    makes the context of a body graph (`orchestra.execute.lowering.bodies`).
+
+    Thread-safety: not thread-safe: part of one build or run, used by the thread that makes it,
+    under its executor's lock (or a `GraphExec`'s); never share one.
+    """
 
     executor_name = "graph-build"
 

@@ -30,6 +30,12 @@ def host_params(fn_address: int, token: int):
 
 @register
 class HostFuncLowering(Lowering):
+    """The lowering of `HostFunc` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = HostFunc
     graph_node = "host"
     driver_node_type = "CU_GRAPH_NODE_TYPE_HOST"

@@ -61,6 +61,12 @@ def kernel_node_attributes(cfg) -> list:
 
 @register
 class KernelLowering(Lowering):
+    """The lowering of `KernelNode` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = KernelNode
     graph_node = "kernel"
     driver_node_type = "CU_GRAPH_NODE_TYPE_KERNEL"

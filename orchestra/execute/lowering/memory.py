@@ -30,6 +30,12 @@ def alloc_params(nbytes: int, ordinal: int):
 
 @register
 class AllocLowering(Lowering):
+    """The lowering of `Alloc` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Alloc
     graph_node = "mem_alloc"
     driver_node_type = "CU_GRAPH_NODE_TYPE_MEM_ALLOC"
@@ -69,6 +75,12 @@ class AllocLowering(Lowering):
 
 @register
 class FreeLowering(Lowering):
+    """The lowering of `Free` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Free
     graph_node = "mem_free"
     driver_node_type = "CU_GRAPH_NODE_TYPE_MEM_FREE"

@@ -32,6 +32,12 @@ def memset_params(node, dev_addr: int):
 
 @register
 class MemsetLowering(Lowering):
+    """The lowering of `Memset` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = Memset
     graph_node = "memset"
     driver_node_type = "CU_GRAPH_NODE_TYPE_MEMSET"

@@ -43,6 +43,12 @@ def peer_params(node, src_addr: int, dst_addr: int):
 
 @register
 class PeerCopyLowering(Lowering):
+    """The lowering of `PeerCopy` nodes (see the module doc).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
+
     node_type = PeerCopy
     graph_node = "memcpy"
     driver_node_type = "CU_GRAPH_NODE_TYPE_MEMCPY"

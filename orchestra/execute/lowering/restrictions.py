@@ -44,7 +44,10 @@ class BodyRestrictionError(GraphError, ValueError):
 @attrs.frozen
 class BodyRule:
     """``what`` (how messages name the body), ``allowed`` (CUDA graph node kinds), ``source``
-    (the documentation the rule comes from)."""
+    (the documentation the rule comes from).
+
+    Immutable: may be shared between threads freely.
+    """
 
     what: str
     allowed: frozenset

@@ -36,6 +36,9 @@ class Addresses:
     ``host`` / ``external`` (binding name -> slot); ``current`` (device buffer -> its slot at
     the point of the issue order being lowered); ``live_at_end`` (allocation slots no Free of
     the plan releases, -> the Alloc node).
+
+    Thread-safety: not thread-safe: part of one build or run, used by the thread that makes it,
+    under its executor's lock (or a `GraphExec`'s); never share one.
     """
 
     def __init__(self, table, *, slot_users: bool):
@@ -113,6 +116,9 @@ class StreamContext:
     None at the top), ``depth`` (how many bodies deep), ``side_streams`` (capture: depth ->
     the pooled stream bodies at that depth are captured from; None eagerly). `sub` makes the
     context of a body (`orchestra.execute.lowering.bodies`).
+
+    Thread-safety: not thread-safe: part of one build or run, used by the thread that makes it,
+    under its executor's lock (or a `GraphExec`'s); never share one.
     """
 
     def __init__(self, api, executor_name: str, addresses: Addresses, resolved: dict, pool,
@@ -204,7 +210,11 @@ class StreamProgram:
     """A lowered plan: ``steps`` (callables, one driver call each), and per step ``labels``
     (what it is, for errors), ``nodes`` (``(stream name, node)`` for node steps, None for event
     steps), ``streams`` (the orchestra `Stream` it enqueues on), ``sites`` (``(stream name,
-    event name or None)``); counts ``node_count``, ``event_count`` (records), ``wait_count``."""
+    event name or None)``); counts ``node_count``, ``event_count`` (records), ``wait_count``.
+
+    Thread-safety: not thread-safe: its steps write the run's address slots; one belongs to one
+    prepared plan and runs under its executor's lock, one run at a time.
+    """
 
     __slots__ = ("steps", "labels", "nodes", "streams", "sites", "node_count", "event_count",
                  "wait_count")

@@ -59,7 +59,11 @@ class NoLoweringError(GraphError):
 class Lowering:
     """Base of every entry (see the module doc). Subclasses set ``node_type`` and the class
     attributes, and override what they support; an entry is stateless (one instance serves
-    every executor and thread)."""
+    every executor and thread).
+
+    Thread-safety: stateless (class attributes and methods only): the one registered instance serves
+    every executor and thread at once.
+    """
 
     node_type: ClassVar[type[Node]]
     graph_node: ClassVar[str | None] = None
