@@ -1406,6 +1406,7 @@ class Engine:
         timer's read and, when a deadline passed, starts the batch that is due (and arms the
         timer again for the next head)."""
         tfd = self._tfd
+        assert tfd is not None  # started only with a timer
         while True:
             todo = None
             try:

@@ -23,6 +23,8 @@ import ctypes
 import os
 import sys
 
+from orchestra.serve.errors import TimerError
+
 _CLOCK_MONOTONIC = 1
 
 
@@ -38,8 +40,9 @@ class DeadlineTimer:
     """A one-shot timer on ``CLOCK_MONOTONIC`` (a ``timerfd``).
 
     `arm` sets (or replaces) the one pending expiration ``delay_ns`` nanoseconds from now;
-    `wait` blocks until an expiration happened, without the GIL. Thread-safety: `arm` from any
-    thread, serialized by the caller (the engine arms under its lock: the argument block is
+    `wait` blocks until an expiration happened, without the GIL.
+
+    Thread-safety: `arm` from any thread, serialized by the caller (the engine arms under its lock: the argument block is
     shared); `wait` from one thread; `close` once that thread is done.
     """
 
@@ -53,7 +56,7 @@ class DeadlineTimer:
         fd = create(_CLOCK_MONOTONIC, os.O_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"timerfd_create: {os.strerror(err)}")
+            raise TimerError(err, f"timerfd_create: {os.strerror(err)}")
         self.fd = fd
         self._spec = _Itimerspec()
         self._value = self._spec.it_value
@@ -62,7 +65,8 @@ class DeadlineTimer:
 
     def arm(self, delay_ns: int) -> None:
         """Expire ``delay_ns`` ns from now (at least 1 ns: zero would disarm), replacing the
-        pending expiration. Raises `OSError` if the kernel refuses (a closed timer)."""
+        pending expiration. Raises `TimerError` (an `OSError`) if the kernel refuses (a
+        closed timer)."""
         value = self._value
         if delay_ns < 1:
             value.tv_sec, value.tv_nsec = 0, 1
@@ -71,7 +75,7 @@ class DeadlineTimer:
         self.arms += 1
         if self._settime(self.fd, 0, self._ref, None) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"timerfd_settime: {os.strerror(err)}")
+            raise TimerError(err, f"timerfd_settime: {os.strerror(err)}")
 
     def wait(self) -> None:
         """Block until the timer expired (a ``read`` of its expiration count; the GIL is
