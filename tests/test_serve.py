@@ -1714,3 +1714,45 @@ def test_close_with_a_pending_batch_drains_or_cancels_it(cancel):
                 assert fut.cancelled()
             else:
                 assert fut.result(timeout=1).tobytes() == f(x).tobytes()
+
+
+def test_an_overdue_batch_with_sleeping_callers_is_completed_by_the_timer_thread():
+    """Two callers sleep in result() on a partial batch; at its deadline the timer thread
+    starts it and, since callers block on it, waits for it and completes it itself: the
+    completion thread is given nothing, the outputs are right."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"]), device_thread=True), inputs=SPEC_IN,
+                outputs=SPEC_OUT, buckets=[4, 16], instances=1,
+                batching=Batching(max_batch=16, max_delay_us=300_000)) as e:
+        e.warmup()
+        put = []
+
+        class Recording:
+            def __init__(self, q):
+                self.q = q
+
+            def put(self, item):
+                put.append(item)
+                self.q.put(item)
+
+            def get(self, *a):
+                return self.q.get(*a)
+
+        e._cq = Recording(e._cq)
+        finisher = []
+        real_finish = e._finish
+
+        def finish(launch):
+            finisher.append(threading.current_thread().name)
+            return real_finish(launch)
+
+        e._finish = finish
+        xs = [rows(4, seed=k) for k in range(2)]
+        out, ts = _followers(e, xs, lambda e, x: e.submit(x).result())
+        for t in ts:
+            t.join(10)
+        for x, got in out:
+            assert isinstance(got, np.ndarray) and got.tobytes() == f(x).tobytes()
+        assert len(out) == 2 and put == []
+        # the timer thread, or a caller that woke first and waited on the launch itself
+        assert finisher and finisher[0] in ("orchestra-serve-dispatch", *[t.name for t in ts])
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 2

@@ -1419,7 +1419,15 @@ class Engine:
                         return
                     todo = self._form_batches()
                 if todo:
-                    self._run_todo(todo, build_here=False)
+                    # an overdue batch whose callers sleep in result() is waited for and
+                    # completed here (no completion-thread hop); the next deadline waits at
+                    # most one batch (every caller that queues or finishes also starts
+                    # overdue batches meanwhile)
+                    mine: list[_Launch] = []
+                    self._run_todo(todo, build_here=False, mine=mine)
+                    for launch in mine:
+                        if not launch.done:
+                            self._wait_launch(launch)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
                 for item in todo or ():
