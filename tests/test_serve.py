@@ -43,6 +43,7 @@ from orchestra.serve import (
     pow2_buckets,
     vllm_buckets,
 )
+from orchestra.serve.timer import deadline_timer
 
 ROW = 4
 SPEC_IN = {"x": ((ROW,), "float32")}
@@ -1448,12 +1449,17 @@ def test_completion_threads_are_capped():
             assert fut.result().tobytes() == f(rows(2, seed=k)).tobytes()
 
 
-def test_the_delay_timer_is_woken_once_per_head_not_per_request():
-    """Requests queued behind a head that waits for its delay do not notify the batcher
-    thread again: the first marks it armed (a wake-up of the timer thread per request would
-    cost each request a GIL hand-off). Six requests fill the batch: it goes at once."""
+def test_the_delay_timer_is_woken_once_per_head_not_per_request(monkeypatch):
+    """Without a timerfd (the condition-variable timer): requests queued behind a head that
+    waits for its delay do not notify the batcher thread again: the first marks it armed (a
+    wake-up of the timer thread per request would cost each request a GIL hand-off). Six
+    requests fill the batch: it goes at once."""
+    import orchestra.serve.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "deadline_timer", lambda: None)
     with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
                 buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        assert e._tfd is None
         e.warmup()  # a build notifies the batcher too (notify_all): none during the test
         wait_for(lambda: e._timer_due is None)  # the batcher sleeps without a deadline
         notified = []
@@ -1467,3 +1473,286 @@ def test_the_delay_timer_is_woken_once_per_head_not_per_request():
         assert time.perf_counter() - t0 < 4  # full: not after the 5 s delay
         assert notified == [1], notified
         assert e.stats()["buckets"][16]["requests_per_launch"] == 6
+
+
+@pytest.mark.skipif(deadline_timer() is None, reason="no timerfd on this platform")
+def test_the_timerfd_is_armed_once_per_head_and_never_wakes_the_batcher_for_full_batches():
+    """With a timerfd the thread that queues a head arms it (one system call) and nobody
+    notifies the batcher thread: full batches start in the submitting thread and the timer
+    thread never wakes. Three heads, three arms; a partial one then goes at its deadline."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=5e6)) as e:
+        assert e._tfd is not None
+        e.warmup()
+        notified = []
+        real = e._work.notify
+        e._work.notify = lambda n=1: (notified.append(n), real(n))[1]
+        arms0 = e._tfd.arms
+        launchers = []
+        real_start = e._start
+
+        def start(launch, mine=None):
+            launchers.append(threading.current_thread().name)
+            return real_start(launch, mine)
+
+        e._start = start
+        for k in range(3):
+            xs = [rows(2, seed=10 * k + i) for i in range(6)]
+            futs = [e.submit(x) for x in xs]
+            for x, fut in zip(xs, futs):
+                assert fut.result(timeout=10).tobytes() == f(x).tobytes()
+        assert e._tfd.arms - arms0 == 3 and notified == []
+        assert launchers == [threading.current_thread().name] * 3
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 6
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], batching=Batching(max_batch=12, max_delay_us=50_000)) as e:
+        t0 = time.perf_counter()
+        fut = e.submit(rows(3))  # nobody waits in result(): the timer thread must start it
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        assert done.wait(5)
+        assert time.perf_counter() - t0 >= 0.049
+        assert fut.result().tobytes() == f(rows(3)).tobytes()
+
+
+# -- leader/follower batching: the caller that fills a batch launches, waits and completes ----
+
+
+def _followers(e, xs, call):
+    """Start one thread per input that runs ``call(e, x)`` and records (x, result or error)."""
+    out, ts = [], []
+
+    def run(x):
+        try:
+            out.append((x, call(e, x)))
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            out.append((x, exc))
+
+    for x in xs:
+        t = threading.Thread(target=run, args=(x,))
+        t.start()
+        ts.append(t)
+    return out, ts
+
+
+def engine_stop():
+    import orchestra.serve.engine as engine_mod
+
+    return engine_mod._STOP
+
+
+def _asleep(e, n):
+    """Until ``n`` queued requests have a caller asleep in result()."""
+    wait_for(lambda: sum(1 for r in list(e._batchq) if r.fut._sleepers) >= n)
+
+
+@pytest.mark.parametrize("call", ["submit", "engine"])
+def test_the_caller_that_fills_a_batch_waits_for_it_and_completes_its_followers(call):
+    """Three followers block in ``result()`` (or ``engine(x)``) on a batch that is not full;
+    the fourth request fills it: its thread launches the batch, waits for it on the instance
+    (no event, nothing for the completion thread) and completes every follower with its own
+    rows. The leader's ``submit`` returns a future already done."""
+    backend = GatedBackend()
+    run = (lambda e, x: e.submit(x).result()) if call == "submit" else (lambda e, x: e(x))
+    with gated_engine(backend, buckets=[4, 16], instances=1,
+                      batching=Batching(max_batch=16, max_delay_us=5e6)) as e:
+        e.warmup()
+        put = []
+
+        class Recording:  # SimpleQueue's methods are read-only: wrap the queue
+            def __init__(self, q):
+                self.q = q
+
+            def put(self, item):
+                put.append(item)
+                self.q.put(item)
+
+            def get(self, *a):
+                return self.q.get(*a)
+
+        e._cq = Recording(e._cq)
+        xs = [rows(4, seed=k) for k in range(4)]
+        out, ts = _followers(e, xs[:3], run)
+        _asleep(e, 3)
+        opener = threading.Timer(0.05, backend.complete)  # the "GPU" finishes later
+        opener.start()
+        if call == "submit":
+            fut = e.submit(xs[3])
+            assert fut.done()  # completed inside submit, by this thread
+            y = fut.result()
+        else:
+            y = e(xs[3])
+        for t in ts:
+            t.join(10)
+        opener.join()
+        assert y.tobytes() == f(xs[3]).tobytes()
+        assert len(out) == 3
+        for x, got in out:
+            assert isinstance(got, np.ndarray) and got.tobytes() == f(x).tobytes()
+        assert [x for x in put if x is not engine_stop()] == []  # nothing for the completion thread
+        launched = [i for i in backend.instances if i.rows == 16 and i.launches]
+        assert len(launched) == 1 and len(launched[0].launches) == 1
+        notify, seen, _ = launched[0].launches[0]
+        assert notify is False  # no blocking-sync event: the leader waits on the instance
+        assert sorted(seen.tobytes()[k * 64:(k + 1) * 64] for k in range(4)) == sorted(
+            x.tobytes() for x in xs)
+        st = e.stats()["buckets"][16]
+        assert st["launches"] == 1 and st["requests_per_launch"] == 4
+
+
+def test_engine_call_with_batching_batches_concurrent_calls():
+    """``engine(x)`` joins the batch queue when batching is on (it used to take a free
+    instance alone): eight threads calling at once share launches, every output right."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"]), device_thread=True), inputs=SPEC_IN,
+                outputs=SPEC_OUT, buckets="pow2", max_rows=16, instances=2,
+                batching=Batching(max_batch=16, max_delay_us=2000)) as e:
+        e.warmup()
+        bad = []
+
+        def client(k):
+            for i in range(60):
+                x = rows(2, seed=1000 * k + i)
+                if e(x).tobytes() != f(x).tobytes():
+                    bad.append((k, i))
+
+        ts = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert bad == []
+        st = e.stats()["buckets"]
+        served = sum(b["requests"] for b in st.values())
+        launches = sum(b["launches"] for b in st.values())
+        assert served == 480 and launches < served  # batched, not one launch per call
+        assert st[2]["launches"] == 0 or st[2]["requests"] < 480
+
+
+def test_a_cancelled_follower_leaves_the_batch_the_others_complete():
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4, 16], instances=1,
+                      batching=Batching(max_batch=16, max_delay_us=5e6)) as e:
+        e.warmup()
+        xs = [rows(4, seed=k) for k in range(4)]
+        out, ts = _followers(e, xs[:2], lambda e, x: e.submit(x).result())
+        _asleep(e, 2)
+        gone = e.submit(xs[2])
+        assert gone.cancel()
+        y = e.submit(xs[3]).result(timeout=5)  # fills the batch (the cancelled rows count)
+        for t in ts:
+            t.join(10)
+        assert y.tobytes() == f(xs[3]).tobytes()
+        for x, got in out:
+            assert got.tobytes() == f(x).tobytes()
+        assert gone.cancelled()
+        st = e.stats()
+        assert st["engine"]["cancelled"] == 1 and st["buckets"][16]["requests"] == 3
+
+
+def test_a_bad_request_fails_only_itself_and_the_batch_goes_at_its_deadline():
+    """The would-be leader's request is bad: it raises its `BadRequest` before anything is
+    queued, the followers' partial batch still goes at its deadline, right."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], instances=1,
+                batching=Batching(max_batch=16, max_delay_us=100_000)) as e:
+        e.warmup()
+        xs = [rows(4, seed=k) for k in range(3)]
+        out, ts = _followers(e, xs, lambda e, x: e(x))
+        _asleep(e, 3)
+        with pytest.raises(BadRequest):
+            e(np.zeros((4, ROW + 1), np.float32))
+        for t in ts:
+            t.join(10)
+        for x, got in out:
+            assert isinstance(got, np.ndarray) and got.tobytes() == f(x).tobytes()
+        st = e.stats()
+        assert st["engine"]["bad_requests"] == 1
+        assert st["buckets"][16]["launches"] == 1 and st["buckets"][16]["requests"] == 3
+
+
+def test_a_sticky_error_in_the_leaders_wait_fails_the_batch_and_breaks_the_engine():
+    backend = GatedBackend()
+    e = gated_engine(backend, buckets=[4, 16], instances=1,
+                     batching=Batching(max_batch=16, max_delay_us=5e6))
+    e.warmup()
+    xs = [rows(4, seed=k) for k in range(4)]
+    out, ts = _followers(e, xs[:3], lambda e, x: e.submit(x).result())
+    _asleep(e, 3)
+    backend.wait_error = _sticky()
+    opener = threading.Timer(0.05, backend.complete)
+    opener.start()
+    with pytest.raises(CudaError) as ei:
+        e(xs[3])
+    assert ei.value.sticky
+    for t in ts:
+        t.join(10)
+    opener.join()
+    assert len(out) == 3 and all(isinstance(got, CudaError) and got.sticky for _, got in out)
+    assert e.broken is not None
+    with pytest.raises(EngineBroken):
+        e.submit(xs[0])
+    e.close()
+    assert all(i.closed for i in backend.instances)
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_close_with_a_pending_batch_drains_or_cancels_it(cancel):
+    """A partial batch waits for a long delay when close() begins: close() starts it at once
+    (drain: every output right) or cancels it (``cancel=True``); the timer thread ends."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 16], instances=1,
+                batching=Batching(max_batch=16, max_delay_us=60e6)) as e:
+        e.warmup()
+        xs = [rows(4, seed=k) for k in range(2)]
+        futs = [e.submit(x) for x in xs]
+        t0 = time.perf_counter()
+        e.close(cancel=cancel)
+        assert time.perf_counter() - t0 < 5
+        assert not any(t.is_alive() for t in e._threads)
+        for x, fut in zip(xs, futs):
+            if cancel:
+                assert fut.cancelled()
+            else:
+                assert fut.result(timeout=1).tobytes() == f(x).tobytes()
+
+
+def test_an_overdue_batch_with_sleeping_callers_is_completed_by_the_timer_thread():
+    """Two callers sleep in result() on a partial batch; at its deadline the timer thread
+    starts it and, since callers block on it, waits for it and completes it itself: the
+    completion thread is given nothing, the outputs are right."""
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"]), device_thread=True), inputs=SPEC_IN,
+                outputs=SPEC_OUT, buckets=[4, 16], instances=1,
+                batching=Batching(max_batch=16, max_delay_us=300_000)) as e:
+        e.warmup()
+        put = []
+
+        class Recording:
+            def __init__(self, q):
+                self.q = q
+
+            def put(self, item):
+                put.append(item)
+                self.q.put(item)
+
+            def get(self, *a):
+                return self.q.get(*a)
+
+        e._cq = Recording(e._cq)
+        finisher = []
+        real_finish = e._finish
+
+        def finish(launch):
+            finisher.append(threading.current_thread().name)
+            return real_finish(launch)
+
+        e._finish = finish
+        xs = [rows(4, seed=k) for k in range(2)]
+        out, ts = _followers(e, xs, lambda e, x: e.submit(x).result())
+        for t in ts:
+            t.join(10)
+        for x, got in out:
+            assert isinstance(got, np.ndarray) and got.tobytes() == f(x).tobytes()
+        assert len(out) == 2 and put == []
+        # the timer thread, or a caller that woke first and waited on the launch itself
+        assert finisher and finisher[0] in ("orchestra-serve-dispatch", *[t.name for t in ts])
+        assert e.stats()["buckets"][16]["requests_per_launch"] == 2

@@ -28,8 +28,11 @@ The life of one request, in the default ``dispatch="caller"`` mode:
 With dynamic batching, requests wait in one arrival-order queue; a batch (the requests at its
 head that fit ``max_batch`` rows, concatenated along axis 0) is started by the thread whose
 request fills it, or by the thread that returns an instance while a full or overdue batch
-waits, and by the batcher thread (the delay timer) once its first request waited
-``max_delay_us``. With ``dispatch="thread"`` the batcher thread forms and launches
+waits, and by the batcher thread (the delay timer: a timerfd the queuing thread arms, see
+`orchestra.serve.timer`) once its first request waited ``max_delay_us``. The thread that
+fills a batch some caller blocks on (its own ``engine(x)``, or a follower asleep in
+``result()``) also waits for it on the instance's stream and completes all of its requests:
+no completion-thread hop. With ``dispatch="thread"`` the batcher thread forms and launches
 everything; the rest is the same.
 """
 
@@ -65,6 +68,7 @@ from orchestra.serve.errors import (
 from orchestra.serve.future import ServeFuture
 from orchestra.serve.stats import BucketStats, percentiles
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
+from orchestra.serve.timer import deadline_timer
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +348,12 @@ class Engine:
         # instead can see the deadline passed that _form_batches saw ahead, and sleep
         # without a timeout with a due batch queued.
         self._head_due = 0
+        # dynamic batching with dispatch "caller": the delay timer is a timerfd that the
+        # thread queuing a head arms without waking the batcher thread (None: the condition
+        # variable timer above); _armed_due is the deadline it is armed for (0: none pending)
+        self._tfd = (deadline_timer() if batching is not None and dispatch == "caller"
+                     else None)
+        self._armed_due = 0
         self._state = "open"  # open | closing | closed
         self._broken: BaseException | None = None
         self._stopping = False
@@ -356,7 +366,9 @@ class Engine:
         self._cq: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(completion_threads):
             self._start_thread(self._completion_loop, f"orchestra-serve-completion-{i}")
-        if self._fifo:
+        if self._tfd is not None:
+            self._start_thread(self._timer_loop, "orchestra-serve-dispatch")
+        elif self._fifo:
             self._start_thread(self._batcher_loop, "orchestra-serve-dispatch")
 
     def _start_thread(self, target, name) -> None:
@@ -421,12 +433,16 @@ class Engine:
                             timeout, self.on_full == "block", False)
 
     def __call__(self, inputs, *, out=None, pinned: bool = False):
-        """Run one request and wait for it in this thread: the lowest-latency path (no
-        future, no event, no completion thread, no thread hop when an instance is free: check,
-        lease, copy into the staging, launch, wait on the instance's stream, copy out, give
-        the instance back). Returns the outputs; raises what `submit` raises and what the
-        request fails with (a bad request raises its `BadRequest` here)."""
-        if self.dispatch == "caller" and out is None and not pinned:
+        """Run one request and wait for it in this thread: the lowest-latency path. Without
+        batching (dispatch "caller"): no future, no event, no completion thread, no thread
+        hop when an instance is free: check, lease, copy into the staging, launch, wait on
+        the instance's stream, copy out, give the instance back. With dynamic batching the
+        request joins the batch queue like a submitted one; when it fills a batch this thread
+        launches the batch, waits for it on the instance's stream and completes every
+        request of it (no thread hop either). Returns the outputs; raises what `submit`
+        raises and what the request fails with (a bad request raises its `BadRequest`
+        here)."""
+        if not self._fifo and out is None and not pinned:
             t0 = _now()
             spec = self._fast_in
             if (spec is not None and type(inputs) is np.ndarray and inputs.dtype == spec.dtype
@@ -692,7 +708,17 @@ class Engine:
             reqs[0].caller = threading.get_ident()
         todo = self._admit(reqs, timeout, block)
         if todo:
-            self._run_todo(todo, build_here=True)
+            if not self._fifo or self.dispatch != "caller":
+                self._run_todo(todo, build_here=True)
+                return fut
+            # dynamic batching: the batches this submit started that a blocking call waits
+            # on (its own, or another thread's sleeping in result()) are waited for and
+            # completed right here, on the instance's stream: no completion thread, no event
+            mine: list[_Launch] = []
+            self._run_todo(todo, build_here=True, mine=mine)
+            for launch in mine:
+                if not launch.done:
+                    self._wait_launch(launch)
         return fut
 
     def _build_quietly(self, b) -> None:
@@ -862,7 +888,8 @@ class Engine:
             if not batching:
                 n, total = 1, q[0].rows
             else:
-                if self._batch_rows < mb and not self._stopping:  # not full: due yet?
+                # not full: due yet? (once close() began, every batch goes at once)
+                if self._batch_rows < mb and self._state == "open":
                     if not now:
                         now = _now()
                     due = q[0].t0 + self._max_delay_ns
@@ -903,7 +930,15 @@ class Engine:
             launch = _Launch(b.free.pop(), b, reqs, total)
             self._running.add(launch)
             todo.append(launch)
-        if self._head_due and self._timer_due is None and self.dispatch == "caller":
+        if self._head_due and self._tfd is not None:
+            # the head waits for its deadline: arm the timerfd for it unless it is armed for
+            # exactly that (re-arming replaces an earlier head's deadline, which passed
+            # without a batch to start). The batcher thread is not woken: it sleeps in the
+            # timer's read until the deadline passes
+            if self._head_due != self._armed_due:
+                self._armed_due = self._head_due
+                self._tfd.arm(self._head_due - now)
+        elif self._head_due and self._timer_due is None and self.dispatch == "caller":
             # the head waits for its deadline and the timer sleeps without one: arm it (a
             # full head waiting for an instance needs no timer: the instance's return
             # starts it). Marked armed at once, so the requests queued before the batcher
@@ -913,14 +948,17 @@ class Engine:
             self._work.notify()
         return todo
 
-    def _run_todo(self, todo: list, build_here: bool) -> None:
+    def _run_todo(self, todo: list, build_here: bool, mine: list | None = None) -> None:
         """Outside the lock: start the launches, build the buckets (here, or on a thread of
         their own when ``build_here`` is false: an engine thread never blocks on a build) and
-        fail the batches of `_admit` / `_form_batches` / `_hand_back`."""
+        fail the batches of `_admit` / `_form_batches` / `_hand_back`. ``mine``: this thread
+        (a submitting caller) waits for the launches it starts that a blocking call waits on;
+        `_start` appends those to the list (they record no event for the completion
+        thread)."""
         for item in todo:
             kind = type(item)
             if kind is _Launch:
-                self._run(item)
+                self._run(item, mine)
             elif kind is _Bucket:
                 if build_here:
                     self._build(item)
@@ -934,14 +972,15 @@ class Engine:
 
     # -- launching ----------------------------------------------------------------------------
 
-    def _run(self, launch) -> None:
+    def _run(self, launch, mine: list | None = None) -> None:
         """Start ``launch`` (a `_Launch`, None, or a `_run_todo` list), and whatever its end
-        hands on (a launch with nothing left to run gives its instance to the next)."""
+        hands on (a launch with nothing left to run gives its instance to the next).
+        ``mine``: see `_run_todo`."""
         while launch is not None:
             if type(launch) is list:
-                self._run_todo(launch, build_here=False)
+                self._run_todo(launch, build_here=False, mine=mine)
                 return
-            launch = self._start(launch)
+            launch = self._start(launch, mine)
 
     def _set_running(self, r: _Req) -> bool:
         g = r.group
@@ -962,9 +1001,12 @@ class Engine:
                 return False
             return True
 
-    def _start(self, launch: _Launch) -> _Launch | None:
+    def _start(self, launch: _Launch, mine: list | None = None) -> _Launch | None:
         """Copy the inputs in and launch; returns the next launch to start when this one had
-        nothing to run (every request cancelled) or failed."""
+        nothing to run (every request cancelled) or failed. ``mine`` (a submitting caller's
+        list, dynamic batching): a launch with this thread's own blocking call in it, or a
+        request whose caller sleeps in ``result()``, is watched by this thread (appended to
+        ``mine``: no event, no completion thread)."""
         reqs = launch.reqs
         if len(reqs) == 1:
             r0 = reqs[0]
@@ -994,7 +1036,18 @@ class Engine:
         inst = launch.inst
         # the blocking call launching its own request waits for it right here: no event, no
         # completion thread
-        launch.inline = r0.caller != 0 and len(reqs) == 1 and r0.caller == threading.get_ident()
+        if mine is None:
+            launch.inline = (r0.caller != 0 and len(reqs) == 1
+                             and r0.caller == threading.get_ident())
+        else:
+            # a submitting caller started this batch: it watches the batch when somebody
+            # blocks on it (its own engine(x) call, or a caller asleep in result(): a
+            # follower); otherwise the completion thread does, and nobody waits here
+            me = threading.get_ident()
+            for r in reqs:
+                if r.caller == me or r.fut._sleepers:
+                    launch.inline = True
+                    break
         try:
             bind = None
             if len(reqs) == 1 and r0.pinned and r0.rows == inst.rows:
@@ -1033,6 +1086,8 @@ class Engine:
             r.fut._launches.append(launch)
         if not launch.inline:
             self._cq.put(launch)
+        elif mine is not None:
+            mine.append(launch)
         return None
 
     # -- completing -----------------------------------------------------------------------------
@@ -1357,6 +1412,43 @@ class Engine:
                             if r.fut is not None and not r.fut.done():
                                 self._fail(r, exc)
 
+    def _timer_loop(self) -> None:
+        """The batcher thread with a timerfd (dynamic batching, dispatch "caller"): the
+        threads that queue requests and return instances start full batches themselves and
+        arm the timer for the head's deadline (`_form_batches`); this thread sleeps in the
+        timer's read and, when a deadline passed, starts the batch that is due (and arms the
+        timer again for the next head)."""
+        tfd = self._tfd
+        assert tfd is not None  # started only with a timer
+        while True:
+            todo = None
+            try:
+                tfd.wait()
+                with self._lock:
+                    # the expiration is consumed: nothing is armed now (a head armed again
+                    # since is armed once more below: harmless)
+                    self._armed_due = 0
+                    if self._stopping and not self._batchq:
+                        return
+                    todo = self._form_batches()
+                if todo:
+                    # an overdue batch whose callers sleep in result() is waited for and
+                    # completed here (no completion-thread hop); the next deadline waits at
+                    # most one batch (every caller that queues or finishes also starts
+                    # overdue batches meanwhile)
+                    mine: list[_Launch] = []
+                    self._run_todo(todo, build_here=False, mine=mine)
+                    for launch in mine:
+                        if not launch.done:
+                            self._wait_launch(launch)
+            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
+                log.exception("serve: dispatch failed")
+                for item in todo or ():
+                    if type(item) is _Launch:
+                        for r in item.reqs:
+                            if r.fut is not None and not r.fut.done():
+                                self._fail(r, exc)
+
     # -- building -----------------------------------------------------------------------------
 
     def _build(self, b: _Bucket, raise_errors: bool = False) -> None:
@@ -1557,6 +1649,11 @@ class Engine:
             self._space.notify_all()
             self._work.notify_all()
             bridge = self._aio_q
+            # partial batches waiting for their delay go now (drain), not at their deadline
+            flush = (self._form_batches() if self._fifo and self.dispatch == "caller"
+                     and not cancel else [])
+        if flush:
+            self._run_todo(flush, build_here=False)
         for r in dropped:
             if r.group is None:
                 if not r.fut.cancel():
@@ -1585,10 +1682,14 @@ class Engine:
         self._stopping = True
         with self._lock:
             self._work.notify_all()
+            if self._tfd is not None:
+                self._tfd.arm(1)  # the timer thread wakes, sees _stopping and ends
         for _ in range(sum(1 for t in self._threads if "completion" in t.name)):
             self._cq.put(_STOP)
         for t in self._threads:
             t.join()
+        if self._tfd is not None:
+            self._tfd.close()
         with self._lock:
             insts = [i for b in self._buckets.values() for i in b.instances]
             for b in self._buckets.values():

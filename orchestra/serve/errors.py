@@ -75,6 +75,12 @@ class ResultTimeout(ServeError, TimeoutError):
     raises."""
 
 
+class TimerError(ServeError, OSError):
+    """The dynamic batcher's delay timer (a Linux ``timerfd``) refused a system call
+    (``errno`` and ``strerror`` as an `OSError`): the engine's timer was closed or the
+    process ran out of file descriptors. Close the engine and create a new one."""
+
+
 class FutureStateError(ServeError, RuntimeError):
     """A `ServeFuture` moved to running that is running or done already (the engine's own
     bookkeeping: a `RuntimeError`, as the standard future raises)."""
@@ -96,4 +102,4 @@ class EngineBroken(ServeError, StateError):
 
 __all__ = ["BadRequest", "EngineBroken", "EngineClosed", "FutureStateError", "InputTypeError",
            "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
-           "ServeConfigTypeError", "ServeConfigValueError", "ServeError"]
+           "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "TimerError"]
