@@ -615,7 +615,7 @@ def host_view(obj, *, what: str | None = None) -> np.ndarray:
             f"{what} is device memory (CUDA Array Interface), where host memory is needed: "
             "bind it as an external device buffer (device_view), or copy it to the host first")
     if _has(obj, "__array_interface__"):
-        return np.asarray(obj)
+        return _asarray(obj, what, "__array_interface__")
     try:
         view = memoryview(obj)
     except TypeError:
@@ -623,7 +623,18 @@ def host_view(obj, *, what: str | None = None) -> np.ndarray:
             f"{what} is not host memory orchestra can read: pass a numpy array, a PinnedBuffer, "
             "a pinned torch CPU tensor, or an object with __dlpack__, __array_interface__ or "
             "the buffer protocol") from None
-    return np.asarray(view)
+    return _asarray(view, what, "buffer")
+
+
+def _asarray(obj, what: str, protocol: str) -> np.ndarray:
+    # numpy reads the producer's description; a malformed one (a missing typestr, a bad
+    # shape) raises numpy's ValueError / TypeError / KeyError, which becomes ours so that
+    # callers see one error family naming the object
+    try:
+        return np.asarray(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever the producer's description raised
+        raise InteropValueError(f"{what}: numpy cannot read its {protocol} description: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
 
 class _HostTensor:

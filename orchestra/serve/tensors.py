@@ -151,9 +151,20 @@ def check_out(specs: dict[str, TensorSpec], out, rows: int) -> dict[str, np.ndar
 
 def _is_tensor(obj) -> bool:
     """Whether ``obj`` is an array of another library (host or device): DLPack, the CUDA Array
-    Interface or ``__array_interface__``. Looked up on the type and the instance's own
-    attributes: no property is evaluated."""
-    return any(_speaks(obj, n) for n in _TENSOR_PROTOCOLS)
+    Interface, ``__array_interface__`` (looked up on the type and the instance's own
+    attributes: no property is evaluated) or the buffer protocol."""
+    return any(_speaks(obj, n) for n in _TENSOR_PROTOCOLS) or _is_buffer(obj)
+
+
+def _is_buffer(obj) -> bool:
+    """Whether ``obj`` exports the buffer protocol (memoryview, bytes, bytearray,
+    array.array, mmap): Python 3.11 has no attribute to look up, so a view is taken and
+    released at once. A ``str`` is no buffer."""
+    try:
+        memoryview(obj).release()
+    except TypeError:
+        return False
+    return True
 
 
 _TENSOR_PROTOCOLS = ("__dlpack__", "__array_interface__", "__cuda_array_interface__")
