@@ -165,6 +165,28 @@ def gated_engine(backend=None, **kw):
     return Engine(backend=backend or GatedBackend(), inputs=SPEC_IN, outputs=SPEC_OUT, **kw)
 
 
+class _RecordingQueue:
+    """The engine's completion queue, every item put also recorded (SimpleQueue's methods are
+    read-only, so the queue is wrapped)."""
+
+    def __init__(self, q, put):
+        self.q, self._put = q, put
+
+    def put(self, item):
+        self._put.append(item)
+        self.q.put(item)
+
+    def get(self, *a):
+        return self.q.get(*a)
+
+
+def record_completions(e) -> list:
+    """What ``e`` hands its completion thread from now on (a list that grows)."""
+    put: list = []
+    e._cq = _RecordingQueue(e._cq, put)
+    return put
+
+
 def wait_for(pred, timeout=5.0):
     t = time.monotonic() + timeout
     while not pred():
@@ -1557,20 +1579,7 @@ def test_the_caller_that_fills_a_batch_waits_for_it_and_completes_its_followers(
     with gated_engine(backend, buckets=[4, 16], instances=1,
                       batching=Batching(max_batch=16, max_delay_us=5e6)) as e:
         e.warmup()
-        put = []
-
-        class Recording:  # SimpleQueue's methods are read-only: wrap the queue
-            def __init__(self, q):
-                self.q = q
-
-            def put(self, item):
-                put.append(item)
-                self.q.put(item)
-
-            def get(self, *a):
-                return self.q.get(*a)
-
-        e._cq = Recording(e._cq)
+        put = record_completions(e)
         xs = [rows(4, seed=k) for k in range(4)]
         out, ts = _followers(e, xs[:3], run)
         _asleep(e, 3)
@@ -1724,20 +1733,7 @@ def test_an_overdue_batch_with_sleeping_callers_is_completed_by_the_timer_thread
                 outputs=SPEC_OUT, buckets=[4, 16], instances=1,
                 batching=Batching(max_batch=16, max_delay_us=300_000)) as e:
         e.warmup()
-        put = []
-
-        class Recording:
-            def __init__(self, q):
-                self.q = q
-
-            def put(self, item):
-                put.append(item)
-                self.q.put(item)
-
-            def get(self, *a):
-                return self.q.get(*a)
-
-        e._cq = Recording(e._cq)
+        put = record_completions(e)
         finisher = []
         real_finish = e._finish
 

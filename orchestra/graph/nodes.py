@@ -399,13 +399,17 @@ MAX_SHARED_MEM = 2**32 - 1
 
 def _is_whole(v) -> bool:
     """An int, numpy integer or other `numbers.Integral`, not a bool (numpy's bool is no
-    Integral)."""
+    Integral); a plain int without the ABC check (the common case, per node)."""
+    if type(v) is int:
+        return True
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _dim3(value):
     """Converter: an int or a list/tuple of 1-3 ints (numpy integers too) -> ``(x, y, z)`` of
     Python ints; anything else unchanged (`KernelNode` names the field)."""
+    if type(value) is int:  # the common case first: a node is made per batch
+        return (value, 1, 1)
     if _is_whole(value):
         value = (value,)
     if isinstance(value, (list, tuple)) and 1 <= len(value) <= 3 \
@@ -424,6 +428,10 @@ def _check_dim3(node, field: str) -> None:
         raise NodeFieldValueError(f"{node._record}: {field} must be positive ({expected} >= 1),"
                                   f" got {_dims_text(value)}")
     limits = MAX_GRID_DIM if field == "grid" else MAX_BLOCK_DIM
+    x, y, z = value
+    if x <= limits[0] and y <= limits[1] and z <= limits[2] and (
+            field == "grid" or x * y * z <= MAX_THREADS_PER_BLOCK):
+        return  # within every limit: the usual case, no loop
     for axis, v, lim in zip("xyz", value, limits):
         if v > lim:
             fix = (("use fewer blocks (a grid-stride loop in the kernel) or split the launch"

@@ -1406,11 +1406,16 @@ class Engine:
                 self._run_todo(todo, build_here=thread_mode)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
-                for item in todo or ():
-                    if type(item) is _Launch:
-                        for r in item.reqs:
-                            if r.fut is not None and not r.fut.done():
-                                self._fail(r, exc)
+                self._fail_todo(todo, exc)
+
+    def _fail_todo(self, todo, exc: BaseException) -> None:
+        """The batcher's catch-all: fail every request of the launches ``todo`` held that is
+        not done yet (the error ended their dispatch)."""
+        for item in todo or ():
+            if type(item) is _Launch:
+                for r in item.reqs:
+                    if r.fut is not None and not r.fut.done():
+                        self._fail(r, exc)
 
     def _timer_loop(self) -> None:
         """The batcher thread with a timerfd (dynamic batching, dispatch "caller"): the
@@ -1443,11 +1448,7 @@ class Engine:
                             self._wait_launch(launch)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
-                for item in todo or ():
-                    if type(item) is _Launch:
-                        for r in item.reqs:
-                            if r.fut is not None and not r.fut.done():
-                                self._fail(r, exc)
+                self._fail_todo(todo, exc)
 
     # -- building -----------------------------------------------------------------------------
 

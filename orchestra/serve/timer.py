@@ -42,8 +42,9 @@ class DeadlineTimer:
     `arm` sets (or replaces) the one pending expiration ``delay_ns`` nanoseconds from now;
     `wait` blocks until an expiration happened, without the GIL.
 
-    Thread-safety: `arm` from any thread, serialized by the caller (the engine arms under its lock: the argument block is
-    shared); `wait` from one thread; `close` once that thread is done.
+    Thread-safety: `arm` from any thread, serialized by the caller (the argument block is
+    shared: the engine arms under its lock); `wait` from one thread; `close` once that
+    thread is done.
     """
 
     def __init__(self, libc):
