@@ -113,6 +113,10 @@ def test_cli_refusals(capsys):
         assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--gc-young-ms", bad]) == 2
         assert (f"--gc-young-ms must be a finite number >= 0, got {float(bad)}"
                 in capsys.readouterr().err)
+    assert cli(["bench", "serve", "--cpu", "--mode", "open", "--rate", "1e-300"]) == 2
+    assert "--rate must be at least 1 request/s, got 1e-300" in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--batching", "on", "--max-delay-us", "1e12"]) == 2
+    assert "--max-delay-us must be at most 1,000,000" in capsys.readouterr().err
     code = cli(["bench", "serve", "--mix", "6K", "--no-peers", "--mode", "latency"])
     err = capsys.readouterr().err
     # a size that is no whole number of rows (usage, 2); without a GPU, no device (3) first

@@ -105,6 +105,11 @@ def _check_numbers(args) -> None:
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
         raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
                                f"{args.max_delay_us}")
+    if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
+        raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
+    if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
+        raise BenchConfigError(f"--max-delay-us must be at most 1,000,000 (1 s): a batch that "
+                               f"does not fill waits that long; got {args.max_delay_us:g}")
     # upper limits: what the kernel and the waits can take (each once failed or hung later)
     import threading
 
