@@ -197,7 +197,8 @@ def no_device(monkeypatch):
     (["--duration", "1e30"],
      "--duration is beyond the longest wait Python can make (9.22e+09 s), got 1e+30"),
     (["--max-delay-us", "1e30"],
-     "--max-delay-us is beyond the longest wait Python can make (9.22e+09 s), got 1e+30"),
+     "--max-delay-us must be at most 1,000,000 (1 s): a batch that does not fill waits that "
+     "long; got 1e+30"),
     # the kernel's int iters: ran forever on --cpu
     (["--iters", str(2**31)],
      "--iters must be at most 2147483647 (the kernel's int parameter), got 2147483648"),
