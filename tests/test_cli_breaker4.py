@@ -7,6 +7,7 @@ import pytest
 
 import orchestra.cli.job_options as jo
 from orchestra.cli.main import main
+from tests.test_cli_nufix import _KERNEL, compiles_without_the_cache
 
 
 @pytest.fixture
@@ -38,9 +39,6 @@ def test_fmt_bytes_of_huge_sizes():
     assert jo.fmt_bytes(6 << 40) == "6.00 TiB"
 
 
-_KERNEL = "extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n"
-
-
 def test_a_cache_dir_that_cannot_be_created_warns_and_compiles(tmp_path, monkeypatch, capsys):
     # was "orchestra compile: [Errno 13] Permission denied: ..." (exit 2), no cubin written:
     # a cache location that is not a folder warned and compiled; one that cannot be made failed
@@ -60,13 +58,8 @@ def test_a_cache_dir_that_cannot_be_created_warns_and_compiles(tmp_path, monkeyp
     monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(where))
     with pytest.raises(cache.CacheDirError, match=r"cannot be created \(Permission denied\)"):
         cache.cache_dir()
-    src = tmp_path / "k.cu"
-    src.write_text(_KERNEL)
-    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
-    err = capsys.readouterr().err
-    assert f"ORCHESTRA_CACHE_DIR={where} cannot be created (Permission denied)" in err
-    assert "compiling without the cache" in err
-    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+    compiles_without_the_cache(tmp_path, capsys,
+                               f"ORCHESTRA_CACHE_DIR={where} cannot be created (Permission denied)")
     assert main(["cache", "info", "--json"]) == 0  # info creates nothing: nothing to refuse
     assert '"entries": 0' in capsys.readouterr().out
 

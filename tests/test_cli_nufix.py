@@ -141,6 +141,18 @@ def test_compile_to_another_file_still_writes(tmp_path, monkeypatch, capsys):
 _KERNEL = "extern \"C\" __global__ void k(float *x) { x[0] = 1.0f; }\n"
 
 
+def compiles_without_the_cache(tmp_path, capsys, why: str) -> None:
+    """`orchestra compile` of a small kernel succeeds with a warning that says ``why`` the
+    cache is unusable and that it compiles without it; the cubin is written."""
+    src = tmp_path / "k.cu"
+    src.write_text(_KERNEL)
+    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
+    err = capsys.readouterr().err
+    assert why in err
+    assert "compiling without the cache" in err
+    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("below", [False, True])
 def test_compile_with_the_cache_dir_a_file_warns_and_compiles(tmp_path, monkeypatch, capsys,
                                                               below):
@@ -148,13 +160,8 @@ def test_compile_with_the_cache_dir_a_file_warns_and_compiles(tmp_path, monkeypa
     blocker.write_text("not a folder")
     where = blocker / "sub" if below else blocker
     monkeypatch.setenv("ORCHESTRA_CACHE_DIR", str(where))
-    src = tmp_path / "k.cu"
-    src.write_text(_KERNEL)
-    assert main(["compile", str(src), "--arch", "sm_90", "-o", str(tmp_path / "k.cubin")]) == 0
-    err = capsys.readouterr().err
-    assert f"ORCHESTRA_CACHE_DIR={where} is not a directory" in err
-    assert "compiling without the cache" in err
-    assert (tmp_path / "k.cubin").read_bytes()[:4] == b"\x7fELF"
+    compiles_without_the_cache(tmp_path, capsys,
+                               f"ORCHESTRA_CACHE_DIR={where} is not a directory")
     assert blocker.read_text() == "not a folder"
 
 
