@@ -456,7 +456,7 @@ class Engine:
                     self._count_bad()
                     raise
             if 0 < rows <= self.buckets.largest:
-                b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
+                b = self._bucket_of(rows)
                 inst = None
                 with self._lock:
                     if (b.ready and b.free and not b.queue and self._state == "open"
@@ -692,7 +692,7 @@ class Engine:
             # one input, checked inline (the checks check_inputs makes), one request
             rows = inputs.shape[0]
             fut = ServeFuture(self)
-            b = self._by_rows[rows] if rows <= _TABLE_ROWS else self._bucket_of(rows)
+            b = self._bucket_of(rows)
             reqs = [_Req({self._fast_name: inputs}, rows, b.rows, None, t0, fut)]
         else:
             try:
@@ -781,8 +781,10 @@ class Engine:
             raise EngineClosed("the engine is closed; create a new Engine to serve again")
 
     def _bucket_of(self, rows: int) -> _Bucket:
-        """The bucket a request (or batch) of ``rows`` rows runs on, above the direct table
-        (1 <= rows <= the largest bucket)."""
+        """The bucket a request (or batch) of ``rows`` rows runs on (1 <= rows <= the
+        largest bucket): one list lookup up to `_TABLE_ROWS` rows, a bisect above."""
+        if rows <= _TABLE_ROWS:
+            return self._by_rows[rows]
         return self._table[self.buckets.pick(rows) or self.buckets.largest]
 
     def _bucket(self, rows: int) -> _Bucket:
@@ -882,7 +884,6 @@ class Engine:
             return todo
         batching = self.batching is not None
         mb = self._max_batch
-        by_rows = self._by_rows
         now = 0
         while q:
             if not batching:
@@ -902,7 +903,7 @@ class Engine:
                         break
                     total += r.rows
                     n += 1
-            b = by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)
+            b = self._bucket_of(total)
             if not b.ready:
                 self._head_missed = True
                 if not b.building:
@@ -1205,10 +1206,7 @@ class Engine:
             for r in reqs:
                 end = row + r.rows
                 lat.add((now - r.t0) / 1e3)
-                try:
-                    r.fut.set_result(block[row:end])
-                except InvalidStateError:  # cancelled meanwhile, or failed (broken)
-                    pass
+                _set_result(r.fut, block[row:end])
                 row = end
             return
         for r, outs in zip(reqs, results):
@@ -1534,7 +1532,7 @@ class Engine:
                     break
                 total += r.rows
                 n += 1
-        if (self._by_rows[total] if total <= _TABLE_ROWS else self._bucket_of(total)) is not b:
+        if self._bucket_of(total) is not b:
             return []
         reqs = [q.popleft() for _ in range(n)]
         self._batch_rows -= total
