@@ -714,11 +714,7 @@ class Engine:
             # dynamic batching: the batches this submit started that a blocking call waits
             # on (its own, or another thread's sleeping in result()) are waited for and
             # completed right here, on the instance's stream: no completion thread, no event
-            mine: list[_Launch] = []
-            self._run_todo(todo, build_here=True, mine=mine)
-            for launch in mine:
-                if not launch.done:
-                    self._wait_launch(launch)
+            self._run_watching(todo, build_here=True)
         return fut
 
     def _build_quietly(self, b) -> None:
@@ -970,6 +966,15 @@ class Engine:
                 reqs, exc = item
                 for r in reqs:
                     self._fail(r, exc)
+
+    def _run_watching(self, todo: list, build_here: bool) -> None:
+        """`_run_todo`, then wait for (and complete) the launches it started that a blocking
+        call waits on, on the instance's stream, in this thread (see `_start`'s ``mine``)."""
+        mine: list[_Launch] = []
+        self._run_todo(todo, build_here=build_here, mine=mine)
+        for launch in mine:
+            if not launch.done:
+                self._wait_launch(launch)
 
     # -- launching ----------------------------------------------------------------------------
 
@@ -1439,11 +1444,7 @@ class Engine:
                     # completed here (no completion-thread hop); the next deadline waits at
                     # most one batch (every caller that queues or finishes also starts
                     # overdue batches meanwhile)
-                    mine: list[_Launch] = []
-                    self._run_todo(todo, build_here=False, mine=mine)
-                    for launch in mine:
-                        if not launch.done:
-                            self._wait_launch(launch)
+                    self._run_watching(todo, build_here=False)
             except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
                 log.exception("serve: dispatch failed")
                 self._fail_todo(todo, exc)
