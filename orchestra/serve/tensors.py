@@ -150,28 +150,12 @@ def check_out(specs: dict[str, TensorSpec], out, rows: int) -> dict[str, np.ndar
 
 
 def _is_tensor(obj) -> bool:
-    """Whether ``obj`` is an array of another library (host or device): DLPack, the CUDA Array
-    Interface, ``__array_interface__`` (looked up on the type and the instance's own
-    attributes: no property is evaluated) or the buffer protocol."""
-    return any(_speaks(obj, n) for n in _TENSOR_PROTOCOLS) or _is_buffer(obj)
+    """Whether ``obj`` is an array of another library, on the host or a device (what
+    `orchestra.driver.interop`'s host and device protocol tests accept: DLPack,
+    ``__array_interface__``, the buffer protocol, the CUDA Array Interface)."""
+    from orchestra.driver.interop import has_device_protocol, has_host_protocol
 
-
-def _is_buffer(obj) -> bool:
-    """Whether ``obj`` exports the buffer protocol (memoryview, bytes, bytearray,
-    array.array, mmap): Python 3.11 has no attribute to look up, so a view is taken and
-    released at once. A ``str`` is no buffer."""
-    try:
-        memoryview(obj).release()
-    except TypeError:
-        return False
-    return True
-
-
-_TENSOR_PROTOCOLS = ("__dlpack__", "__array_interface__", "__cuda_array_interface__")
-
-
-def _speaks(obj, protocol: str) -> bool:
-    return hasattr(type(obj), protocol) or protocol in getattr(obj, "__dict__", ())
+    return has_host_protocol(obj) or has_device_protocol(obj)
 
 
 def _as_array(spec: TensorSpec, a: Any, what: str) -> Any:
@@ -183,13 +167,8 @@ def _as_array(spec: TensorSpec, a: Any, what: str) -> Any:
     from orchestra.driver.interop import host_view  # the driver layer only for tensors
     from orchestra.errors import OrchestraError
 
-    name = spec.name
-    if _speaks(a, "__cuda_array_interface__") and not _speaks(a, "__dlpack__"):
-        raise InputTypeError(f"{what} {name} is device memory (CUDA Array Interface); an engine "
-                             "takes host arrays: copy it to the host first (e.g. .get() / "
-                             ".cpu()), or call the exec with device bindings directly")
-    try:
-        return host_view(a, what=f"{what} {name}")
+    try:  # a device tensor is host_view's InteropValueError ("is device memory ...")
+        return host_view(a, what=f"{what} {spec.name}")
     except OrchestraError as exc:
         raise InputTypeError(f"{exc}; an engine takes host arrays: pass a CPU tensor (e.g. "
                              "t.cpu()) or a numpy array") from exc
