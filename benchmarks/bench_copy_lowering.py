@@ -7,7 +7,8 @@ For each pipeline workload (``BATCHESxSIZE[@ITERS]`` as ``orchestra bench peers`
 the main job's graph, alloc -> H2D -> burn -> D2H -> free per batch; the kernel calibrated to
 the copies unless ``@ITERS``), in one process on one GPU; every orchestra row runs the policy
 and streams ``--policy auto`` picks for its copy lowering (round-robin lanes when most copies
-are copy kernels, else by-engine on 3 streams; the "plan" column):
+are copy kernels, else by-engine on 3 streams, 4 for the graph rows when the burn kernel is
+smaller than the GPU; the "plan" column):
 
 - **bare**: the same work captured by hand with raw cuda-python (memcpy nodes, by-engine on 3
   streams; the contender ``orchestra bench peers`` calls "cuda-python bare captured graph");

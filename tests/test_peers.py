@@ -470,3 +470,78 @@ def test_cli_help_gives_the_expected_time_per_workload(capsys):
     for w in BUILTIN:
         assert f"{w.key}  {w.name}" in out and f"~{w.expected_s:.0f} s" in out
     assert "the default (all five): ~110 s" in out
+
+
+# -- orchestra's pipeline contenders pick what `--policy auto` would ---------------------------
+
+
+def test_graph_rows_run_two_compute_streams_where_the_kernel_is_smaller_than_the_gpu():
+    """(b) 256 x 4 MiB: copies on the copy engines; with a burn kernel smaller than the GPU
+    (`PipelineData.kernel_fills_gpu` False) the capture and graph-build rows get by-engine on
+    4 streams (two compute streams), eager keeps 3, and the bound is measured over 4."""
+    from orchestra.app.job.policy import OVERLAP_NOTE
+    from orchestra.app.peers.orchestra_side import pipeline_policy
+    from orchestra.errors import JobConfigTypeError
+    from orchestra.execute import DEFAULT_CROSSOVER, CopyPolicy
+    from tests.fake_cuda import FakeDevice
+
+    graph, eager = (CopyPolicy("auto", m, DEFAULT_CROSSOVER, True) for m in ("graph", "eager"))
+    b = types.SimpleNamespace(batches=256, batch_bytes=4 << 20, kernel_fills_gpu=False)
+    for kind in ("capture", "graph-build"):
+        c = pipeline_policy(b, graph, executor=f"{kind} executor")
+        assert (c.policy, c.streams) == ("by-engine", 4) and OVERLAP_NOTE in c.reason
+    c = pipeline_policy(b, eager, executor="eager executor")
+    assert (c.policy, c.streams) == ("by-engine", 3)
+    assert pipeline_policy(b, graph, "by-engine", 3, "graph-build executor").streams == 3
+    full = types.SimpleNamespace(batches=256, batch_bytes=4 << 20, kernel_fills_gpu=True)
+    unknown = types.SimpleNamespace(batches=256, batch_bytes=4 << 20)
+    for w in (full, unknown):
+        assert pipeline_policy(w, graph, executor="graph-build executor").streams == 3
+    dev = FakeDevice()
+    assert harness.bound_streams(dev, b) == 4  # the graph rows' 4 streams
+    assert harness.bound_streams(dev, full) == harness.bound_streams(dev, unknown) == 3
+    with pytest.raises(JobConfigTypeError, match="kernel_fills_gpu"):
+        pipeline_policy(types.SimpleNamespace(batches=4, batch_bytes=4 << 20,
+                                              kernel_fills_gpu=1), graph)
+
+
+@pytest.fixture
+def graph_fake(monkeypatch):
+    from tests import fake_graph_cuda as fg
+
+    return fg.install(monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["capture", "graph-build"])
+@pytest.mark.parametrize("fills,streams", [(False, 4), (True, 3), (None, 3)])
+def test_orchestra_graph_pipeline_rows_on_the_graph_fake(graph_fake, kind, fills, streams):
+    """`OrchestraPipeline` replayed on the graph fake: the row name and plan say the streams
+    auto picked, batch kernels alternate over compute0 / compute1 on 4, and every output is
+    the negated input (the burn kernel's s = -1, t = 0 with an odd iteration count)."""
+    from orchestra.app.job.graphs import burn_grid
+    from orchestra.app.peers.orchestra_side import OrchestraPipeline
+    from tests import fake_graph_cuda as fg
+
+    batches, n = 6, 2048
+    w = types.SimpleNamespace(
+        dev=graph_fake.device, resolver=fg.resolver(graph_fake), batches=batches,
+        batch_bytes=4 * n, grid=burn_grid(n, harness.BLOCK, graph_fake.device.sm_count),
+        block=harness.BLOCK, iters=3, burn_st=harness.BURN_ST, kernel_fills_gpu=fills,
+        x=np.random.default_rng(2).random(batches * n, dtype=np.float32),
+        y=np.full(batches * n, np.nan, np.float32))
+    op = OrchestraPipeline(w, kind)
+    try:
+        assert op.name == f"orchestra {kind} replay (by-engine, {streams} streams)"
+        assert (op.choice.policy, op.choice.streams) == ("by-engine", streams)
+        names = sorted(s.name for s in op.plan.streams)
+        compute = ["compute0", "compute1"] if streams == 4 else ["compute"]
+        assert names == sorted(["upload", "download", *compute])
+        assert [op.plan.node_stream[f"b{b}.kernel"] for b in range(batches)] == \
+            [compute[b % len(compute)] for b in range(batches)]
+        op()
+        assert op.host_us is not None
+        ok, detail = ck.check_negated(w.x, w.y)
+        assert ok, detail
+        assert np.array_equal(w.y, ck.negate(w.x))
+    finally:
+        op.close()

@@ -78,7 +78,116 @@ def test_explicit_options_win():
     assert (c.policy, c.streams, c.auto) == ("concurrent", 5, False)
     assert c.as_dict() == {"policy": "concurrent", "streams": 5, "requested_policy":
                            "concurrent", "requested_streams": 5, "reason": c.reason,
-                           "copies": 2048, "copy_kernels": 2048, "lanes": False}
+                           "copies": 2048, "copy_kernels": 2048, "lanes": False,
+                           "kernel_fills_gpu": None}
+
+
+# -- a kernel smaller than the GPU: two compute streams for the CUDA graph executors --------------
+
+
+def big_job(**kw):
+    """256 x 4 MiB, copies on the copy engines: what ``orchestra run --batches 256 --batch-mib 4``
+    counts (512 host copies, none a copy kernel)."""
+    return choose_policy(**{**dict(copies=512, copy_kernels=0, batches=256,
+                                   executor="graph executor"), **kw})
+
+
+def test_a_kernel_smaller_than_the_gpu_gets_two_compute_streams_in_a_cuda_graph():
+    from orchestra.app.job.policy import OVERLAP_NOTE, OVERLAP_STREAMS
+
+    c = big_job(kernel_fills_gpu=False)
+    assert (c.policy, c.streams) == ("by-engine", OVERLAP_STREAMS) == ("by-engine", 4)
+    assert c.auto and not c.lanes and c.kernel_fills_gpu is False
+    assert c.reason == ("auto: 0 of 512 host copies run as copy kernels (graph executor); "
+                        "by-engine feeds one copy engine per direction; streams auto: 4 "
+                        f"(upload, 2 compute, download): {OVERLAP_NOTE}")
+    assert "23.3 ms on 4" in c.reason and "fewer blocks than the GPU holds" in c.reason
+    assert c.as_dict()["kernel_fills_gpu"] is False and c.as_dict()["streams"] == 4
+    # the capture executor too; and in_flight bounded to 2 still has two kernels to overlap
+    assert big_job(executor="capture executor", kernel_fills_gpu=False).streams == 4
+    assert big_job(in_flight=2, kernel_fills_gpu=False).streams == 4
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(kernel_fills_gpu=True), "fills the GPU: one compute stream"),
+    (dict(kernel_fills_gpu=None), "unknown (orchestra plan): as before"),
+    (dict(eager=True, executor="eager executor", kernel_fills_gpu=False),
+     "eager: noise-level, lost at 1500 iters"),
+    (dict(batches=1, copies=2, kernel_fills_gpu=False), "one batch: nothing to overlap"),
+    (dict(in_flight=1, kernel_fills_gpu=False), "one batch in flight"),
+])
+def test_by_engine_keeps_three_streams_otherwise(kw, why):
+    c = big_job(**kw)
+    assert (c.policy, c.streams) == ("by-engine", 3), why
+    assert c.reason.endswith("by-engine feeds one copy engine per direction; streams auto: 3")
+    # the reason is the one an unknown kernel gets: nothing about compute streams
+    assert c.reason == big_job(**{**kw, "kernel_fills_gpu": None}).reason
+
+
+def test_explicit_options_win_over_a_small_kernel():
+    small = dict(kernel_fills_gpu=False)
+    c = big_job(policy="by-engine", **small)  # --policy by-engine --streams auto: 3, as always
+    assert (c.policy, c.streams) == ("by-engine", 3)
+    assert c.reason == "--policy by-engine given; streams auto: 3"
+    c = big_job(streams=3, **small)  # --streams 3: by-engine on 3
+    assert (c.policy, c.streams) == ("by-engine", 3) and c.reason.endswith("--streams 3 given")
+    c = big_job(streams=6, **small)
+    assert (c.policy, c.streams) == ("by-engine", 6)
+    c = big_job(policy="concurrent", **small)
+    assert (c.policy, c.streams) == ("concurrent", 3)
+    # copy kernels: lanes whatever the kernel's size
+    c = choose_policy(copies=2048, copy_kernels=2048, batches=1024, kernel_fills_gpu=False)
+    assert (c.policy, c.streams) == ("round-robin", 16)
+
+
+@pytest.mark.parametrize("bad", [0, 1, "no", 0.0])
+def test_kernel_fills_gpu_must_be_a_bool_or_none(bad):
+    from orchestra.errors import JobConfigTypeError
+
+    with pytest.raises(JobConfigTypeError, match="kernel_fills_gpu must be True, False or None"):
+        big_job(kernel_fills_gpu=bad)
+
+
+def test_four_by_engine_streams_put_the_batch_kernels_on_two_compute_streams():
+    """What the 4 streams are: upload, compute0 / compute1 (batch kernels alternating),
+    download; copies stay on one stream per direction."""
+    from orchestra.app.job.graphs import build_job_graph
+    from orchestra.schedule import schedule
+
+    jg = build_job_graph([4 * MIB] * 6, iters=1, block=256, sm_count=132)
+    plan = schedule(jg.graph, "by-engine", big_job(kernel_fills_gpu=False).streams)
+    assert sorted(s.name for s in plan.streams) == ["compute0", "compute1", "download", "upload"]
+    assert [plan.node_stream[f"b{b}.kernel"] for b in range(6)] == ["compute0", "compute1"] * 3
+    assert {plan.node_stream[f"b{b}.h2d"] for b in range(6)} == {"upload"}
+    assert {plan.node_stream[f"b{b}.d2h"] for b in range(6)} == {"download"}
+
+
+class OccupancyKernel:
+    """A kernel with ``occupancy`` (blocks per SM) that records what it was asked."""
+
+    def __init__(self, per_sm):
+        self.per_sm, self.asked = per_sm, []
+
+    def occupancy(self, block, shared_mem=0):
+        self.asked.append((block, shared_mem))
+        return self.per_sm
+
+
+def test_fills_gpu_compares_the_grid_with_the_resident_blocks():
+    from orchestra.app.job.graphs import burn_grid
+    from orchestra.app.job.policy import fills_gpu
+
+    k = OccupancyKernel(8)  # 8 blocks of 256 threads per SM: 2048 threads, an H200's limit
+    grid = burn_grid((4 * MIB) // 4, 256, 132)
+    assert grid == 528  # capped at 4 blocks per SM
+    assert fills_gpu(k, grid, 256, 132) is False  # 528 < 8 * 132 = 1056
+    assert k.asked == [(256, 0)]
+    assert fills_gpu(k, 1056, 256, 132) is True and fills_gpu(k, 1057, 256, 132) is True
+    assert fills_gpu(k, 1055, 256, 132) is False
+    assert fills_gpu(k, 100, 512, 132, shared_mem=4096) is False and k.asked[-1] == (512, 4096)
+    assert fills_gpu(OccupancyKernel(4), 528, 256, 132) is True  # 4 per SM: exactly full
+    assert fills_gpu(object(), 528, 256, 132) is None  # no occupancy: unknown
+    assert fills_gpu(k, 528, 256, 0) is None and fills_gpu(k, 528, 256, None) is None
 
 
 @pytest.mark.parametrize("kw", [dict(policy="fastest"), dict(streams=0), dict(streams=True),
@@ -288,6 +397,121 @@ def test_main_job_runs_copy_kernels_in_lanes_and_verifies(lane_job):
                 streams=2, copy_lowering="kernel").run()
     assert r.verified and (r.policy, r.streams) == ("round-robin", 2)
     assert r.policy_reason == "--policy round-robin given; --streams 2 given"
+
+
+@pytest.fixture
+def graph_job(monkeypatch):
+    """The main job with the graph runners on the graph fake (tests/fake_graph_cuda.py): the
+    job graph captured or built and replayed on host memory, outputs real; the burn kernel a
+    `FakeGraphKernel` whose ``occupancy`` answers ``graph_job.per_sm`` blocks per SM (None:
+    a kernel without ``occupancy``). Device timings faked as in `lane_job`."""
+    from orchestra.app.job import Sustained
+    from orchestra.app.job.timing import SingleBatch
+    from orchestra.execute.cuda_graph.runner import GraphRunner
+    from orchestra.execute import EagerExecutor, KernelResolver
+    from tests import fake_graph_cuda as fg
+    from tests.fake_cuda import FakeCuda, FakeKernel
+    from tests.test_execute_job import patch_main_job
+
+    fake = fg.install(monkeypatch)
+    eager_fake = FakeCuda()
+    state = types.SimpleNamespace(per_sm=None, asked=[], seen={}, fake=fake)
+
+    def burn(cls):
+        if state.per_sm is None:  # a kernel that cannot be asked
+            return cls()
+
+        class Burn(cls):
+            def occupancy(self, block, shared_mem=0):
+                state.asked.append((block, shared_mem))
+                return state.per_sm
+        return Burn()
+
+    def make_executor(name="eager", device=None, *, verify=True, copy_lowering="auto"):
+        if name == "eager":
+            return EagerExecutor(eager_fake.device, driver=eager_fake, verify=verify,
+                                 copy_lowering=copy_lowering,
+                                 kernel_resolver=KernelResolver(eager_fake.device,
+                                                                lambda r, d: burn(FakeKernel)))
+        return GraphRunner(name, fake.device, verify=verify, copy_lowering=copy_lowering,
+                           kernel_resolver=fg.resolver(fake, {"burn": burn(fg.FakeGraphKernel)}))
+
+    def fake_timings(self, kernel, stream, host_in, host_out, grid, batches):
+        state.seen["choice"], state.seen["grid"] = self.choice, grid
+        return SingleBatch(host_in.nbytes, self.iters, 1.0, 1.0, 1.0, 7,
+                           Sustained(host_in.nbytes, 16, 1.0, 1.0, 1.0, 1.25))
+
+    patch_main_job(monkeypatch, fake, make_executor, fake_timings)
+    return state
+
+
+@pytest.mark.parametrize("executor", ["graph", "capture"])
+def test_main_job_runs_a_small_kernel_on_two_compute_streams_in_a_cuda_graph(graph_job,
+                                                                              executor):
+    """``orchestra run --executor graph|capture`` with a burn grid smaller than the GPU (the
+    fake's 4 SMs hold 2 blocks each: 8 > the 6 blocks of a 20 KiB batch): by-engine on 4
+    streams, verified against numpy; a kernel that fills the GPU or cannot be asked, 3."""
+    from orchestra.app.job import MainJob
+    from orchestra.app.job.policy import OVERLAP_NOTE
+
+    def run(**kw):
+        return MainJob(batches=6, batch_mib=0.02, compute_iters=5, repeat=1,
+                       executor=executor, **kw).run()
+
+    graph_job.per_sm = 2
+    r = run()
+    assert graph_job.seen["grid"] == 6 and graph_job.asked[-1] == (256, 0)
+    assert r.verified and r.routing_check is True and r.mismatches == 0
+    assert (r.policy, r.streams, r.copy_kernels) == ("by-engine", 4, 0)
+    assert graph_job.seen["choice"].streams == 4  # resolved before the timings
+    assert graph_job.seen["choice"].kernel_fills_gpu is False
+    assert r.policy_reason.endswith(f"streams auto: 4 (upload, 2 compute, download): "
+                                    f"{OVERLAP_NOTE}")
+    assert f"({executor} executor)" in r.policy_reason
+    graph_job.per_sm = 1  # 4 resident blocks: the 6 fill the GPU
+    r = run()
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
+    assert r.policy_reason.endswith("streams auto: 3")
+    graph_job.per_sm = None  # unknown: as before
+    r = run()
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
+    assert graph_job.seen["choice"].kernel_fills_gpu is None
+    # explicit options are kept
+    graph_job.per_sm = 2
+    r = run(streams=3)
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
+    r = run(policy="by-engine")
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
+
+
+def test_main_job_eager_keeps_three_streams_with_a_small_kernel(graph_job):
+    from orchestra.app.job import MainJob
+
+    graph_job.per_sm = 2
+    r = MainJob(batches=6, batch_mib=0.01, compute_iters=5, repeat=1).run()
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
+    assert graph_job.seen["choice"].kernel_fills_gpu is False  # asked, and eager keeps 3
+
+
+def test_main_job_with_an_input_file_picks_the_streams_from_the_kernel_too(graph_job,
+                                                                           tmp_path):
+    from orchestra.app.job import MainJob
+
+    graph_job.per_sm = 2
+    src = np.random.default_rng(5).random(6 * 2621 - 50, dtype=np.float32)
+    np.save(tmp_path / "in.npy", src)
+    r = MainJob(batch_mib=0.01, compute_iters=5, repeat=1, executor="graph",
+                input=tmp_path / "in.npy", output=tmp_path / "out.npy",
+                staging_slots=3).run()
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 4) and r.batches == 6
+    want = src.copy()
+    for _ in range(5):
+        want = np.float32(0.5) * want + np.float32(1.0)
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), want, rtol=1e-6)
+    graph_job.per_sm = None
+    r = MainJob(batch_mib=0.01, compute_iters=5, repeat=1, executor="graph",
+                input=tmp_path / "in.npy", output=tmp_path / "out.npy").run()
+    assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
 
 
 def test_the_graph_runner_answers_the_copy_policy_the_main_job_asks(monkeypatch):

@@ -113,7 +113,9 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                    help="MiB of float32 per batch (default 64; may be fractional)")
     p.add_argument("--streams", type=streams_count, default="auto", metavar="N|auto",
                    help="streams; 'auto' (default): 16 lanes (at most the batches) for "
-                        "round-robin when the copies run as copy kernels, else 3")
+                        "round-robin when the copies run as copy kernels, else 3 (4 with "
+                        "--executor capture or graph when the kernel is smaller than the GPU: "
+                        "two compute streams, so kernels of two batches overlap)")
     p.add_argument("--policy", choices=("auto", *POLICIES), default="auto",
                    help="stream placement; 'auto' (default): round-robin lanes (batch b on "
                         "stream b %% N) when most copies run as copy kernels (small copies in "

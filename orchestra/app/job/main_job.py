@@ -13,8 +13,10 @@ What `MainJob.run` does, in order:
    H2D/D2H pairs at once; `sustained`) for the bound;
 3. the plan (``schedule``; critical-path gets a cost model from those timings), prepared once,
    with the policy and stream count ``"auto"`` resolves to (`policy.choose_policy`: round-robin
-   lanes when most copies run as copy kernels, else by-engine on 3 streams), decided before
-   the timings so that the sustained times are measured at the plan's concurrency;
+   lanes when most copies run as copy kernels, else by-engine on 3 streams, or 4 (two compute
+   streams) for the CUDA graph executors when the burn kernel's grid is smaller than the
+   blocks the GPU holds at once: ``Kernel.occupancy`` x SM count), decided before the timings
+   so that the sustained times are measured at the plan's concurrency;
 4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
    many iterations every output converges to 2.0 whatever its input, so only a short run shows
    that each batch's output came from its own input;
@@ -70,7 +72,7 @@ from orchestra.app.job.inputs import open_input
 from orchestra.app.job.bound import bound_warning
 from orchestra.app.job.checks import MAX_ITERS, whole
 from orchestra.app.job.policy import (
-    AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies,
+    AUTO, PolicyChoice, check_policy, check_streams, choose_policy, count_copies, fills_gpu,
 )
 from orchestra.app.job.sustained import items_for
 from orchestra.app.job.timing import BatchTimer, SingleBatch, launch_for
@@ -170,7 +172,8 @@ class MainJob:
 
     ``policy``: a `orchestra.schedule.POLICIES` name or "auto" (default), ``streams``: an int
     >= 1 or "auto" (default): resolved by `orchestra.app.job.policy.choose_policy` from how the
-    executor lowers the job's copies (`JobConfigError` for anything else).
+    executor lowers the job's copies and whether the burn kernel fills the GPU
+    (`JobConfigError` for anything else).
     ``compute_iters``: an int, or "auto" (default) to match the kernel to the slower copy.
     ``elements``: total float32 elements (default ``batches * batch elements``; a value that is
     not a multiple gives a shorter last batch and more batches). ``input``/``output``: stream a
@@ -231,17 +234,31 @@ class MainJob:
         total = total_elements or self.elements or self.batches * per
         return batch_sizes(total, per)
 
-    def _choose(self, executor, sizes, in_flight: int | None):
+    def _choose(self, executor, sizes, in_flight: int | None, fills: bool | None = None):
         """Resolve ``policy`` / ``streams`` (`choose_policy`) from how ``executor`` lowers the
-        job's copies over ``sizes``; ``in_flight``: the batches that may run together."""
+        job's copies over ``sizes``; ``in_flight``: the batches that may run together;
+        ``fills``: whether the burn kernel fills the GPU (`_kernel_fills`; None: unknown)."""
         copies, kernels = count_copies(sizes, executor.copy_policy())
         c = self.choice = choose_policy(self.policy, self.streams, copies=copies,
                                         copy_kernels=kernels, batches=len(sizes),
                                         in_flight=in_flight,
                                         executor=f"{self.executor_name} executor",
-                                        eager=self.executor_name == "eager")
+                                        eager=self.executor_name == "eager",
+                                        kernel_fills_gpu=fills)
         log.debug("main job: %s", c.describe())
         return c
+
+    def _kernel_fills(self, kernel, grid: int, dev) -> bool | None:
+        """Whether ``grid`` blocks of `block` threads of ``kernel`` fill ``dev``: at least its
+        resident blocks, ``kernel.occupancy(block, 0)`` x ``dev.sm_count``
+        (`policy.fills_gpu`, the executors' test for the concurrent policy); None for a kernel
+        without ``occupancy`` or a device without an SM count. The burn kernel uses no
+        dynamic shared memory."""
+        fills = fills_gpu(kernel, grid, self.block, getattr(dev, "sm_count", 0))
+        log.debug("main job: kernel grid %d x %d %s", grid, self.block,
+                  {None: "(resident blocks unknown)", True: "fills the GPU",
+                   False: "is smaller than the GPU"}[fills])
+        return fills
 
     def _resolved(self) -> PolicyChoice:
         """The `PolicyChoice` `_choose` made (run() makes it before any timing)."""
@@ -371,14 +388,16 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         pin_in = pin_out = stream = None
         try:
-            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget))
+            # the kernel before the policy: whether it fills the GPU decides auto's streams
+            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
+            kernel = executor.kernels.resolve(burn_kernel_ref())
+            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
+            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget),
+                         self._kernel_fills(kernel, grid, dev))
             pin_in = PinnedBuffer.empty(total, np.float32, dev)
             pin_out = PinnedBuffer.empty(total, np.float32, dev)
             x, y = pin_in.array, pin_out.array
             jd.fill_uniform(x, self.seed)
-            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
-            kernel = executor.kernels.resolve(burn_kernel_ref())
-            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
             single = self._timings(kernel, stream, x[:n0], y[:n0], grid, len(sizes))
@@ -432,8 +451,12 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         stage_in = stage_out = stream = None
         try:
+            # the kernel before the policy: whether it fills the GPU decides auto's streams
+            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
+            kernel = executor.kernels.resolve(burn_kernel_ref())
+            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             # a slot's next batch waits for the batch before it: at most ``slots`` at once
-            self._choose(executor, sizes, slots)
+            self._choose(executor, sizes, slots, self._kernel_fills(kernel, grid, dev))
             stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")
             stage_out = StagingPool(slots, max(sizes), dev, prefix="stage_out")
             ins = [stage_in.view(k) for k in range(slots)]
@@ -453,9 +476,6 @@ class MainJob:
                     flat_out[lo:hi] = outs[k][:hi - lo]
                 return f
 
-            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
-            kernel = executor.kernels.resolve(burn_kernel_ref())
-            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
             stream = Stream(dev)
             n0 = sizes[0] // ELEMENT
             np.copyto(ins[0][:n0], flat_in[:n0])

@@ -69,6 +69,7 @@ class PipelineData:
     def __init__(self, dev, spec: Workload, resolver, seed: int = 0):
         from orchestra.app.job import data as jd
         from orchestra.app.job.graphs import burn_grid, burn_kernel_ref
+        from orchestra.app.job.policy import fills_gpu
         from orchestra.app.job.sustained import items_for
         from orchestra.app.job.timing import BatchTimer
         from orchestra.driver import PinnedBuffer, Stream
@@ -90,6 +91,8 @@ class PipelineData:
         jd.fill_uniform(self.x, seed)
         self.grid = burn_grid(self.n, BLOCK, dev.sm_count)
         self.kernel = resolver.resolve(burn_kernel_ref())
+        # what orchestra's auto reads (two compute streams for a kernel smaller than the GPU)
+        self.kernel_fills_gpu = fills_gpu(self.kernel, self.grid, BLOCK, dev.sm_count)
         with Stream(dev) as s:
             timer = BatchTimer(self.kernel, s, self.x[:self.n], self.y[:self.n],
                                grid=self.grid, block=BLOCK)
@@ -123,7 +126,7 @@ class PipelineData:
         su = self.single.sustained
         assert su is not None  # measured with items= above
         return {**self.spec.as_dict(), "label": self.spec.label, "iters_used": self.iters,
-                "bound": self.bound.as_dict(),
+                "bound": self.bound.as_dict(), "kernel_fills_gpu": self.kernel_fills_gpu,
                 "bound_line": (f"{self.bound.describe()}; sustained per batch ({su.items} "
                                f"items, the faster of 1 and {su.streams} streams): H2D "
                                f"{su.h2d_ms:.4f}, kernel {su.kernel_ms:.4f}, D2H "
@@ -139,10 +142,11 @@ class PipelineData:
 
 def bound_streams(dev, w) -> int:
     """The most streams any pipeline contender of workload data ``w`` runs on: 3 for the
-    hand-written and framework peers and for by-engine, the lanes of orchestra's ``auto``
-    policy where its copies run as copy kernels (`orchestra_side.pipeline_policy`, eager and
-    graph modes). The bound's sustained times are measured spread over that many streams, so
-    that it holds for the contender with the most concurrency."""
+    hand-written and framework peers and for by-engine, the streams of orchestra's ``auto``
+    (`orchestra_side.pipeline_policy`, eager and graph modes): its lanes where its copies run
+    as copy kernels, 4 for the graph rows' by-engine when the kernel is smaller than the GPU
+    (``w.kernel_fills_gpu`` False). The bound's sustained times are measured spread over
+    that many streams, so that it holds for the contender with the most concurrency."""
     from orchestra.app.peers.orchestra_side import pipeline_policy
     from orchestra.execute.copy_table import copy_policy
     from orchestra.execute.lowering.copy_policy import MODES

@@ -3,10 +3,12 @@
 
 Pipelines (`OrchestraPipeline`): the job's task graph (``build_pipeline``: alloc -> H2D -> burn
 -> D2H -> free per batch, bounded in flight as the main job is: `in_flight_for`), with the
-policy and streams the main job's ``auto`` picks for the executor's copy lowering
-(`pipeline_policy`: round-robin lanes when most copies run as copy kernels, else by-engine on
-3 streams). Requests (`OrchestraRequest`): one H2D -> burn -> D2H on external device buffers
-(allocated once), or with allocations in the graph; eager on one stream, or a graph replayed.
+policy and streams the main job's ``auto`` picks for the executor's copy lowering and the
+kernel's size (`pipeline_policy`: round-robin lanes when most copies run as copy kernels, else
+by-engine on 3 streams; for the capture and graph-build replays 4, two compute streams, when
+the burn kernel is smaller than the GPU, as on (a) and (b)). Requests (`OrchestraRequest`):
+one H2D -> burn -> D2H on external device buffers (allocated once), or with allocations in the
+graph; eager on one stream, or a graph replayed.
 Chains (`OrchestraChain`): ``kernels`` dependent ``pdl_chain_step`` nodes over two external
 buffers, optionally with the ``pdl`` launch attribute on every link but the first; eager on one
 stream, capture (PDL becomes programmatic edges), or graph-build (which builds full edges:
@@ -43,14 +45,17 @@ def _executor(kind: str, dev, resolver, copy_lowering: str = "auto"):
 
 def pipeline_policy(w, copy_policy, policy: str = AUTO, streams: int | str = AUTO,
                     executor: str = "the executor"):
-    """The `PolicyChoice` for pipeline workload data ``w`` (``batches``, ``batch_bytes``)
-    whose copies ``copy_policy`` (a `CopyPolicy`) lowers: the main job's `choose_policy`,
-    the lanes capped at the batches in flight (`in_flight_for`)."""
+    """The `PolicyChoice` for pipeline workload data ``w`` (``batches``, ``batch_bytes``, and
+    ``kernel_fills_gpu`` where known: `harness.PipelineData` sets it from the burn kernel's
+    occupancy) whose copies ``copy_policy`` (a `CopyPolicy`) lowers: the main job's
+    `choose_policy`, the lanes capped at the batches in flight (`in_flight_for`), so the graph
+    rows run on two compute streams where ``orchestra run --executor graph`` would."""
     sizes = [w.batch_bytes] * w.batches
     copies, kernels = count_copies(sizes, copy_policy)
     return choose_policy(policy, streams, copies=copies, copy_kernels=kernels,
                          batches=w.batches, in_flight=in_flight_for(sizes), executor=executor,
-                         eager=executor.startswith("eager"))
+                         eager=executor.startswith("eager"),
+                         kernel_fills_gpu=getattr(w, "kernel_fills_gpu", None))
 
 
 class _Replay(_Ours):
