@@ -165,6 +165,32 @@ def test_object_arrays_are_copied_by_numpy_with_their_references():
     assert sys.getrefcount(token) == before
 
 
+def test_copies_of_at_most_numpy_holds_elements_are_numpys(monkeypatch):
+    """Up to NUMPY_HOLDS elements numpy keeps the GIL itself and copies for less than the
+    ctypes call costs: no memmove there."""
+    calls = []
+    real = hostcopy._memmove
+    monkeypatch.setattr(hostcopy, "_memmove", lambda d, s, n: calls.append(n) or real(d, s, n))
+    small = np.arange(hostcopy.NUMPY_HOLDS, dtype=np.float32).reshape(5, -1)
+    dst = np.empty_like(small)
+    copy_into(dst, small)
+    out = copied(small)
+    assert calls == []
+    np.testing.assert_array_equal(dst, small)
+    np.testing.assert_array_equal(out, small)
+    one_more = np.arange(hostcopy.NUMPY_HOLDS + 1, dtype=np.uint8)
+    copy_into(np.empty_like(one_more), one_more)
+    assert calls == [hostcopy.NUMPY_HOLDS + 1]
+
+
+def test_address_is_the_array_interfaces_pointer():
+    base = np.arange(4096, dtype=np.uint8)
+    sub = type("Sub", (np.ndarray,), {})
+    for a in (base, base[17:], base[100:].reshape(-1, 4)[3:], np.ones((3, 3)).view(sub),
+              np.ma.masked_array(np.ones(10)), np.empty(0), np.empty((0, 5))[:, 2:]):
+        assert hostcopy.address(a) == a.__array_interface__["data"][0]
+
+
 def test_copied_keeps_what_copy_keeps():
     class Tagged(np.ndarray):
         pass
