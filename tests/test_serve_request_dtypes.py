@@ -64,3 +64,21 @@ def test_a_subarray_dtype_is_refused_with_the_row_shape_to_use():
 def test_a_dtype_without_a_size_is_refused(dtype):
     with pytest.raises(ServeConfigTypeError, match="has no size"):
         TensorSpec("x", (4,), dtype)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_masked_arrays_are_refused_not_served_without_their_mask(batching):
+    with Engine(backend=NumpyBackend(lambda d: d["x"] * 2), inputs={"x": ((4,), "f4")},
+                outputs={"y": ((4,), "f4")}, buckets=[4], batching=batching or None) as engine:
+        data = np.arange(8, dtype=np.float32).reshape(2, 4)
+        masked = np.ma.masked_array(data, mask=data > 5)
+        with pytest.raises(InputTypeError, match="masked array"):
+            engine(masked)
+        assert engine.submit(masked).exception(5) is not None
+        with pytest.raises(InputTypeError, match=r"out y is a masked array"):
+            engine.submit(data, out=np.ma.masked_array(np.empty((2, 4), np.float32))).result(5)
+        np.testing.assert_array_equal(engine(masked.filled(0)), np.where(data > 5, 0, data) * 2)
+        np.testing.assert_array_equal(engine(masked.data), data * 2)
+        st = engine.stats()
+        assert st["engine"]["bad_requests"] == 3
+        assert sum(b["requests"] for b in st["buckets"].values()) == 2

@@ -9,19 +9,20 @@ subarray dtype (``('f4', (3,))``) is refused: its shape belongs in the row shape
 
 A request's arrays must be of exactly the declared dtype (no silent casts, byte order
 included), C-contiguous, of shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same
-``rows`` for every input. They are
-numpy arrays or host tensors of other libraries (CPU torch tensors, anything with ``__dlpack__``
-on the host, ``__array_interface__`` or the buffer protocol): those are read through a numpy view
-of their memory (`orchestra.driver.interop.host_view`, nothing copied), which the request holds
-until its future is done. Device tensors (CUDA torch tensors, CuPy arrays) are refused: an
-engine's graphs start from host memory. The checks raise `InputTypeError` / `BadRequest`
-naming the input and the fix.
+``rows`` for every input, and not masked (``numpy.ma``: the engine reads memory, which holds no
+mask). They are numpy arrays or host tensors of other libraries (CPU torch tensors, anything
+with ``__dlpack__`` on the host, ``__array_interface__`` or the buffer protocol): those are
+read through a numpy view of their memory (`orchestra.driver.interop.host_view`, nothing
+copied), which the request holds until its future is done. Device tensors (CUDA torch
+tensors, CuPy arrays) are refused: an engine's graphs start from host memory. The checks raise
+`InputTypeError` / `BadRequest` naming the input and the fix.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Mapping
 
 import attrs
@@ -222,6 +223,13 @@ def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
         raise InputTypeError(f"{what} {name}: expected a numpy array or a host tensor "
                              f"{spec.describe()}, got {type(a).__name__}; convert it with "
                              f"np.asarray(..., dtype=np.{spec.dtype.name})")
+    ma = sys.modules.get("numpy.ma")  # never imported: no array is a masked one
+    if ma is not None and isinstance(a, ma.MaskedArray):
+        # the engine reads the array's memory, which holds no mask: the masked entries' data
+        # would be served as if they were values
+        raise InputTypeError(f"{what} {name} is a masked array, whose mask the engine would "
+                             f"drop; pass a plain array: .filled(value) (masked entries set "
+                             f"to value) or .data (the values under the mask as they are)")
     if a.dtype != spec.dtype:
         got, want = _dtype_name(a.dtype), _dtype_name(spec.dtype)
         if got == want:  # a structure's alignment: the same fields at other offsets
