@@ -20,7 +20,7 @@ from orchestra.app.job.policy import (
     count_copies,
 )
 from orchestra.cli.main import main
-from orchestra.errors import JobConfigError
+from orchestra.errors import JobConfigError, JobConfigTypeError
 from orchestra.execute import DEFAULT_CROSSOVER, CopyCrossover, CopyPolicy
 from orchestra.schedule import Plan
 
@@ -579,3 +579,48 @@ def test_peers_pipeline_policy_and_the_bound_streams():
     assert bound_streams(dev, big) == 3     # every contender on 3 streams
     dev.kernel_host_access = False
     assert bound_streams(dev, small) == 3   # no copy kernels anywhere
+
+
+@pytest.mark.parametrize("args, error", [
+    (("528", 256, 132), JobConfigTypeError),  # a string is not a block count
+    ((528.9, 256, 132), JobConfigTypeError),  # nor a fraction (was truncated to 528)
+    ((528, 256, 1.5), JobConfigTypeError),  # 1.5 SMs (was 1: "fills" a 132-SM GPU)
+    ((float("nan"), 256, 132), JobConfigTypeError),  # was a bare int() ValueError
+    ((True, 256, 132), JobConfigTypeError),  # a bool is not a grid
+    ((528, 256, True), JobConfigTypeError),
+    ((0, 256, 132), JobConfigError),  # no blocks: no launch
+    ((528, 0, 132), JobConfigError),
+    ((528, 256, -3), JobConfigError),  # was None (unknown)
+])
+def test_fills_gpu_refuses_counts_that_are_not_whole_numbers(args, error):
+    from orchestra.app.job.policy import fills_gpu
+
+    with pytest.raises(error):
+        fills_gpu(OccupancyKernel(4), *args)
+
+
+def test_fills_gpu_takes_numpy_counts_and_checks_the_occupancy_answer():
+    from orchestra.app.job.policy import fills_gpu
+
+    k = OccupancyKernel(np.int32(4))
+    assert fills_gpu(k, np.int64(528), np.int64(256), np.int64(132)) is True
+    assert fills_gpu(k, np.int64(527), 256, 132) is False
+    assert fills_gpu(k, 528.0, 256, 132) is True  # a whole float is a count
+    for bad in (None, "4", 4.5, -1):
+        with pytest.raises(JobConfigError, match="occupancy"):
+            fills_gpu(OccupancyKernel(bad), 528, 256, 132)
+
+
+def test_numpy_streams_and_bools_are_what_they_look_like():
+    c = choose_policy(streams=np.int64(4), copies=8, copy_kernels=0, batches=4)
+    assert c.streams == 4 and type(c.requested_streams) is int
+    assert json.loads(json.dumps(c.as_dict()))["requested_streams"] == 4
+    for flag, streams in ((np.False_, 4), (np.True_, 3), (np.int64(528) >= np.int64(1056), 4)):
+        c = choose_policy(copies=8, copy_kernels=0, batches=4, kernel_fills_gpu=flag)
+        assert c.streams == streams and type(c.kernel_fills_gpu) is bool
+        assert json.loads(json.dumps(c.as_dict()))["kernel_fills_gpu"] is bool(flag)
+    for bad in (np.True_, 4.0, "4", None):
+        with pytest.raises(JobConfigError):
+            choose_policy(streams=bad, copies=8, copy_kernels=0, batches=4)
+    with pytest.raises(JobConfigTypeError):
+        choose_policy(copies=8, copy_kernels=0, batches=4, kernel_fills_gpu=np.array(False))
