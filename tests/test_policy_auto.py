@@ -108,20 +108,26 @@ def test_a_kernel_smaller_than_the_gpu_gets_two_compute_streams_in_a_cuda_graph(
     assert big_job(in_flight=2, kernel_fills_gpu=False).streams == 4
 
 
-@pytest.mark.parametrize("kw,why", [
-    (dict(kernel_fills_gpu=True), "fills the GPU: one compute stream"),
-    (dict(kernel_fills_gpu=None), "unknown (orchestra plan): as before"),
+@pytest.mark.parametrize("kw,why,tail", [
+    (dict(kernel_fills_gpu=True), "fills the GPU: one compute stream",
+     " (the kernel fills the GPU: one compute stream)"),
+    (dict(kernel_fills_gpu=None), "unknown (orchestra plan): 3, and the reason says why",
+     " (the kernel's size against the GPU is unknown here; one smaller than the GPU gets 4: "
+     "two compute streams)"),
     (dict(eager=True, executor="eager executor", kernel_fills_gpu=False),
-     "eager: noise-level, lost at 1500 iters"),
-    (dict(batches=1, copies=2, kernel_fills_gpu=False), "one batch: nothing to overlap"),
-    (dict(in_flight=1, kernel_fills_gpu=False), "one batch in flight"),
+     "eager: noise-level, lost at 1500 iters", ""),
+    (dict(batches=1, copies=2, kernel_fills_gpu=False), "one batch: nothing to overlap", ""),
+    (dict(in_flight=1, kernel_fills_gpu=False), "one batch in flight", ""),
 ])
-def test_by_engine_keeps_three_streams_otherwise(kw, why):
+def test_by_engine_keeps_three_streams_otherwise(kw, why, tail):
     c = big_job(**kw)
     assert (c.policy, c.streams) == ("by-engine", 3), why
-    assert c.reason.endswith("by-engine feeds one copy engine per direction; streams auto: 3")
-    # the reason is the one an unknown kernel gets: nothing about compute streams
-    assert c.reason == big_job(**{**kw, "kernel_fills_gpu": None}).reason
+    assert c.reason.endswith("by-engine feeds one copy engine per direction; streams auto: 3"
+                             + tail)
+    # where a kernel's size could not change the count (eager, one batch in flight), the
+    # reason says nothing about compute streams, whatever the kernel
+    if not tail:
+        assert c.reason == big_job(**{**kw, "kernel_fills_gpu": None}).reason
 
 
 def test_explicit_options_win_over_a_small_kernel():
@@ -268,6 +274,25 @@ def test_plan_printout_shows_the_choice_and_why(capsys):
            "kernels (eager executor); by-engine feeds one copy engine per direction; streams " \
            "auto: 3)" in text
 
+
+
+@pytest.mark.parametrize("executor", ["graph", "capture"])
+def test_plan_says_why_a_cuda_graph_job_shows_3_streams_where_run_may_use_4(capsys, executor):
+    """Without a GPU `orchestra plan` cannot tell whether the kernel fills it: its 3 streams
+    may be 4 in `orchestra run`, and its reason says so (text and --json)."""
+    assert main(["plan", "--batches", "8", "--batch-mib", "4", "--executor", executor,
+                 "--summary"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("policy choice:")][0]
+    assert line.startswith("policy choice: by-engine on 3 streams (")
+    assert line.endswith("streams auto: 3 (the kernel's size against the GPU is unknown "
+                         "here; one smaller than the GPU gets 4: two compute streams))")
+    out = plan_json(capsys, "--batch-mib", "4", "--executor", executor)
+    assert out["streams"] == 3 and out["policy_choice"]["kernel_fills_gpu"] is None
+    assert "one smaller than the GPU gets 4" in out["policy_choice"]["reason"]
+    # eager keeps 3 whatever the kernel: nothing to say about it
+    out = plan_json(capsys, "--batch-mib", "4", "--executor", "eager")
+    assert out["streams"] == 3 and "GPU" not in out["policy_choice"]["reason"]
 
 def test_plan_explicit_policy_and_streams_win(capsys):
     out = plan_json(capsys, "--batch-mib", "0.0625", "--executor", "graph", "--policy",
@@ -471,11 +496,13 @@ def test_main_job_runs_a_small_kernel_on_two_compute_streams_in_a_cuda_graph(gra
     graph_job.per_sm = 1  # 4 resident blocks: the 6 fill the GPU
     r = run()
     assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
-    assert r.policy_reason.endswith("streams auto: 3")
+    assert r.policy_reason.endswith("streams auto: 3 (the kernel fills the GPU: one compute "
+                                    "stream)")
     graph_job.per_sm = None  # unknown: as before
     r = run()
     assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
     assert graph_job.seen["choice"].kernel_fills_gpu is None
+    assert r.policy_reason.endswith("one smaller than the GPU gets 4: two compute streams)")
     # explicit options are kept
     graph_job.per_sm = 2
     r = run(streams=3)

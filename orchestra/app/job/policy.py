@@ -236,11 +236,18 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
         why = f"--policy {policy} given"
     # two compute streams only where auto chose by-engine too: an explicit --policy keeps
     # the stream count it always had; one batch in flight has no kernel to overlap with
-    overlap = (policy == AUTO and streams == AUTO and resolved == "by-engine" and not eager
-               and kernel_fills_gpu is False and cap >= 2)
-    if overlap:
+    could_overlap = (policy == AUTO and streams == AUTO and resolved == "by-engine"
+                     and not eager and cap >= 2)
+    if could_overlap and kernel_fills_gpu is False:
         n = OVERLAP_STREAMS
         why += f"; streams auto: {n} (upload, 2 compute, download): {OVERLAP_NOTE}"
+    elif could_overlap:
+        # why not 4: `orchestra plan` (no GPU to ask) shows 3 where `orchestra run` may use 4
+        n = DEFAULT_STREAMS
+        why += f"; streams auto: {n} " + (
+            "(the kernel fills the GPU: one compute stream)" if kernel_fills_gpu else
+            f"(the kernel's size against the GPU is unknown here; one smaller than the GPU "
+            f"gets {OVERLAP_STREAMS}: two compute streams)")
     elif streams == AUTO:
         n = lane_count if (resolved == LANE_POLICY and kernels) else DEFAULT_STREAMS
         if resolved == LANE_POLICY and kernels:
