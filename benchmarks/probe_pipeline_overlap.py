@@ -36,8 +36,13 @@ ap.add_argument("--items", type=int, default=96, help="items per measurement")
 ap.add_argument("--mib", type=float, default=4.0, help="MiB per item")
 ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
 args = ap.parse_args()
-if args.iters < 1 or args.items < 2 or not args.mib > 0:
-    ap.error("--iters >= 1, --items >= 2, --mib > 0")
+from orchestra.app.job.checks import MAX_ITERS  # noqa: E402
+
+# an item is at least 16 bytes (sizes are rounded down to 16): --mib 1e-9 was 0 bytes, --mib
+# inf an OverflowError, --iters above the kernel's C int wrapped
+if not 1 <= args.iters <= MAX_ITERS or args.items < 2 or not 16 <= args.mib * (1 << 20) < 2**40:
+    ap.error(f"--iters from 1 to {MAX_ITERS:,}, --items >= 2, --mib from 16 bytes (about "
+             "1.53e-05) to under 1 TiB (1048576)")
 iters, K = args.iters, args.items
 from orchestra.errors import OrchestraError  # noqa: E402
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -113,30 +114,69 @@ def run(threads: int, batch: int, gpu_us: int, seconds: float, kib: int,
             w.release()
     for t in ts:
         t.join(2)
+    stuck = sum(t.is_alive() for t in ts)
+    if stuck:  # its requests are not counted: the row would be too low
+        raise RuntimeError(f"{stuck} of {threads} threads did not stop within 2 s of the end")
     dt = time.perf_counter() - t0
     total = sum(counts)
     return total / dt, (time.process_time() - c0) / max(1, total) * 1e6
 
 
+def _counts(what: str, minimum: int, example: str):
+    """An argparse type: comma-separated ints >= ``minimum`` (``--batches``, ``--kib``)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {what}: comma-separated ints >= {minimum}, e.g. {example}; got "
+                f"{text!r}") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what} >= {minimum}; got {text!r}")
+        return values
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0; got "
+                                         f"{text!r}")
+    return value
+
+
+#: usleep takes less than a second (POSIX); the stand-in for one batch's GPU time.
+MAX_GPU_US = 999_999
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--batches", default="8,4,2", help="requests per batch, comma-separated")
-    p.add_argument("--gpu-us", type=int, default=40, help="GIL-free stand-in per batch, µs")
-    p.add_argument("--kib", default="64,1", help="request sizes in KiB, comma-separated")
-    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--batches", type=_counts("requests per batch", 1, "8,4,2"), default=[8, 4, 2],
+                   help="requests per batch, comma-separated (each must divide --threads; "
+                        "default 8,4,2)")
+    p.add_argument("--gpu-us", type=int, default=40,
+                   help=f"GIL-free stand-in per batch, µs (0 to {MAX_GPU_US:,}; default 40)")
+    p.add_argument("--kib", type=_counts("request sizes in KiB", 1, "64,1"), default=[64, 1],
+                   help="request sizes in KiB, comma-separated (default 64,1)")
+    p.add_argument("--seconds", type=_seconds, default=1.5)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
-    if a.threads < 1 or a.gpu_us < 0 or a.seconds <= 0 or a.repeats < 1:
-        p.error("--threads, --repeats >= 1, --gpu-us >= 0, --seconds > 0")
-    batches = [int(b) for b in a.batches.split(",")]
-    if any(b < 1 or a.threads % b for b in batches):
-        p.error("each batch size must divide --threads")
+    if a.threads < 1 or not 0 <= a.gpu_us <= MAX_GPU_US or a.repeats < 1:
+        p.error(f"--threads, --repeats >= 1, --gpu-us from 0 to {MAX_GPU_US:,}")
+    batches = a.batches
+    bad = [b for b in batches if a.threads % b]
+    if bad:
+        p.error(f"each batch size must divide --threads ({a.threads}); "
+                f"{', '.join(map(str, bad))} does not")
     print(f"{a.threads} threads, one request each in flight, {a.gpu_us} us GIL-free per batch, "
           f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}, best of {a.repeats} runs "
           f"of {a.seconds} s")
     print(f"{'KiB':>5} {'batch':>5} {'copies':>12} {'req/s':>9} {'cpu us/req':>10}")
-    for kib in (int(k) for k in a.kib.split(",")):
+    for kib in a.kib:
         for b in batches:
             for held in (False, True):
                 best = max(run(a.threads, b, a.gpu_us, a.seconds, kib, held)

@@ -20,7 +20,7 @@ from orchestra.app.job.policy import (
     count_copies,
 )
 from orchestra.cli.main import main
-from orchestra.errors import JobConfigError
+from orchestra.errors import JobConfigError, JobConfigTypeError
 from orchestra.execute import DEFAULT_CROSSOVER, CopyCrossover, CopyPolicy
 from orchestra.schedule import Plan
 
@@ -108,20 +108,26 @@ def test_a_kernel_smaller_than_the_gpu_gets_two_compute_streams_in_a_cuda_graph(
     assert big_job(in_flight=2, kernel_fills_gpu=False).streams == 4
 
 
-@pytest.mark.parametrize("kw,why", [
-    (dict(kernel_fills_gpu=True), "fills the GPU: one compute stream"),
-    (dict(kernel_fills_gpu=None), "unknown (orchestra plan): as before"),
+@pytest.mark.parametrize("kw,why,tail", [
+    (dict(kernel_fills_gpu=True), "fills the GPU: one compute stream",
+     " (the kernel fills the GPU: one compute stream)"),
+    (dict(kernel_fills_gpu=None), "unknown (orchestra plan): 3, and the reason says why",
+     " (the kernel's size against the GPU is unknown here; one smaller than the GPU gets 4: "
+     "two compute streams)"),
     (dict(eager=True, executor="eager executor", kernel_fills_gpu=False),
-     "eager: noise-level, lost at 1500 iters"),
-    (dict(batches=1, copies=2, kernel_fills_gpu=False), "one batch: nothing to overlap"),
-    (dict(in_flight=1, kernel_fills_gpu=False), "one batch in flight"),
+     "eager: noise-level, lost at 1500 iters", ""),
+    (dict(batches=1, copies=2, kernel_fills_gpu=False), "one batch: nothing to overlap", ""),
+    (dict(in_flight=1, kernel_fills_gpu=False), "one batch in flight", ""),
 ])
-def test_by_engine_keeps_three_streams_otherwise(kw, why):
+def test_by_engine_keeps_three_streams_otherwise(kw, why, tail):
     c = big_job(**kw)
     assert (c.policy, c.streams) == ("by-engine", 3), why
-    assert c.reason.endswith("by-engine feeds one copy engine per direction; streams auto: 3")
-    # the reason is the one an unknown kernel gets: nothing about compute streams
-    assert c.reason == big_job(**{**kw, "kernel_fills_gpu": None}).reason
+    assert c.reason.endswith("by-engine feeds one copy engine per direction; streams auto: 3"
+                             + tail)
+    # where a kernel's size could not change the count (eager, one batch in flight), the
+    # reason says nothing about compute streams, whatever the kernel
+    if not tail:
+        assert c.reason == big_job(**{**kw, "kernel_fills_gpu": None}).reason
 
 
 def test_explicit_options_win_over_a_small_kernel():
@@ -268,6 +274,25 @@ def test_plan_printout_shows_the_choice_and_why(capsys):
            "kernels (eager executor); by-engine feeds one copy engine per direction; streams " \
            "auto: 3)" in text
 
+
+
+@pytest.mark.parametrize("executor", ["graph", "capture"])
+def test_plan_says_why_a_cuda_graph_job_shows_3_streams_where_run_may_use_4(capsys, executor):
+    """Without a GPU `orchestra plan` cannot tell whether the kernel fills it: its 3 streams
+    may be 4 in `orchestra run`, and its reason says so (text and --json)."""
+    assert main(["plan", "--batches", "8", "--batch-mib", "4", "--executor", executor,
+                 "--summary"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("policy choice:")][0]
+    assert line.startswith("policy choice: by-engine on 3 streams (")
+    assert line.endswith("streams auto: 3 (the kernel's size against the GPU is unknown "
+                         "here; one smaller than the GPU gets 4: two compute streams))")
+    out = plan_json(capsys, "--batch-mib", "4", "--executor", executor)
+    assert out["streams"] == 3 and out["policy_choice"]["kernel_fills_gpu"] is None
+    assert "one smaller than the GPU gets 4" in out["policy_choice"]["reason"]
+    # eager keeps 3 whatever the kernel: nothing to say about it
+    out = plan_json(capsys, "--batch-mib", "4", "--executor", "eager")
+    assert out["streams"] == 3 and "GPU" not in out["policy_choice"]["reason"]
 
 def test_plan_explicit_policy_and_streams_win(capsys):
     out = plan_json(capsys, "--batch-mib", "0.0625", "--executor", "graph", "--policy",
@@ -471,11 +496,13 @@ def test_main_job_runs_a_small_kernel_on_two_compute_streams_in_a_cuda_graph(gra
     graph_job.per_sm = 1  # 4 resident blocks: the 6 fill the GPU
     r = run()
     assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
-    assert r.policy_reason.endswith("streams auto: 3")
+    assert r.policy_reason.endswith("streams auto: 3 (the kernel fills the GPU: one compute "
+                                    "stream)")
     graph_job.per_sm = None  # unknown: as before
     r = run()
     assert r.verified and (r.policy, r.streams) == ("by-engine", 3)
     assert graph_job.seen["choice"].kernel_fills_gpu is None
+    assert r.policy_reason.endswith("one smaller than the GPU gets 4: two compute streams)")
     # explicit options are kept
     graph_job.per_sm = 2
     r = run(streams=3)
@@ -579,3 +606,48 @@ def test_peers_pipeline_policy_and_the_bound_streams():
     assert bound_streams(dev, big) == 3     # every contender on 3 streams
     dev.kernel_host_access = False
     assert bound_streams(dev, small) == 3   # no copy kernels anywhere
+
+
+@pytest.mark.parametrize("args, error", [
+    (("528", 256, 132), JobConfigTypeError),  # a string is not a block count
+    ((528.9, 256, 132), JobConfigTypeError),  # nor a fraction (was truncated to 528)
+    ((528, 256, 1.5), JobConfigTypeError),  # 1.5 SMs (was 1: "fills" a 132-SM GPU)
+    ((float("nan"), 256, 132), JobConfigTypeError),  # was a bare int() ValueError
+    ((True, 256, 132), JobConfigTypeError),  # a bool is not a grid
+    ((528, 256, True), JobConfigTypeError),
+    ((0, 256, 132), JobConfigError),  # no blocks: no launch
+    ((528, 0, 132), JobConfigError),
+    ((528, 256, -3), JobConfigError),  # was None (unknown)
+])
+def test_fills_gpu_refuses_counts_that_are_not_whole_numbers(args, error):
+    from orchestra.app.job.policy import fills_gpu
+
+    with pytest.raises(error):
+        fills_gpu(OccupancyKernel(4), *args)
+
+
+def test_fills_gpu_takes_numpy_counts_and_checks_the_occupancy_answer():
+    from orchestra.app.job.policy import fills_gpu
+
+    k = OccupancyKernel(np.int32(4))
+    assert fills_gpu(k, np.int64(528), np.int64(256), np.int64(132)) is True
+    assert fills_gpu(k, np.int64(527), 256, 132) is False
+    assert fills_gpu(k, 528.0, 256, 132) is True  # a whole float is a count
+    for bad in (None, "4", 4.5, -1):
+        with pytest.raises(JobConfigError, match="occupancy"):
+            fills_gpu(OccupancyKernel(bad), 528, 256, 132)
+
+
+def test_numpy_streams_and_bools_are_what_they_look_like():
+    c = choose_policy(streams=np.int64(4), copies=8, copy_kernels=0, batches=4)
+    assert c.streams == 4 and type(c.requested_streams) is int
+    assert json.loads(json.dumps(c.as_dict()))["requested_streams"] == 4
+    for flag, streams in ((np.False_, 4), (np.True_, 3), (np.int64(528) >= np.int64(1056), 4)):
+        c = choose_policy(copies=8, copy_kernels=0, batches=4, kernel_fills_gpu=flag)
+        assert c.streams == streams and type(c.kernel_fills_gpu) is bool
+        assert json.loads(json.dumps(c.as_dict()))["kernel_fills_gpu"] is bool(flag)
+    for bad in (np.True_, 4.0, "4", None):
+        with pytest.raises(JobConfigError):
+            choose_policy(streams=bad, copies=8, copy_kernels=0, batches=4)
+    with pytest.raises(JobConfigTypeError):
+        choose_policy(copies=8, copy_kernels=0, batches=4, kernel_fills_gpu=np.array(False))

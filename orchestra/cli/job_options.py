@@ -112,10 +112,11 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-mib", type=positive_float, default=64.0,
                    help="MiB of float32 per batch (default 64; may be fractional)")
     p.add_argument("--streams", type=streams_count, default="auto", metavar="N|auto",
-                   help="streams; 'auto' (default): 16 lanes (at most the batches) for "
-                        "round-robin when the copies run as copy kernels, else 3 (4 with "
-                        "--executor capture or graph when the kernel is smaller than the GPU: "
-                        "two compute streams, so kernels of two batches overlap)")
+                   help="streams; 'auto' (default): 16 lanes (at most the batches in "
+                        "flight) for round-robin when the copies run as copy kernels, else 3; "
+                        "with --policy auto and --executor capture or graph, 4 when the "
+                        "kernel is smaller than the GPU (two compute streams, so kernels of "
+                        "two batches overlap; `orchestra plan` has no GPU to ask and shows 3)")
     p.add_argument("--policy", choices=("auto", *POLICIES), default="auto",
                    help="stream placement; 'auto' (default): round-robin lanes (batch b on "
                         "stream b %% N) when most copies run as copy kernels (small copies in "

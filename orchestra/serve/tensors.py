@@ -4,20 +4,25 @@ of rows (axis 0), and the checks a request passes before anything is enqueued (p
     inputs={"x": ((1024,), "float32")}    # requests send x of shape (rows, 1024), float32
     inputs={"x": ((), "float32")}         # 1-D: x of shape (rows,)
 
-A request's arrays must be of exactly the declared dtype (no silent casts), C-contiguous, of
-shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same ``rows`` for every input. They are
-numpy arrays or host tensors of other libraries (CPU torch tensors, anything with ``__dlpack__``
-on the host, ``__array_interface__`` or the buffer protocol): those are read through a numpy view
-of their memory (`orchestra.driver.interop.host_view`, nothing copied), which the request holds
-until its future is done. Device tensors (CUDA torch tensors, CuPy arrays) are refused: an
-engine's graphs start from host memory. The checks raise `InputTypeError` / `BadRequest`
-naming the input and the fix.
+A dtype is any numpy dtype with a size and no Python objects (structured ones included); a
+subarray dtype (``('f4', (3,))``) is refused: its shape belongs in the row shape.
+
+A request's arrays must be of exactly the declared dtype (no silent casts, byte order
+included), C-contiguous, of shape ``(rows, *row_shape)`` with ``rows >= 1`` and the same
+``rows`` for every input, and not masked (``numpy.ma``: the engine reads memory, which holds no
+mask). They are numpy arrays or host tensors of other libraries (CPU torch tensors, anything
+with ``__dlpack__`` on the host, ``__array_interface__`` or the buffer protocol): those are
+read through a numpy view of their memory (`orchestra.driver.interop.host_view`, nothing
+copied), which the request holds until its future is done. Device tensors (CUDA torch
+tensors, CuPy arrays) are refused: an engine's graphs start from host memory. The checks raise
+`InputTypeError` / `BadRequest` naming the input and the fix.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Mapping
 
 import attrs
@@ -51,6 +56,18 @@ class TensorSpec:
                                         f"dimension < 1")
         if self.dtype.hasobject:
             raise ServeConfigTypeError(f"tensor {self.name}: dtype object cannot be served")
+        if self.dtype.subdtype is not None:
+            # numpy never makes an array of a subarray dtype (np.zeros(2, ('f4', (3,))) is
+            # float32 of shape (2, 3)): no request could ever match the spec
+            base, sub = self.dtype.subdtype
+            raise ServeConfigTypeError(
+                f"tensor {self.name}: dtype {self.dtype} is a subarray dtype, which numpy "
+                f"arrays never have; put its shape in the row shape: "
+                f"({(*self.row_shape, *sub)}, {base.str!r})")
+        if self.dtype.itemsize == 0:
+            raise ServeConfigTypeError(
+                f"tensor {self.name}: dtype {self.dtype.str!r} has no size; give its length "
+                f"(e.g. 'S16' or 'U8')")
 
     @property
     def row_nbytes(self) -> int:
@@ -61,7 +78,32 @@ class TensorSpec:
 
     def describe(self) -> str:
         dims = ", ".join(["rows", *map(str, self.row_shape)])
-        return f"({dims}) {self.dtype.name}"
+        return f"({dims}) {_dtype_name(self.dtype)}"
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype`` as a user would write it: numpy's name (float32, datetime64[ns]), the string
+    of a sized string or void ('|S16'), the fields of a structured dtype, and the byte order
+    when it is not the machine's (numpy names '>f4' float32 too)."""
+    if dtype.fields is not None:
+        return f"structured {dtype.descr}"
+    if dtype.kind in "SUV":
+        return repr(dtype.str)
+    if not dtype.isnative:
+        return f"{dtype.name} ({dtype.str!r}, byte-swapped)"
+    return dtype.name
+
+
+def _astype(spec: TensorSpec, what: str) -> str:
+    """What to pass to ``.astype`` for ``spec``'s dtype: ``np.float32``, or its string when
+    numpy's name does not say it all (byte order, units, sizes), or for a structured dtype
+    the engine's own (its fields, offsets and padding)."""
+    dtype = spec.dtype
+    if dtype.fields is not None:
+        return f"engine.{'outputs' if what == 'out' else 'inputs'}[{spec.name!r}].dtype"
+    if dtype.isnative and np.dtype(getattr(np, dtype.name, "O")) == dtype:
+        return f"np.{dtype.name}"
+    return repr(dtype.str)
 
 
 def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
@@ -181,9 +223,20 @@ def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
         raise InputTypeError(f"{what} {name}: expected a numpy array or a host tensor "
                              f"{spec.describe()}, got {type(a).__name__}; convert it with "
                              f"np.asarray(..., dtype=np.{spec.dtype.name})")
+    ma = sys.modules.get("numpy.ma")  # never imported: no array is a masked one
+    if ma is not None and isinstance(a, ma.MaskedArray):
+        # the engine reads the array's memory, which holds no mask: the masked entries' data
+        # would be served as if they were values
+        raise InputTypeError(f"{what} {name} is a masked array, whose mask the engine would "
+                             f"drop; pass a plain array: .filled(value) (masked entries set "
+                             f"to value) or .data (the values under the mask as they are)")
     if a.dtype != spec.dtype:
-        raise InputTypeError(f"{what} {name}: dtype {a.dtype.name}, the engine takes "
-                             f"{spec.dtype.name}; convert it with .astype(np.{spec.dtype.name})")
+        got, want = _dtype_name(a.dtype), _dtype_name(spec.dtype)
+        if got == want:  # a structure's alignment: the same fields at other offsets
+            got, want = f"{got}, itemsize {a.dtype.itemsize}", \
+                f"{want}, itemsize {spec.dtype.itemsize}"
+        raise InputTypeError(f"{what} {name}: dtype {got}, the engine takes {want}; convert "
+                             f"it with .astype({_astype(spec, what)})")
     if a.ndim != 1 + len(spec.row_shape) or a.shape[1:] != spec.row_shape:
         raise BadRequest(f"{what} {name}: shape {a.shape}, expected {spec.describe()}")
     if a.shape[0] < 1:

@@ -39,10 +39,12 @@ copies run as copy kernels, else `DEFAULT_STREAMS`.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Iterable
 
 import attrs
+import numpy as np
 
 from orchestra.app.job.checks import whole
 from orchestra.errors import JobConfigError, JobConfigTypeError, counted
@@ -134,21 +136,27 @@ def count_copies(sizes: Iterable[int], copy_policy) -> tuple[int, int]:
     return copies, kernels
 
 
-def fills_gpu(kernel, grid: int, block: int, sm_count: int,
-                     shared_mem: int = 0) -> bool | None:
+def fills_gpu(kernel, grid: int, block: int, sm_count: int | None,
+              shared_mem: int = 0) -> bool | None:
     """Whether a launch of ``kernel`` with ``grid`` blocks of ``block`` threads and
     ``shared_mem`` bytes of dynamic shared memory fills the GPU: at least as many blocks as the
     device holds at once, ``kernel.occupancy(block, shared_mem)`` (blocks per SM,
     ``cuOccupancyMaxActiveBlocksPerMultiprocessor``) times ``sm_count`` SMs, the test the
     ``concurrent`` policy makes (`orchestra.execute.occupancy`). None (unknown) for a kernel
-    without ``occupancy`` (a test fake) or an unknown SM count (0 / None). Raises what
-    ``occupancy`` raises (a block size the device refuses). Thread-safety: as the kernel's
-    ``occupancy`` (the driver's query is)."""
+    without ``occupancy`` (a test fake) or an unknown SM count (0 / None). Every count is a
+    whole number (numpy ints too; `checks.whole`): ``grid`` and ``block`` >= 1, ``sm_count``
+    and ``shared_mem`` >= 0, and so must ``occupancy``'s answer be; anything else (a string,
+    a bool, 1.5 SMs, nan) is `JobConfigTypeError` / `JobConfigError`, never truncated. Raises
+    what ``occupancy`` raises (a block size the device refuses). Thread-safety: as the
+    kernel's ``occupancy`` (the driver's query is)."""
+    grid, block = whole("grid (blocks)", grid, 1), whole("block (threads)", block, 1)
+    shared_mem = whole("shared_mem (bytes)", shared_mem, 0)
+    sm = 0 if sm_count is None else whole("sm_count (None: unknown)", sm_count, 0)
     occupancy = getattr(kernel, "occupancy", None)
-    sm = int(sm_count or 0)
-    if occupancy is None or sm <= 0:
+    if occupancy is None or sm == 0:
         return None
-    return int(grid) >= int(occupancy(block, shared_mem)) * sm
+    per_sm = whole("kernel.occupancy() (blocks per SM)", occupancy(block, shared_mem), 0)
+    return grid >= per_sm * sm
 
 
 def _mostly_kernels(copies: int, copy_kernels: int) -> bool:
@@ -164,12 +172,17 @@ def check_policy(policy) -> str:
 
 
 def check_streams(streams) -> int | str:
-    """``"auto"`` or an int >= 1, else `JobConfigError`."""
-    if streams == AUTO:
+    """``"auto"`` or an int >= 1 (numpy ints too, returned as an int), else `JobConfigError`
+    (a bool, a float, a string other than ``"auto"``)."""
+    if isinstance(streams, str) and streams == AUTO:
         return AUTO
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+    try:
+        n = None if isinstance(streams, (bool, float)) else operator.index(streams)
+    except TypeError:  # a string, None, a numpy bool
+        n = None
+    if n is None or n < 1:
         raise JobConfigError(f"streams must be 'auto' or an int >= 1; got {streams!r}")
-    return streams
+    return n
 
 
 def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
@@ -188,8 +201,10 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
     `JobConfigError` for an unknown policy, a stream count that is neither ``"auto"`` nor an
     int >= 1, or counts out of range; `JobConfigTypeError` for a ``kernel_fills_gpu`` that is
     not True, False or None."""
-    check_policy(policy)
-    check_streams(streams)
+    policy = str(check_policy(policy))
+    streams = check_streams(streams)
+    if isinstance(kernel_fills_gpu, np.bool_):  # what a numpy comparison gives
+        kernel_fills_gpu = bool(kernel_fills_gpu)
     if kernel_fills_gpu is not None and not isinstance(kernel_fills_gpu, bool):
         raise JobConfigTypeError(f"kernel_fills_gpu must be True, False or None (unknown); "
                                  f"got {kernel_fills_gpu!r}")
@@ -221,11 +236,18 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
         why = f"--policy {policy} given"
     # two compute streams only where auto chose by-engine too: an explicit --policy keeps
     # the stream count it always had; one batch in flight has no kernel to overlap with
-    overlap = (policy == AUTO and streams == AUTO and resolved == "by-engine" and not eager
-               and kernel_fills_gpu is False and cap >= 2)
-    if overlap:
+    could_overlap = (policy == AUTO and streams == AUTO and resolved == "by-engine"
+                     and not eager and cap >= 2)
+    if could_overlap and kernel_fills_gpu is False:
         n = OVERLAP_STREAMS
         why += f"; streams auto: {n} (upload, 2 compute, download): {OVERLAP_NOTE}"
+    elif could_overlap:
+        # why not 4: `orchestra plan` (no GPU to ask) shows 3 where `orchestra run` may use 4
+        n = DEFAULT_STREAMS
+        why += f"; streams auto: {n} " + (
+            "(the kernel fills the GPU: one compute stream)" if kernel_fills_gpu else
+            f"(the kernel's size against the GPU is unknown here; one smaller than the GPU "
+            f"gets {OVERLAP_STREAMS}: two compute streams)")
     elif streams == AUTO:
         n = lane_count if (resolved == LANE_POLICY and kernels) else DEFAULT_STREAMS
         if resolved == LANE_POLICY and kernels:
