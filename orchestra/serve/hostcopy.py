@@ -58,7 +58,9 @@ def _data_offset() -> int | None:
                                 np.zeros((3, 4), np.float64),
                                 base[32:].view(_Probe)]  # a subclass: the same object layout
     step = ctypes.sizeof(ctypes.c_void_p)
-    for off in range(step, 16 * step + 1, step):
+    # the header is 2 words (4 in a free-threaded or trace-refs build); at most 8 words in,
+    # the reads stay inside the array object (about 12 words of numpy's own fields)
+    for off in range(step, 8 * step + 1, step):
         if all((_pointer_at(id(p) + off).value or 0) == p.__array_interface__["data"][0]
                for p in probes):
             return off
