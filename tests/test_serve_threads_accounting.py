@@ -10,7 +10,7 @@ import pytest
 from orchestra.errors import OrchestraError
 from orchestra.serve import Batching, Engine, NumpyBackend
 
-COLS = 160  # one row is below hostcopy.NUMPY_HOLDS elements, 4 rows are above
+COLS = 160  # small rows: many requests per second, batches of several
 
 
 def _fn(d):

@@ -66,7 +66,6 @@ from orchestra.serve.errors import (
     ServeConfigValueError,
 )
 from orchestra.serve.future import ServeFuture
-from orchestra.serve.hostcopy import copied, copy_into
 from orchestra.serve.stats import BucketStats, percentiles
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
 from orchestra.serve.timer import deadline_timer
@@ -481,14 +480,18 @@ class Engine:
         try:
             staging = inst.inputs
             whole = rows == inst.rows
-            # copies of a request's size keep the GIL (`hostcopy`): no hand-off per copy
             if type(inputs) is np.ndarray:
                 dst = staging[self._fast_name]
-                copy_into(dst if whole else dst[:rows], inputs)
+                if whole:
+                    np.copyto(dst, inputs)
+                else:
+                    dst[:rows] = inputs
             else:
                 for name, a in inputs.items():
-                    dst = staging[name]
-                    copy_into(dst if whole else dst[:rows], a)
+                    if whole:
+                        np.copyto(staging[name], a)
+                    else:
+                        staging[name][:rows] = a
             if inst.dirty > rows and self.zero_padding:
                 for a in staging.values():
                     a[rows:inst.dirty] = 0
@@ -504,9 +507,10 @@ class Engine:
             result: Any
             if self._single_output is not None:
                 a = inst.outputs[self._single_output]
-                result = copied(a if whole else a[:rows])
+                result = a.copy() if whole else a[:rows].copy()
             else:
-                result = {n: copied(a if whole else a[:rows]) for n, a in inst.outputs.items()}
+                result = {n: (a.copy() if whole else a[:rows].copy())
+                          for n, a in inst.outputs.items()}
         except BaseException as exc:
             self._inline_failed(b, inst, exc)
             raise
@@ -1058,10 +1062,12 @@ class Engine:
                 staging = inst.inputs
                 if len(reqs) == 1:
                     row = r0.rows
-                    whole = row == inst.rows
-                    for name, a in r0.arrays.items():
-                        dst = staging[name]
-                        copy_into(dst if whole else dst[:row], a)
+                    if row == inst.rows:
+                        for name, a in r0.arrays.items():
+                            np.copyto(staging[name], a)
+                    else:
+                        for name, a in r0.arrays.items():
+                            staging[name][:row] = a
                 else:
                     # a batch: one concatenation per input straight into its staging rows
                     # (one call, and one release of the GIL, for all the batch's rows)
@@ -1181,9 +1187,9 @@ class Engine:
                     src = st if whole else st[:n]
                     dst = None if r.out is None else r.out.get(name)
                     if dst is None:
-                        outs[name] = copied(src)
+                        outs[name] = src.copy()
                     else:
-                        copy_into(dst, src)
+                        np.copyto(dst, src)
                         outs[name] = dst
                 results = [outs]
             else:
