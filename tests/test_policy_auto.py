@@ -651,3 +651,32 @@ def test_numpy_streams_and_bools_are_what_they_look_like():
             choose_policy(streams=bad, copies=8, copy_kernels=0, batches=4)
     with pytest.raises(JobConfigTypeError):
         choose_policy(copies=8, copy_kernels=0, batches=4, kernel_fills_gpu=np.array(False))
+
+
+def test_large_batches_keep_one_compute_stream():
+    """Two compute streams only up to OVERLAP_MAX_BATCH_BYTES per batch: the 32 x 64 MiB
+    pipeline read lower on 4 streams; 4 MiB batches gain."""
+    from orchestra.app.job.policy import OVERLAP_MAX_BATCH_BYTES, choose_policy
+
+    kw = dict(copies=64, copy_kernels=0, batches=32, executor="graph executor",
+              kernel_fills_gpu=False)
+    small = choose_policy(batch_bytes=4 << 20, **kw)
+    edge = choose_policy(batch_bytes=OVERLAP_MAX_BATCH_BYTES, **kw)
+    large = choose_policy(batch_bytes=64 << 20, **kw)
+    unknown = choose_policy(**kw)
+    assert (small.policy, small.streams) == ("by-engine", 4)
+    assert edge.streams == 4 and unknown.streams == 4
+    assert (large.policy, large.streams) == ("by-engine", 3)
+    assert "64 MiB" in large.reason and "16 MiB" in large.reason
+    explicit = choose_policy(streams=4, batch_bytes=64 << 20, **kw)
+    assert explicit.streams == 4  # an explicit --streams is kept as given
+
+
+def test_batch_bytes_must_be_a_positive_whole_number():
+    from orchestra.app.job.policy import choose_policy
+    from orchestra.errors import JobConfigError
+
+    kw = dict(copies=64, copy_kernels=0, batches=32, kernel_fills_gpu=False)
+    for bad in (0, -5, 2.5, "big", float("nan")):
+        with pytest.raises(JobConfigError):
+            choose_policy(batch_bytes=bad, **kw)

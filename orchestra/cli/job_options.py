@@ -115,8 +115,9 @@ def add_graph_options(p: argparse.ArgumentParser) -> None:
                    help="streams; 'auto' (default): 16 lanes (at most the batches in "
                         "flight) for round-robin when the copies run as copy kernels, else 3; "
                         "with --policy auto and --executor capture or graph, 4 when the "
-                        "kernel is smaller than the GPU (two compute streams, so kernels of "
-                        "two batches overlap; `orchestra plan` has no GPU to ask and shows 3)")
+                        "kernel is smaller than the GPU and batches are at most 16 MiB (two "
+                        "compute streams, so kernels of two batches overlap; `orchestra plan` "
+                        "has no GPU to ask and shows 3)")
     p.add_argument("--policy", choices=("auto", *POLICIES), default="auto",
                    help="stream placement; 'auto' (default): round-robin lanes (batch b on "
                         "stream b %% N) when most copies run as copy kernels (small copies in "

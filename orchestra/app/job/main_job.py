@@ -244,7 +244,7 @@ class MainJob:
                                         in_flight=in_flight,
                                         executor=f"{self.executor_name} executor",
                                         eager=self.executor_name == "eager",
-                                        kernel_fills_gpu=fills)
+                                        kernel_fills_gpu=fills, batch_bytes=max(sizes))
         log.debug("main job: %s", c.describe())
         return c
 

@@ -27,7 +27,8 @@ executor's `CopyPolicy`):
   than it holds at once). Measured on an H200, 256 x 4 MiB batches, wall ms, median of 5:
   graph executor 24.29 on 3 streams, 23.29 on 4 (kernels of 2500 iterations), 22.97 and
   22.50 (1500); eager 24.64 and 24.25 (2500), 23.39 and 23.70 (1500): noise-level, and lost
-  with the shorter kernel, so eager keeps 3. A kernel whose size is unknown (``None``:
+  with the shorter kernel, so eager keeps 3. Batches above `OVERLAP_MAX_BATCH_BYTES`
+  (16 MiB) keep 3 as well: at 64 MiB the kernels are long and the graph rows read lower on 4. A kernel whose size is unknown (``None``:
   `orchestra plan` without a GPU, a kernel without ``occupancy``) keeps 3, and so does a job
   with one batch in flight (no second kernel to overlap with).
 
@@ -58,6 +59,11 @@ DEFAULT_STREAMS = 3
 #: by-engine's streams under ``auto`` for a CUDA graph executor whose kernel does not fill the
 #: GPU: upload, two compute streams, download (see the module doc).
 OVERLAP_STREAMS = 4
+#: Batches above this many bytes keep one compute stream under auto: two compute streams won
+#: on an H200 at 4 MiB batches (a kernel's ramp-down overlaps the next one's start, a few µs of
+#: ~90), while at 64 MiB (kernels of 1.2 ms, nothing to gain) the graph rows of `orchestra
+#: bench peers` read 0.957-0.968 of the bound on 4 streams where they had read 0.990-0.995 on 3.
+OVERLAP_MAX_BATCH_BYTES = 16 << 20
 #: Why (the reason's tail for that case).
 OVERLAP_NOTE = ("the kernel has fewer blocks than the GPU holds at once, so kernels of two "
                 "batches overlap on two compute streams (H200, 256 x 4 MiB, graph executor: "
@@ -188,7 +194,8 @@ def check_streams(streams) -> int | str:
 def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
                   copy_kernels: int, batches: int, in_flight: int | None = None,
                   executor: str = "the executor", lanes: int = LANES,
-                  eager: bool = False, kernel_fills_gpu: bool | None = None) -> PolicyChoice:
+                  eager: bool = False, kernel_fills_gpu: bool | None = None,
+                  batch_bytes: int | None = None) -> PolicyChoice:
     """Resolve ``policy`` / ``streams`` (see the module doc) for a job of ``batches`` batches
     whose ``copies`` host copies include ``copy_kernels`` copy kernels; ``in_flight``: the
     batches that may hold device memory together (None: all), a cap on the lanes;
@@ -197,7 +204,8 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
     `EAGER_LANES_NOTE`); ``kernel_fills_gpu``: whether the job's kernel fills the GPU
     (`fills_gpu`; None: unknown, which keeps `DEFAULT_STREAMS`): False gives by-engine under
     ``--policy auto --streams auto`` `OVERLAP_STREAMS` streams for the other executors (when
-    at least two batches may be in flight). Pure Python, thread-safe. Raises
+    at least two batches may be in flight and ``batch_bytes``, the largest batch's bytes, is
+    at most `OVERLAP_MAX_BATCH_BYTES`; None: not known, no limit). Pure Python, thread-safe. Raises
     `JobConfigError` for an unknown policy, a stream count that is neither ``"auto"`` nor an
     int >= 1, or counts out of range; `JobConfigTypeError` for a ``kernel_fills_gpu`` that is
     not True, False or None."""
@@ -238,7 +246,15 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
     # the stream count it always had; one batch in flight has no kernel to overlap with
     could_overlap = (policy == AUTO and streams == AUTO and resolved == "by-engine"
                      and not eager and cap >= 2)
-    if could_overlap and kernel_fills_gpu is False:
+    if batch_bytes is not None:
+        batch_bytes = whole("batch_bytes (None: unknown)", batch_bytes, 1)
+    if (could_overlap and kernel_fills_gpu is False and batch_bytes is not None
+            and batch_bytes > OVERLAP_MAX_BATCH_BYTES):
+        n = DEFAULT_STREAMS
+        why += (f"; streams auto: {n} (batches of {batch_bytes / (1 << 20):g} MiB: kernels long "
+                f"enough that a second compute stream gains nothing; above "
+                f"{OVERLAP_MAX_BATCH_BYTES >> 20} MiB one compute stream)")
+    elif could_overlap and kernel_fills_gpu is False:
         n = OVERLAP_STREAMS
         why += f"; streams auto: {n} (upload, 2 compute, download): {OVERLAP_NOTE}"
     elif could_overlap:
@@ -268,5 +284,5 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
 
 
 __all__ = ["AUTO", "DEFAULT_STREAMS", "EAGER_LANES_NOTE", "LANES", "LANE_POLICY",
-           "OVERLAP_NOTE", "OVERLAP_STREAMS", "POLICY_CHOICES", "PolicyChoice", "check_policy",
+           "OVERLAP_MAX_BATCH_BYTES", "OVERLAP_NOTE", "OVERLAP_STREAMS", "POLICY_CHOICES", "PolicyChoice", "check_policy",
            "check_streams", "choose_policy", "count_copies", "fills_gpu"]

@@ -55,7 +55,8 @@ def pipeline_policy(w, copy_policy, policy: str = AUTO, streams: int | str = AUT
     return choose_policy(policy, streams, copies=copies, copy_kernels=kernels,
                          batches=w.batches, in_flight=in_flight_for(sizes), executor=executor,
                          eager=executor.startswith("eager"),
-                         kernel_fills_gpu=getattr(w, "kernel_fills_gpu", None))
+                         kernel_fills_gpu=getattr(w, "kernel_fills_gpu", None),
+                         batch_bytes=w.batch_bytes)
 
 
 class _Replay(_Ours):
