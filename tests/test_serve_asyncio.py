@@ -17,6 +17,7 @@ import pytest
 
 from orchestra.serve import Batching, Engine, EngineClosed
 from orchestra.serve.backend import NumpyBackend
+import orchestra.serve.engine as engine_mod
 from orchestra.serve.engine import _LoopInbox
 
 ROW = 4
@@ -240,3 +241,61 @@ def test_a_request_in_flight_leaves_few_objects_for_the_garbage_collector():
     assert counts["_Req"] == n and counts["ServeFuture"] == n, counts
     assert counts["list"] <= 2 * n + 20, counts  # the future's two (waiters, launches)
     assert counts["method"] <= 10, counts  # no bound done-callback per request
+
+
+# -- run()'s own checks and its in-flight bound ------------------------------------------------
+
+
+def test_slots_hand_a_freed_slot_to_the_first_waiter_and_skip_cancelled_ones():
+    async def main():
+        s = engine_mod._Slots(2)
+        assert s.take() and s.take() and not s.take() and s.locked()
+        order = []
+
+        async def waiter(k):
+            await s.acquire()
+            order.append(k)
+
+        ws = [asyncio.ensure_future(waiter(k)) for k in range(3)]
+        await asyncio.sleep(0)
+        ws[0].cancel()  # cancelled while waiting: gets nothing
+        await asyncio.sleep(0)
+        s.release()  # to waiter 1
+        await asyncio.sleep(0)
+        assert order == [1]
+        s.release()  # to waiter 2, handed over; cancel it before it runs: passed on to nobody
+        ws[2].cancel()
+        await asyncio.gather(*ws, return_exceptions=True)
+        assert order == [1] and s._value == 1  # waiter 2's slot came back
+        assert s.take()  # a free slot again
+        s.release()
+        s.release()
+        assert s.idle()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad, cls, message", [
+    (np.zeros((2, ROW), np.float64), "InputTypeError", "float64"),
+    (np.zeros((2, ROW + 1), np.float32), "BadRequest", "shape"),
+    (np.zeros((0, ROW), np.float32), "BadRequest", "rows"),
+    (np.zeros((9, ROW), np.float32), "RequestTooLarge", "9 rows"),
+    (np.zeros((ROW, 3), np.float32).T, "InputTypeError", "contiguous"),
+    ([[1.0] * ROW], "InputTypeError", "list"),
+])
+def test_run_refuses_a_bad_request_on_the_loop_as_submit_does(bad, cls, message):
+    """run()'s inline checks for a plain array (its fast path) and check_inputs for the rest
+    refuse what submit refuses, with the same error; nothing is handed over."""
+    async def main(e):
+        with pytest.raises(Exception) as info:
+            await e.run(bad)
+        return info.value
+
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 8]) as e:
+        exc = asyncio.run(main(e))
+        assert type(exc).__name__ == cls and message in str(exc), exc
+        with pytest.raises(type(exc)):
+            e.submit(bad).result(timeout=5)
+        assert e.stats()["engine"]["bad_requests"] == 2
+        assert e._aio_q is None  # never handed to the bridge

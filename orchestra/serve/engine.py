@@ -565,40 +565,59 @@ class Engine:
             self._idle.notify_all()
 
     async def run(self, inputs, *, out=None, pinned: bool = False):
-        """``await engine.run(x)``: the outputs, delivered on the caller's event loop through
-        ``call_soon_threadsafe``.
+        """``await engine.run(x)``: the outputs, delivered on the caller's event loop.
 
         The loop is never blocked: on the loop thread the request is only checked (a bad one
         raises its `BadRequest` here) and handed to the engine's asyncio bridge thread
         (a ``SimpleQueue``: no lock the engine holds), which leases an instance or queues the
         request, copies and launches; the thread that completes the request (the completion
-        thread, or the bridge) wakes the loop. At most ``queue_limit`` requests of one loop
-        are in flight at once: further ones await a free slot (``on_full="block"``) or raise
-        `Overloaded` (``on_full="raise"``): back-pressure that awaits instead of blocking.
-        Cancelling the awaiting task cancels the request if it has not started. If the loop
-        is closed before the request completes, the result is dropped (nothing is raised on
-        engine threads)."""
+        thread, or the bridge) hands it to the loop's inbox, which wakes the loop with one
+        ``call_soon_threadsafe`` and resolves at most ``completions_per_turn`` awaiting
+        requests per loop iteration. At most ``queue_limit`` requests of one loop are in flight at once: further ones
+        await a free slot (``on_full="block"``) or raise `Overloaded` (``on_full="raise"``):
+        back-pressure that awaits instead of blocking. Cancelling the awaiting task cancels
+        the request if it has not started. If the loop is closed before the request
+        completes, the result is dropped (nothing is raised on engine threads).
+
+        ``inputs``, ``out``, ``pinned``: as `submit`. Raises what `submit`'s future would
+        (`BadRequest`, `InputTypeError`, `RequestTooLarge`, `PageableMemoryError`, the
+        launch's own error) and `Overloaded`, `EngineClosed`, `EngineBroken`. Call it on a
+        running event loop (any number of loops and tasks at once)."""
         loop = asyncio.get_running_loop()
         t0 = _now()
-        try:
-            reqs = self._requests(inputs, out, pinned, t0)
-        except OrchestraError as exc:
-            self._count_bad()
-            raise
+        spec = self._fast_in
+        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
+                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
+                and inputs.shape[1:] == spec.row_shape
+                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
+            # one plain array of a one-input engine: the checks check_inputs makes, inline
+            # (as submit's fast path), one request
+            rows = inputs.shape[0]
+            reqs = [_Req({self._fast_name: inputs}, rows, self._bucket_of(rows).rows, None, t0,
+                         None)]
+        else:
+            try:
+                reqs = self._requests(inputs, out, pinned, t0)
+            except OrchestraError:
+                self._count_bad()
+                raise
         self._check_open()
         box = self._aio_boxes.get(loop)
         if box is None:
-            box = self._aio_boxes.setdefault(loop, _LoopInbox(
-                loop, asyncio.Semaphore(self.queue_limit), self.completions_per_turn))
-        sem = box.sem
-        if sem.locked() and self.on_full != "block":
-            self._count_overloaded()
-            raise Overloaded(f"{self.queue_limit} requests of this event loop are in flight "
-                             f"(queue_limit={self.queue_limit}); retry later")
-        await sem.acquire()
+            box = self._inbox(loop)
+        slots = box.sem
+        if not slots.take():  # no slot free (or others await one first)
+            if self.on_full != "block":
+                self._count_overloaded()
+                raise Overloaded(f"{self.queue_limit} requests of this event loop are in "
+                                 f"flight (queue_limit={self.queue_limit}); retry later")
+            await slots.acquire()
         fut = ServeFuture(self)
-        for r in reqs:
-            r.fut = fut
+        if len(reqs) == 1:
+            reqs[0].fut = fut
+        else:
+            for r in reqs:
+                r.fut = fut
         if reqs[0].group is not None:
             reqs[0].group.fut = fut
         aio = loop.create_future()
@@ -620,10 +639,10 @@ class Engine:
                 if not refused:
                     q.put(reqs)
         except BaseException:
-            sem.release()
+            slots.release()
             raise
         if refused:  # the engine closed while this request awaited its slot
-            sem.release()
+            slots.release()
             raise EngineClosed("the engine closed before the request was admitted")
         # the bridge holds the requests now; this frame keeps only what it needs (one object
         # fewer per request in flight for the collector to traverse)
@@ -633,6 +652,12 @@ class Engine:
         except asyncio.CancelledError:
             fut.cancel()
             raise
+
+    def _inbox(self, loop) -> _LoopInbox:
+        """The loop's inbox (made on its first request; on the loop's thread)."""
+        box = _LoopInbox(loop, _Slots(self.queue_limit), self.completions_per_turn)
+        self._aio_boxes[loop] = box
+        return box
 
     def _start_bridge(self) -> queue.SimpleQueue:
         with self._lock:
@@ -1737,6 +1762,69 @@ def _close_quietly(obj) -> None:
         obj.close()
     except Exception:  # noqa: BLE001 - a dead context refuses releases; keep closing the rest
         log.debug("serve: closing %r failed", obj, exc_info=True)
+
+
+class _Slots:
+    """One event loop's requests in flight, at most ``size`` (`Engine.run`'s
+    ``queue_limit``): what `asyncio.Semaphore` does for it, with `take` for the common case
+    (a free slot: one comparison, no coroutine; ``Semaphore.locked`` costs a generator per
+    call). ``_value``: the free slots. Tasks that await a slot get it in arrival order.
+
+    Thread-safety: the loop's thread only (as `asyncio.Semaphore`).
+    """
+
+    __slots__ = ("_value", "size", "_waiters")
+
+    def __init__(self, size: int):
+        self._value = size
+        self.size = size
+        self._waiters: collections.deque | None = None  # futures of tasks awaiting a slot
+
+    def locked(self) -> bool:
+        return self._value == 0
+
+    def idle(self) -> bool:
+        """Nothing in flight."""
+        return self._value == self.size
+
+    def take(self) -> bool:
+        """Take a free slot now (True); False when none is free or tasks await one (they
+        come first)."""
+        if self._value and not self._waiters:
+            self._value -= 1
+            return True
+        return False
+
+    async def acquire(self) -> bool:
+        """Await a slot (behind the tasks already awaiting one)."""
+        if self.take():
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = collections.deque()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot, then cancelled: the next task gets it
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+        return True
+
+    def release(self) -> None:
+        """Give a slot back: to the first task awaiting one, else to the free count."""
+        w = self._waiters
+        while w:
+            fut = w.popleft()
+            if not fut.done():
+                fut.set_result(True)
+                return
+        self._value += 1
 
 
 class _LoopInbox:
