@@ -673,7 +673,8 @@ class RunQueueClock:
     """The calling thread's time spent runnable but not running (waiting for a CPU), in ns,
     from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
     ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
-    wait for the GIL). `open` returns None where the file or libc is missing.
+    wait for the GIL). `open` returns None where the file or libc is missing; a call returns
+    None when a read fails.
 
     Thread-safety: made and read on one thread (the file is that thread's).
     """
@@ -703,17 +704,19 @@ class RunQueueClock:
                 pread.restype = ctypes.c_ssize_t
                 RunQueueClock._pread = pread
             clock = cls(fd)
-            clock()
-        except (OSError, AttributeError, ValueError, IndexError):
-            os.close(fd)
-            return None
-        return clock
+            if clock() is not None:
+                return clock
+        except (OSError, AttributeError):  # no libc symbol: no run-queue clock
+            pass
+        os.close(fd)
+        return None
 
-    def __call__(self) -> int:
+    def __call__(self) -> int | None:
+        """The run-queue wait so far (ns), or None if the file could not be read or parsed
+        (the probe then records the wait as unknown)."""
         n = RunQueueClock._pread(self._fd, self._buf, 127, 0)
-        if n <= 0:
-            raise OSError(ctypes.get_errno(), "pread of schedstat failed")
-        return int(self._buf.raw[:n].split()[1])
+        fields = self._buf.raw[:n].split() if n > 0 else []
+        return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
@@ -746,12 +749,12 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
         rq = RunQueueClock.open()  # the loop thread's wait for a CPU, where Linux says it
         try:
             # one reading of each clock per sleep: a sample's end is the next one's start
-            t, c, q = clock(), cpu(), rq() if rq else 0
+            t, c, q = clock(), cpu(), rq() if rq else None
             while not stop:
                 await asyncio.sleep(period)
-                t1, c1, q1 = clock(), cpu(), rq() if rq else 0
+                t1, c1, q1 = clock(), cpu(), rq() if rq else None
                 samples.append((t, t1, (t1 - t - period) * 1e3, (c1 - c) * 1e3,
-                                (q1 - q) / 1e6 if rq else None))
+                                (q1 - q) / 1e6 if q1 is not None and q is not None else None))
                 t, c, q = t1, c1, q1
         finally:
             if rq is not None:
