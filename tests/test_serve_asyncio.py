@@ -1,14 +1,19 @@
 """The engine's asyncio path on the CPU (NumpyBackend): how many completions one loop turn
-resolves, cancellation of an awaiting task whose request runs, close with awaits pending, the
-loop never waiting for the engine's lock, and what a request in flight leaves for the
-garbage collector to traverse. Every output is compared with numpy's."""
+resolves and for how long (the drain's time budget, timers served between turns), the
+eventfd wake-up and its fallback, the waiter run() awaits (results, errors, cancellation,
+context), cancellation of an awaiting task whose request is queued or runs, close with awaits
+pending, the loop never waiting for the engine's lock, what a request in flight leaves for the
+garbage collector to traverse, run()'s own checks and its in-flight bound. Every output is
+compared with numpy's."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import gc
 import math
+import os
 import threading
 import time
 
@@ -17,6 +22,7 @@ import pytest
 
 from orchestra.serve import Batching, Engine, EngineClosed
 from orchestra.serve.backend import NumpyBackend
+import orchestra.serve.engine as engine_mod
 from orchestra.serve.engine import _LoopInbox
 
 ROW = 4
@@ -62,7 +68,9 @@ def block_until(pred, timeout=10.0):
 def test_a_burst_of_n_completions_is_resolved_over_ceil_n_over_k_loop_turns(n, k, monkeypatch):
     """``n`` requests complete in one batch while the loop is held; the loop then resumes
     exactly ``k`` awaiting tasks per turn (the last turn the rest), over ceil(n/k) turns,
-    with one drain callback per turn; every output is right."""
+    with one drain callback per turn; every output is right. (The drain's time budget is
+    lifted here: a loaded machine could stretch a turn of 16 tiny steps past it.)"""
+    monkeypatch.setattr(engine_mod, "TURN_BUDGET_NS", 10**10)
     gate = threading.Event()
     per_turn = []
     outputs = {}
@@ -240,3 +248,396 @@ def test_a_request_in_flight_leaves_few_objects_for_the_garbage_collector():
     assert counts["_Req"] == n and counts["ServeFuture"] == n, counts
     assert counts["list"] <= 2 * n + 20, counts  # the future's two (waiters, launches)
     assert counts["method"] <= 10, counts  # no bound done-callback per request
+
+
+# -- one loop iteration's work: the drain's time budget ---------------------------------------
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def burst(e, n: int, gate: threading.Event, after, marks: list):
+    """``n`` tasks whose requests complete in one batch while the loop is held; each task
+    calls ``after(j)`` once its output arrived (and was checked). Returns the coroutine;
+    ``marks`` gets ("done", j) per task and ("turn", count) per loop iteration."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        done = [0]
+
+        async def task(j):
+            x = row(j)
+            y = await e.run(x)
+            assert y.tobytes() == f(x).tobytes()
+            marks.append(("done", j))
+            done[0] += 1
+            after(j)
+
+        tasks = [asyncio.ensure_future(task(j)) for j in range(n)]
+        await until(lambda: e.stats()["engine"]["in_flight"] == 1)
+        box = e._aio_boxes[loop]
+
+        def hold():
+            gate.set()
+            block_until(lambda: len(box.items) == n)
+
+        def tick(last=[0]):
+            marks.append(("turn", done[0] - last[0]))
+            last[0] = done[0]
+            if done[0] < n:
+                loop.call_soon(tick)
+
+        loop.call_soon(hold)
+        loop.call_soon(tick)
+        await asyncio.gather(*tasks)
+        return box
+
+    return main()
+
+
+def test_a_drain_stops_once_its_time_budget_is_spent_by_the_tasks_it_resumed():
+    """Each awaiting task spends 2 ms after its output arrived (more than the drain's 0.25 ms
+    budget): one loop iteration resumes one task, although completions_per_turn allows 16,
+    so no iteration runs much longer than one task's step; every output is right."""
+    gate = threading.Event()
+    marks: list = []
+    with gated_engine(gate, buckets=[16], batching=Batching(max_batch=12, max_delay_us=5e6),
+                      completions_per_turn=16) as e:
+        box = asyncio.run(burst(e, 12, gate, lambda j: spin(0.002), marks))
+    per_turn = [c for kind, c in marks if kind == "turn" and c]
+    assert engine_mod.TURN_BUDGET_NS < 2_000_000
+    assert per_turn == [1] * 12, per_turn
+    assert sorted(j for kind, j in marks if kind == "done") == list(range(12))
+    assert box.sem.idle() and not box.scheduled and not box.items
+
+
+def test_a_timer_that_comes_due_during_a_long_drain_runs_before_the_drain_goes_on():
+    """The drain goes on with call_later(0), after the timers that came due: a timer the
+    first resumed task sets (due at once) runs before the second task is resumed (with
+    call_soon it would wait behind the next drain)."""
+    gate = threading.Event()
+    marks: list = []
+
+    def after(j):
+        if len([m for m in marks if m[0] == "done"]) == 1:
+            asyncio.get_running_loop().call_later(0, lambda: marks.append(("timer", j)))
+        spin(0.001)
+
+    with gated_engine(gate, buckets=[8], batching=Batching(max_batch=5, max_delay_us=5e6)) as e:
+        asyncio.run(burst(e, 5, gate, after, marks))
+    order = [m[0] for m in marks if m[0] != "turn"]
+    assert order[:3] == ["done", "timer", "done"], marks
+
+
+def test_the_inbox_wakes_the_loop_through_its_eventfd_once_per_burst(monkeypatch):
+    """On Linux the loop watches the inbox's eventfd: a burst of completions is one write to
+    it (no call_soon_threadsafe, no self-pipe read); every output is right. When the engine
+    closes, the loop stops watching the fd and it is closed."""
+    writes = []
+    real_write = engine_mod._EventFd.write
+
+    def counted(self):
+        writes.append(self.fd)
+        real_write(self)
+
+    monkeypatch.setattr(engine_mod._EventFd, "write", counted)
+    gate = threading.Event()
+    marks: list = []
+    with gated_engine(gate, buckets=[32], batching=Batching(max_batch=20, max_delay_us=5e6)) as e:
+        async def main():
+            loop = asyncio.get_running_loop()
+            threadsafe = []
+            real = loop.call_soon_threadsafe
+
+            def counting(*a, **kw):
+                threadsafe.append(a)
+                return real(*a, **kw)
+
+            loop.call_soon_threadsafe = counting
+            box = await burst(e, 20, gate, lambda j: None, marks)
+            assert box._fd is not None, "no eventfd on this Linux loop"
+            fd = box._fd.fd
+            assert fd in loop._selector.get_map()
+            n_writes = len(writes)
+            await loop.run_in_executor(None, e.close)
+            await until(lambda: box._fd is None)  # detached on the loop once all delivered
+            assert fd not in loop._selector.get_map()
+            assert not [a for a in threadsafe if getattr(a[0], "__self__", None) is box]
+            return n_writes
+
+        if not hasattr(os, "eventfd"):
+            pytest.skip("no eventfd here")
+        n_writes = asyncio.run(main())
+    assert n_writes == 1, writes
+    assert sorted(j for kind, j in marks if kind == "done") == list(range(20))
+
+
+def test_a_loop_that_cannot_watch_an_fd_is_woken_with_call_soon_threadsafe(monkeypatch):
+    """A loop whose add_reader is not implemented (asyncio's Proactor loop, say) gets its
+    wake-ups through call_soon_threadsafe; outputs and errors arrive as usual."""
+    def no_reader(self, fd, cb, *args):
+        raise NotImplementedError
+
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "add_reader", no_reader)
+
+    def fn(d):
+        if d["x"][0, 0] < 0:
+            raise ValueError("negative input")
+        return f(d["x"])
+
+    async def main(e):
+        xs = [row(j, 1 + j % 3) for j in range(30)]
+        ys = await asyncio.gather(*(e.run(x) for x in xs))
+        for x, y in zip(xs, ys):
+            assert y.tobytes() == f(x).tobytes()
+        with pytest.raises(ValueError, match="negative input"):
+            await e.run(-row(1))
+        return e._aio_boxes[asyncio.get_running_loop()]
+
+    with Engine(backend=NumpyBackend(fn, device_thread=True), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4]) as e:
+        box = asyncio.run(main(e))
+    assert box._fd is None and box.sem.idle() and not box.scheduled
+
+
+# -- what run() awaits: the waiter --------------------------------------------------------------
+
+
+def test_run_results_errors_and_context_through_wait_for_shield_and_gather():
+    """run() awaited directly, through wait_for, shield and gather: the right outputs; a
+    failing launch raises its own error in the awaiting task; the task's step after the
+    await runs in the task's own context (its ContextVar values) and as the current task."""
+    var = contextvars.ContextVar("var")
+
+    def fn(d):
+        if d["x"][0, 0] < 0:
+            raise ValueError("negative input")
+        return f(d["x"])
+
+    async def one(j):
+        var.set(j)
+        me = asyncio.current_task()
+        x = row(j, 1 + j % 4)
+        if j % 3 == 0:
+            y = await e.run(x)
+        elif j % 3 == 1:
+            y = await asyncio.wait_for(e.run(x), 10)
+        else:
+            y = await asyncio.shield(e.run(x))
+        assert var.get() == j and asyncio.current_task() is me
+        return y
+
+    async def main():
+        ys = await asyncio.gather(*(one(j) for j in range(40)))
+        for j, y in enumerate(ys):
+            assert y.tobytes() == f(row(j, 1 + j % 4)).tobytes()
+        with pytest.raises(ValueError, match="negative input"):
+            await e.run(-row(3))
+        assert (await e.run(row(5))).tobytes() == f(row(5)).tobytes()  # serves on
+
+    with Engine(backend=NumpyBackend(fn, device_thread=True), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4]) as e:
+        asyncio.run(main())
+
+
+def test_a_failed_request_keeps_no_frame_of_the_loop_or_the_inbox_alive():
+    """The error a failed request raises in its awaiting task is raised by asyncio's own
+    future code (no Python frame of the waiter in its traceback): the traceback keeps no
+    frame of the inbox's drain or of the loop's machinery alive (a frame there would link
+    the whole calling stack, and each failed request would keep its own copy)."""
+    def fn(d):
+        raise ValueError("refused")
+
+    async def main(e):
+        for _ in range(5):
+            try:
+                await e.run(row(1))
+            except ValueError as exc:
+                assert "refused" in str(exc)
+            else:
+                raise AssertionError("the request did not fail")
+
+    with Engine(backend=NumpyBackend(fn, device_thread=True), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4]) as e:
+        asyncio.run(main(e))  # warm: the bridge, the first loop's one-time objects
+        gc.collect()
+        gc.disable()
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main(e))
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            kept = [o for o in gc.garbage if type(o).__name__ == "_Waiter"]
+            frames = collections.Counter(o.f_code.co_qualname for o in gc.garbage
+                                         if type(o).__name__ == "frame")
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+            loop.close()
+    assert not kept, kept
+    ours = {"_LoopInbox.drain", "_LoopInbox._woken", "_Waiter._resolve", "Handle._run",
+            "BaseEventLoop._run_once"}
+    assert not ours & set(frames), frames
+
+
+def test_cancelling_a_task_whose_request_is_queued_cancels_the_request():
+    gate, entered = threading.Event(), threading.Event()
+
+    async def main(e):
+        running = asyncio.ensure_future(e.run(row(0)))
+        await until(entered.is_set)
+        queued = asyncio.ensure_future(e.run(row(1)))
+        await until(lambda: e.stats()["engine"]["queued"] == 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.set()
+        assert (await running).tobytes() == f(row(0)).tobytes()
+        assert (await e.run(row(2))).tobytes() == f(row(2)).tobytes()
+        box = e._aio_boxes[asyncio.get_running_loop()]
+        await until(box.sem.idle)
+
+    with gated_engine(gate, entered, buckets=[4], instances=1) as e:
+        asyncio.run(main(e))
+        st = e.stats()
+    assert st["engine"]["cancelled"] == 1 and st["buckets"][4]["requests"] == 2
+
+
+def test_waiter_follows_the_future_protocol():
+    """`_Waiter` as asyncio sees it: a future; `_resolve` runs the callbacks at once, in
+    order (removed ones not); callbacks added once it is done are scheduled; ``cancel``
+    schedules them and result() raises CancelledError; a task awaiting one has taken its
+    next step when `_resolve` returns; an error is raised into the task."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = engine_mod._Waiter(loop)
+        assert asyncio.isfuture(w) and w.get_loop() is loop and not w.done()
+        with pytest.raises(asyncio.InvalidStateError):
+            w.result()
+        seen = []
+        w.add_done_callback(lambda x: seen.append("a"))
+        w.add_done_callback(lambda x: seen.append("b"))
+        drop = lambda x: seen.append("dropped")  # noqa: E731
+        w.add_done_callback(drop)
+        assert w.remove_done_callback(drop) == 1
+        await outside_a_task(lambda: w._resolve(42, None))  # as the drain: callbacks now
+        assert seen == ["a", "b"] and w.result() == 42 and w.exception() is None
+        w.add_done_callback(lambda x: seen.append("late"))  # done: scheduled
+        assert seen == ["a", "b"]
+        await asyncio.sleep(0)
+        assert seen == ["a", "b", "late"]
+        assert not w.cancel()
+
+        c = engine_mod._Waiter(loop)
+        c.add_done_callback(lambda x: seen.append("cancelled"))
+        assert c.cancel("stop") and c.cancelled() and c.done()
+        assert "cancelled" not in seen  # scheduled, as a future's
+        await asyncio.sleep(0)
+        assert seen[-1] == "cancelled"
+        with pytest.raises(asyncio.CancelledError, match="stop"):
+            c.result()
+
+        x = engine_mod._Waiter(loop)
+        err = KeyError("k")
+        x._resolve(None, err)
+        assert x.exception() is err
+        with pytest.raises(KeyError):
+            x.result()
+        s = engine_mod._Waiter(loop)
+        s._resolve(None, StopIteration())  # asyncio refuses it in a future: a TypeError
+        assert isinstance(s.exception(), TypeError)
+
+        v = engine_mod._Waiter(loop)
+        t = asyncio.ensure_future(_await(v))
+        await asyncio.sleep(0)
+        assert not t.done()
+        # the task's step runs inside _resolve
+        assert await outside_a_task(lambda: (v._resolve("value", None), t.done())[1])
+        assert t.result() == "value"
+        bad = engine_mod._Waiter(loop)
+        t = asyncio.ensure_future(_await(bad))
+        await asyncio.sleep(0)
+        await outside_a_task(lambda: bad._resolve(None, OSError("lost")))
+        assert t.done() and isinstance(t.exception(), OSError)
+        # resolved from inside a task (this one): the other task's step is scheduled
+        later = engine_mod._Waiter(loop)
+        t = asyncio.ensure_future(_await(later))
+        await asyncio.sleep(0)
+        later._resolve(7, None)
+        assert not t.done()
+        assert await t == 7
+
+    asyncio.run(main())
+
+
+async def _await(w):
+    return await w
+
+
+async def outside_a_task(fn):
+    """``fn()`` in a plain loop callback (as the inbox's drain runs), its value."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+    loop.call_soon(lambda: out.set_result(fn()))
+    return await out
+
+
+# -- run()'s own checks and its in-flight bound ------------------------------------------------
+
+
+def test_slots_hand_a_freed_slot_to_the_first_waiter_and_skip_cancelled_ones():
+    async def main():
+        s = engine_mod._Slots(2)
+        assert s.take() and s.take() and not s.take() and s.locked()
+        order = []
+
+        async def waiter(k):
+            await s.acquire()
+            order.append(k)
+
+        ws = [asyncio.ensure_future(waiter(k)) for k in range(3)]
+        await asyncio.sleep(0)
+        ws[0].cancel()  # cancelled while waiting: gets nothing
+        await asyncio.sleep(0)
+        s.release()  # to waiter 1
+        await asyncio.sleep(0)
+        assert order == [1]
+        s.release()  # to waiter 2, handed over; cancel it before it runs: passed on to nobody
+        ws[2].cancel()
+        await asyncio.gather(*ws, return_exceptions=True)
+        assert order == [1] and s._value == 1  # waiter 2's slot came back
+        assert s.take()  # a free slot again
+        s.release()
+        s.release()
+        assert s.idle()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad, cls, message", [
+    (np.zeros((2, ROW), np.float64), "InputTypeError", "float64"),
+    (np.zeros((2, ROW + 1), np.float32), "BadRequest", "shape"),
+    (np.zeros((0, ROW), np.float32), "BadRequest", "rows"),
+    (np.zeros((9, ROW), np.float32), "RequestTooLarge", "9 rows"),
+    (np.zeros((ROW, 3), np.float32).T, "InputTypeError", "contiguous"),
+    ([[1.0] * ROW], "InputTypeError", "list"),
+])
+def test_run_refuses_a_bad_request_on_the_loop_as_submit_does(bad, cls, message):
+    """run()'s inline checks for a plain array (its fast path) and check_inputs for the rest
+    refuse what submit refuses, with the same error; nothing is handed over."""
+    async def main(e):
+        with pytest.raises(Exception) as info:
+            await e.run(bad)
+        return info.value
+
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4, 8]) as e:
+        exc = asyncio.run(main(e))
+        assert type(exc).__name__ == cls and message in str(exc), exc
+        with pytest.raises(type(exc)):
+            e.submit(bad).result(timeout=5)
+        assert e.stats()["engine"]["bad_requests"] == 2
+        assert e._aio_q is None  # never handed to the bridge

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import functools
 import gc
 import json
@@ -632,15 +633,22 @@ ARRIVALS_PER_TURN = 8  # asyncio: tasks started per loop turn (connections arriv
 def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
     """Why the probe woke late, for every sample above ``bound_ms``.
 
-    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep; ``pauses``:
+    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep, optionally
+    with a fifth item: the ms the loop thread spent runnable but not running (waiting for a
+    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown); ``pauses``:
     `_GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
     within the sleep cover half the lag or more; else to the loop's own callbacks when the
     loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
-    loop iteration); else to waiting: the loop thread was ready but did not run (another
-    thread held the GIL, or no CPU was free). Returns ``{cause: {"count", "max_ms"}}``.
+    loop iteration); else to waiting: the loop thread was ready but did not run. With the
+    run-queue wait known, waiting is split: for a CPU when the run-queue wait covers half the
+    lag or more (more runnable threads than CPUs), else for the GIL (asleep while another
+    thread ran Python); without it, one cause, "the GIL or a CPU". Returns
+    ``{cause: {"count", "max_ms"}}``.
     """
     out: dict = {}
-    for t0, t1, lag, cpu in samples:
+    for sample in samples:
+        t0, t1, lag, cpu = sample[:4]
+        rq = sample[4] if len(sample) > 4 else None
         if lag <= bound_ms:
             continue
         gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
@@ -649,12 +657,71 @@ def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
             cause = f"garbage collector (generation {max(gens)})"
         elif cpu >= (t1 - t0) * 1e3 / 2:
             cause = "loop busy running callbacks"
-        else:
+        elif rq is None:
             cause = "loop thread waiting for the GIL or a CPU"
+        elif rq >= lag / 2:
+            cause = "loop thread waiting for a CPU (runnable, all CPUs busy)"
+        else:
+            cause = "loop thread waiting for the GIL"
         c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
         c["count"] += 1
         c["max_ms"] = max(c["max_ms"], lag)
     return out
+
+
+class RunQueueClock:
+    """The calling thread's time spent runnable but not running (waiting for a CPU), in ns,
+    from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
+    ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
+    wait for the GIL). `open` returns None where the file or libc is missing; a call returns
+    None when a read fails.
+
+    Thread-safety: made and read on one thread (the file is that thread's).
+    """
+
+    _pread: Any = None  # libc's pread through PyDLL, made once (a new PyDLL per probe would
+    # leave its function-pointer type's reference cycle to the collector)
+
+    _Buf = ctypes.c_char * 128  # one type (create_string_buffer makes one per call: a cycle)
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._buf = RunQueueClock._Buf()
+
+    @classmethod
+    def open(cls) -> RunQueueClock | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if RunQueueClock._pread is None:
+                pread = ctypes.PyDLL(None, use_errno=True).pread
+                pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_long]
+                pread.restype = ctypes.c_ssize_t
+                RunQueueClock._pread = pread
+            clock = cls(fd)
+            if clock() is not None:
+                return clock
+        except (OSError, AttributeError):  # no libc symbol: no run-queue clock
+            pass
+        os.close(fd)
+        return None
+
+    def __call__(self) -> int | None:
+        """The run-queue wait so far (ns), or None if the file could not be read or parsed
+        (the probe then records the wait as unknown)."""
+        n = RunQueueClock._pread(self._fd, self._buf, 127, 0)
+        fields = self._buf.raw[:n].split() if n > 0 else []
+        return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
@@ -679,11 +746,19 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
 
     async def probe():
         clock, cpu = time.perf_counter, time.thread_time
-        while not stop:
-            t, c = clock(), cpu()
-            await asyncio.sleep(period)
-            t1 = clock()
-            samples.append((t, t1, (t1 - t - period) * 1e3, (cpu() - c) * 1e3))
+        rq = RunQueueClock.open()  # the loop thread's wait for a CPU, where Linux says it
+        try:
+            # one reading of each clock per sleep: a sample's end is the next one's start
+            t, c, q = clock(), cpu(), rq() if rq else None
+            while not stop:
+                await asyncio.sleep(period)
+                t1, c1, q1 = clock(), cpu(), rq() if rq else None
+                samples.append((t, t1, (t1 - t - period) * 1e3, (c1 - c) * 1e3,
+                                (q1 - q) / 1e6 if q1 is not None and q is not None else None))
+                t, c, q = t1, c1, q1
+        finally:
+            if rq is not None:
+                rq.close()
 
     per = max(1, total // tasks)
     # the benchmark's own work on the loop, kept as small as a client's can be: the pickers
@@ -693,6 +768,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     # engine, compare the output with the expected bytes (one 64 KiB copy and compare,
     # about 3 us) -- the engine's cost is run()'s checks and hand-over and the inbox
     picks = [w.picker(5000 + k) for k in range(tasks)]
+    # a server's first request starts the engine's asyncio bridge thread (a thread start the
+    # loop waits for) and the loop's inbox: once per engine and loop, before the probe
+    x, y_ref = w.picker(1)()
+    res.wrong += (await e.run(x)).tobytes() != y_ref
     errs: list[BaseException] = []
     left = [tasks]
     finished = asyncio.Event()

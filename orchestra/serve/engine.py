@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import ctypes
 import functools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -565,43 +568,65 @@ class Engine:
             self._idle.notify_all()
 
     async def run(self, inputs, *, out=None, pinned: bool = False):
-        """``await engine.run(x)``: the outputs, delivered on the caller's event loop through
-        ``call_soon_threadsafe``.
+        """``await engine.run(x)``: the outputs, delivered on the caller's event loop.
 
         The loop is never blocked: on the loop thread the request is only checked (a bad one
         raises its `BadRequest` here) and handed to the engine's asyncio bridge thread
         (a ``SimpleQueue``: no lock the engine holds), which leases an instance or queues the
         request, copies and launches; the thread that completes the request (the completion
-        thread, or the bridge) wakes the loop. At most ``queue_limit`` requests of one loop
-        are in flight at once: further ones await a free slot (``on_full="block"``) or raise
-        `Overloaded` (``on_full="raise"``): back-pressure that awaits instead of blocking.
-        Cancelling the awaiting task cancels the request if it has not started. If the loop
-        is closed before the request completes, the result is dropped (nothing is raised on
-        engine threads)."""
+        thread, or the bridge) hands it to the loop's inbox, which wakes the loop (one write
+        to an ``eventfd`` the loop watches, or ``call_soon_threadsafe`` where the loop cannot
+        watch one) and resumes the awaiting tasks in bounded turns: at most
+        ``completions_per_turn`` per loop iteration and for about `TURN_BUDGET_NS` (0.25 ms,
+        the tasks' next steps included: they run in the inbox's turn; docs/serving.md). At
+        most ``queue_limit`` requests of one loop are in flight at once: further ones
+        await a free slot (``on_full="block"``) or raise `Overloaded` (``on_full="raise"``):
+        back-pressure that awaits instead of blocking. Cancelling the awaiting task cancels
+        the request if it has not started. If the loop is closed before the request
+        completes, the result is dropped (nothing is raised on engine threads).
+
+        ``inputs``, ``out``, ``pinned``: as `submit`. Raises what `submit`'s future would
+        (`BadRequest`, `InputTypeError`, `RequestTooLarge`, `PageableMemoryError`, the
+        launch's own error) and `Overloaded`, `EngineClosed`, `EngineBroken`. Call it on a
+        running event loop (any number of loops and tasks at once)."""
         loop = asyncio.get_running_loop()
         t0 = _now()
-        try:
-            reqs = self._requests(inputs, out, pinned, t0)
-        except OrchestraError as exc:
-            self._count_bad()
-            raise
+        spec = self._fast_in
+        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
+                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
+                and inputs.shape[1:] == spec.row_shape
+                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
+            # one plain array of a one-input engine: the checks check_inputs makes, inline
+            # (as submit's fast path), one request
+            rows = inputs.shape[0]
+            reqs = [_Req({self._fast_name: inputs}, rows, self._bucket_of(rows).rows, None, t0,
+                         None)]
+        else:
+            try:
+                reqs = self._requests(inputs, out, pinned, t0)
+            except OrchestraError:
+                self._count_bad()
+                raise
         self._check_open()
         box = self._aio_boxes.get(loop)
         if box is None:
-            box = self._aio_boxes.setdefault(loop, _LoopInbox(
-                loop, asyncio.Semaphore(self.queue_limit), self.completions_per_turn))
-        sem = box.sem
-        if sem.locked() and self.on_full != "block":
-            self._count_overloaded()
-            raise Overloaded(f"{self.queue_limit} requests of this event loop are in flight "
-                             f"(queue_limit={self.queue_limit}); retry later")
-        await sem.acquire()
+            box = self._inbox(loop)
+        slots = box.sem
+        if not slots.take():  # no slot free (or others await one first)
+            if self.on_full != "block":
+                self._count_overloaded()
+                raise Overloaded(f"{self.queue_limit} requests of this event loop are in "
+                                 f"flight (queue_limit={self.queue_limit}); retry later")
+            await slots.acquire()
         fut = ServeFuture(self)
-        for r in reqs:
-            r.fut = fut
+        if len(reqs) == 1:
+            reqs[0].fut = fut
+        else:
+            for r in reqs:
+                r.fut = fut
         if reqs[0].group is not None:
             reqs[0].group.fut = fut
-        aio = loop.create_future()
+        aio = _Waiter(loop)
         fut._aio = aio
         # the inbox's one shared callback list instead of add_done_callback: no list and no
         # bound method per request (two objects fewer for the garbage collector to traverse
@@ -620,19 +645,30 @@ class Engine:
                 if not refused:
                     q.put(reqs)
         except BaseException:
-            sem.release()
+            slots.release()
             raise
         if refused:  # the engine closed while this request awaited its slot
-            sem.release()
+            slots.release()
             raise EngineClosed("the engine closed before the request was admitted")
         # the bridge holds the requests now; this frame keeps only what it needs (one object
         # fewer per request in flight for the collector to traverse)
         del reqs
         try:
             return await aio
-        except asyncio.CancelledError:
-            fut.cancel()
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            # the exception's traceback holds this frame and the future holds the exception:
+            # the frame lets go of the future (no reference cycle per failed request)
+            del fut, aio
             raise
+
+    def _inbox(self, loop) -> _LoopInbox:
+        """The loop's inbox (made on its first request; on the loop's thread)."""
+        box = _LoopInbox(loop, _Slots(self.queue_limit), self.completions_per_turn,
+                         wake_fd=True)
+        self._aio_boxes[loop] = box
+        return box
 
     def _start_bridge(self) -> queue.SimpleQueue:
         with self._lock:
@@ -650,6 +686,16 @@ class Engine:
         while True:
             reqs = q.get()
             if reqs is _STOP:
+                # close(): the loops' inboxes give their eventfds back once their requests
+                # in flight are delivered (nothing new comes: run() refuses from here on)
+                while True:
+                    try:
+                        boxes = list(self._aio_boxes.values())
+                        break
+                    except RuntimeError:  # a loop added its inbox meanwhile: again
+                        continue
+                for box in boxes:
+                    box.retire()
                 return
             try:
                 fut = reqs[0].fut
@@ -1739,33 +1785,280 @@ def _close_quietly(obj) -> None:
         log.debug("serve: closing %r failed", obj, exc_info=True)
 
 
+# -- the asyncio bridge's delivery to event loops ------------------------------------------
+
+# how long one drain of a loop's inbox may deliver completions (and run the awaiting tasks'
+# next steps, which run inside it) before it lets the loop's timers and I/O run and goes on
+# in a later iteration: a timer that comes due waits at most about two of these
+TURN_BUDGET_NS = 250_000
+
+
+class _Slots:
+    """One event loop's requests in flight, at most ``size`` (`Engine.run`'s
+    ``queue_limit``): what `asyncio.Semaphore` does for it, with `take` for the common case
+    (a free slot: one comparison, no coroutine; ``Semaphore.locked`` costs a generator per
+    call). ``_value``: the free slots. Tasks that await a slot get it in arrival order.
+
+    Thread-safety: the loop's thread only (as `asyncio.Semaphore`).
+    """
+
+    __slots__ = ("_value", "size", "_waiters")
+
+    def __init__(self, size: int):
+        self._value = size
+        self.size = size
+        self._waiters: collections.deque | None = None  # futures of tasks awaiting a slot
+
+    def locked(self) -> bool:
+        return self._value == 0
+
+    def idle(self) -> bool:
+        """Nothing in flight."""
+        return self._value == self.size
+
+    def take(self) -> bool:
+        """Take a free slot now (True); False when none is free or tasks await one (they
+        come first)."""
+        if self._value and not self._waiters:
+            self._value -= 1
+            return True
+        return False
+
+    async def acquire(self) -> bool:
+        """Await a slot (behind the tasks already awaiting one)."""
+        if self.take():
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = collections.deque()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot, then cancelled: the next task gets it
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+        return True
+
+    def release(self) -> None:
+        """Give a slot back: to the first task awaiting one, else to the free count."""
+        w = self._waiters
+        while w:
+            fut = w.popleft()
+            if not fut.done():
+                fut.set_result(True)
+                return
+        self._value += 1
+
+
+class _EventFd:
+    """A non-blocking ``eventfd(2)`` written and read through ``ctypes.PyDLL``: the system call
+    (about a microsecond) keeps the GIL. Released around it (``os.eventfd_read``), another
+    thread could take the GIL, and the loop's thread would wait to get it back: up to a
+    switch interval of lag per wake-up.
+
+    Thread-safety: `write` from any thread while open (the inbox serializes it with `close`
+    under its lock); `read` on the loop's thread; `close` once.
+    """
+
+    __slots__ = ("fd", "_buf", "_one", "_bufp", "_onep", "__weakref__")
+    _read: Any = None  # libc's read and write through PyDLL, made once
+    _write: Any = None
+
+    def __init__(self):
+        if _EventFd._read is None:
+            libc = ctypes.PyDLL(None)
+            for name in ("read", "write"):
+                fn = getattr(libc, name)
+                fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+                fn.restype = ctypes.c_ssize_t
+                setattr(_EventFd, "_" + name, fn)
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._buf = ctypes.c_uint64(0)
+        self._one = ctypes.c_uint64(1)
+        self._bufp = ctypes.addressof(self._buf)
+        self._onep = ctypes.addressof(self._one)
+
+    def write(self) -> None:
+        """Make the fd readable (adds one to its counter)."""
+        _EventFd._write(self.fd, self._onep, 8)
+
+    def read(self) -> None:
+        """Reset the counter: the fd is not readable until the next `write` (nothing to read
+        is EAGAIN, ignored)."""
+        _EventFd._read(self.fd, self._bufp, 8)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _eventfd() -> _EventFd | None:
+    """A new `_EventFd`, or None where there is none (not Linux, no libc, no fd left)."""
+    if not hasattr(os, "eventfd"):
+        return None
+    try:
+        return _EventFd()
+    except (OSError, AttributeError):
+        return None
+
+
+class _Waiter(asyncio.Future):
+    """What `Engine.run` awaits: an ``asyncio.Future`` whose completion by the loop's inbox
+    (`_resolve`) calls the awaiting task's wake-up at once, where a future schedules it with
+    ``call_soon``. The task's next step then runs inside the inbox's drain, in the same loop
+    iteration (one iteration per delivery instead of two, no handle per wake-up), and the
+    drain times those steps itself: it stops once its budget is spent. The future's own
+    methods (``result``, ``done``, its ``__await__``) are asyncio's C code: an error is
+    raised into the task without a Python frame of ours in its traceback (a frame there
+    would keep the drain's and the loop's frames alive with the error). Callbacks added
+    after completion, and all of them on ``cancel``, are scheduled as a future's are.
+
+    Thread-safety: the loop's thread only (as ``asyncio.Future``).
+    """
+
+    __slots__ = ("_cb", "_ctx", "_more")
+
+    def __init__(self, loop):
+        super().__init__(loop=loop)
+        self._cb: Any = None  # the one callback (the awaiting task's wake-up), its context
+        self._ctx: Any = None
+        self._more: list | None = None  # (callback, context) of further callbacks, if any
+
+    def add_done_callback(self, fn, *, context=None) -> None:
+        if self.done():
+            super().add_done_callback(fn, context=context)  # scheduled
+            return
+        if context is None:
+            context = contextvars.copy_context()
+        if self._cb is None:
+            self._cb, self._ctx = fn, context
+        elif self._more is None:
+            self._more = [(fn, context)]
+        else:
+            self._more.append((fn, context))
+
+    def remove_done_callback(self, fn) -> int:
+        pending = self._take()
+        kept = [(f, c) for f, c in pending if f != fn]
+        for f, c in kept:
+            self.add_done_callback(f, context=c)
+        return len(pending) - len(kept) + super().remove_done_callback(fn)
+
+    def cancel(self, msg=None) -> bool:
+        if not super().cancel(msg=msg):
+            return False
+        call_soon = self.get_loop().call_soon
+        for fn, ctx in self._take():
+            call_soon(fn, self, context=ctx)
+        return True
+
+    def _take(self) -> list:
+        """The callbacks held here (and none left)."""
+        pending = [(self._cb, self._ctx)] if self._cb is not None else []
+        if self._more:
+            pending += self._more
+        self._cb = self._ctx = self._more = None
+        return pending
+
+    def _resolve(self, value, exc) -> None:
+        """Complete with ``value`` (or ``exc``, not None) and run the callbacks now: the
+        awaiting task's next step (the inbox's drain, on the loop's thread, outside any
+        task; called from a task, the callbacks are scheduled as a future's are)."""
+        if exc is None:
+            self.set_result(value)
+        else:
+            try:
+                self.set_exception(exc)
+            except TypeError as refused:  # StopIteration: asyncio refuses it in a future
+                self.set_exception(refused)
+        cb = self._cb
+        if cb is None:
+            return
+        loop = self.get_loop()
+        if asyncio.current_task(loop) is not None:
+            # called from a task (not the drain): a task's step cannot run inside another's
+            call_soon = loop.call_soon
+            for fn, ctx in self._take():
+                call_soon(fn, self, context=ctx)
+            return
+        ctx = self._ctx
+        more = self._more
+        self._cb = self._ctx = self._more = None
+        ctx.run(cb, self)
+        if more:
+            for fn, c in more:
+                c.run(fn, self)
+
+
 class _LoopInbox:
     """The completions of one event loop's requests, delivered in bounded chunks.
 
     Any thread that completes a request appends its future (`push`, the future's
-    done-callback); only the push that finds no delivery pending wakes the loop, with one
-    ``call_soon_threadsafe`` (one write to the loop's self-pipe however many complete). On
-    the loop, `drain` resolves at most ``per_turn`` awaiting futures and, when more wait,
-    schedules itself again with ``call_soon``: it runs again on the next loop iteration,
-    after the timers and I/O that became due, so one iteration wakes at most ``per_turn``
-    tasks and the loop's lag stays bounded however many requests complete at once (a burst
-    of a thousand completions resolved in one iteration would wake a thousand tasks in the
-    next). ``sem`` bounds the loop's requests in flight (`Engine.run`).
+    done-callback); only the push that finds no delivery pending wakes the loop, however many
+    complete: one write to the inbox's ``eventfd``, which the loop watches (``add_reader``;
+    its callback reads the fd and drains), or, where the loop cannot watch one (not Linux, a
+    loop without ``add_reader``, ``wake_fd=False``), one ``call_soon_threadsafe``. The
+    eventfd spares the loop what ``call_soon_threadsafe`` costs it per wake-up: a handle, and
+    a callback that reads the loop's self-pipe (two ``recv`` calls, each releasing the GIL,
+    the loop's thread then waiting to get it back while the engine's threads hold it).
 
-    Thread-safety: `push` from any thread; `drain` only on the loop's thread.
+    On the loop, `drain` resolves the awaiting futures in order: an `Engine.run` waiter
+    (`_Waiter`) runs its task's next step right there. It stops after ``per_turn`` of them,
+    or once `TURN_BUDGET_NS` passed (time taken by those steps as well), and when more wait
+    it goes on with ``call_later(0)``: in the next loop iteration, after the timers and I/O
+    that came due meanwhile. So one iteration runs at most ``per_turn`` awaiting tasks' steps
+    and, beyond the step that passed it, no more than the budget, whatever the tasks do with
+    their results and however many requests completed at once. ``sem`` bounds the loop's
+    requests in flight (`Engine.run`: a `_Slots`).
+
+    `retire` (the bridge thread, when the engine closes): once nothing is in flight, the
+    loop stops watching the eventfd and it is closed.
+
+    Thread-safety: `push` and `retire` from any thread; `drain` on the loop's thread only.
     """
 
-    __slots__ = ("loop", "sem", "per_turn", "items", "lock", "scheduled", "callbacks",
-                 "__weakref__")
+    __slots__ = ("_loop", "sem", "per_turn", "items", "lock", "scheduled", "callbacks",
+                 "_fd", "_pending", "retired", "__weakref__")
 
-    def __init__(self, loop, sem, per_turn: int):
-        self.loop = loop
+    def __init__(self, loop, sem, per_turn: int, wake_fd: bool = False):
+        # weak: the engine's WeakKeyDictionary of inboxes must not keep its loops alive
+        self._loop = weakref.ref(loop)
         self.callbacks = [self.push]  # every request's done-callbacks (`Engine.run`)
+        # the list and its bound method are a cycle (inbox -> list -> method -> inbox): it
+        # is broken when the loop goes, so the inbox is freed then by reference counting
+        weakref.finalize(loop, self.callbacks.clear)
         self.sem = sem
         self.per_turn = per_turn
         self.items: collections.deque = collections.deque()
         self.lock = threading.Lock()
-        self.scheduled = False  # a drain is pending on the loop (set and cleared under lock)
+        self.scheduled = False  # a delivery is pending on the loop (set and cleared under lock)
+        self._pending = False  # a drain is scheduled with call_later (loop thread only)
+        self.retired = False
+        self._fd: _EventFd | None = None
+        if wake_fd:
+            fd = _eventfd()
+            if fd is not None:
+                try:
+                    loop.add_reader(fd.fd, self._woken)
+                except (NotImplementedError, AttributeError, RuntimeError, OSError):
+                    fd.close()  # e.g. asyncio's Proactor loop: call_soon_threadsafe instead
+                else:
+                    # closed with the inbox where the engine never closed (or the loop closed
+                    # with requests in flight): nobody can write to it any more then
+                    weakref.finalize(self, fd.close)
+                    self._fd = fd
+
+    @property
+    def loop(self):
+        """The event loop (None once it is gone)."""
+        return self._loop()
 
     def push(self, fut) -> None:
         self.items.append(fut)
@@ -1773,38 +2066,96 @@ class _LoopInbox:
             if self.scheduled:
                 return
             self.scheduled = True
+            fd = self._fd
+            if fd is not None:
+                fd.write()  # under the lock: `_detach` closes it under the lock
+                return
+        loop = self._loop()
+        if loop is None:
+            return
         try:
-            self.loop.call_soon_threadsafe(self.drain)
+            loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # "Event loop is closed": nobody is left to tell (dropped)
             pass
 
+    def retire(self) -> None:
+        """The engine closes: give the eventfd back once nothing is in flight (the loop is
+        woken to look; an inbox without an eventfd holds nothing to give back)."""
+        self.retired = True
+        with self.lock:
+            fd = self._fd
+            if fd is not None:
+                fd.write()
+
+    def _woken(self) -> None:
+        """The eventfd's reader callback: a wake-up from `push` (or `retire`)."""
+        fd = self._fd
+        if fd is not None:
+            fd.read()
+        if self._pending:
+            return  # `retire`'s wake-up while a drain is scheduled anyway
+        self.drain()
+
     def drain(self) -> None:
+        self._pending = False
+        deadline = _now() + TURN_BUDGET_NS
         items = self.items
         release = self.sem.release
-        for _ in range(self.per_turn):
-            try:
-                fut = items.popleft()
-            except IndexError:
-                break
-            release()
-            aio = fut._aio
-            fut._aio = None
-            if aio.done():
-                continue
-            if fut.cancelled():
-                aio.cancel()
-                continue
-            exc = fut.exception()
-            if exc is not None:
-                aio.set_exception(exc)
-            else:
-                aio.set_result(fut.result())
+        left = self.per_turn
+        try:
+            while left:
+                try:
+                    fut = items.popleft()
+                except IndexError:
+                    break
+                left -= 1
+                release()
+                aio = fut._aio
+                fut._aio = None
+                if aio.done():
+                    continue
+                if fut.cancelled():
+                    aio.cancel()
+                    continue
+                exc = fut._exception
+                if type(aio) is _Waiter:
+                    aio._resolve(fut._result, exc)  # the awaiting task's next step, now
+                    if _now() >= deadline:
+                        break
+                elif exc is not None:  # an asyncio.Future: its task runs next iteration
+                    aio.set_exception(exc)
+                else:
+                    aio.set_result(fut._result)
+        finally:  # also when a task's step raised through here (KeyboardInterrupt)
+            self._drained()
+
+    def _drained(self) -> None:
+        """After a drain: the delivery is over when the inbox is empty; else another drain
+        goes on in the next loop iteration."""
+        items = self.items
         if not items:
             with self.lock:
                 if not items:
                     self.scheduled = False
+                    if self.retired and self._fd is not None and self.sem.idle():
+                        self._detach()
                     return
-        self.loop.call_soon(self.drain)
+        loop = self._loop()
+        if loop is not None:
+            self._pending = True
+            loop.call_later(0, self.drain)
+
+    def _detach(self) -> None:
+        """Under the lock, on the loop's thread: stop watching the eventfd and close it; a
+        later wake-up (none is expected: nothing is in flight and run() refuses) goes through
+        ``call_soon_threadsafe``."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(fd.fd)
+        fd.close()
 
 
 __all__ = ["Batching", "Engine", "ServeFuture"]
