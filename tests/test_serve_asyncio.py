@@ -569,6 +569,17 @@ def test_waiter_follows_the_future_protocol():
         later._resolve(7, None)
         assert not t.done()
         assert await t == 7
+        # completed as a plain future (set_result / set_exception): callbacks scheduled
+        for setter, value in (("set_result", 8), ("set_exception", LookupError("x"))):
+            plain = engine_mod._Waiter(loop)
+            t = asyncio.ensure_future(_await(plain))
+            await asyncio.sleep(0)
+            getattr(plain, setter)(value)
+            assert not t.done()
+            await asyncio.sleep(0)
+            assert t.done()
+            assert (t.result() == 8) if setter == "set_result" else isinstance(
+                t.exception(), LookupError)
 
     asyncio.run(main())
 

@@ -1909,6 +1909,10 @@ def _eventfd() -> _EventFd | None:
         return None
 
 
+_future_set_result = asyncio.Future.set_result  # the C methods, past _Waiter's overrides
+_future_set_exception = asyncio.Future.set_exception
+
+
 class _Waiter(asyncio.Future):
     """What `Engine.run` awaits: an ``asyncio.Future`` whose completion by the loop's inbox
     (`_resolve`) calls the awaiting task's wake-up at once, where a future schedules it with
@@ -1954,10 +1958,21 @@ class _Waiter(asyncio.Future):
     def cancel(self, msg=None) -> bool:
         if not super().cancel(msg=msg):
             return False
+        self._schedule()
+        return True
+
+    def set_result(self, result) -> None:  # anyone but the inbox: as a future does
+        super().set_result(result)
+        self._schedule()
+
+    def set_exception(self, exception) -> None:
+        super().set_exception(exception)
+        self._schedule()
+
+    def _schedule(self) -> None:
         call_soon = self.get_loop().call_soon
         for fn, ctx in self._take():
             call_soon(fn, self, context=ctx)
-        return True
 
     def _take(self) -> list:
         """The callbacks held here (and none left)."""
@@ -1972,21 +1987,18 @@ class _Waiter(asyncio.Future):
         awaiting task's next step (the inbox's drain, on the loop's thread, outside any
         task; called from a task, the callbacks are scheduled as a future's are)."""
         if exc is None:
-            self.set_result(value)
+            _future_set_result(self, value)
         else:
             try:
-                self.set_exception(exc)
+                _future_set_exception(self, exc)
             except TypeError as refused:  # StopIteration: asyncio refuses it in a future
-                self.set_exception(refused)
+                _future_set_exception(self, refused)
         cb = self._cb
         if cb is None:
             return
-        loop = self.get_loop()
-        if asyncio.current_task(loop) is not None:
+        if asyncio.current_task(self.get_loop()) is not None:
             # called from a task (not the drain): a task's step cannot run inside another's
-            call_soon = loop.call_soon
-            for fn, ctx in self._take():
-                call_soon(fn, self, context=ctx)
+            self._schedule()
             return
         ctx = self._ctx
         more = self._more
