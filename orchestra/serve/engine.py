@@ -234,8 +234,9 @@ class Engine:
         completions_per_turn: asyncio (`run`): at most this many awaiting requests of one
             event loop are resolved per loop iteration (default 16); the rest go on the next
             iterations, so a burst of completions never holds the loop (its lag) for long:
-            one iteration then runs at most this many awaiting tasks' next steps (16 steps of
-            20 us are 0.3 ms of lag).
+            one delivery runs at most this many awaiting tasks' next steps, and stops early
+            once those steps took 0.25 ms (`TURN_BUDGET_NS`), going on after the timers that
+            came due.
         device, verify, streams: for the CUDA backends (the device; the hazard verifier; the
             eager executor's stream count).
 
