@@ -592,14 +592,9 @@ class Engine:
         running event loop (any number of loops and tasks at once)."""
         loop = asyncio.get_running_loop()
         t0 = _now()
-        spec = self._fast_in
-        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
-                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
-                and inputs.shape[1:] == spec.row_shape
-                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
-            # one plain array of a one-input engine: the checks check_inputs makes, inline
-            # (as submit's fast path), one request
-            rows = inputs.shape[0]
+        rows = self._fast_rows(inputs, out, pinned)
+        if rows:
+            # one plain array of a one-input engine: checked inline, one request
             reqs = [_Req({self._fast_name: inputs}, rows, self._bucket_of(rows).rows, None, t0,
                          None)]
         else:
@@ -725,19 +720,27 @@ class Engine:
                     if r.fut is not None and not r.fut.done():
                         self._fail(r, exc)
 
+    def _fast_rows(self, inputs, out, pinned) -> int:
+        """The rows of ``inputs`` when it is one plain C-contiguous array of a one-input
+        engine's dtype and row shape that fits a bucket, with no ``out=`` / ``pinned`` (the
+        checks `check_inputs` makes, inline: `submit`'s and `run`'s fast path); else 0."""
+        spec = self._fast_in
+        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
+                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
+                and inputs.shape[1:] == spec.row_shape
+                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
+            return inputs.shape[0]
+        return 0
+
     def _count_overloaded(self) -> None:
         with self._lock:
             self._overloaded += 1
 
     def _submit(self, inputs, out, pinned, timeout, block, inline) -> ServeFuture:
         t0 = _now()
-        spec = self._fast_in
-        if (spec is not None and out is None and not pinned and type(inputs) is np.ndarray
-                and inputs.dtype == spec.dtype and inputs.ndim == self._fast_ndim
-                and inputs.shape[1:] == spec.row_shape
-                and inputs.flags.c_contiguous and 0 < inputs.shape[0] <= self.buckets.largest):
-            # one input, checked inline (the checks check_inputs makes), one request
-            rows = inputs.shape[0]
+        rows = self._fast_rows(inputs, out, pinned)
+        if rows:
+            # one input, checked inline, one request
             fut = ServeFuture(self)
             b = self._bucket_of(rows)
             reqs = [_Req({self._fast_name: inputs}, rows, b.rows, None, t0, fut)]
