@@ -39,6 +39,22 @@ def test_a_dtype_numpy_names_alike_is_told_apart_and_the_advice_works(spec, sent
         assert engine.stats()["engine"]["bad_requests"] == 2
 
 
+@pytest.mark.parametrize("spec", ["<f4", ">f4", "<M8[ns]", "S4"])
+def test_a_non_array_gets_asarray_advice_that_works(spec):
+    """A list in a dict of inputs: the np.asarray advice names a dtype that numpy takes (it
+    said np.datetime64[ns] and np.bytes32 before) and that the engine then serves."""
+    e = Engine(backend=NumpyBackend(lambda d: d["x"]), inputs={"x": ((4,), spec),
+               "z": ((4,), spec)}, outputs={"y": ((4,), spec)}, buckets=[4])
+    with e:
+        good = np.arange(8).astype(spec).reshape(2, 4)
+        with pytest.raises(InputTypeError, match="np.asarray") as ei:
+            e({"x": good.tolist(), "z": good})
+        advice = str(ei.value).rsplit("dtype=", 1)[1].rsplit(")", 1)[0]
+        x = np.asarray(good.tolist(), dtype=eval(advice, {"np": np, "engine": e}))  # noqa: S307
+        assert x.dtype == np.dtype(spec)
+        np.testing.assert_array_equal(e({"x": x, "z": good}), good)
+
+
 def test_a_structure_of_other_alignment_is_told_apart_and_the_advice_works():
     fields = [("a", "u1"), ("b", "<f4")]
     with _engine(fields) as engine:

@@ -222,7 +222,7 @@ def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
     if not isinstance(a, np.ndarray):
         raise InputTypeError(f"{what} {name}: expected a numpy array or a host tensor "
                              f"{spec.describe()}, got {type(a).__name__}; convert it with "
-                             f"np.asarray(..., dtype=np.{spec.dtype.name})")
+                             f"np.asarray(..., dtype={_astype(spec, what)})")
     ma = sys.modules.get("numpy.ma")  # never imported: no array is a masked one
     if ma is not None and isinstance(a, ma.MaskedArray):
         # the engine reads the array's memory, which holds no mask: the masked entries' data
