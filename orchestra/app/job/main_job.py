@@ -15,7 +15,8 @@ What `MainJob.run` does, in order:
    with the policy and stream count ``"auto"`` resolves to (`policy.choose_policy`: round-robin
    lanes when most copies run as copy kernels, else by-engine on 3 streams, or 4 (two compute
    streams) for the CUDA graph executors when the burn kernel's grid is smaller than the
-   blocks the GPU holds at once: ``Kernel.occupancy`` x SM count), decided before the timings
+   blocks the GPU holds at once, ``Kernel.occupancy`` x SM count, and batches are at most
+   16 MiB), decided before the timings
    so that the sustained times are measured at the plan's concurrency;
 4. a routing check: one run with ``check_iters`` (3) iterations, verified against numpy. With
    many iterations every output converges to 2.0 whatever its input, so only a short run shows
@@ -248,6 +249,15 @@ class MainJob:
         log.debug("main job: %s", c.describe())
         return c
 
+    def _burn_kernel(self, executor, sizes, dev) -> tuple:
+        """``(kernel, grid, fills)``: the burn kernel ``executor`` resolves, its grid for the
+        largest batch, its launch limits checked (before any timing or run), and whether it
+        fills ``dev`` (`_kernel_fills`). Made before the policy: that decides auto's streams."""
+        grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
+        kernel = executor.kernels.resolve(burn_kernel_ref())
+        kernel.launch_config(grid, self.block)
+        return kernel, grid, self._kernel_fills(kernel, grid, dev)
+
     def _kernel_fills(self, kernel, grid: int, dev) -> bool | None:
         """Whether ``grid`` blocks of `block` threads of ``kernel`` fill ``dev``: at least its
         resident blocks, ``kernel.occupancy(block, 0)`` x ``dev.sm_count``
@@ -388,12 +398,8 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         pin_in = pin_out = stream = None
         try:
-            # the kernel before the policy: whether it fills the GPU decides auto's streams
-            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
-            kernel = executor.kernels.resolve(burn_kernel_ref())
-            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
-            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget),
-                         self._kernel_fills(kernel, grid, dev))
+            kernel, grid, fills = self._burn_kernel(executor, sizes, dev)
+            self._choose(executor, sizes, in_flight_for(sizes, self.device_budget), fills)
             pin_in = PinnedBuffer.empty(total, np.float32, dev)
             pin_out = PinnedBuffer.empty(total, np.float32, dev)
             x, y = pin_in.array, pin_out.array
@@ -451,12 +457,9 @@ class MainJob:
                                  copy_lowering=self.copy_lowering)
         stage_in = stage_out = stream = None
         try:
-            # the kernel before the policy: whether it fills the GPU decides auto's streams
-            grid = burn_grid(max(sizes) // ELEMENT, self.block, dev.sm_count)
-            kernel = executor.kernels.resolve(burn_kernel_ref())
-            kernel.launch_config(grid, self.block)  # launch limits: before any timing or run
+            kernel, grid, fills = self._burn_kernel(executor, sizes, dev)
             # a slot's next batch waits for the batch before it: at most ``slots`` at once
-            self._choose(executor, sizes, slots, self._kernel_fills(kernel, grid, dev))
+            self._choose(executor, sizes, slots, fills)
             stage_in = StagingPool(slots, max(sizes), dev, prefix="stage_in")
             stage_out = StagingPool(slots, max(sizes), dev, prefix="stage_out")
             ins = [stage_in.view(k) for k in range(slots)]

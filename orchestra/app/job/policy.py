@@ -28,7 +28,8 @@ executor's `CopyPolicy`):
   graph executor 24.29 on 3 streams, 23.29 on 4 (kernels of 2500 iterations), 22.97 and
   22.50 (1500); eager 24.64 and 24.25 (2500), 23.39 and 23.70 (1500): noise-level, and lost
   with the shorter kernel, so eager keeps 3. Batches above `OVERLAP_MAX_BATCH_BYTES`
-  (16 MiB) keep 3 as well: at 64 MiB the kernels are long and the graph rows read lower on 4. A kernel whose size is unknown (``None``:
+  (16 MiB) keep 3 as well: at 64 MiB the kernels are long and the graph rows read lower on 4.
+  A kernel whose size is unknown (``None``:
   `orchestra plan` without a GPU, a kernel without ``occupancy``) keeps 3, and so does a job
   with one batch in flight (no second kernel to overlap with).
 
@@ -205,7 +206,8 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
     (`fills_gpu`; None: unknown, which keeps `DEFAULT_STREAMS`): False gives by-engine under
     ``--policy auto --streams auto`` `OVERLAP_STREAMS` streams for the other executors (when
     at least two batches may be in flight and ``batch_bytes``, the largest batch's bytes, is
-    at most `OVERLAP_MAX_BATCH_BYTES`; None: not known, no limit). Pure Python, thread-safe. Raises
+    at most `OVERLAP_MAX_BATCH_BYTES`; None: not known, no limit). Pure Python, thread-safe.
+    Raises
     `JobConfigError` for an unknown policy, a stream count that is neither ``"auto"`` nor an
     int >= 1, or counts out of range; `JobConfigTypeError` for a ``kernel_fills_gpu`` that is
     not True, False or None."""
@@ -248,15 +250,15 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
                      and not eager and cap >= 2)
     if batch_bytes is not None:
         batch_bytes = whole("batch_bytes (None: unknown)", batch_bytes, 1)
-    if (could_overlap and kernel_fills_gpu is False and batch_bytes is not None
-            and batch_bytes > OVERLAP_MAX_BATCH_BYTES):
-        n = DEFAULT_STREAMS
-        why += (f"; streams auto: {n} (batches of {batch_bytes / (1 << 20):g} MiB: kernels long "
-                f"enough that a second compute stream gains nothing; above "
-                f"{OVERLAP_MAX_BATCH_BYTES >> 20} MiB one compute stream)")
-    elif could_overlap and kernel_fills_gpu is False:
-        n = OVERLAP_STREAMS
-        why += f"; streams auto: {n} (upload, 2 compute, download): {OVERLAP_NOTE}"
+    if could_overlap and kernel_fills_gpu is False:
+        if batch_bytes is not None and batch_bytes > OVERLAP_MAX_BATCH_BYTES:
+            n = DEFAULT_STREAMS
+            why += (f"; streams auto: {n} (batches of {batch_bytes / (1 << 20):g} MiB: kernels "
+                    f"long enough that a second compute stream gains nothing; above "
+                    f"{OVERLAP_MAX_BATCH_BYTES >> 20} MiB one compute stream)")
+        else:
+            n = OVERLAP_STREAMS
+            why += f"; streams auto: {n} (upload, 2 compute, download): {OVERLAP_NOTE}"
     elif could_overlap:
         # why not 4: `orchestra plan` (no GPU to ask) shows 3 where `orchestra run` may use 4
         n = DEFAULT_STREAMS
@@ -284,5 +286,6 @@ def choose_policy(policy: str = AUTO, streams: int | str = AUTO, *, copies: int,
 
 
 __all__ = ["AUTO", "DEFAULT_STREAMS", "EAGER_LANES_NOTE", "LANES", "LANE_POLICY",
-           "OVERLAP_MAX_BATCH_BYTES", "OVERLAP_NOTE", "OVERLAP_STREAMS", "POLICY_CHOICES", "PolicyChoice", "check_policy",
-           "check_streams", "choose_policy", "count_copies", "fills_gpu"]
+           "OVERLAP_MAX_BATCH_BYTES", "OVERLAP_NOTE", "OVERLAP_STREAMS", "POLICY_CHOICES",
+           "PolicyChoice", "check_policy", "check_streams", "choose_policy", "count_copies",
+           "fills_gpu"]

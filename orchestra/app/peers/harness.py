@@ -145,7 +145,7 @@ def bound_streams(dev, w) -> int:
     hand-written and framework peers and for by-engine, the streams of orchestra's ``auto``
     (`orchestra_side.pipeline_policy`, eager and graph modes): its lanes where its copies run
     as copy kernels, 4 for the graph rows' by-engine when the kernel is smaller than the GPU
-    (``w.kernel_fills_gpu`` False). The bound's sustained times are measured spread over
+    (``w.kernel_fills_gpu`` False) and batches are at most 16 MiB. The bound's sustained times are measured spread over
     that many streams, so that it holds for the contender with the most concurrency."""
     from orchestra.app.peers.orchestra_side import pipeline_policy
     from orchestra.execute.copy_table import copy_policy

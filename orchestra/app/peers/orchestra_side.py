@@ -6,7 +6,7 @@ Pipelines (`OrchestraPipeline`): the job's task graph (``build_pipeline``: alloc
 policy and streams the main job's ``auto`` picks for the executor's copy lowering and the
 kernel's size (`pipeline_policy`: round-robin lanes when most copies run as copy kernels, else
 by-engine on 3 streams; for the capture and graph-build replays 4, two compute streams, when
-the burn kernel is smaller than the GPU, as on (a) and (b)). Requests (`OrchestraRequest`):
+the burn kernel is smaller than the GPU and batches are at most 16 MiB, as on (b)). Requests (`OrchestraRequest`):
 one H2D -> burn -> D2H on external device buffers (allocated once), or with allocations in the
 graph; eager on one stream, or a graph replayed.
 Chains (`OrchestraChain`): ``kernels`` dependent ``pdl_chain_step`` nodes over two external
