@@ -51,11 +51,11 @@ try:
 except OrchestraError as exc:
     sys.exit(f"probe_pipeline_overlap: {exc}")
 nbytes = int(args.mib * (1 << 20)) // 16 * 16
-print(f"burn {iters} iters, grid {burn_grid(nbytes // 4, 256, dev.sm_count)} x 256, {K} items of {nbytes} bytes, {dev.name}")
 n = nbytes // 4
 ref = burn_kernel_ref()
 kern = load_kernel(ref.source, ref.name, params=ref.params, device=dev)
 grid, block = burn_grid(n, 256, dev.sm_count), 256
+print(f"burn {iters} iters, grid {grid} x {block}, {K} items of {nbytes} bytes, {dev.name}")
 s = Stream(dev); u = Stream(dev); d = Stream(dev); s2 = Stream(dev)
 pin_in = PinnedBuffer.empty(n * K, np.float32, dev); pin_out = PinnedBuffer.empty(n * K, np.float32, dev)
 hin = [pin_in.array[i*n:(i+1)*n] for i in range(K)]; hout = [pin_out.array[i*n:(i+1)*n] for i in range(K)]
@@ -67,10 +67,14 @@ evs_a = [Event(dev) for _ in range(K)]; evs_b = [Event(dev) for _ in range(K)]
 done = Event(dev); done.record(u); u.synchronize()
 g = GatedTimer(s, repeats=7, warmup=1)
 rows = []
-def row(name, fn, others=()):
-    ms = g.median_ms(fn, list(others))
+def report(name, ms):
+    """One row: ``ms`` for the K items, printed and kept as µs per item."""
     rows.append((name, ms / K * 1e3))
     print(f"{name:70s} {ms / K * 1e3:8.2f} us/item", flush=True)
+
+
+def row(name, fn, others=()):
+    report(name, g.median_ms(fn, list(others)))
 
 def kernels():
     for i in range(K): kern.launch(s, grid, block, packs[i])
@@ -115,8 +119,7 @@ vals = []
 for r in range(8):
     g.elapsed_ms(kernels_span, [u, d], 5.0)
     if r: vals.append(Event.elapsed_ms(e0, e1))
-rows.append(("kernels' own span beside pairs", statistics.median(vals) / K * 1e3))
-print(f"{rows[-1][0]:70s} {rows[-1][1]:8.2f} us/item")
+report("kernels' own span beside pairs", statistics.median(vals))
 row("pipeline by hand, by-engine, 1 compute stream", pipeline(1), [u, d])
 row("pipeline by hand, by-engine, 2 compute streams", pipeline(2), [u, d, s2])
 if args.json:
