@@ -356,6 +356,39 @@ def test_batching_delay_expires_and_next_request_does_not_fit():
         gated_engine(buckets=[4], batching=Batching(max_batch=8))
 
 
+
+def test_batches_queued_behind_busy_instances_keep_their_order_and_rows():
+    """Requests queued while every instance is busy: each batch is the FIFO's head requests
+    that fit max_batch (the batch a head waits with is kept, not rescanned, and no later
+    request joins it), in order, on the smallest bucket that fits; a full queue still
+    refuses with Overloaded."""
+    backend = GatedBackend()  # a launch completes when the test says so
+    with gated_engine(backend, buckets=[4, 8], instances=1, queue_limit=9, on_full="raise",
+                      batching=Batching(max_batch=8, max_delay_us=5e6)) as e:
+        sizes = [8, 3, 4, 2, 5, 3, 1, 8, 6, 2]
+        xs = [rows(n, seed=i) for i, n in enumerate(sizes)]
+        futs = [e.submit(x) for x in xs]  # [8] launches; nine wait (the queue's limit)
+        with pytest.raises(Overloaded, match="queue is full.*queue_limit=9"):
+            e.submit(rows(1, seed=99))
+        groups = [[0], [1, 2], [3, 4], [5, 6], [7], [8, 9]]
+        seen = []
+        for _ in groups:
+            wait_for(lambda: backend.pending)
+            inst, src, _gate = backend.pending[0]
+            seen.append((inst.rows, src["x"].copy()))
+            backend.complete(inst)
+        for (bucket, x_seen), g in zip(seen, groups):
+            want = np.concatenate([xs[i] for i in g])
+            assert bucket == (4 if len(want) <= 4 else 8)
+            assert x_seen[:len(want)].tobytes() == want.tobytes()
+        for x, fut in zip(xs, futs):
+            assert fut.result(timeout=5).tobytes() == f(x).tobytes()
+        st = e.stats()
+        assert st["engine"]["overloaded"] == 1 and st["engine"]["queued"] == 0
+        assert st["buckets"][8]["launches"] == 5 and st["buckets"][4]["launches"] == 1
+        assert not backend.violations
+
+
 # -- backpressure ------------------------------------------------------------------------------
 
 

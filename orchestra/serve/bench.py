@@ -484,7 +484,12 @@ def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
         if o.dispatch in ("thread", "both"):
             out.append(("engine, dispatcher thread", False, "thread"))
     if o.batching in ("on", "both"):
-        out.append(("engine, dynamic batching", True, "caller"))
+        # with batching, --dispatch thread: the batcher thread forms and starts every batch;
+        # caller or both: the threads that fill a batch or give an instance back do
+        if o.dispatch == "thread":
+            out.append(("engine, dynamic batching, dispatcher thread", True, "thread"))
+        else:
+            out.append(("engine, dynamic batching", True, "caller"))
     return out
 
 

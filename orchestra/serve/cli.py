@@ -41,7 +41,9 @@ def register(bsub) -> None:
                    help="dynamic batching off, on, or both in turn (default both)")
     p.add_argument("--dispatch", choices=("caller", "thread", "both"), default="both",
                    help="without batching: the caller's thread launches, a dispatcher thread "
-                        "does, or both in turn (default both)")
+                        "does, or both in turn (default both); with batching, thread: the "
+                        "batcher thread forms and launches every batch, else the thread that "
+                        "fills a batch or gives an instance back does")
     p.add_argument("--max-batch", type=int, default=None,
                    help="rows per dynamic batch (default 8 of the largest request)")
     p.add_argument("--max-delay-us", type=float, default=200.0,

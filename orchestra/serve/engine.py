@@ -346,6 +346,9 @@ class Engine:
         # batching deadline (ns); other threads notify it only when it would oversleep
         self._timer_due: int | None = 0
         self._head_missed = False  # the head batch waited for its bucket's build
+        # (head request, requests, rows) of the head's batch once no later request can join
+        # it (`_form_batches`); a later head is another request, so the check is `is`
+        self._head_plan: tuple | None = None
         # set by _form_batches: the batching deadline (ns) of the head it left waiting for
         # more requests, 0 when it left the head waiting for an instance or a build (or the
         # FIFO empty). The batcher sleeps until this deadline; reading the clock again
@@ -742,8 +745,14 @@ class Engine:
         if rows:
             # one input, checked inline, one request
             fut = ServeFuture(self)
-            b = self._bucket_of(rows)
-            reqs = [_Req({self._fast_name: inputs}, rows, b.rows, None, t0, fut)]
+            r = _Req({self._fast_name: inputs}, rows, self._bucket_of(rows).rows, None, t0, fut)
+            if self._fifo and not inline:
+                todo = self._enqueue(r)
+                if todo is not None:
+                    if todo:
+                        self._run_watching(todo, build_here=True)
+                    return fut
+            reqs = [r]
         else:
             try:
                 reqs = self._requests(inputs, out, pinned, t0)
@@ -766,6 +775,31 @@ class Engine:
             # completed right here, on the instance's stream: no completion thread, no event
             self._run_watching(todo, build_here=True)
         return fut
+
+    def _enqueue(self, r: _Req) -> list | None:
+        """`_admit` for the common FIFO submit (dynamic batching or the dispatcher thread; one
+        plain request, queue space left, the engine open) in one short hold of the lock:
+        append it, and form batches only when that can start one: the FIFO was empty (the
+        new head needs its delay timer) or a batch is full. Every other change that can start
+        a batch forms batches itself (an instance given back, a build done, the deadline), so
+        calling it per request would only scan the queue again. Returns what `_run_watching`
+        starts, or None when the request needs `_admit` (no space, closing, broken)."""
+        with self._lock:
+            if (self._state != "open" or self._broken is not None
+                    or self._queued >= self.queue_limit):
+                return None
+            q = self._batchq
+            was_empty = not q
+            q.append(r)
+            self._batch_rows += r.rows
+            self._queued += 1
+            if self.dispatch == "thread":
+                if was_empty or self.batching is None or self._batch_rows >= self._max_batch:
+                    self._work.notify()
+                return []
+            if was_empty or self._batch_rows >= self._max_batch:
+                return self._form_batches()
+            return []
 
     def _build_quietly(self, b) -> None:
         try:
@@ -943,12 +977,20 @@ class Engine:
                     if now < due:
                         self._head_due = due
                         break
-                n = total = 0
-                for r in q:
-                    if n and total + r.rows > mb:
-                        break
-                    total += r.rows
-                    n += 1
+                plan = self._head_plan
+                if plan is not None and plan[0] is q[0]:
+                    n, total = plan[1], plan[2]
+                else:
+                    n = total = 0
+                    for r in q:
+                        if n and total + r.rows > mb:
+                            break
+                        total += r.rows
+                        n += 1
+                    # a batch that no later request can join (the next did not fit, or it is
+                    # full) is kept for its head: while the head waits for an instance, each
+                    # call would scan the same requests again
+                    self._head_plan = (q[0], n, total) if n < len(q) or total >= mb else None
             b = self._bucket_of(total)
             if not b.ready:
                 self._head_missed = True
@@ -964,6 +1006,7 @@ class Engine:
                 reqs = [q.popleft()]
             else:
                 reqs = [q.popleft() for _ in range(n)]
+            self._head_plan = None
             self._batch_rows -= total
             self._queued -= n
             if self._space_waiting:  # Condition.notify costs two lock calls even for nobody
@@ -1407,6 +1450,7 @@ class Engine:
                 log.error("serve: sticky CUDA error, the engine is broken: %s", exc)
             queued = list(self._batchq)
             self._batchq.clear()
+            self._head_plan = None
             self._batch_rows = 0
             for b in self._buckets.values():
                 queued.extend(b.queue)
@@ -1586,6 +1630,7 @@ class Engine:
         if self._bucket_of(total) is not b:
             return []
         reqs = [q.popleft() for _ in range(n)]
+        self._head_plan = None
         self._batch_rows -= total
         self._queued -= n
         self._head_missed = False
@@ -1689,6 +1734,7 @@ class Engine:
             if cancel:
                 dropped = list(self._batchq)
                 self._batchq.clear()
+                self._head_plan = None
                 self._batch_rows = 0
                 for b in self._buckets.values():
                     dropped.extend(b.queue)
