@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -127,7 +128,9 @@ def test_a_burst_of_n_completions_is_resolved_over_ceil_n_over_k_loop_turns(n, k
 
 def test_cancelling_a_task_whose_request_runs_frees_its_slot_and_the_engine_serves_on():
     """The request of a cancelled task runs to the end: its slot comes back once it
-    completed, and the drain leaves the cancelled future it awaited as it is."""
+    completed, the drain leaves the cancelled future it awaited as it is, and nothing keeps
+    the request's result once it completed (its `ServeFuture` is freed: no engine thread
+    holds the last request it handled while it waits for the next)."""
     gate, entered = threading.Event(), threading.Event()
 
     async def main(e):
@@ -141,12 +144,14 @@ def test_cancelling_a_task_whose_request_runs_frees_its_slot_and_the_engine_serv
         assert box.sem._value == e.queue_limit - 1  # the request still holds its slot
         gc.collect()
         (sf,) = [o for o in gc.get_objects() if isinstance(o, ServeFuture)]
+        gone = weakref.ref(sf)
         aio = sf._aio
         assert aio.cancelled()  # the task's cancel cancelled what it awaited
         del sf
         gate.set()
         await until(lambda: box.sem._value == e.queue_limit)  # completed: slot back
         assert aio.cancelled()  # skipped by the drain: not resolved
+        await until(lambda: gone() is None)  # by reference counting: no collection here
         y = await asyncio.wait_for(e.run(row(2, 3)), 10)
         assert y.tobytes() == f(row(2, 3)).tobytes()
         return box

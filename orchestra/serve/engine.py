@@ -694,32 +694,39 @@ class Engine:
                 for box in boxes:
                     box.retire()
                 return
+            self._bridge_admit(reqs)
+            # not held while this thread waits for the next request: the last request (its
+            # future, its result) would stay alive until then, a cancelled one's included
+            del reqs
+
+    def _bridge_admit(self, reqs: list[_Req]) -> None:
+        """The bridge thread: admit and start one `run` request (its locals go with it)."""
+        try:
+            fut = reqs[0].fut
+            if fut.cancelled():
+                with self._lock:
+                    self._cancelled += 1
+                return
+            if self._cancel_all:
+                if not fut.cancel():
+                    _set_exception(fut, EngineClosed("the engine closed with cancel=True"))
+                with self._lock:
+                    self._cancelled += 1
+                return
             try:
-                fut = reqs[0].fut
-                if fut.cancelled():
-                    with self._lock:
-                        self._cancelled += 1
-                    continue
-                if self._cancel_all:
-                    if not fut.cancel():
-                        _set_exception(fut, EngineClosed("the engine closed with cancel=True"))
-                    with self._lock:
-                        self._cancelled += 1
-                    continue
-                try:
-                    todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
-                                       bridge=True)
-                except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
-                    for r in reqs:
-                        self._fail(r, exc)
-                    continue
-                if todo:
-                    self._run_todo(todo, build_here=False)
-            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
-                log.exception("serve: the asyncio bridge failed a request")
+                todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
+                                   bridge=True)
+            except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
                 for r in reqs:
-                    if r.fut is not None and not r.fut.done():
-                        self._fail(r, exc)
+                    self._fail(r, exc)
+                return
+            if todo:
+                self._run_todo(todo, build_here=False)
+        except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
+            log.exception("serve: the asyncio bridge failed a request")
+            for r in reqs:
+                if r.fut is not None and not r.fut.done():
+                    self._fail(r, exc)
 
     def _fast_rows(self, inputs, out, pinned) -> int:
         """The rows of ``inputs`` when it is one plain C-contiguous array of a one-input
