@@ -143,7 +143,7 @@ def test_cancelling_a_task_whose_request_runs_frees_its_slot_and_the_engine_serv
         box = e._aio_boxes[loop]
         assert box.sem._value == e.queue_limit - 1  # the request still holds its slot
         gc.collect()
-        (sf,) = [o for o in gc.get_objects() if isinstance(o, ServeFuture)]
+        (sf,) = [o for o in gc.get_objects() if isinstance(o, ServeFuture) and o._engine is e]
         gone = weakref.ref(sf)
         aio = sf._aio
         assert aio.cancelled()  # the task's cancel cancelled what it awaited
