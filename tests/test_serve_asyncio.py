@@ -1,10 +1,10 @@
 """The engine's asyncio path on the CPU (NumpyBackend): how many completions one loop turn
 resolves and for how long (the drain's time budget, timers served between turns), the
-eventfd wake-up and its fallback, the waiter run() awaits (results, errors, cancellation,
-context), cancellation of an awaiting task whose request is queued or runs, close with awaits
-pending, the loop never waiting for the engine's lock, what a request in flight leaves for the
-garbage collector to traverse, run()'s own checks and its in-flight bound. Every output is
-compared with numpy's."""
+eventfd wake-up and its fallback, what run() awaits (results, errors, context, futures
+already done), cancellation of an awaiting task whose request is queued or runs, close with
+awaits pending, the loop never waiting for the engine's lock, what a request in flight leaves
+for the garbage collector to traverse, run()'s own checks and its in-flight bound. Every
+output is compared with numpy's (or the value the completion carried)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import math
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 
-from orchestra.serve import Batching, Engine, EngineClosed
+from orchestra.serve import Batching, Engine, EngineClosed, ServeFuture
 from orchestra.serve.backend import NumpyBackend
 import orchestra.serve.engine as engine_mod
 from orchestra.serve.engine import _LoopInbox
@@ -126,6 +127,10 @@ def test_a_burst_of_n_completions_is_resolved_over_ceil_n_over_k_loop_turns(n, k
 
 
 def test_cancelling_a_task_whose_request_runs_frees_its_slot_and_the_engine_serves_on():
+    """The request of a cancelled task runs to the end: its slot comes back once it
+    completed, the drain leaves the cancelled future it awaited as it is, and nothing keeps
+    the request's result once it completed (its `ServeFuture` is freed: no engine thread
+    holds the last request it handled while it waits for the next)."""
     gate, entered = threading.Event(), threading.Event()
 
     async def main(e):
@@ -137,8 +142,16 @@ def test_cancelling_a_task_whose_request_runs_frees_its_slot_and_the_engine_serv
             await t
         box = e._aio_boxes[loop]
         assert box.sem._value == e.queue_limit - 1  # the request still holds its slot
+        gc.collect()
+        (sf,) = [o for o in gc.get_objects() if isinstance(o, ServeFuture) and o._engine is e]
+        gone = weakref.ref(sf)
+        aio = sf._aio
+        assert aio.cancelled()  # the task's cancel cancelled what it awaited
+        del sf
         gate.set()
         await until(lambda: box.sem._value == e.queue_limit)  # completed: slot back
+        assert aio.cancelled()  # skipped by the drain: not resolved
+        await until(lambda: gone() is None)  # by reference counting: no collection here
         y = await asyncio.wait_for(e.run(row(2, 3)), 10)
         assert y.tobytes() == f(row(2, 3)).tobytes()
         return box
@@ -253,12 +266,6 @@ def test_a_request_in_flight_leaves_few_objects_for_the_garbage_collector():
 # -- one loop iteration's work: the drain's time budget ---------------------------------------
 
 
-def spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def burst(e, n: int, gate: threading.Event, after, marks: list):
     """``n`` tasks whose requests complete in one batch while the loop is held; each task
     calls ``after(j)`` once its output arrived (and was checked). Returns the coroutine;
@@ -297,38 +304,142 @@ def burst(e, n: int, gate: threading.Event, after, marks: list):
     return main()
 
 
-def test_a_drain_stops_once_its_time_budget_is_spent_by_the_tasks_it_resumed():
-    """Each awaiting task spends 2 ms after its output arrived (more than the drain's 0.25 ms
-    budget): one loop iteration resumes one task, although completions_per_turn allows 16,
-    so no iteration runs much longer than one task's step; every output is right."""
+class _Done:
+    """What the inbox takes from a completing thread, as a `ServeFuture` gives it: the
+    awaited asyncio future (``_aio``), the result or the exception, cancelled or not."""
+
+    def __init__(self, aio, result=None, exception=None, cancelled=False):
+        self._aio, self._result, self._exception = aio, result, exception
+        self._cancelled = cancelled
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+def count_drains(monkeypatch, waiting: list) -> list:
+    """Per drain of any inbox, how many of ``waiting`` it resolved (the drain wrapped)."""
+    turns: list = []
+    drain = _LoopInbox.drain
+
+    def counted(self):
+        before = sum(w.done() for w in waiting)
+        drain(self)
+        turns.append(sum(w.done() for w in waiting) - before)
+
+    monkeypatch.setattr(_LoopInbox, "drain", counted)
+    return turns
+
+
+def test_a_drain_stops_once_its_time_budget_is_spent_resolving(monkeypatch):
+    """The drain reads the clock after each future it resolves and stops once 0.25 ms
+    passed, although completions_per_turn allows 16: with a clock that moves 0.1 ms per
+    read, 3 per drain (0.1, 0.2, 0.3 ms after the start), 10 completions over 4 drains; each
+    awaiting coroutine gets its own value, each slot comes back."""
+    clock = [0]
+
+    def fake_now():  # only the drain reads it here: no engine runs in this test
+        clock[0] += 100_000
+        return clock[0]
+
+    monkeypatch.setattr(engine_mod, "_now", fake_now)
+    assert engine_mod.TURN_BUDGET_NS == 250_000
+    waiting: list = []
+    turns = count_drains(monkeypatch, waiting)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _LoopInbox(loop, engine_mod._Slots(10), per_turn=16)
+        for k in range(10):
+            assert box.sem.take()
+            waiting.append(loop.create_future())
+        tasks = [asyncio.ensure_future(_await(w)) for w in waiting]
+        await asyncio.sleep(0)
+        for k, w in enumerate(waiting):
+            box.push(_Done(w, result=np.full(ROW, k, np.float32)))
+        ys = await asyncio.gather(*tasks)
+        await until(lambda: not box.scheduled)
+        return box, ys
+
+    box, ys = asyncio.run(main())
+    assert turns == [3, 3, 3, 1], turns
+    for k, y in enumerate(ys):
+        assert y.tobytes() == np.full(ROW, k, np.float32).tobytes()
+    assert box.sem.idle() and not box.items
+
+
+def test_with_no_time_budget_one_completion_is_resolved_per_loop_turn(monkeypatch):
+    """The engine's path with the budget at 0: each drain resolves one future (the clock has
+    passed the deadline after the first), so a burst of 8 resumes one task per loop
+    iteration although completions_per_turn allows 16; every output is right."""
+    monkeypatch.setattr(engine_mod, "TURN_BUDGET_NS", 0)
     gate = threading.Event()
     marks: list = []
-    with gated_engine(gate, buckets=[16], batching=Batching(max_batch=12, max_delay_us=5e6),
+    with gated_engine(gate, buckets=[8], batching=Batching(max_batch=8, max_delay_us=5e6),
                       completions_per_turn=16) as e:
-        box = asyncio.run(burst(e, 12, gate, lambda j: spin(0.002), marks))
+        box = asyncio.run(burst(e, 8, gate, lambda j: None, marks))
     per_turn = [c for kind, c in marks if kind == "turn" and c]
-    assert engine_mod.TURN_BUDGET_NS < 2_000_000
-    assert per_turn == [1] * 12, per_turn
-    assert sorted(j for kind, j in marks if kind == "done") == list(range(12))
+    assert per_turn == [1] * 8, per_turn
+    assert sorted(j for kind, j in marks if kind == "done") == list(range(8))
     assert box.sem.idle() and not box.scheduled and not box.items
 
 
-def test_a_timer_that_comes_due_during_a_long_drain_runs_before_the_drain_goes_on():
-    """The drain goes on with call_later(0), after the timers that came due: a timer the
-    first resumed task sets (due at once) runs before the second task is resumed (with
-    call_soon it would wait behind the next drain)."""
-    gate = threading.Event()
+def test_a_timer_that_comes_due_during_a_drain_runs_before_the_drain_goes_on():
+    """The drain goes on with call_later(0), after the timers that came due: a timer that
+    comes due while the first drain resolves (one per turn here) runs before the second
+    drain resolves the next future (with call_soon it would wait behind that drain)."""
     marks: list = []
 
-    def after(j):
-        if len([m for m in marks if m[0] == "done"]) == 1:
-            asyncio.get_running_loop().call_later(0, lambda: marks.append(("timer", j)))
-        spin(0.001)
+    class Marking(asyncio.Future):
+        def set_result(self, value):
+            marks.append(("resolved", value))
+            if value == 0:
+                self.get_loop().call_later(0, marks.append, ("timer", None))
+            super().set_result(value)
 
-    with gated_engine(gate, buckets=[8], batching=Batching(max_batch=5, max_delay_us=5e6)) as e:
-        asyncio.run(burst(e, 5, gate, after, marks))
-    order = [m[0] for m in marks if m[0] != "turn"]
-    assert order[:3] == ["done", "timer", "done"], marks
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _LoopInbox(loop, engine_mod._Slots(4), per_turn=1, wake_fd=True)
+        futs = [Marking(loop=loop) for _ in range(4)]
+        for k, w in enumerate(futs):
+            assert box.sem.take()
+            box.push(_Done(w, result=k))
+        assert await asyncio.gather(*futs) == [0, 1, 2, 3]
+        await until(lambda: not box.scheduled)
+        return box
+
+    box = asyncio.run(main())
+    assert marks[:3] == [("resolved", 0), ("timer", None), ("resolved", 1)], marks
+    assert [v for kind, v in marks if kind == "resolved"] == [0, 1, 2, 3]
+    assert box.sem.idle()
+
+
+def test_a_drain_skips_futures_already_done_and_cancels_those_of_cancelled_requests():
+    """The inbox resolves only what is still awaited: a future whose task was cancelled is
+    left as it is (its slot still comes back), a cancelled request cancels its future, a
+    failed one gets its exception (a StopIteration as a TypeError: asyncio refuses it)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = _LoopInbox(loop, engine_mod._Slots(5), per_turn=16)
+        gone, cancelled, failed, stop, ok = (loop.create_future() for _ in range(5))
+        gone.cancel()
+        err = KeyError("k")
+        for w, kw in ((gone, {"result": 1}), (cancelled, {"cancelled": True}),
+                      (failed, {"exception": err}), (stop, {"exception": StopIteration(3)}),
+                      (ok, {"result": 5})):
+            assert box.sem.take()
+            box.push(_Done(w, **kw))
+        await until(lambda: ok.done())
+        assert gone.cancelled() and cancelled.cancelled()
+        assert failed.exception() is err
+        assert isinstance(stop.exception(), TypeError)
+        assert isinstance(stop.exception().__cause__, StopIteration)
+        assert "StopIteration" in str(stop.exception())
+        assert ok.result() == 5
+        await until(lambda: not box.scheduled)
+        return box
+
+    box = asyncio.run(main())
+    assert box.sem.idle() and not box.items
 
 
 def test_the_inbox_wakes_the_loop_through_its_eventfd_once_per_burst(monkeypatch):
@@ -402,7 +513,7 @@ def test_a_loop_that_cannot_watch_an_fd_is_woken_with_call_soon_threadsafe(monke
     assert box._fd is None and box.sem.idle() and not box.scheduled
 
 
-# -- what run() awaits: the waiter --------------------------------------------------------------
+# -- what run() awaits: results, errors, context --------------------------------------------------------------
 
 
 def test_run_results_errors_and_context_through_wait_for_shield_and_gather():
@@ -444,9 +555,9 @@ def test_run_results_errors_and_context_through_wait_for_shield_and_gather():
 
 def test_a_failed_request_keeps_no_frame_of_the_loop_or_the_inbox_alive():
     """The error a failed request raises in its awaiting task is raised by asyncio's own
-    future code (no Python frame of the waiter in its traceback): the traceback keeps no
-    frame of the inbox's drain or of the loop's machinery alive (a frame there would link
-    the whole calling stack, and each failed request would keep its own copy)."""
+    future code: the traceback keeps no frame of the inbox's drain or of the loop's
+    machinery alive (a frame there would link the whole calling stack, and each failed
+    request would keep its own copy), nor the asyncio future the task awaited."""
     def fn(d):
         raise ValueError("refused")
 
@@ -469,7 +580,7 @@ def test_a_failed_request_keeps_no_frame_of_the_loop_or_the_inbox_alive():
             loop.run_until_complete(main(e))
             gc.set_debug(gc.DEBUG_SAVEALL)
             gc.collect()
-            kept = [o for o in gc.garbage if type(o).__name__ == "_Waiter"]
+            kept = [o for o in gc.garbage if type(o) is asyncio.Future]
             frames = collections.Counter(o.f_code.co_qualname for o in gc.garbage
                                          if type(o).__name__ == "frame")
         finally:
@@ -478,9 +589,30 @@ def test_a_failed_request_keeps_no_frame_of_the_loop_or_the_inbox_alive():
             gc.enable()
             loop.close()
     assert not kept, kept
-    ours = {"_LoopInbox.drain", "_LoopInbox._woken", "_Waiter._resolve", "Handle._run",
-            "BaseEventLoop._run_once"}
+    ours = {"_LoopInbox.drain", "_LoopInbox._woken", "Handle._run", "BaseEventLoop._run_once"}
     assert not ours & set(frames), frames
+
+
+def test_a_launch_that_raises_stopiteration_raises_a_typeerror_in_the_awaiting_task():
+    """asyncio refuses a StopIteration in a future (it would end the awaiting coroutine as
+    a return): the task gets a TypeError that names it, the StopIteration as its cause, and
+    the engine serves on with the right output."""
+    def fn(d):
+        if d["x"][0, 0] < 0:
+            raise StopIteration("no more")
+        return f(d["x"])
+
+    async def main(e):
+        with pytest.raises(TypeError, match="StopIteration") as info:
+            await e.run(-row(1))
+        assert isinstance(info.value.__cause__, StopIteration)
+        assert (await e.run(row(2, 2))).tobytes() == f(row(2, 2)).tobytes()
+        return e._aio_boxes[asyncio.get_running_loop()]
+
+    with Engine(backend=NumpyBackend(fn, device_thread=True), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4]) as e:
+        box = asyncio.run(main(e))
+    assert box.sem.idle()
 
 
 def test_cancelling_a_task_whose_request_is_queued_cancels_the_request():
@@ -506,94 +638,8 @@ def test_cancelling_a_task_whose_request_is_queued_cancels_the_request():
     assert st["engine"]["cancelled"] == 1 and st["buckets"][4]["requests"] == 2
 
 
-def test_waiter_follows_the_future_protocol():
-    """`_Waiter` as asyncio sees it: a future; `_resolve` runs the callbacks at once, in
-    order (removed ones not); callbacks added once it is done are scheduled; ``cancel``
-    schedules them and result() raises CancelledError; a task awaiting one has taken its
-    next step when `_resolve` returns; an error is raised into the task."""
-    async def main():
-        loop = asyncio.get_running_loop()
-        w = engine_mod._Waiter(loop)
-        assert asyncio.isfuture(w) and w.get_loop() is loop and not w.done()
-        with pytest.raises(asyncio.InvalidStateError):
-            w.result()
-        seen = []
-        w.add_done_callback(lambda x: seen.append("a"))
-        w.add_done_callback(lambda x: seen.append("b"))
-        drop = lambda x: seen.append("dropped")  # noqa: E731
-        w.add_done_callback(drop)
-        assert w.remove_done_callback(drop) == 1
-        await outside_a_task(lambda: w._resolve(42, None))  # as the drain: callbacks now
-        assert seen == ["a", "b"] and w.result() == 42 and w.exception() is None
-        w.add_done_callback(lambda x: seen.append("late"))  # done: scheduled
-        assert seen == ["a", "b"]
-        await asyncio.sleep(0)
-        assert seen == ["a", "b", "late"]
-        assert not w.cancel()
-
-        c = engine_mod._Waiter(loop)
-        c.add_done_callback(lambda x: seen.append("cancelled"))
-        assert c.cancel("stop") and c.cancelled() and c.done()
-        assert "cancelled" not in seen  # scheduled, as a future's
-        await asyncio.sleep(0)
-        assert seen[-1] == "cancelled"
-        with pytest.raises(asyncio.CancelledError, match="stop"):
-            c.result()
-
-        x = engine_mod._Waiter(loop)
-        err = KeyError("k")
-        x._resolve(None, err)
-        assert x.exception() is err
-        with pytest.raises(KeyError):
-            x.result()
-        s = engine_mod._Waiter(loop)
-        s._resolve(None, StopIteration())  # asyncio refuses it in a future: a TypeError
-        assert isinstance(s.exception(), TypeError)
-
-        v = engine_mod._Waiter(loop)
-        t = asyncio.ensure_future(_await(v))
-        await asyncio.sleep(0)
-        assert not t.done()
-        # the task's step runs inside _resolve
-        assert await outside_a_task(lambda: (v._resolve("value", None), t.done())[1])
-        assert t.result() == "value"
-        bad = engine_mod._Waiter(loop)
-        t = asyncio.ensure_future(_await(bad))
-        await asyncio.sleep(0)
-        await outside_a_task(lambda: bad._resolve(None, OSError("lost")))
-        assert t.done() and isinstance(t.exception(), OSError)
-        # resolved from inside a task (this one): the other task's step is scheduled
-        later = engine_mod._Waiter(loop)
-        t = asyncio.ensure_future(_await(later))
-        await asyncio.sleep(0)
-        later._resolve(7, None)
-        assert not t.done()
-        assert await t == 7
-        # completed as a plain future (set_result / set_exception): callbacks scheduled
-        for setter, value in (("set_result", 8), ("set_exception", LookupError("x"))):
-            plain = engine_mod._Waiter(loop)
-            t = asyncio.ensure_future(_await(plain))
-            await asyncio.sleep(0)
-            getattr(plain, setter)(value)
-            assert not t.done()
-            await asyncio.sleep(0)
-            assert t.done()
-            assert (t.result() == 8) if setter == "set_result" else isinstance(
-                t.exception(), LookupError)
-
-    asyncio.run(main())
-
-
 async def _await(w):
     return await w
-
-
-async def outside_a_task(fn):
-    """``fn()`` in a plain loop callback (as the inbox's drain runs), its value."""
-    loop = asyncio.get_running_loop()
-    out = loop.create_future()
-    loop.call_soon(lambda: out.set_result(fn()))
-    return await out
 
 
 # -- run()'s own checks and its in-flight bound ------------------------------------------------

@@ -578,11 +578,12 @@ class Engine:
         raises its `BadRequest` here) and handed to the engine's asyncio bridge thread
         (a ``SimpleQueue``: no lock the engine holds), which leases an instance or queues the
         request, copies and launches; the thread that completes the request (the completion
-        thread, or the bridge) hands it to the loop's inbox, which wakes the loop (one write
-        to an ``eventfd`` the loop watches, or ``call_soon_threadsafe`` where the loop cannot
-        watch one) and resumes the awaiting tasks in bounded turns: at most
-        ``completions_per_turn`` per loop iteration and for about `TURN_BUDGET_NS` (0.25 ms,
-        the tasks' next steps included: they run in the inbox's turn; docs/serving.md). At
+        thread, or the bridge) hands it to the loop's inbox, which wakes the loop once per
+        burst of completions (one write to an ``eventfd`` the loop watches, or
+        ``call_soon_threadsafe`` where the loop cannot watch one) and resolves the awaited
+        ``asyncio.Future`` objects in bounded turns: at most ``completions_per_turn`` per loop
+        iteration and for about `TURN_BUDGET_NS` (0.25 ms; docs/serving.md). Each awaiting
+        task resumes in the loop's next iteration, as after any asyncio future. At
         most ``queue_limit`` requests of one loop are in flight at once: further ones
         await a free slot (``on_full="block"``) or raise `Overloaded` (``on_full="raise"``):
         back-pressure that awaits instead of blocking. Cancelling the awaiting task cancels
@@ -625,7 +626,7 @@ class Engine:
                 r.fut = fut
         if reqs[0].group is not None:
             reqs[0].group.fut = fut
-        aio = _Waiter(loop)
+        aio = loop.create_future()
         fut._aio = aio
         # the inbox's one shared callback list instead of add_done_callback: no list and no
         # bound method per request (two objects fewer for the garbage collector to traverse
@@ -696,32 +697,39 @@ class Engine:
                 for box in boxes:
                     box.retire()
                 return
+            self._bridge_admit(reqs)
+            # not held while this thread waits for the next request: the last request (its
+            # future, its result) would stay alive until then, a cancelled one's included
+            del reqs
+
+    def _bridge_admit(self, reqs: list[_Req]) -> None:
+        """The bridge thread: admit and start one `run` request (its locals go with it)."""
+        try:
+            fut = reqs[0].fut
+            if fut.cancelled():
+                with self._lock:
+                    self._cancelled += 1
+                return
+            if self._cancel_all:
+                if not fut.cancel():
+                    _set_exception(fut, EngineClosed("the engine closed with cancel=True"))
+                with self._lock:
+                    self._cancelled += 1
+                return
             try:
-                fut = reqs[0].fut
-                if fut.cancelled():
-                    with self._lock:
-                        self._cancelled += 1
-                    continue
-                if self._cancel_all:
-                    if not fut.cancel():
-                        _set_exception(fut, EngineClosed("the engine closed with cancel=True"))
-                    with self._lock:
-                        self._cancelled += 1
-                    continue
-                try:
-                    todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
-                                       bridge=True)
-                except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
-                    for r in reqs:
-                        self._fail(r, exc)
-                    continue
-                if todo:
-                    self._run_todo(todo, build_here=False)
-            except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
-                log.exception("serve: the asyncio bridge failed a request")
+                todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
+                                   bridge=True)
+            except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
                 for r in reqs:
-                    if r.fut is not None and not r.fut.done():
-                        self._fail(r, exc)
+                    self._fail(r, exc)
+                return
+            if todo:
+                self._run_todo(todo, build_here=False)
+        except BaseException as exc:  # noqa: BLE001 - never let an error end this thread
+            log.exception("serve: the asyncio bridge failed a request")
+            for r in reqs:
+                if r.fut is not None and not r.fut.done():
+                    self._fail(r, exc)
 
     def _fast_rows(self, inputs, out, pinned) -> int:
         """The rows of ``inputs`` when it is one plain C-contiguous array of a one-input
@@ -1837,9 +1845,10 @@ def _close_quietly(obj) -> None:
 
 # -- the asyncio bridge's delivery to event loops ------------------------------------------
 
-# how long one drain of a loop's inbox may deliver completions (and run the awaiting tasks'
-# next steps, which run inside it) before it lets the loop's timers and I/O run and goes on
-# in a later iteration: a timer that comes due waits at most about two of these
+# how long one drain of a loop's inbox may resolve awaited futures before it lets the loop's
+# timers and I/O run and goes on in a later iteration (resolving one takes well under a
+# microsecond: the bound matters when the drain is slowed, by a thread holding the GIL or a
+# collection, and caps what one burst costs the loop beside completions_per_turn)
 TURN_BUDGET_NS = 250_000
 
 
@@ -1959,104 +1968,17 @@ def _eventfd() -> _EventFd | None:
         return None
 
 
-_future_set_result = asyncio.Future.set_result  # the C methods, past _Waiter's overrides
-_future_set_exception = asyncio.Future.set_exception
-
-
-class _Waiter(asyncio.Future):
-    """What `Engine.run` awaits: an ``asyncio.Future`` whose completion by the loop's inbox
-    (`_resolve`) calls the awaiting task's wake-up at once, where a future schedules it with
-    ``call_soon``. The task's next step then runs inside the inbox's drain, in the same loop
-    iteration (one iteration per delivery instead of two, no handle per wake-up), and the
-    drain times those steps itself: it stops once its budget is spent. The future's own
-    methods (``result``, ``done``, its ``__await__``) are asyncio's C code: an error is
-    raised into the task without a Python frame of ours in its traceback (a frame there
-    would keep the drain's and the loop's frames alive with the error). Callbacks added
-    after completion, and all of them on ``cancel``, are scheduled as a future's are.
-
-    Thread-safety: the loop's thread only (as ``asyncio.Future``).
-    """
-
-    __slots__ = ("_cb", "_ctx", "_more")
-
-    def __init__(self, loop):
-        super().__init__(loop=loop)
-        self._cb: Any = None  # the one callback (the awaiting task's wake-up), its context
-        self._ctx: Any = None
-        self._more: list | None = None  # (callback, context) of further callbacks, if any
-
-    def add_done_callback(self, fn, *, context=None) -> None:
-        if self.done():
-            super().add_done_callback(fn, context=context)  # scheduled
-            return
-        if context is None:
-            context = contextvars.copy_context()
-        if self._cb is None:
-            self._cb, self._ctx = fn, context
-        elif self._more is None:
-            self._more = [(fn, context)]
-        else:
-            self._more.append((fn, context))
-
-    def remove_done_callback(self, fn) -> int:
-        pending = self._take()
-        kept = [(f, c) for f, c in pending if f != fn]
-        for f, c in kept:
-            self.add_done_callback(f, context=c)
-        return len(pending) - len(kept) + super().remove_done_callback(fn)
-
-    def cancel(self, msg=None) -> bool:
-        if not super().cancel(msg=msg):
-            return False
-        self._schedule()
-        return True
-
-    def set_result(self, result) -> None:  # anyone but the inbox: as a future does
-        super().set_result(result)
-        self._schedule()
-
-    def set_exception(self, exception) -> None:
-        super().set_exception(exception)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        call_soon = self.get_loop().call_soon
-        for fn, ctx in self._take():
-            call_soon(fn, self, context=ctx)
-
-    def _take(self) -> list:
-        """The callbacks held here (and none left)."""
-        pending = [(self._cb, self._ctx)] if self._cb is not None else []
-        if self._more:
-            pending += self._more
-        self._cb = self._ctx = self._more = None
-        return pending
-
-    def _resolve(self, value, exc) -> None:
-        """Complete with ``value`` (or ``exc``, not None) and run the callbacks now: the
-        awaiting task's next step (the inbox's drain, on the loop's thread, outside any
-        task; called from a task, the callbacks are scheduled as a future's are)."""
-        if exc is None:
-            _future_set_result(self, value)
-        else:
-            try:
-                _future_set_exception(self, exc)
-            except TypeError as refused:  # StopIteration: asyncio refuses it in a future
-                _future_set_exception(self, refused)
-        cb = self._cb
-        if cb is None:
-            return
-        if asyncio.current_task(self.get_loop()) is not None:
-            # called from a task (not the drain): a task's step cannot run inside another's
-            self._schedule()
-            return
-        ctx = self._ctx
-        more = self._more
-        self._cb = self._ctx = self._more = None
-        ctx.run(cb, self)
-        if more:
-            for fn, c in more:
-                c.run(fn, self)
+def _loop_error(exc: BaseException) -> BaseException:
+    """What the awaiting task gets for a request that raised ``exc``: ``exc`` itself, but
+    for a ``StopIteration``, which asyncio refuses in a future (it would end the task's
+    coroutine as a return): a ``TypeError`` that says so, ``exc`` as its cause. Made here, not
+    caught from asyncio: a caught error's traceback would keep the drain's frame alive."""
+    if isinstance(exc, StopIteration):
+        err = TypeError(f"the request raised {type(exc).__name__}, which asyncio cannot raise "
+                        f"into the awaiting task; raise another exception from the launch")
+        err.__cause__ = exc
+        return err
+    return exc
 
 
 class _LoopInbox:
@@ -2071,13 +1993,13 @@ class _LoopInbox:
     a callback that reads the loop's self-pipe (two ``recv`` calls, each releasing the GIL,
     the loop's thread then waiting to get it back while the engine's threads hold it).
 
-    On the loop, `drain` resolves the awaiting futures in order: an `Engine.run` waiter
-    (`_Waiter`) runs its task's next step right there. It stops after ``per_turn`` of them,
-    or once `TURN_BUDGET_NS` passed (time taken by those steps as well), and when more wait
-    it goes on with ``call_later(0)``: in the next loop iteration, after the timers and I/O
-    that came due meanwhile. So one iteration runs at most ``per_turn`` awaiting tasks' steps
-    and, beyond the step that passed it, no more than the budget, whatever the tasks do with
-    their results and however many requests completed at once. ``sem`` bounds the loop's
+    On the loop, `drain` resolves the awaited ``asyncio.Future`` objects in the order their
+    requests completed (``set_result`` / ``set_exception``; one whose task was cancelled
+    meanwhile is skipped), each task then resuming in the loop's next iteration as after
+    any future. It stops after ``per_turn`` of them, or once `TURN_BUDGET_NS` passed, and
+    when more wait it goes on with ``call_later(0)``: in the next loop iteration, after the
+    timers and I/O that came due meanwhile. So one iteration resumes at most ``per_turn``
+    awaiting tasks, however many requests completed at once. ``sem`` bounds the loop's
     requests in flight (`Engine.run`: a `_Slots`).
 
     `retire` (the bridge thread, when the engine closes): once nothing is in flight, the
@@ -2174,21 +2096,17 @@ class _LoopInbox:
                 release()
                 aio = fut._aio
                 fut._aio = None
-                if aio.done():
+                if aio.done():  # its task was cancelled: nobody awaits the result
                     continue
                 if fut.cancelled():
                     aio.cancel()
-                    continue
-                exc = fut._exception
-                if type(aio) is _Waiter:
-                    aio._resolve(fut._result, exc)  # the awaiting task's next step, now
-                    if _now() >= deadline:
-                        break
-                elif exc is not None:  # an asyncio.Future: its task runs next iteration
-                    aio.set_exception(exc)
+                elif fut._exception is not None:
+                    aio.set_exception(_loop_error(fut._exception))
                 else:
                     aio.set_result(fut._result)
-        finally:  # also when a task's step raised through here (KeyboardInterrupt)
+                if _now() >= deadline:
+                    break
+        finally:  # also when a signal's exception (KeyboardInterrupt) raised through here
             self._drained()
 
     def _drained(self) -> None:
