@@ -995,6 +995,49 @@ def test_many_requests_retain_no_memory_and_make_no_reference_cycles():
     assert sum(b["requests"] for b in st["buckets"].values()) == 300 + n - (300 + n) // 10
 
 
+
+def test_failed_launches_leave_no_reference_cycles():
+    """A launch whose run fails (the instance raises the error again when waited on, as a
+    failed GPU launch does) fails its requests' futures with it and leaves no cycle: the
+    error's traceback must not come to hold the engine frame that holds the launch."""
+    import gc
+
+    def fn(d):
+        if d["x"][0, 0] < 0:
+            raise ValueError("negative input")
+        return d["x"] * np.float32(3)
+
+    with Engine(backend=NumpyBackend(fn), inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[4],
+                instances=1) as e:
+        good, bad = rows(2, seed=1), -np.abs(rows(2, seed=2)) - 1
+        assert e.submit(good).result(timeout=5).tobytes() == (good * np.float32(3)).tobytes()
+        err = e.submit(bad).exception(timeout=5)
+        assert isinstance(err, ValueError) and err.__traceback__ is None
+        # where it arose is kept as a note: the backend function's frame and line
+        assert 'in fn\n    raise ValueError("negative input")' in "".join(err.__notes__)
+        del err
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(5):
+                fut = e.submit(bad)
+                with pytest.raises(ValueError, match="negative input"):
+                    fut.result(timeout=5)
+                del fut
+            y = e.submit(good).result(timeout=5)  # the engine serves on
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            kept = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            if was_enabled:
+                gc.enable()
+    assert y.tobytes() == (good * np.float32(3)).tobytes()
+    assert "ServeFuture" not in kept and "_Launch" not in kept, sorted(set(kept))
+
+
 def test_latency_samples_are_a_fixed_ring():
     from orchestra.serve.stats import Samples, percentiles
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import ctypes
 import functools
 import json
@@ -231,12 +230,11 @@ class Engine:
         timing_every: measure GPU time on every n-th launch (timing events; 0: never).
         zero_padding: zero the padding rows of input staging that a larger earlier request
             left behind (default True: a request never sees another's data).
-        completions_per_turn: asyncio (`run`): at most this many awaiting requests of one
-            event loop are resolved per loop iteration (default 16); the rest go on the next
-            iterations, so a burst of completions never holds the loop (its lag) for long:
-            one delivery runs at most this many awaiting tasks' next steps, and stops early
-            once those steps took 0.25 ms (`TURN_BUDGET_NS`), going on after the timers that
-            came due.
+        completions_per_turn: asyncio (`run`): at most this many awaited futures of one
+            event loop are resolved per drain (default 16), and a drain stops early after
+            0.25 ms (`TURN_BUDGET_NS`); the rest go on in later iterations, after the timers
+            that came due, so a burst of completions never holds the loop (its lag) for long.
+            Each resolved task resumes in the loop's next iteration.
         device, verify, streams: for the CUDA backends (the device; the hazard verifier; the
             eager executor's stream count).
 
@@ -1380,6 +1378,7 @@ class Engine:
         Returns the next launch to start (None when broken)."""
         if not claimed and not launch.claim():
             return None  # someone else completed or failed it
+        _drop_engine_frames(exc)
         if not isinstance(exc, Exception):  # KeyboardInterrupt and friends: fail, re-raise
             for r in launch.reqs:
                 self._fail(r, EngineClosed(f"the request was interrupted: {exc!r}"))
@@ -1395,10 +1394,16 @@ class Engine:
                 launch.bucket.stats.failed += len(launch.reqs)
                 self._idle.notify_all()
             return None
+        tb = exc.__traceback__
         try:  # a launch that failed part-way may still run: never lease staging it reads
             launch.inst.wait()
-        except BaseException:  # noqa: BLE001 - already failing this launch
-            pass
+        except BaseException as again:  # noqa: BLE001 - already failing this launch
+            if again is exc:
+                # the instance raised the same error again, which put this frame (holding
+                # the launch, its requests and their futures) into the traceback the futures
+                # keep: a reference cycle per failed request, left to the cyclic collector
+                exc.__traceback__ = tb
+            del again
         nxt = self._release(launch, None, failed=len(launch.reqs))
         launch.reqs = ()
         return nxt
@@ -1834,6 +1839,27 @@ class Engine:
         state = "broken" if self._broken is not None else self._state
         return (f"<Engine {self.executor} {state}: buckets {list(self.buckets)}, "
                 f"{self.instances} instances each, dispatch={self.dispatch}>")
+
+
+def _drop_engine_frames(exc: BaseException) -> None:
+    """Detach a failed launch's error from the frames it was raised through, keeping where
+    it arose as a note (``traceback.format_tb``; shown when the error is printed). Those
+    frames, and through ``f_back`` every engine frame below them, hold the launch, its
+    requests and their futures, and each future keeps the error: a reference cycle per
+    failed request, freed only by the cyclic collector. Idempotent: an error failing several
+    launches (a sticky one) gets one note."""
+    tb = exc.__traceback__
+    if tb is None:
+        return
+    exc.__traceback__ = None
+    if not getattr(exc, "_orchestra_tb_noted", False):
+        exc.add_note("raised at (most recent call last):\n"
+                     + "".join(traceback.format_tb(tb)).rstrip())
+        try:
+            exc._orchestra_tb_noted = True  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__: a second note, at worst
+            pass
+    del tb
 
 
 def _close_quietly(obj) -> None:
