@@ -46,6 +46,19 @@ if not 1 <= args.iters <= MAX_ITERS or args.items < 2 or not 16 <= args.mib * (1
 iters, K = args.iters, args.items
 from orchestra.errors import OrchestraError  # noqa: E402
 
+_excepthook = sys.excepthook
+
+
+def _orchestra_error_in_one_line(kind, exc, tb):
+    """An orchestra error past this point (out of pinned or device memory for --items x
+    --mib, a driver error) is the user's message, not a traceback; the exit status stays 1."""
+    if isinstance(exc, OrchestraError):
+        print(f"probe_pipeline_overlap: {exc}", file=sys.stderr)
+    else:
+        _excepthook(kind, exc, tb)
+
+
+sys.excepthook = _orchestra_error_in_one_line
 try:
     dev = Device.get(0)
 except OrchestraError as exc:
