@@ -43,6 +43,7 @@ from orchestra.serve import (
     pow2_buckets,
     vllm_buckets,
 )
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 from orchestra.serve.timer import deadline_timer
 
 ROW = 4
@@ -1036,6 +1037,39 @@ def test_failed_launches_leave_no_reference_cycles():
                 gc.enable()
     assert y.tobytes() == (good * np.float32(3)).tobytes()
     assert "ServeFuture" not in kept and "_Launch" not in kept, sorted(set(kept))
+
+
+
+@pytest.mark.parametrize("spoil, error, match", [
+    (lambda i: i.inputs.update(x=i.inputs["x"][:-1]), ServeConfigValueError,
+     r"4-row instance's inputs\['x'\] is shape \(3, 4\) \(declared \(4, 4\)\)"),
+    (lambda i: i.outputs.update(y=np.zeros((4, ROW), np.float64)), ServeConfigValueError,
+     r"outputs\['y'\] is dtype <f8 \(declared <f4\)"),
+    (lambda i: i.inputs.update(x=np.zeros((ROW, 4), np.float32).T), ServeConfigValueError,
+     r"not C-contiguous"),
+    (lambda i: i.inputs["x"].setflags(write=False), ServeConfigValueError, r"read-only"),
+    (lambda i: i.outputs.update(y=[[0.0] * ROW] * 4), ServeConfigTypeError,
+     r"outputs\['y'\] must be a numpy.ndarray.*got list"),
+])
+def test_a_backend_whose_staging_does_not_match_the_declaration_is_refused(spoil, error, match):
+    """A custom backend's staging is checked once per built instance: wrong shape, dtype,
+    order, a read-only or a non-array one fails the build with a config error naming it (the
+    waiting request's future fails with it; nothing is copied into the bad staging)."""
+    class Spoiled(GatedBackend):
+        def create(self, rows, index, inputs, outputs):
+            inst = super().create(rows, index, inputs, outputs)
+            spoil(inst)
+            return inst
+
+    backend = Spoiled(auto=True)
+    with gated_engine(backend, buckets=[4]) as e:
+        with pytest.raises(error, match=match):
+            e.warmup()
+        fut = e.submit(rows(2))
+        with pytest.raises(error, match=match):
+            fut.result(timeout=5)
+        assert backend.launched == 0
+        assert all(i.closed for i in backend.instances)
 
 
 def test_latency_samples_are_a_fixed_ring():

@@ -66,6 +66,7 @@ from orchestra.serve.errors import (
     RequestTooLarge,
     ServeConfigTypeError,
     ServeConfigValueError,
+    StopIterationRaised,
 )
 from orchestra.serve.future import ServeFuture
 from orchestra.serve.stats import BucketStats, percentiles
@@ -1568,6 +1569,7 @@ class Engine:
             mem0 = self.backend.graph_memory()
             for k in range(self.instances):
                 insts.append(self.backend.create(b.rows, k, self._inputs, self._outputs))
+                self._check_staging(insts[-1], b.rows)
             mem1 = self.backend.graph_memory()
         except BaseException as exc:  # noqa: BLE001 - fails the requests waiting for it
             err = exc
@@ -1625,6 +1627,32 @@ class Engine:
                 raise err
             return
         self._run_todo(launches, build_here=False)
+
+    def _check_staging(self, inst: Instance, rows: int) -> None:
+        """A backend's instance staging, checked once when it is built: every declared input
+        and output as a C-contiguous, writable ndarray of the declared dtype and shape
+        ``(rows, *row_shape)``. The engine copies requests into and out of these arrays without
+        checking each time (a short or strided one would fail with numpy's error, or corrupt,
+        at the first request)."""
+        for what, specs, arrays in (("inputs", self._inputs, inst.inputs),
+                                    ("outputs", self._outputs, inst.outputs)):
+            for name, spec in specs.items():
+                a = arrays.get(name) if hasattr(arrays, "get") else None
+                where = (f"backend {self.backend.name!r}: the {rows}-row instance's {what}"
+                         f"[{name!r}]")
+                if not isinstance(a, np.ndarray):
+                    raise ServeConfigTypeError(f"{where} must be a numpy.ndarray (its staging); "
+                                               f"got {type(a).__name__}")
+                want = spec.shape(rows)
+                bad = [f"shape {a.shape} (declared {want})" if a.shape != want else "",
+                       f"dtype {a.dtype.str} (declared {spec.dtype.str})"
+                       if a.dtype != spec.dtype else "",
+                       "not C-contiguous" if not a.flags.c_contiguous else "",
+                       "read-only" if not a.flags.writeable else ""]
+                bad = [x for x in bad if x]
+                if bad:
+                    raise ServeConfigValueError(f"{where} is {', '.join(bad)}: make Backend.create "
+                                                "return staging as the engine declares it")
 
     def _pop_head_batch(self, b: _Bucket) -> list[_Req]:
         """Under the lock: take the FIFO's head batch if it runs on bucket ``b``."""
@@ -2000,8 +2028,9 @@ def _loop_error(exc: BaseException) -> BaseException:
     coroutine as a return): a ``TypeError`` that says so, ``exc`` as its cause. Made here, not
     caught from asyncio: a caught error's traceback would keep the drain's frame alive."""
     if isinstance(exc, StopIteration):
-        err = TypeError(f"the request raised {type(exc).__name__}, which asyncio cannot raise "
-                        f"into the awaiting task; raise another exception from the launch")
+        err = StopIterationRaised(f"the request raised {type(exc).__name__}, which asyncio "
+                                  "cannot raise into the awaiting task; raise another exception "
+                                  "from the launch")
         err.__cause__ = exc
         return err
     return exc

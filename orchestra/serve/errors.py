@@ -58,6 +58,13 @@ class ServeConfigTypeError(ServeConfigError, TypeError):
     not return a `ServeGraph`)."""
 
 
+class StopIterationRaised(ServeError, TypeError):
+    """``await Engine.run(...)``: the request's launch raised ``StopIteration``, which asyncio
+    cannot raise into the awaiting task (a coroutine would end as if it returned); this is
+    raised instead, the ``StopIteration`` as its ``__cause__``. Raise another exception from
+    the backend."""
+
+
 class Overloaded(ServeError):
     """The engine's queue is full (``queue_limit`` requests waiting for an instance) and the
     request was not admitted (``on_full="raise"``, or the ``timeout`` of a blocking submit
@@ -102,4 +109,5 @@ class EngineBroken(ServeError, StateError):
 
 __all__ = ["BadRequest", "EngineBroken", "EngineClosed", "FutureStateError", "InputTypeError",
            "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
-           "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "TimerError"]
+           "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "StopIterationRaised",
+           "TimerError"]
