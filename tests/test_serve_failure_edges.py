@@ -1,0 +1,115 @@
+"""The serving engine's failure paths with unusual errors and backends (CPU): exception types
+that refuse attributes, a KeyboardInterrupt-like error with requests queued behind it, a bucket
+build that fails while the dynamic-batching queue holds more requests, and backend staging
+with extra names or ndarray subclasses. Every request must complete (no hang), every output
+must equal the numpy reference, and close() must return."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from orchestra.serve import Batching, Engine, EngineClosed, NumpyBackend
+from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
+
+from test_serve import ROW, SPEC_IN, SPEC_OUT, GatedBackend, f, rows
+
+
+class _RefusesAttributes(Exception):
+    """An exception type that refuses every attribute (``__traceback__``, ``__notes__``)."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only ({name})")
+
+
+class _RefusesWithTypeError(Exception):
+    def __setattr__(self, name, value):
+        raise TypeError(f"read-only ({name})")
+
+
+class _SlotsNoNewAttributes(Exception):
+    """Takes ``__notes__`` (and the traceback) but no other attribute."""
+
+    def __setattr__(self, name, value):
+        if name not in ("__notes__", "__traceback__"):
+            raise AttributeError(name)
+        super().__setattr__(name, value)
+
+
+def _notes_tuple():
+    e = ValueError("notes are a tuple")
+    e.__notes__ = ("the user's note",)
+    return e
+
+
+def _close_within(engine, seconds=5.0) -> bool:
+    t = threading.Thread(target=engine.close, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def _engine(fn, **kw):
+    return Engine(backend=NumpyBackend(fn, device_thread=kw.pop("device_thread", False)),
+                  inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[4], instances=1, **kw)
+
+
+@pytest.mark.parametrize("device_thread", [False, True])
+@pytest.mark.parametrize("make", [_RefusesAttributes, _RefusesWithTypeError, _notes_tuple],
+                         ids=["refuses-attributes", "refuses-with-type-error", "notes-tuple"])
+def test_a_launch_error_that_refuses_attributes_fails_only_its_request(make, device_thread):
+    """An error whose type refuses attribute setting (or whose ``__notes__`` is not a list)
+    still fails its own request's future, and the engine serves on and closes: recording
+    where it arose must never raise out of the failure path (which would leave the instance
+    leased and every later request waiting forever)."""
+    shared = make()
+
+    def fn(d):
+        if d["x"][0, 0] < -50:
+            raise shared
+        return f(d["x"])
+
+    logging.disable(logging.CRITICAL)
+    try:
+        e = _engine(fn, device_thread=device_thread)
+        xs = [rows(2, k) for k in range(6)]
+        for x in xs[::2]:
+            x[0, 0] = -100
+        futs = [e.submit(x) for x in xs]
+        for k, (x, fut) in enumerate(zip(xs, futs)):
+            if k % 2 == 0:
+                assert fut.exception(timeout=5) is shared
+            else:
+                assert fut.result(timeout=5).tobytes() == f(x).tobytes()
+        assert e.stats()["engine"]["queued"] == 0
+        assert _close_within(e)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@pytest.mark.parametrize("make", [_SlotsNoNewAttributes, _notes_tuple],
+                         ids=["no-new-attributes", "notes-tuple"])
+def test_the_same_error_failing_several_launches_gets_one_note(make):
+    """One note of where the error arose however many launches it fails, also for a type
+    that takes no new attributes; a ``__notes__`` that is not a list is left alone."""
+    shared = make()
+    before = len(getattr(shared, "__notes__", ()))
+
+    def fn(d):
+        raise shared
+
+    with _engine(fn) as e:
+        for k in range(3):
+            assert e.submit(rows(2, k)).exception(timeout=5) is shared
+    if isinstance(shared.__notes__, tuple):  # add_note refuses it: left as it was
+        assert shared.__notes__ == ("the user's note",) and shared.__traceback__ is None
+        return
+    notes = list(shared.__notes__)
+    assert len(notes) == before + 1, notes
+    assert notes[-1].startswith("raised at (most recent call last):")
+    assert "in fn\n    raise shared" in notes[-1]
+    assert shared.__traceback__ is None
