@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 _now = time.perf_counter_ns
 _STOP = object()
+_RAISED_AT = "raised at (most recent call last):\n"  # _drop_engine_frames' note
 _TABLE_ROWS = 1 << 14  # requests up to this many rows find their bucket in one list lookup
 # completion threads an engine may start (each one a thread blocked on the driver; more than
 # this are many threads for no gain: head-of-line waits need a few, not hundreds)
@@ -1403,7 +1404,7 @@ class Engine:
                 # the instance raised the same error again, which put this frame (holding
                 # the launch, its requests and their futures) into the traceback the futures
                 # keep: a reference cycle per failed request, left to the cyclic collector
-                exc.__traceback__ = tb
+                exc.with_traceback(tb)
             del again
         nxt = self._release(launch, None, failed=len(launch.reqs))
         launch.reqs = ()
@@ -1875,18 +1876,23 @@ def _drop_engine_frames(exc: BaseException) -> None:
     frames, and through ``f_back`` every engine frame below them, hold the launch, its
     requests and their futures, and each future keeps the error: a reference cycle per
     failed request, freed only by the cyclic collector. Idempotent: an error failing several
-    launches (a sticky one) gets one note."""
+    launches (a sticky one) gets one note. Never raises: the error's own type may refuse
+    attributes (a ``__setattr__`` that raises, ``__notes__`` that is not a list), and an
+    error here would leave the launch's instance leased and its requests waiting forever."""
     tb = exc.__traceback__
     if tb is None:
         return
-    exc.__traceback__ = None
-    if not getattr(exc, "_orchestra_tb_noted", False):
-        exc.add_note("raised at (most recent call last):\n"
-                     + "".join(traceback.format_tb(tb)).rstrip())
+    # with_traceback sets the slot directly (a type's own __setattr__ is not called)
+    exc.with_traceback(None)
+    notes = getattr(exc, "__notes__", None)
+    # the note itself marks the error as noted: an attribute of our own would be refused by
+    # types that take no new attributes, and give them one note per failed launch
+    if not (isinstance(notes, list) and any(type(n) is str and n.startswith(_RAISED_AT)
+                                            for n in notes)):
         try:
-            exc._orchestra_tb_noted = True  # type: ignore[attr-defined]
-        except AttributeError:  # an exception type with __slots__: a second note, at worst
-            pass
+            exc.add_note(_RAISED_AT + "".join(traceback.format_tb(tb)).rstrip())
+        except Exception:  # noqa: BLE001 - the type refuses notes: the error goes without
+            log.debug("serve: %s takes no note of where it arose", type(exc).__name__)
     del tb
 
 
