@@ -113,3 +113,77 @@ def test_the_same_error_failing_several_launches_gets_one_note(make):
     assert notes[-1].startswith("raised at (most recent call last):")
     assert "in fn\n    raise shared" in notes[-1]
     assert shared.__traceback__ is None
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+def _extra_input(inst):
+    inst.inputs["z"] = np.zeros((inst.rows, 2), np.float32)
+
+
+def _extra_output(inst):
+    inst.outputs["z"] = np.zeros((inst.rows, 2), np.float32)
+
+
+def _subclass_output(inst):
+    inst.outputs["y"] = inst.outputs["y"].view(_Sub)
+
+
+def _matrix_output(inst):
+    inst.outputs["y"] = np.asmatrix(inst.outputs["y"])
+
+
+def _memmap_input(inst, tmp=[]):  # noqa: B006 - the test's temporary directory
+    inst.inputs["x"] = np.memmap(tmp[0] / f"x{inst.rows}-{inst.index}", dtype=np.float32,
+                                 mode="w+", shape=(inst.rows, ROW))
+
+
+def _missing_output(inst):
+    del inst.outputs["y"]
+
+
+@pytest.mark.parametrize("spoil, error, match", [
+    (_extra_input, ServeConfigValueError,
+     r"4-row instance's inputs has 'z', which the engine does not declare"),
+    (_extra_output, ServeConfigValueError,
+     r"4-row instance's outputs has 'z', which the engine does not declare"),
+    (_subclass_output, ServeConfigTypeError,
+     r"outputs\['y'\] must be a numpy.ndarray \(plain.*got _Sub.*numpy.asarray"),
+    (_matrix_output, ServeConfigTypeError,
+     r"outputs\['y'\] must be a numpy.ndarray \(plain.*got matrix"),
+    (_memmap_input, ServeConfigTypeError,
+     r"inputs\['x'\] must be a numpy.ndarray \(plain.*got memmap"),
+    (_missing_output, ServeConfigTypeError,
+     r"4-row instance's outputs\['y'\] is missing \(it has \[\]\)"),
+], ids=["extra-input", "extra-output", "subclass", "matrix", "memmap", "missing"])
+def test_staging_with_extra_names_or_ndarray_subclasses_is_refused(spoil, error, match,
+                                                                   tmp_path):
+    """Staging the engine would mishandle: an input it does not declare (a batch's
+    concatenation looks it up in the requests: KeyError at the first batch), an undeclared
+    output (returned to callers as if declared), an ndarray subclass (callers would get
+    that subclass: a matrix, a memmap without its file). The 4-row bucket fails with a
+    config error naming the array; the 16-row bucket serves on; nothing stays open."""
+    _memmap_input.__defaults__[0][:] = [tmp_path]
+
+    class Spoiled(GatedBackend):
+        def create(self, rows_, index, inputs, outputs):
+            inst = super().create(rows_, index, inputs, outputs)
+            if rows_ == 4:
+                spoil(inst)
+            return inst
+
+    backend = Spoiled(auto=True)
+    e = Engine(backend=backend, inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[4, 16],
+               instances=2, batching=Batching(max_batch=4, max_delay_us=1000))
+    try:
+        futs = [e.submit(rows(1, k)) for k in range(3)]  # one batch of 3 rows: bucket 4
+        for fut in futs:
+            with pytest.raises(error, match=match):
+                fut.result(timeout=5)
+        y = e.submit(rows(10)).result(timeout=5)
+        assert type(y) is np.ndarray and y.tobytes() == f(rows(10)).tobytes()
+    finally:
+        assert _close_within(e)
+    assert backend.instances and all(i.closed for i in backend.instances)
