@@ -1630,20 +1630,41 @@ class Engine:
         self._run_todo(launches, build_here=False)
 
     def _check_staging(self, inst: Instance, rows: int) -> None:
-        """A backend's instance staging, checked once when it is built: every declared input
-        and output as a C-contiguous, writable ndarray of the declared dtype and shape
-        ``(rows, *row_shape)``. The engine copies requests into and out of these arrays without
-        checking each time (a short or strided one would fail with numpy's error, or corrupt,
-        at the first request)."""
+        """A backend's instance staging, checked once when it is built: exactly the declared
+        inputs and outputs, each a plain (not a subclass), C-contiguous, writable ndarray of
+        the declared dtype and shape ``(rows, *row_shape)``. The engine copies requests into
+        and out of these arrays without checking each time (a short or strided one would fail
+        with numpy's error, or corrupt, at the first request; an undeclared input fails every
+        batch's concatenation; a subclass's copies would reach callers as that subclass)."""
         for what, specs, arrays in (("inputs", self._inputs, inst.inputs),
                                     ("outputs", self._outputs, inst.outputs)):
+            prefix = f"backend {self.backend.name!r}: the {rows}-row instance's {what}"
+            try:
+                names = list(arrays)
+            except TypeError:
+                names = None
+            if names is None or not hasattr(arrays, "get"):
+                raise ServeConfigTypeError(f"{prefix} must be a mapping of name -> "
+                                           f"numpy.ndarray; got {type(arrays).__name__}")
+            extra = [n for n in names if n not in specs]
+            if extra:
+                raise ServeConfigValueError(
+                    f"{prefix} has {', '.join(map(repr, extra))}, which the engine does not "
+                    f"declare (declared: {list(specs)}): make Backend.create return staging "
+                    "for exactly the declared names")
             for name, spec in specs.items():
-                a = arrays.get(name) if hasattr(arrays, "get") else None
-                where = (f"backend {self.backend.name!r}: the {rows}-row instance's {what}"
-                         f"[{name!r}]")
-                if not isinstance(a, np.ndarray):
-                    raise ServeConfigTypeError(f"{where} must be a numpy.ndarray (its staging); "
-                                               f"got {type(a).__name__}")
+                a = arrays.get(name)
+                where = f"{prefix}[{name!r}]"
+                if a is None:
+                    raise ServeConfigTypeError(f"{where} is missing (it has {names}): make "
+                                               "Backend.create return staging for every "
+                                               "declared name")
+                if type(a) is not np.ndarray:
+                    hint = (" (numpy.asarray(a) is a plain array over the same memory)"
+                            if isinstance(a, np.ndarray) else "")
+                    raise ServeConfigTypeError(
+                        f"{where} must be a numpy.ndarray (plain, not a subclass: its "
+                        f"staging); got {type(a).__name__}{hint}")
                 want = spec.shape(rows)
                 bad = [f"shape {a.shape} (declared {want})" if a.shape != want else "",
                        f"dtype {a.dtype.str} (declared {spec.dtype.str})"
