@@ -115,6 +115,63 @@ def test_the_same_error_failing_several_launches_gets_one_note(make):
     assert shared.__traceback__ is None
 
 
+class _SlowBadBucket(GatedBackend):
+    """The 4-row bucket's build waits for ``gate`` and returns staging without the input."""
+
+    def __init__(self):
+        super().__init__(auto=True)
+        self.gate = threading.Event()
+
+    def create(self, rows_, index, inputs, outputs):
+        if rows_ == 4:
+            self.gate.wait(5)
+        inst = super().create(rows_, index, inputs, outputs)
+        if rows_ == 4:
+            del inst.inputs["x"]
+        return inst
+
+
+@pytest.mark.parametrize("dispatch", ["caller", "thread"])
+@pytest.mark.parametrize("max_batch", [4, 16])
+def test_a_failed_build_with_requests_queued_behind_its_batch_never_stalls_them(dispatch,
+                                                                                max_batch):
+    """Dynamic batching: the head's bucket build fails (a bad staging) while more requests
+    queue behind it. The batch that waited for the build fails with the config error; the
+    requests after it are batched again and run (on the bucket that fits them, or fail with
+    the same build error when it is the failing bucket): none waits forever."""
+    backend = _SlowBadBucket()
+    e = Engine(backend=backend, inputs=SPEC_IN, outputs=SPEC_OUT, buckets=[4, 16],
+               instances=1, batching=Batching(max_batch=max_batch, max_delay_us=0),
+               dispatch=dispatch)
+    try:
+        e.warmup([16])
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("head", e.submit(rows(3))))
+        t.start()
+        time.sleep(0.1)  # the head's build (in that thread, or the dispatcher's) is waiting
+        later = [e.submit(rows(2, k)) for k in range(3)]
+        backend.gate.set()
+        t.join(5)
+        outcomes = []
+        for x, fut in [(rows(3), box["head"])] + [(rows(2, k), q) for k, q in enumerate(later)]:
+            exc = fut.exception(timeout=5)  # TimeoutError here: a stalled request
+            if exc is None:
+                assert fut.result().tobytes() == f(x).tobytes()
+                outcomes.append("ok")
+            else:
+                assert isinstance(exc, ServeConfigTypeError), exc
+                assert "4-row instance's inputs['x']" in str(exc)
+                outcomes.append("config")
+        if max_batch == 4:  # every batch runs on the failing bucket (each tries the build)
+            assert outcomes == ["config"] * 4
+        else:  # the head's batch may have grown past the 4-row bucket while it built
+            assert outcomes[1:] == ["ok"] * 3 or outcomes == ["config"] + ["ok"] * 3
+        assert e.stats()["engine"]["queued"] == 0
+    finally:
+        backend.gate.set()
+        assert _close_within(e)
+
+
 class _Sub(np.ndarray):
     pass
 
