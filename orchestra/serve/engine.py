@@ -1608,6 +1608,13 @@ class Engine:
                     # the head batch waited for this build: it fails with it (the next batch
                     # for this bucket tries the build again)
                     failed = self._pop_head_batch(b)
+                    if self.dispatch == "caller" and not (isinstance(err, CudaError)
+                                                          and err.sticky):
+                        # nobody else forms batches now (the batcher thread is only the
+                        # delay timer): the requests behind it would wait forever. A head
+                        # that grew past this bucket while it built goes on another
+                        self._head_missed = False
+                        launches = self._form_batches()
                 else:
                     failed = list(b.queue)
                     b.queue.clear()
@@ -1624,6 +1631,8 @@ class Engine:
                 self._break(err)
             for r in failed:
                 self._fail(r, err)
+            if launches:
+                self._run_todo(launches, build_here=False)
             if raise_errors or not isinstance(err, Exception):
                 raise err
             return
