@@ -115,6 +115,45 @@ def test_the_same_error_failing_several_launches_gets_one_note(make):
     assert shared.__traceback__ is None
 
 
+class _Interrupt(BaseException):
+    """A KeyboardInterrupt-like error (not an Exception)."""
+
+
+@pytest.mark.parametrize("batching", [None, Batching(max_batch=4, max_delay_us=0)],
+                         ids=["plain", "batching"])
+def test_an_interrupted_launch_hands_its_instance_to_the_queued_requests(batching):
+    """A launch failing with a BaseException that is not an Exception (here raised by the
+    instance's wait in the completion thread) fails its own requests with `EngineClosed`
+    and re-raises in the thread that ran it; the requests queued behind it for the same
+    instance still run (the instance goes to them) and close() returns."""
+    go = threading.Event()
+
+    def fn(d):
+        if d["x"][0, 0] < -50:
+            go.wait(5)
+            raise _Interrupt("interrupted")
+        return f(d["x"])
+
+    logging.disable(logging.CRITICAL)
+    e = _engine(fn, device_thread=True, batching=batching)
+    try:
+        e.warmup()
+        bad = rows(2, 0)
+        bad[0, 0] = -100
+        first = e.submit(bad)  # leases the one instance, its run waits for `go`
+        xs = [rows(1, k) for k in range(1, 4)]
+        queued = [e.submit(x) for x in xs]
+        go.set()
+        assert isinstance(first.exception(timeout=5), EngineClosed)
+        for x, q in zip(xs, queued):
+            assert q.result(timeout=5).tobytes() == f(x).tobytes()
+        assert e.stats()["engine"]["queued"] == 0
+    finally:
+        go.set()
+        assert _close_within(e)
+        logging.disable(logging.NOTSET)
+
+
 class _SlowBadBucket(GatedBackend):
     """The 4-row bucket's build waits for ``gate`` and returns staging without the input."""
 
