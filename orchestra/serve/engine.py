@@ -1384,7 +1384,13 @@ class Engine:
         if not isinstance(exc, Exception):  # KeyboardInterrupt and friends: fail, re-raise
             for r in launch.reqs:
                 self._fail(r, EngineClosed(f"the request was interrupted: {exc!r}"))
-            self._release(launch, None, failed=len(launch.reqs))
+            nxt = self._release(launch, None, failed=len(launch.reqs))
+            launch.reqs = ()
+            if nxt is not None:
+                # the instance went to the next queued request (or batches): this thread is
+                # interrupted, so they start on a thread of their own instead of never
+                threading.Thread(target=self._run_quietly, args=(nxt,), daemon=True,
+                                 name="orchestra-serve-handoff").start()
             raise exc
         sticky = isinstance(exc, CudaError) and exc.sticky
         for r in launch.reqs:
@@ -1409,6 +1415,14 @@ class Engine:
         nxt = self._release(launch, None, failed=len(launch.reqs))
         launch.reqs = ()
         return nxt
+
+    def _run_quietly(self, launch) -> None:
+        """`_run` on a thread of its own (an interrupted thread's hand-over)."""
+        try:
+            self.backend.thread_init()
+            self._run(launch)
+        except BaseException:  # noqa: BLE001 - the launches' futures carry their errors
+            log.exception("serve: starting the next launch after an interrupted one failed")
 
     def _release(self, launch: _Launch, gpu_ms, failed: int = 0) -> _Launch | None:
         """Return the launch's instance (or hand it to the bucket's next queued request:
