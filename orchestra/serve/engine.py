@@ -787,11 +787,9 @@ class Engine:
     def _enqueue(self, r: _Req) -> list | None:
         """`_admit` for the common FIFO submit (dynamic batching or the dispatcher thread; one
         plain request, queue space left, the engine open) in one short hold of the lock:
-        append it, and form batches only when that can start one: the FIFO was empty (the
-        new head needs its delay timer) or a batch is full. Every other change that can start
-        a batch forms batches itself (an instance given back, a build done, the deadline), so
-        calling it per request would only scan the queue again. Returns what `_run_watching`
-        starts, or None when the request needs `_admit` (no space, closing, broken)."""
+        append it and start what that can start (`_fifo_appended`). Returns what
+        `_run_watching` starts, or None when the request needs `_admit` (no space, closing,
+        broken)."""
         with self._lock:
             if (self._state != "open" or self._broken is not None
                     or self._queued >= self.queue_limit):
@@ -801,13 +799,23 @@ class Engine:
             q.append(r)
             self._batch_rows += r.rows
             self._queued += 1
-            if self.dispatch == "thread":
-                if was_empty or self.batching is None or self._batch_rows >= self._max_batch:
-                    self._work.notify()
-                return []
-            if was_empty or self._batch_rows >= self._max_batch:
-                return self._form_batches()
+            return self._fifo_appended(was_empty)
+
+    def _fifo_appended(self, was_empty: bool) -> list:
+        """Under the lock, after requests joined the FIFO: what that can start. With the
+        dispatcher thread, it is woken when it has something new to do. With dynamic batching
+        (dispatch "caller") batches are formed here, by the submitting thread, only when the
+        FIFO was empty (the new head needs its delay timer), a batch is full, or close() began
+        (every batch goes at once): every other change that can start a batch forms batches
+        itself (an instance given back, a build done, the deadline), so calling it per
+        request would only look at the same head again."""
+        if self.dispatch == "thread":
+            if was_empty or self.batching is None or self._batch_rows >= self._max_batch:
+                self._work.notify()
             return []
+        if was_empty or self._batch_rows >= self._max_batch or self._state != "open":
+            return self._form_batches()
+        return []
 
     def _build_quietly(self, b) -> None:
         try:
@@ -923,13 +931,7 @@ class Engine:
                     q.extend(reqs)
                     self._batch_rows += sum(r.rows for r in reqs)
                 self._queued += len(reqs)
-                if self.dispatch == "thread":
-                    if (was_empty or self.batching is None
-                            or self._batch_rows >= self._max_batch):
-                        self._work.notify()
-                    return []
-                # dynamic batching, dispatch "caller": a full batch goes out from this thread
-                return self._form_batches()
+                return self._fifo_appended(was_empty)
             todo: list = []
             builds = []
             for r in reqs:
@@ -985,20 +987,7 @@ class Engine:
                     if now < due:
                         self._head_due = due
                         break
-                plan = self._head_plan
-                if plan is not None and plan[0] is q[0]:
-                    n, total = plan[1], plan[2]
-                else:
-                    n = total = 0
-                    for r in q:
-                        if n and total + r.rows > mb:
-                            break
-                        total += r.rows
-                        n += 1
-                    # a batch that no later request can join (the next did not fit, or it is
-                    # full) is kept for its head: while the head waits for an instance, each
-                    # call would scan the same requests again
-                    self._head_plan = (q[0], n, total) if n < len(q) or total >= mb else None
+                n, total = self._head_batch()
             b = self._bucket_of(total)
             if not b.ready:
                 self._head_missed = True
@@ -1045,6 +1034,25 @@ class Engine:
             self._timer_due = self._head_due
             self._work.notify()
         return todo
+
+    def _head_batch(self) -> tuple[int, int]:
+        """Under the lock, the FIFO not empty, batching: (requests, rows) of the batch at its
+        head, the head requests that fit ``max_batch`` rows. A batch no later request can join
+        (the next did not fit, or it is full) is kept for its head: while the head waits for
+        an instance, each call would scan the same requests again."""
+        q = self._batchq
+        plan = self._head_plan
+        if plan is not None and plan[0] is q[0]:
+            return plan[1], plan[2]
+        mb = self._max_batch
+        n = total = 0
+        for r in q:
+            if n and total + r.rows > mb:
+                break
+            total += r.rows
+            n += 1
+        self._head_plan = (q[0], n, total) if n < len(q) or total >= mb else None
+        return n, total
 
     def _run_todo(self, todo: list, build_here: bool, mine: list | None = None) -> None:
         """Outside the lock: start the launches, build the buckets (here, or on a thread of
@@ -1402,15 +1410,14 @@ class Engine:
                 launch.bucket.stats.failed += len(launch.reqs)
                 self._idle.notify_all()
             return None
-        tb = exc.__traceback__
         try:  # a launch that failed part-way may still run: never lease staging it reads
             launch.inst.wait()
         except BaseException as again:  # noqa: BLE001 - already failing this launch
             if again is exc:
                 # the instance raised the same error again, which put this frame (holding
                 # the launch, its requests and their futures) into the traceback the futures
-                # keep: a reference cycle per failed request, left to the cyclic collector
-                exc.with_traceback(tb)
+                # keep, dropped above: a reference cycle per failed request otherwise
+                exc.with_traceback(None)
             del again
         nxt = self._release(launch, None, failed=len(launch.reqs))
         launch.reqs = ()
@@ -1704,15 +1711,7 @@ class Engine:
         q = self._batchq
         if not q:
             return []
-        if self.batching is None:
-            n, total = 1, q[0].rows
-        else:
-            n = total = 0
-            for r in q:
-                if n and total + r.rows > self._max_batch:
-                    break
-                total += r.rows
-                n += 1
+        n, total = (1, q[0].rows) if self.batching is None else self._head_batch()
         if self._bucket_of(total) is not b:
             return []
         reqs = [q.popleft() for _ in range(n)]
