@@ -15,6 +15,7 @@ from orchestra.serve.bench import (
     BenchOptions,
     EngineConfig,
     Workload,
+    allocator_note,
     main,
     parse_mix,
     parse_size,
@@ -144,6 +145,13 @@ def test_lag_causes_put_each_late_wake_up_down_to_gc_callbacks_or_waiting():
     }
 
 
+def test_the_allocator_note_names_the_settings_the_environment_gave():
+    assert "as it is" in allocator_note({})
+    note = allocator_note({"MALLOC_TRIM_THRESHOLD_": "4294967295", "PATH": "/bin",
+                           "MALLOC_TOP_PAD_": ""})
+    assert note.endswith("environment: MALLOC_TRIM_THRESHOLD_=4294967295")
+
+
 def test_asyncio_mode_reports_the_lag_distribution_and_its_causes(capsys):
     o = BenchOptions(mode="asyncio", mix="16K", tasks=40, requests=400, batching="on",
                      engine=cpu_config())
@@ -151,6 +159,7 @@ def test_asyncio_mode_reports_the_lag_distribution_and_its_causes(capsys):
     text = capsys.readouterr().out
     assert "event-loop lag p50" in text and "garbage collections during the run" in text
     assert "gc.freeze() after the engine's warm-up" in text
+    assert "glibc's allocator" in text
     results, _, _ = run(o)
     (r,) = results
     assert r.requests == 400 and r.wrong == 0

@@ -579,6 +579,23 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
     return res
 
 
+# glibc's allocator settings read from the environment at process start (mallopt(3)); they
+# decide whether freeing results returns memory to the kernel, which shows in the loop's lag
+MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+              "GLIBC_TUNABLES")
+
+
+def allocator_note(environ) -> str:
+    """The asyncio run's note on the C allocator: which of glibc's settings the environment
+    gave this process, or that it runs with the defaults (docs/serving.md, "A lag bound for
+    your server", point 5). ``environ``: a mapping such as ``os.environ``."""
+    given = [f"{k}={environ[k]}" for k in MALLOC_ENV if environ.get(k)]
+    if given:
+        return "asyncio: glibc's allocator set by the environment: " + " ".join(given)
+    return ("asyncio: glibc's allocator as it is (it gives freed memory back to the kernel; "
+            "docs/serving.md, point 5 of a lag bound, has the settings that keep it)")
+
+
 def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
     total = o.requests or 20 * o.tasks
@@ -590,6 +607,7 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
         notes.append(f"asyncio: gc.disable() during the load and gc.collect(0) every "
                      f"{o.gc_young_ms:g} ms from the loop (docs/serving.md; its pauses are in "
                      "the lag; --gc-young-ms 0 leaves collections to the allocation counter)")
+    notes.append(allocator_note(os.environ))
     for name, batching, dispatch in _engine_variants(o):
         if dispatch == "thread" and not batching and o.dispatch == "both":
             continue  # asyncio: the caller design and batching
