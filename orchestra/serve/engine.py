@@ -1652,12 +1652,10 @@ class Engine:
                 self._break(err)
             for r in failed:
                 self._fail(r, err)
-            if launches:
-                self._run_todo(launches, build_here=False)
-            if raise_errors or not isinstance(err, Exception):
-                raise err
-            return
+        # what the build let start (after a failure too: the batches behind a failed head)
         self._run_todo(launches, build_here=False)
+        if err is not None and (raise_errors or not isinstance(err, Exception)):
+            raise err
 
     def _check_staging(self, inst: Instance, rows: int) -> None:
         """A backend's instance staging, checked once when it is built: exactly the declared
