@@ -12,6 +12,8 @@
 
 - `Engine` (`engine`): futures, buckets, instance leasing, dynamic batching (`Batching`),
   backpressure, statistics, shutdown; `ServeFuture`.
+- `ProcessEngine` (`process`, `process_child`, `wire`): an `Engine` in a child process, served
+  through shared memory, so the client's threads (an event loop) share no GIL with it.
 - `ServeGraph` and the CUDA backends (`cuda_backend`: graph-build, capture, eager);
   `Backend` / `Instance` (`backend`): the seam, with `NumpyBackend` for CPU-only use.
 - `buckets`, `tensors` (request checks), `errors`, `stats`; `demo` (the graph the benchmark
@@ -27,6 +29,7 @@ from orchestra.serve.errors import (
     BadRequest,
     EngineBroken,
     EngineClosed,
+    EngineProcessError,
     InputTypeError,
     Overloaded,
     RequestTooLarge,
@@ -45,13 +48,17 @@ def __getattr__(name):
         from orchestra.serve import cuda_backend
 
         return getattr(cuda_backend, name)
+    if name == "ProcessEngine":  # multiprocessing, only when asked for
+        from orchestra.serve.process import ProcessEngine
+
+        return ProcessEngine
     raise AttributeError(f"module 'orchestra.serve' has no attribute {name!r}")
 
 
 __all__ = [
-    "BadRequest", "Backend", "Batching", "Buckets", "CudaBackend", "Engine", "EngineBroken",
-    "EngineClosed", "Instance", "InputTypeError", "NumpyBackend", "Overloaded",
-    "RequestTooLarge", "ResultTimeout", "ServeConfigError", "ServeConfigTypeError",
-    "ServeConfigValueError", "ServeError", "ServeFuture", "ServeGraph",
+    "Backend", "BadRequest", "Batching", "Buckets", "CudaBackend", "Engine", "EngineBroken",
+    "EngineClosed", "EngineProcessError", "InputTypeError", "Instance", "NumpyBackend",
+    "Overloaded", "ProcessEngine", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
+    "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "ServeFuture", "ServeGraph",
     "TensorSpec", "bucket_sizes", "pow2_buckets", "vllm_buckets",
 ]

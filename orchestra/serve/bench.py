@@ -257,6 +257,21 @@ def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
     return Engine(build, executor=cfg.executor, device=cfg.device, **kw)
 
 
+def open_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
+                dispatch: str = "caller", instances: int | None = None, process: bool = False,
+                slots: int = 256, loop=None):
+    """`make_engine`, in this process or (``process=True``) in an engine process of its own
+    (`ProcessEngine` with ``slots`` requests in flight; ``loop``: the event loop that reads its
+    completions, else a reader thread)."""
+    if not process:
+        return make_engine(w, cfg, batching=batching, dispatch=dispatch, instances=instances)
+    from orchestra.serve.process import ProcessEngine
+
+    return ProcessEngine(make_engine, (w, cfg), dict(batching=batching, dispatch=dispatch,
+                                                     instances=instances),
+                         slots=slots, max_rows=w.max_rows, loop=loop)
+
+
 def _warm(engine: Engine) -> dict:
     t0 = _now()
     report = engine.warmup()
@@ -391,6 +406,7 @@ class BenchOptions:
     # 0: the automatic collector)
     gc_young_ms: float | None = 5.0
     switch_interval_ms: float | None = None  # sys.setswitchinterval for the run (None: as is)
+    process: bool = False  # closed / asyncio: the engine in a process of its own (ProcessEngine)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
 
@@ -497,8 +513,10 @@ def run_closed(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
     for name, batching, dispatch in _engine_variants(o):
         inst = o.engine.instances if batching else max(o.engine.instances, o.threads)
-        with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
-                         instances=inst) as e:
+        if o.process:
+            name += ", engine process"
+        with open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=inst,
+                         process=o.process) as e:
             info = _warm(e)
             if o.window > 1 or batching or dispatch == "thread":
                 client = (e.submit, lambda f: f.result())
@@ -509,7 +527,7 @@ def run_closed(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
             r.batch_fill = _fill(e)
             r.extra.update(info)
             if batching:
-                r.note = (f"max_batch {e._max_batch} rows, "
+                r.note = (f"max_batch {o.engine.max_batch or 8 * w.max_rows} rows, "
                           f"{o.engine.max_delay_us:g} us")
             out.append(r)
     _peer_results("closed", w, o, o.threads, _dur(o), 1, out, notes)
@@ -598,7 +616,6 @@ def allocator_note(environ) -> str:
 
 def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
-    total = o.requests or 20 * o.tasks
     if o.gc_freeze:
         notes.append("asyncio: gc.freeze() after the engine's warm-up (docs/serving.md "
                      "recommends it for servers with a lag bound; --no-gc-freeze measures "
@@ -608,24 +625,63 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
                      f"{o.gc_young_ms:g} ms from the loop (docs/serving.md; its pauses are in "
                      "the lag; --gc-young-ms 0 leaves collections to the allocation counter)")
     notes.append(allocator_note(os.environ))
+    if o.process:
+        notes.append("asyncio: the engine runs in a process of its own (ProcessEngine); the "
+                     "event loop reads its completions, so no other thread of this process "
+                     "runs Python")
     for name, batching, dispatch in _engine_variants(o):
         if dispatch == "thread" and not batching and o.dispatch == "both":
             continue  # asyncio: the caller design and batching
+        inst = max(o.engine.instances, 8)
+        if o.process:
+            out.append(asyncio.run(_asyncio_in_process(f"{name}, engine process", w, o,
+                                                       batching, dispatch, inst)))
+            continue
         with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
-                         instances=max(o.engine.instances, 8)) as e:
-            info = _warm(e)
-            if o.gc_freeze:
-                gc.collect()
-                gc.freeze()
-            try:
-                r = asyncio.run(_asyncio_load(name, w, e, o.tasks, total, o.gc_young_ms))
-            finally:
-                if o.gc_freeze:
-                    gc.unfreeze()
-            r.batch_fill = _fill(e)
-            r.extra.update(info)
-            out.append(r)
+                         instances=inst) as e:
+            out.append(_asyncio_on(name, w, o, e))
     return out
+
+
+def _asyncio_on(name: str, w: Workload, o: BenchOptions, e) -> Result:
+    """The asyncio load on a warmed-up engine, in a new event loop (`asyncio.run`)."""
+    info = _warm(e)
+    if o.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        r = asyncio.run(_asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks,
+                                      o.gc_young_ms))
+    finally:
+        if o.gc_freeze:
+            gc.unfreeze()
+    r.batch_fill = _fill(e)
+    r.extra.update(info)
+    return r
+
+
+async def _asyncio_in_process(name: str, w: Workload, o: BenchOptions, batching: bool,
+                              dispatch: str, instances: int) -> Result:
+    """The asyncio load on a `ProcessEngine` whose completions this event loop reads."""
+    e = open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=instances,
+                    process=True, loop=asyncio.get_running_loop())
+    try:
+        info = _warm(e)  # a control call: it blocks the loop, before the load starts
+        if o.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        try:
+            r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks,
+                                    o.gc_young_ms)
+        finally:
+            if o.gc_freeze:
+                gc.unfreeze()
+        r.batch_fill = _fill(e)
+        r.extra.update(info)
+        r.extra["process"] = e.stats()["process"]
+        return r
+    finally:
+        await e.aclose()
 
 
 class _GcPauses:

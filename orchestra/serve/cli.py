@@ -73,6 +73,10 @@ def register(bsub) -> None:
                         "automatic collector)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
+    p.add_argument("--process", action="store_true",
+                   help="closed, asyncio: run the engine in a process of its own "
+                        "(orchestra.serve.ProcessEngine: requests through shared memory; with "
+                        "asyncio the event loop reads the completions itself)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw the latency CDF of every contender (needs matplotlib)")
@@ -172,6 +176,7 @@ def options(args):
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
+        process=args.process,
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,

@@ -107,7 +107,22 @@ class EngineBroken(ServeError, StateError):
         return (type(self), (self.cause,))
 
 
-__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "FutureStateError", "InputTypeError",
-           "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
+class EngineProcessError(ServeError, StateError):
+    """`ProcessEngine`: the engine process did not start (its factory raised: the factory's
+    error is the ``__cause__``; or it did not answer within ``start_timeout``), or it exited
+    while requests were in flight (``exitcode`` says how: negative for the signal that ended
+    it). Every pending request fails with it and the `ProcessEngine` refuses new work; make a
+    new one to serve again."""
+
+    def __init__(self, message: str, exitcode: int | None = None):
+        self.exitcode = exitcode
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.exitcode))
+
+
+__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "EngineProcessError",
+           "FutureStateError", "InputTypeError", "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
            "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "StopIterationRaised",
            "TimerError"]

@@ -1,0 +1,818 @@
+"""`ProcessEngine`: an `Engine` in a process of its own, for servers whose own threads (an
+asyncio event loop above all) must not share a GIL with the engine's.
+
+In one process, every thread that runs Python takes turns on one GIL: the engine's completion,
+dispatch and bridge threads hold it while they copy and launch, and an event loop that wants it
+back waits for them (the loop's lag; docs/serving.md measures it). `ProcessEngine` starts the
+engine in a child process (``multiprocessing``'s ``spawn``: a fresh interpreter, no CUDA
+state inherited) and keeps only this in the client process:
+
+- **shared memory** of ``slots`` slots (`orchestra.serve.wire.SlotLayout`), each with room for
+  one request's inputs and outputs of up to ``max_rows`` rows. A request's inputs are copied
+  into a free slot (the one copy an in-process `Engine` makes into its pinned staging); the
+  engine process page-locks the whole shared memory (``cuMemHostRegister``) and submits the
+  slot's views with ``pinned=True`` and ``out=`` its output views, so its instances read and
+  write the slot itself; the client copies the outputs out into arrays the caller owns and the
+  slot is free again. ``slots`` bounds the requests in flight.
+- **two pipes** of 16-byte records: ``(request id, slot, rows)`` to the engine process,
+  ``(request id, slot, error bytes)`` back (a failed request's exception travels pickled: a
+  `BadRequest` or `CudaError` arrives as itself). No pickling on the way of a request.
+- **completions** read either by one reader thread (default) or, with ``loop=``, by that event
+  loop itself (``loop.add_reader`` on the response pipe): then nothing else in the client
+  process runs Python for the engine, and the loop resolves at most ``completions_per_turn``
+  requests per iteration.
+
+Control calls (`warmup`, `stats`, `close`) travel pickled over a third connection.
+
+Costs against an in-process `Engine` (measured in docs/serving.md): a pipe write and a wake-up
+of the other process per request, a process start (seconds: an interpreter, orchestra, the
+CUDA context), and the engine's statistics only by a control call.
+
+Spawn rules apply: the factory and its arguments are pickled (a module-level function, not a
+lambda), and a script that makes a `ProcessEngine` needs ``if __name__ == "__main__":`` (the
+child imports the parent's main module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from orchestra.errors import CallOrderError, OrchestraError
+from orchestra.serve import process_child, wire
+from orchestra.serve.errors import (
+    BadRequest,
+    EngineClosed,
+    EngineProcessError,
+    Overloaded,
+    RequestTooLarge,
+    ServeConfigTypeError,
+    ServeConfigValueError,
+)
+from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
+
+log = logging.getLogger(__name__)
+_now = time.perf_counter_ns
+_running_loop = asyncio._get_running_loop  # None off a loop: no exception to catch
+#: a drain of completions on the event loop (``loop=``) stops after this many ns
+TURN_BUDGET_NS = 250_000
+#: latency samples kept for `ProcessEngine.stats` (the most recent)
+LATENCY_SAMPLES = 100_000
+
+
+class _Entry:
+    """One request in flight: its future (concurrent, or asyncio with ``loop``), ``out=``
+    arrays, submit time (ns), slot and rows."""
+
+    __slots__ = ("fut", "loop", "out", "t0", "slot", "rows")
+
+    def __init__(self, fut, loop, out, t0: int, slot: int, rows: int):
+        self.fut = fut
+        self.loop = loop
+        self.out = out
+        self.t0 = t0
+        self.slot = slot
+        self.rows = rows
+
+
+def _set_aio(fut, result, exc) -> None:
+    """On the future's loop: complete it unless its task was cancelled meanwhile."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class ProcessEngine:
+    """An `Engine` made by ``factory(*args, **kwargs)`` in a child process, served through
+    shared memory (see the module doc).
+
+    Args:
+        factory: a picklable callable (a module-level function or a ``functools.partial`` of
+            one) that returns the `Engine`, called in the child process.
+        args, kwargs: its arguments (picklable).
+        slots: requests in flight at once (1..4096, default 64): the shared memory holds this
+            many requests' inputs and outputs. Give the engine a ``queue_limit`` of at least
+            this many.
+        max_rows: the most rows of one request (default: the engine's largest bucket; above
+            it with an engine made with ``split=True``). A slot's size follows from it.
+        on_full: ``"block"`` (default: `submit` waits up to ``submit_timeout`` seconds for a
+            free slot, None: forever, then raises `Overloaded`; `run` awaits one) or
+            ``"raise"`` (`Overloaded` at once).
+        start_timeout: seconds the child may take to make the engine (default 120: a cold
+            compile cache compiles the kernels there).
+        loop: an asyncio event loop (Unix selector loops, uvloop) that reads the completions
+            itself (``add_reader``): no client thread runs for the engine. Blocking calls
+            (`__call__`, a future's ``result()``) must then not run on that loop's thread:
+            only the loop can deliver their answer (`CallOrderError`). Default None: a
+            reader thread.
+        completions_per_turn: with ``loop=``: requests resolved per loop iteration at most
+            (default 16; a drain also stops after 0.25 ms).
+
+    Raises `ServeConfigTypeError` / `ServeConfigValueError` for bad arguments (before any
+    process starts), what the factory raised (its type, with a note), or
+    `EngineProcessError` when the child did not start in time or died starting.
+
+    Thread-safety: every public method may be called from any thread at once (and `run` from
+    any event loop), except blocking calls on the ``loop=`` thread (see above). Futures are
+    completed on the reader thread (or the loop): keep their callbacks short.
+    """
+
+    def __init__(self, factory: Callable, args: tuple = (), kwargs: dict | None = None, *,
+                 slots: int = 64, max_rows: int | None = None, on_full: str = "block",
+                 submit_timeout: float | None = None, start_timeout: float = 120.0,
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 completions_per_turn: int = 16):
+        kwargs = dict(kwargs or {})
+        if not callable(factory):
+            raise ServeConfigTypeError(f"factory must be callable (it makes the Engine in the "
+                                       f"child process); got {type(factory).__name__}")
+        try:
+            pickle.dumps((factory, tuple(args), kwargs))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure says the same
+            raise ServeConfigTypeError(
+                f"the factory and its arguments must be picklable: the engine process starts "
+                f"with multiprocessing's spawn ({type(exc).__name__}: {exc}); use a "
+                f"module-level function (or functools.partial of one), not a lambda or a "
+                f"closure") from exc
+        if on_full not in ("block", "raise"):
+            raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
+        if not 1 <= int(slots) <= wire.MAX_SLOTS:
+            raise ServeConfigValueError(f"slots must be 1..{wire.MAX_SLOTS}; got {slots}")
+        if not start_timeout > 0:
+            raise ServeConfigValueError(f"start_timeout must be > 0 seconds; got "
+                                        f"{start_timeout}")
+        if int(completions_per_turn) < 1:
+            raise ServeConfigValueError(f"completions_per_turn must be >= 1; got "
+                                        f"{completions_per_turn}")
+        if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
+            raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
+                                       f"{type(loop).__name__}")
+        if loop is not None and loop.is_closed():
+            raise ServeConfigValueError("loop is closed")
+        self.on_full = on_full
+        self.submit_timeout = submit_timeout
+        self.completions_per_turn = int(completions_per_turn)
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._space_waiting = 0
+        self._aio_waiting: collections.deque = collections.deque()  # (loop, future) for a slot
+        self._ctl_lock = threading.Lock()
+        self._pending: dict[int, _Entry] = {}
+        self._ids = itertools.count(1)
+        self._state = "starting"  # starting | open | closing | closed
+        self._closed_event = threading.Event()
+        self._broken: EngineProcessError | None = None
+        self._latency: collections.deque = collections.deque(maxlen=LATENCY_SAMPLES)
+        self._counts = {"requests": 0, "failed": 0, "bad": 0, "overloaded": 0, "cancelled": 0}
+        self._loop: Any = loop  # None, or the event loop that reads the completions
+        self._reader_thread: threading.Thread | None = None
+        self._turn_pending = False
+        self._handed = False  # close(): the loop gave the response pipe to the reader thread
+        self._shm: Any = None
+        self._final_stats: dict | None = None
+
+        ctx = multiprocessing.get_context("spawn")
+        req_r, req_w = ctx.Pipe(duplex=False)
+        resp_r, resp_w = ctx.Pipe(duplex=False)
+        ctl, ctl_child = ctx.Pipe()
+        proc = ctx.Process(target=process_child.main, name="orchestra-serve-engine",
+                           args=(factory, tuple(args), kwargs, req_r, resp_w, ctl_child),
+                           daemon=True)
+        self._proc = proc
+        self._conns = (req_w, resp_r, ctl)
+        self._ctl = ctl
+        # a forgotten engine: its connections close (the child sees its control connection end,
+        # cancels and exits), the child is waited for, the shared memory unlinked
+        self._finalizer = weakref.finalize(self, _abandon, proc, self._conns, [])
+        try:
+            proc.start()
+        finally:
+            for c in (req_r, resp_w, ctl_child):  # the child's ends: its own copies now
+                c.close()
+        try:
+            self._start(max_rows, int(slots), start_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._req_fd = req_w.fileno()
+        self._resp_fd = resp_r.fileno()
+        self._state = "open"
+        if loop is None:
+            self._start_reader_thread()
+        else:
+            self._watch_on_loop()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _recv_start(self, timeout: float, what: str):
+        ctl, proc = self._ctl, self._proc
+        try:
+            ready = ctl.poll(timeout)
+            msg = ctl.recv() if ready else None
+        except (EOFError, OSError):
+            proc.join(5)
+            raise EngineProcessError(f"the engine process exited {what} (exit code "
+                                     f"{proc.exitcode})", proc.exitcode) from None
+        if msg is None:
+            raise EngineProcessError(f"the engine process did not answer within "
+                                     f"{timeout:g} s {what} (start_timeout)")
+        if msg[0] == "error":
+            exc = wire.decode_error(msg[1])
+            exc.add_note("(raised in the engine process, by the ProcessEngine factory)")
+            raise exc
+        return msg[1]
+
+    def _start(self, max_rows: int | None, slots: int, timeout: float) -> None:
+        desc = self._recv_start(timeout, "while the factory made the engine")
+        self._inputs = tensor_specs(desc["inputs"], "inputs")
+        self._outputs = tensor_specs(desc["outputs"], "outputs")
+        self.largest = int(desc["largest"])
+        self.executor = desc["executor"]
+        self.pid = int(desc["pid"])
+        if max_rows is None:
+            max_rows = self.largest
+        elif int(max_rows) > self.largest and not desc["split"]:
+            raise ServeConfigValueError(
+                f"max_rows {max_rows} is above the engine's largest bucket ({self.largest} "
+                f"rows) and the engine does not split requests (make it with split=True)")
+        self.max_rows = int(max_rows)
+        layout = wire.slot_layout(self._inputs, self._outputs, self.max_rows, slots)
+        from multiprocessing import shared_memory
+
+        shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
+        self._shm = shm
+        # every page touched now, not by the first request that uses it (a page fault per
+        # 4 KiB on the way of a request, in both processes)
+        np.ndarray((layout.nbytes,), np.uint8, buffer=shm.buf).fill(0)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _abandon, self._proc, self._conns, [shm])
+        self.layout = layout
+        self.slots = slots
+        self._ctl.send(("attach", shm.name, layout))
+        self.pinned = bool(self._recv_start(timeout, "while it attached the shared memory"))
+        self._in_views = [layout.views(shm.buf, s, "inputs") for s in range(slots)]
+        self._out_views = [layout.views(shm.buf, s, "outputs") for s in range(slots)]
+        self._free = list(range(slots - 1, -1, -1))
+        self._single_in = next(iter(self._inputs)) if len(self._inputs) == 1 else None
+        self._single_out = next(iter(self._outputs)) if len(self._outputs) == 1 else None
+
+    # -- describing -------------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> dict:
+        """``{name: TensorSpec}`` of a request's inputs (the engine's)."""
+        return dict(self._inputs)
+
+    @property
+    def outputs(self) -> dict:
+        return dict(self._outputs)
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed"
+
+    @property
+    def broken(self) -> EngineProcessError | None:
+        """The `EngineProcessError` of an engine process that exited while serving, or None."""
+        return self._broken
+
+    # -- submitting -------------------------------------------------------------------------
+
+    def _check(self, inputs, out):
+        arrays, rows = check_inputs(self._inputs, inputs)
+        if rows < 1:
+            raise BadRequest("a request has at least one row (axis 0 is empty)")
+        if rows > self.max_rows:
+            raise RequestTooLarge(rows, self.max_rows,
+                                  " (the ProcessEngine's max_rows: the size of its slots)")
+        outs = check_out(self._outputs, out, rows) if out is not None else None
+        return arrays, rows, outs
+
+    def _check_open(self) -> None:
+        """Under the lock: raise unless new requests may start."""
+        if self._broken is not None:
+            raise self._broken
+        if self._state != "open":
+            raise EngineClosed("the ProcessEngine is closing or closed")
+
+    def _take_slot(self, timeout) -> int:
+        with self._lock:
+            self._check_open()
+            if self._free and not self._aio_waiting:
+                return self._free.pop()
+            if self.on_full == "raise":
+                self._counts["overloaded"] += 1
+                raise Overloaded(f"all {self.slots} slots of the ProcessEngine are in flight; "
+                                 f"retry later, or make it with more slots")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._free:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._counts["overloaded"] += 1
+                    raise Overloaded(f"no slot of the ProcessEngine came free within "
+                                     f"{timeout:g} s ({self.slots} in flight)")
+                self._space_waiting += 1
+                try:
+                    self._space.wait(left)
+                finally:
+                    self._space_waiting -= 1
+                self._check_open()
+            return self._free.pop()
+
+    def _send(self, arrays: dict, entry: _Entry) -> None:
+        """Copy the inputs into the entry's slot and write its request record; on failure the
+        slot is free again and the error raised."""
+        slot, rows = entry.slot, entry.rows
+        try:
+            views = self._in_views[slot]
+            for name, a in arrays.items():
+                views[name][:rows] = a
+            rid = next(self._ids)
+            with self._lock:
+                self._check_open()
+                self._pending[rid] = entry
+                try:
+                    os.write(self._req_fd, wire.REQUEST.pack(rid, slot, rows))
+                except OSError:  # the child is gone: the reader reports how
+                    del self._pending[rid]
+                    raise self._gone_error() from None
+                self._counts["requests"] += 1
+        except BaseException:
+            self._release(slot)
+            raise
+
+    def submit(self, inputs, *, out=None, timeout: Any = ...) -> concurrent.futures.Future:
+        """Submit one request; returns a `concurrent.futures.Future` of its outputs (one
+        array for a one-output engine, else ``{name: array}``, arrays the caller owns).
+
+        ``inputs``: as `Engine.submit` (numpy arrays or host tensors, C-contiguous, the
+        declared dtype, ``(rows, *row_shape)``, at most ``max_rows`` rows); copied into a slot
+        before this returns, so the caller may change them at once. ``out``: arrays to copy
+        the outputs into instead. ``timeout``: seconds to wait for a free slot with
+        ``on_full="block"`` (default ``submit_timeout``).
+
+        A bad request returns a future already failed with `BadRequest` / `InputTypeError` /
+        `RequestTooLarge`; nothing is sent. Raises `Overloaded`, `EngineClosed`,
+        `EngineProcessError`. A submitted request runs to the end (``cancel()`` returns
+        False)."""
+        t0 = _now()
+        try:
+            arrays, rows, outs = self._check(inputs, out)
+        except OrchestraError as exc:
+            self._counts["bad"] += 1
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_exception(exc)
+            return fut
+        slot = self._take_slot(self.submit_timeout if timeout is ... else timeout)
+        fut = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        self._send(arrays, _Entry(fut, None, outs, t0, slot, rows))
+        return fut
+
+    def __call__(self, inputs, *, out=None):
+        """Run one request and wait for its outputs in this thread; raises what `submit` and
+        the request raise. Not on the ``loop=`` thread (`CallOrderError`)."""
+        self._not_on_own_loop("engine(x)")
+        fut = self.submit(inputs, out=out)
+        return fut.result()
+
+    def _not_on_own_loop(self, what: str) -> None:
+        if self._loop is not None and _running_loop() is self._loop:
+            raise CallOrderError(f"{what} blocks, and this ProcessEngine's completions are "
+                                 f"read by the event loop it would block; use await "
+                                 f"engine.run(x) there")
+
+    async def run(self, inputs, *, out=None):
+        """``await engine.run(x)``: the outputs, on the caller's event loop (any loop, any
+        number of tasks). Only checks, a copy into a slot and a pipe write run on the loop;
+        with ``on_full="block"`` a request that finds no free slot awaits one. Cancelling the
+        awaiting task drops the result (the request itself runs to the end). Raises what
+        `submit` and its future raise."""
+        loop = asyncio.get_running_loop()
+        t0 = _now()
+        try:
+            arrays, rows, outs = self._check(inputs, out)
+        except OrchestraError:
+            self._counts["bad"] += 1
+            raise
+        with self._lock:
+            self._check_open()
+            slot = self._free.pop() if self._free and not self._aio_waiting else None
+            if slot is None:
+                if self.on_full == "raise":
+                    self._counts["overloaded"] += 1
+                    raise Overloaded(f"all {self.slots} slots of the ProcessEngine are in "
+                                     f"flight; retry later, or make it with more slots")
+                wait = loop.create_future()
+                self._aio_waiting.append((loop, wait))
+        if slot is None:
+            try:
+                slot = await wait
+            except asyncio.CancelledError:
+                if wait.done() and not wait.cancelled():  # handed a slot as it was cancelled
+                    self._release(wait.result())
+                raise
+        fut = loop.create_future()
+        self._send(arrays, _Entry(fut, loop, outs, t0, slot, rows))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._counts["cancelled"] += 1
+            raise
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def _release(self, slot: int) -> None:
+        """A slot is free: to the first asyncio request awaiting one, else to the pool."""
+        while True:
+            with self._lock:
+                while self._aio_waiting:
+                    loop, wait = self._aio_waiting.popleft()
+                    if not wait.done():
+                        break
+                else:
+                    self._free.append(slot)
+                    if self._space_waiting:
+                        self._space.notify()
+                    return
+            if _running_loop() is loop:
+                if not wait.done():
+                    wait.set_result(slot)
+                    return
+                continue
+            try:
+                loop.call_soon_threadsafe(self._give, wait, slot)
+                return
+            except RuntimeError:  # that loop is closed: the next waiter, or the pool
+                continue
+
+    def _give(self, wait, slot: int) -> None:
+        """On the waiter's loop: hand it the slot, or release it again when it gave up."""
+        if wait.done():
+            self._release(slot)
+        else:
+            wait.set_result(slot)
+
+    # -- completions ------------------------------------------------------------------------
+
+    def _complete(self, rid: int, slot: int, err: bytes, batch: dict | None) -> None:
+        """One response: copy the outputs out, free the slot, complete the future (asyncio
+        futures of other loops, and all of them from the reader thread, are collected in
+        ``batch`` per loop)."""
+        with self._lock:
+            entry = self._pending.pop(rid, None)
+        if entry is None:
+            log.error("serve: the engine process answered request %d, which is not pending",
+                      rid)
+            return
+        fut, loop = entry.fut, entry.loop
+        exc = result = None
+        if err:
+            exc = wire.decode_error(err)
+            self._counts["failed"] += 1
+        elif not fut.done():  # a cancelled task's outputs are not copied
+            views = self._out_views[slot]
+            rows = entry.rows
+            if entry.out is not None:
+                for name, a in entry.out.items():
+                    np.copyto(a, views[name][:rows])
+                result = entry.out
+            else:
+                result = {name: v[:rows].copy() for name, v in views.items()}
+            one = self._single_out
+            if one is not None:
+                result = result[one]
+        entry.out = None
+        self._release(slot)
+        self._latency.append((_now() - entry.t0) / 1e3)
+        if loop is None:
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        elif batch is None and loop is self._loop:
+            _set_aio(fut, result, exc)
+        elif batch is not None:
+            batch.setdefault(loop, []).append((fut, result, exc))
+        else:
+            try:
+                loop.call_soon_threadsafe(_set_aio, fut, result, exc)
+            except RuntimeError:  # that loop is closed: nobody awaits it any more
+                pass
+
+    @staticmethod
+    def _hand_batches(batch: dict) -> None:
+        for loop, items in batch.items():
+            try:
+                loop.call_soon_threadsafe(_set_many, items)
+            except RuntimeError:  # that loop is closed: nobody awaits these any more
+                pass
+
+    def _start_reader_thread(self) -> None:
+        reader = self._rreader if self._loop is not None else wire.RecordReader(
+            wire.RESPONSE, sized=True)
+        # the thread holds the engine weakly: a forgotten engine is still collected, and its
+        # finalizer ends the process (the thread then sees the end of the pipe)
+        t = threading.Thread(target=_read_responses, args=(weakref.ref(self), self._resp_fd,
+                                                           reader),
+                             name="orchestra-serve-process-reader", daemon=True)
+        self._reader_thread = t
+        t.start()
+
+    def _watch_on_loop(self) -> None:
+        self._rreader = wire.RecordReader(wire.RESPONSE, sized=True)
+        os.set_blocking(self._resp_fd, False)
+        loop: Any = self._loop
+        if _running_loop() is loop:
+            self._loop.add_reader(self._resp_fd, self._on_readable)
+            return
+        done = threading.Event()
+        failed: list = []
+
+        def add():
+            try:
+                loop.add_reader(self._resp_fd, self._on_readable)
+            except BaseException as exc:  # noqa: BLE001 - raised in the constructor
+                failed.append(exc)
+            done.set()
+
+        if loop.is_running():
+            loop.call_soon_threadsafe(add)
+            done.wait()
+        else:
+            add()
+        if failed:
+            self.close(cancel=True)
+            raise ServeConfigValueError(f"loop cannot watch the response pipe "
+                                        f"({failed[0]!r}); use loop=None") from failed[0]
+
+    def _on_readable(self) -> None:
+        if self._handed:
+            return
+        try:
+            data = os.read(self._resp_fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._loop.remove_reader(self._resp_fd)
+            self._child_gone()
+            return
+        self._rreader.feed(data)
+        if not self._turn_pending:
+            self._drain_turn()
+
+    def _drain_turn(self) -> None:
+        """On the loop: resolve up to ``completions_per_turn`` requests (and for at most
+        `TURN_BUDGET_NS`); the rest in the next iteration."""
+        self._turn_pending = False
+        if self._handed:  # close() gave the rest to the reader thread
+            return
+        reader, limit = self._rreader, self.completions_per_turn
+        end = _now() + TURN_BUDGET_NS
+        n = 0
+        while (rec := reader.pop()) is not None:
+            self._complete(rec[0], rec[1], rec[2], None)
+            n += 1
+            if n >= limit or _now() > end:
+                if reader.pending:
+                    self._turn_pending = True
+                    self._loop.call_soon(self._drain_turn)
+                return
+
+    def _gone_error(self) -> EngineProcessError:
+        if self._broken is not None:
+            return self._broken
+        code = self._proc.exitcode
+        return EngineProcessError(f"the engine process exited (exit code {code}); make a new "
+                                  f"ProcessEngine to serve again", code)
+
+    def _child_gone(self) -> None:
+        """The response pipe ended: the engine process closed (close()) or died. Fail what is
+        still pending."""
+        self._proc.join(5)
+        with self._lock:
+            if self._state == "open":
+                self._broken = self._gone_error()
+                log.error("serve: %s", self._broken)
+            exc = self._broken or EngineProcessError(
+                f"the engine process ended before it answered (exit code "
+                f"{self._proc.exitcode})", self._proc.exitcode)
+            pending = list(self._pending.values())
+            self._pending.clear()
+            waiting = list(self._aio_waiting)
+            self._aio_waiting.clear()
+            self._space.notify_all()
+        batch: dict = {}
+        for e in pending:
+            self._counts["failed"] += 1
+            if e.loop is None:
+                e.fut.set_exception(exc)
+            else:
+                batch.setdefault(e.loop, []).append((e.fut, None, exc))
+        for loop, wait in waiting:
+            batch.setdefault(loop, []).append((wait, None, exc))
+        self._hand_batches(batch)
+
+    # -- control ----------------------------------------------------------------------------
+
+    def _control(self, op: str, arg=None):
+        with self._ctl_lock:
+            if self._state == "closed":
+                raise EngineClosed("the ProcessEngine is closed")
+            try:
+                self._ctl.send((op, arg))
+                kind, value = self._ctl.recv()
+            except (EOFError, OSError) as exc:
+                raise self._gone_error() from exc
+        if kind == "error":
+            raise wire.decode_error(value)
+        return value
+
+    def warmup(self, buckets=None) -> list[dict]:
+        """`Engine.warmup` in the engine process: builds the buckets (default all), returns its
+        report (per bucket: build ms, instantiate ms, graph memory bytes). Blocks until it is
+        done (on an event loop too: it needs no loop to answer)."""
+        return self._control("warmup", buckets)
+
+    def stats(self) -> dict:
+        """The engine's `Engine.stats` (from the engine process; its latencies are measured
+        there) with ``"process"``: this side's view: pid, slots, ``in_flight``, counts
+        (``requests`` sent, ``failed``, ``bad`` refused here, ``overloaded``, ``cancelled``
+        awaits) and ``latency_us`` p50/p95/p99 from submit to the future's completion here
+        (the most recent `LATENCY_SAMPLES`). After `close`: the engine's last statistics."""
+        if self._state == "closed":
+            engine = self._final_stats or {}
+        else:
+            engine = self._control("stats")
+        lat = np.fromiter(self._latency, float) if self._latency else None
+        pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 95, 99)}
+               if lat is not None else {})
+        with self._lock:
+            in_flight = len(self._pending)
+        return {**engine, "process": {"pid": self.pid, "slots": self.slots,
+                                      "max_rows": self.max_rows, "pinned": self.pinned,
+                                      "in_flight": in_flight, **self._counts,
+                                      "latency_us": pct}}
+
+    def stats_json(self, **kw) -> str:
+        """`stats` as JSON (``json.dumps`` keywords pass through)."""
+        return json.dumps(self.stats(), default=str, **kw)
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop taking requests; let the engine process finish (or, ``cancel=True``, cancel)
+        what it holds; deliver every answer; end the process; free the shared memory.
+        Idempotent; a second caller waits for the first. Not from a future's callback."""
+        with self._lock:
+            if self._state in ("closing", "closed"):
+                first = False
+            else:
+                first = True
+                self._state = "closing"
+                waiting = list(self._aio_waiting)
+                self._aio_waiting.clear()
+                self._space.notify_all()
+        if not first:
+            self._closed_event.wait()
+            return
+        try:
+            exc = EngineClosed("the ProcessEngine closed before the request found a slot")
+            batch: dict = {}
+            for loop, wait in waiting:
+                batch.setdefault(loop, []).append((wait, None, exc))
+            self._hand_batches(batch)
+            if self._loop is not None:
+                self._unwatch_loop()  # answers are read by a thread while the child drains
+                self._start_reader_thread()
+            req_w, _, _ = self._conns
+            with self._lock:
+                req_w.close()  # the child reads every request written, then sees the end
+            try:
+                self._final_stats = self._control("close", bool(cancel))
+            except OrchestraError as exc2:
+                log.warning("serve: closing the engine process: %s", exc2)
+            if self._reader_thread is not None:
+                self._reader_thread.join()
+        finally:
+            self._in_views = self._out_views = []  # no view may hold the shared memory
+            self._finalizer()  # joins (or ends) the process, closes connections, frees memory
+            with self._lock:
+                self._state = "closed"
+            self._closed_event.set()
+
+    def _unwatch_loop(self) -> None:
+        """Stop reading on the loop (on the loop's thread, so that no drain of the loop runs
+        once the reader thread takes over)."""
+        loop, fd = self._loop, self._resp_fd
+        if loop.is_closed():
+            self._handed = True
+            return
+        if _running_loop() is loop or not loop.is_running():
+            loop.remove_reader(fd)
+            self._handed = True
+            return
+        done = threading.Event()
+
+        def remove():
+            loop.remove_reader(fd)
+            self._handed = True
+            done.set()
+
+        try:
+            loop.call_soon_threadsafe(remove)
+        except RuntimeError:  # closed meanwhile
+            self._handed = True
+            return
+        if not done.wait(5):  # the loop is stuck: the reader thread takes over regardless
+            self._handed = True
+
+    async def aclose(self, cancel: bool = False) -> None:
+        """`close` from a coroutine: in the loop's default executor, the loop keeps running."""
+        await asyncio.get_running_loop().run_in_executor(None, self.close, cancel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<ProcessEngine pid {getattr(self, 'pid', None)} {self._state}, "
+                f"{len(self._pending)} in flight>")
+
+
+def _read_responses(ref, fd: int, reader: wire.RecordReader) -> None:
+    """The reader thread: every response until the engine process closes its end (or the
+    engine is gone)."""
+    os.set_blocking(fd, True)
+    while True:
+        engine = ref()
+        if engine is None:
+            return
+        batch: dict = {}
+        while (rec := reader.pop()) is not None:
+            engine._complete(rec[0], rec[1], rec[2], batch)
+        if batch:
+            engine._hand_batches(batch)
+        del engine
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            engine = ref()
+            if engine is not None:
+                engine._child_gone()
+            return
+        reader.feed(data)
+
+
+def _set_many(items) -> None:
+    for fut, result, exc in items:
+        _set_aio(fut, result, exc)
+
+
+def _abandon(proc, conns, shms) -> None:
+    """Close the connections (the child then closes its engine and exits), wait for the child
+    (end it if it does not exit), unlink the shared memory. Also `close`'s last step."""
+    for c in conns:
+        try:
+            c.close()
+        except OSError:
+            pass
+    proc.join(30)
+    if proc.is_alive():
+        log.warning("serve: the engine process %s did not exit; terminating it", proc.pid)
+        proc.terminate()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for shm in shms:
+        try:
+            shm.close()
+        except BufferError:  # a view is still alive: its memory goes when it does
+            pass
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass

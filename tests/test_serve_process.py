@@ -1,0 +1,351 @@
+"""`ProcessEngine` on the CPU: an `Engine` over `NumpyBackend` in a spawned child process, fed
+through shared memory. Every output is checked against numpy computed here; the failure paths
+(bad requests, errors raised in the child, a factory that raises, a child that is killed, a
+full set of slots) fail only what they should, and close() leaves no process and no shared
+memory behind. The record framing and slot layout (`orchestra.serve.wire`) are tested on
+their own first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from orchestra.errors import CallOrderError
+from orchestra.serve import (
+    BadRequest,
+    Batching,
+    Engine,
+    EngineClosed,
+    EngineProcessError,
+    InputTypeError,
+    NumpyBackend,
+    Overloaded,
+    RequestTooLarge,
+    ServeConfigTypeError,
+    ServeConfigValueError,
+)
+from orchestra.serve import wire
+from orchestra.serve.process import ProcessEngine
+from orchestra.serve.tensors import tensor_specs
+
+ROW = 64
+
+
+class Unpicklable(Exception):
+    """An exception whose arguments cannot be pickled back (it keeps a lock)."""
+
+    def __init__(self, msg):
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+def _fn(d, delay=0.0):
+    x = d["x"]
+    if delay:
+        time.sleep(delay)
+    if (x == -1).any():
+        raise KeyError("minus one")  # travels back pickled, as itself
+    if (x == -2).any():
+        raise Unpicklable("minus two")
+    return {"y": x * 2 + 1, "s": x.sum(axis=1, keepdims=True, dtype=np.float64)}
+
+
+def _reference(x):
+    return x * 2 + 1, x.sum(axis=1, keepdims=True, dtype=np.float64)
+
+
+def cpu_engine(delay=0.0, batching=False, max_rows=8, device_thread=True, queue_limit=4096):
+    """The factory the child calls (module level: it is pickled by reference)."""
+    import functools
+
+    return Engine(backend=NumpyBackend(functools.partial(_fn, delay=delay),
+                                       device_thread=device_thread),
+                  inputs={"x": ((ROW,), "float32")},
+                  outputs={"y": ((ROW,), "float32"), "s": ((1,), "float64")},
+                  buckets="pow2", max_rows=max_rows, queue_limit=queue_limit,
+                  batching=Batching(max_batch=max_rows, max_delay_us=200) if batching else None)
+
+
+def failing_factory():
+    raise ServeConfigValueError("the factory refuses")
+
+
+def not_an_engine():
+    return 42
+
+
+def _x(rows, seed):
+    return np.random.default_rng(seed).standard_normal((rows, ROW)).astype(np.float32)
+
+
+def _check(out, x):
+    y, s = _reference(x)
+    assert np.array_equal(out["y"], y)
+    np.testing.assert_allclose(out["s"], s, rtol=1e-12)
+
+
+def _gone(name: str) -> bool:
+    return not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
+
+@pytest.fixture(scope="module")
+def pe():
+    e = ProcessEngine(cpu_engine, slots=16)
+    yield e
+    e.close()
+
+
+# -- wire --------------------------------------------------------------------------------------
+
+
+def test_record_reader_reassembles_records_split_anywhere():
+    payload = b"abc" * 50
+    data = (wire.RESPONSE.pack(7, 3, 0) + wire.RESPONSE.pack(8, 4, len(payload)) + payload
+            + wire.RESPONSE.pack(9, 5, 0))
+    for cut in range(1, len(data)):
+        r = wire.RecordReader(wire.RESPONSE, sized=True)
+        got = []
+        for part in (data[:cut], data[cut:]):
+            r.feed(part)
+            while (rec := r.pop()) is not None:
+                got.append(rec)
+        assert got == [(7, 3, b""), (8, 4, payload), (9, 5, b"")], cut
+        assert r.pending == 0
+
+
+def test_slot_layout_aligns_regions_and_pages():
+    specs_in = tensor_specs({"a": ((3,), "float32"), "b": ((5,), "uint8")}, "inputs")
+    specs_out = tensor_specs({"y": ((7,), "float64")}, "outputs")
+    lay = wire.slot_layout(specs_in, specs_out, 10, 3)
+    offs = [lay.inputs["a"][0], lay.inputs["b"][0], lay.outputs["y"][0]]
+    assert offs == [0, 128, 192]  # 120 bytes -> 128; 50 -> 64; aligned to 64
+    assert lay.slot_bytes == 4096 and lay.nbytes == 3 * 4096
+    buf = bytearray(lay.nbytes)
+    v = lay.views(buf, 2, "outputs")["y"]
+    v[:] = 1.5
+    assert np.frombuffer(buf, np.float64, 70, 2 * 4096 + 192).tolist() == [1.5] * 70
+    with pytest.raises(ServeConfigValueError):
+        wire.slot_layout(specs_in, specs_out, 10, wire.MAX_SLOTS + 1)
+
+
+def test_errors_round_trip_or_become_remote_errors():
+    back = wire.decode_error(wire.encode_error(RequestTooLarge(9, 8)))
+    assert isinstance(back, RequestTooLarge) and "9" in str(back)
+    back = wire.decode_error(wire.encode_error(Unpicklable("x")))
+    assert isinstance(back, wire.RemoteError) and "Unpicklable: x" in str(back)
+    assert isinstance(wire.decode_error(b"not a pickle"), wire.RemoteError)
+    assert isinstance(pickle.loads(pickle.dumps(EngineProcessError("m", -9))),
+                      EngineProcessError)
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+def test_many_threads_get_their_own_outputs(pe):
+    errors = []
+
+    def client(k):
+        try:
+            rng = np.random.default_rng(k)
+            for i in range(40):
+                x = _x(int(rng.integers(1, 9)), 1000 * k + i)
+                if i % 2:
+                    _check(pe(x), x)
+                else:
+                    f = pe.submit(x)
+                    x_copy = x.copy()
+                    x[:] = 0  # the inputs were copied into a slot before submit returned
+                    _check(f.result(timeout=30), x_copy)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+    st = pe.stats()
+    assert st["process"]["in_flight"] == 0
+    assert sum(b["requests"] for b in st["buckets"].values()) >= 320
+
+
+def test_out_arrays_are_filled(pe):
+    x = _x(3, 5)
+    out = {"y": np.full((3, ROW), np.nan, np.float32), "s": np.zeros((3, 1))}
+    res = pe(x, out=out)
+    assert res["y"] is out["y"]
+    _check(out, x)
+
+
+def test_bad_requests_fail_their_own_future_and_nothing_else(pe):
+    sent = pe.stats()["process"]["requests"]
+    f = pe.submit(_x(2, 1).astype(np.float64))
+    assert isinstance(f.exception(timeout=5), InputTypeError)
+    with pytest.raises(RequestTooLarge):
+        pe(_x(9, 1))  # above max_rows (the largest bucket)
+    with pytest.raises(BadRequest):
+        pe(np.zeros((0, ROW), np.float32))
+    with pytest.raises(BadRequest):
+        pe({"x": _x(1, 1), "z": _x(1, 1)})
+    assert pe.stats()["process"]["requests"] == sent  # nothing reached the engine process
+    x = _x(4, 9)
+    _check(pe(x), x)
+
+
+def test_errors_raised_in_the_engine_process_come_back(pe):
+    x = _x(2, 3)
+    x[1, 5] = -1
+    with pytest.raises(KeyError, match="minus one"):
+        pe(x)
+    x[1, 5] = -2
+    with pytest.raises(wire.RemoteError, match="Unpicklable: minus two"):
+        pe(x)
+    x = _x(2, 4)
+    _check(pe(x), x)  # still serving
+
+
+def test_asyncio_on_a_reader_thread_engine(pe):
+    async def main():
+        xs = [_x(1 + k % 8, 50 + k) for k in range(200)]
+        outs = await asyncio.gather(*(pe.run(x) for x in xs))
+        for o, x in zip(outs, xs):
+            _check(o, x)
+        with pytest.raises(InputTypeError):
+            await pe.run(xs[0].astype(np.int32))
+
+    asyncio.run(main())
+
+
+def test_loop_reads_completions_and_slots_are_awaited():
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = ProcessEngine(cpu_engine, kwargs={"batching": True}, slots=4, loop=loop,
+                          completions_per_turn=3)
+        try:
+            xs = [_x(1 + k % 8, 700 + k) for k in range(300)]
+            outs = await asyncio.gather(*(e.run(x) for x in xs))  # 300 tasks on 4 slots
+            for o, x in zip(outs, xs):
+                _check(o, x)
+            with pytest.raises(CallOrderError):
+                e(xs[0])  # only this loop could deliver its answer
+            # a thread's blocking call is answered through the loop
+            x = xs[1]
+            got = await asyncio.to_thread(e, x)
+            _check(got, x)
+            st = e.stats()
+            assert st["process"]["slots"] == 4 and st["process"]["in_flight"] == 0
+            fills = [b["batch_fill"] for b in st["buckets"].values() if b["launches"]]
+            assert fills  # batching ran in the engine process
+        finally:
+            await e.aclose()
+        assert e.closed and _gone(e._shm.name)
+        with pytest.raises(EngineClosed):
+            await e.run(xs[0])
+
+    asyncio.run(main())
+
+
+def test_cancelled_task_drops_its_result_and_frees_the_slot():
+    async def main():
+        e = ProcessEngine(cpu_engine, kwargs={"delay": 0.05}, slots=1,
+                          loop=asyncio.get_running_loop())
+        try:
+            t = asyncio.ensure_future(e.run(_x(1, 1)))
+            await asyncio.sleep(0.01)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            x = _x(2, 2)
+            _check(await e.run(x), x)  # the one slot came back
+        finally:
+            await e.aclose()
+
+    asyncio.run(main())
+
+
+def test_full_slots_raise_or_time_out():
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=1, on_full="raise")
+    try:
+        f = e.submit(_x(1, 1))
+        with pytest.raises(Overloaded):
+            e.submit(_x(1, 2))
+        _check(f.result(timeout=10), _x(1, 1))
+        e.on_full = "block"
+        f = e.submit(_x(1, 3))
+        with pytest.raises(Overloaded, match="within 0.05 s"):
+            e.submit(_x(1, 4), timeout=0.05)
+        g = e.submit(_x(1, 5), timeout=10)  # waits for the slot
+        _check(f.result(timeout=10), _x(1, 3))
+        _check(g.result(timeout=10), _x(1, 5))
+        assert e.stats()["process"]["overloaded"] == 2
+    finally:
+        e.close()
+
+
+def test_close_drains_pending_requests_and_frees_everything():
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.01}, slots=32)
+    name, proc = e._shm.name, e._proc
+    xs = [_x(1 + k % 8, k) for k in range(30)]
+    futs = [e.submit(x) for x in xs]
+    e.close()
+    for f, x in zip(futs, xs):
+        _check(f.result(timeout=0), x)
+    assert not proc.is_alive() and proc.exitcode == 0
+    assert _gone(name)
+    with pytest.raises(EngineClosed):
+        e.submit(xs[0])
+    assert e.stats()["process"]["requests"] == 30  # the engine's last statistics
+    e.close()  # idempotent
+
+
+def test_killed_engine_process_fails_pending_and_refuses_new_work():
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.5}, slots=8)
+    name = e._shm.name
+    futs = [e.submit(_x(1, k)) for k in range(4)]
+    os.kill(e.pid, signal.SIGKILL)
+    for f in futs:
+        exc = f.exception(timeout=10)
+        assert isinstance(exc, EngineProcessError) and exc.exitcode == -signal.SIGKILL
+    assert isinstance(e.broken, EngineProcessError)
+    with pytest.raises(EngineProcessError, match="exit code -9"):
+        e.submit(_x(1, 9))
+    e.close()
+    assert _gone(name)
+
+
+def test_factory_errors_and_bad_arguments():
+    with pytest.raises(ServeConfigValueError, match="the factory refuses") as info:
+        ProcessEngine(failing_factory)
+    assert any("engine process" in n for n in info.value.__notes__)
+    with pytest.raises(ServeConfigTypeError, match="must return an Engine"):
+        ProcessEngine(not_an_engine)
+    with pytest.raises(ServeConfigTypeError, match="picklable"):
+        ProcessEngine(lambda: None)
+    with pytest.raises(ServeConfigValueError, match="slots"):
+        ProcessEngine(cpu_engine, slots=0)
+    with pytest.raises(ServeConfigValueError, match="on_full"):
+        ProcessEngine(cpu_engine, on_full="drop")
+    with pytest.raises(ServeConfigValueError, match="max_rows 9 is above"):
+        ProcessEngine(cpu_engine, max_rows=9)
+
+
+def test_forgotten_engine_process_exits():
+    import gc
+
+    e = ProcessEngine(cpu_engine, slots=2)
+    proc, name = e._proc, e._shm.name
+    x = _x(1, 1)
+    _check(e(x), x)
+    del e
+    gc.collect()
+    proc.join(30)
+    assert not proc.is_alive()
+    assert _gone(name)
