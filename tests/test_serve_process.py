@@ -349,3 +349,15 @@ def test_forgotten_engine_process_exits():
     proc.join(30)
     assert not proc.is_alive()
     assert _gone(name)
+
+
+def test_slots_beyond_the_shared_memory_file_system_are_refused(monkeypatch):
+    from orchestra.serve import process
+
+    class Small:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free
+
+    monkeypatch.setattr(process.os, "statvfs", lambda where: Small)
+    with pytest.raises(ServeConfigValueError, match="shm-size"):
+        process._check_shm_space(1 << 20)
+    process._check_shm_space(1 << 16)  # fits

@@ -663,8 +663,10 @@ def _asyncio_on(name: str, w: Workload, o: BenchOptions, e) -> Result:
 async def _asyncio_in_process(name: str, w: Workload, o: BenchOptions, batching: bool,
                               dispatch: str, instances: int) -> Result:
     """The asyncio load on a `ProcessEngine` whose completions this event loop reads."""
+    # a slot per task: no task waits for a slot (a server sizes its slots by its connections)
     e = open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=instances,
-                    process=True, loop=asyncio.get_running_loop())
+                    process=True, loop=asyncio.get_running_loop(),
+                    slots=min(4096, max(256, o.tasks)))
     try:
         info = _warm(e)  # a control call: it blocks the loop, before the load starts
         if o.gc_freeze:

@@ -62,6 +62,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
 )
+from orchestra.serve.future import ServeFuture
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ class ProcessEngine:
             reader thread.
         completions_per_turn: with ``loop=``: requests resolved per loop iteration at most
             (default 16; a drain also stops after 0.25 ms).
+        zero_copy: the engine process page-locks the shared memory and submits the slots with
+            ``pinned=True`` (default True; False: its instances copy each request into their
+            own pinned staging, as for an in-process `Engine`).
 
     Raises `ServeConfigTypeError` / `ServeConfigValueError` for bad arguments (before any
     process starts), what the factory raised (its type, with a note), or
@@ -137,7 +141,7 @@ class ProcessEngine:
                  slots: int = 64, max_rows: int | None = None, on_full: str = "block",
                  submit_timeout: float | None = None, start_timeout: float = 120.0,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 completions_per_turn: int = 16):
+                 completions_per_turn: int = 16, zero_copy: bool = True):
         kwargs = dict(kwargs or {})
         if not callable(factory):
             raise ServeConfigTypeError(f"factory must be callable (it makes the Engine in the "
@@ -152,9 +156,15 @@ class ProcessEngine:
                 f"closure") from exc
         if on_full not in ("block", "raise"):
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
-        if not 1 <= int(slots) <= wire.MAX_SLOTS:
+        if isinstance(slots, bool) or not isinstance(slots, int):
+            raise ServeConfigTypeError(f"slots must be an int; got {type(slots).__name__}")
+        if not 1 <= slots <= wire.MAX_SLOTS:
             raise ServeConfigValueError(f"slots must be 1..{wire.MAX_SLOTS}; got {slots}")
-        if not start_timeout > 0:
+        if max_rows is not None and (isinstance(max_rows, bool)
+                                     or not isinstance(max_rows, int) or max_rows < 1):
+            raise ServeConfigValueError(f"max_rows must be an int >= 1 or None; got "
+                                        f"{max_rows!r}")
+        if not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
             raise ServeConfigValueError(f"start_timeout must be > 0 seconds; got "
                                         f"{start_timeout}")
         if int(completions_per_turn) < 1:
@@ -167,6 +177,7 @@ class ProcessEngine:
             raise ServeConfigValueError("loop is closed")
         self.on_full = on_full
         self.submit_timeout = submit_timeout
+        self.zero_copy = bool(zero_copy)
         self.completions_per_turn = int(completions_per_turn)
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
@@ -206,7 +217,7 @@ class ProcessEngine:
             for c in (req_r, resp_w, ctl_child):  # the child's ends: its own copies now
                 c.close()
         try:
-            self._start(max_rows, int(slots), start_timeout)
+            self._start(max_rows, slots, start_timeout)
         except BaseException:
             self._finalizer()
             raise
@@ -255,6 +266,7 @@ class ProcessEngine:
         layout = wire.slot_layout(self._inputs, self._outputs, self.max_rows, slots)
         from multiprocessing import shared_memory
 
+        _check_shm_space(layout.nbytes)
         shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
         self._shm = shm
         # every page touched now, not by the first request that uses it (a page fault per
@@ -264,7 +276,7 @@ class ProcessEngine:
         self._finalizer = weakref.finalize(self, _abandon, self._proc, self._conns, [shm])
         self.layout = layout
         self.slots = slots
-        self._ctl.send(("attach", shm.name, layout))
+        self._ctl.send(("attach", shm.name, layout, self.zero_copy))
         self.pinned = bool(self._recv_start(timeout, "while it attached the shared memory"))
         self._in_views = [layout.views(shm.buf, s, "inputs") for s in range(slots)]
         self._out_views = [layout.views(shm.buf, s, "outputs") for s in range(slots)]
@@ -358,8 +370,9 @@ class ProcessEngine:
             raise
 
     def submit(self, inputs, *, out=None, timeout: Any = ...) -> concurrent.futures.Future:
-        """Submit one request; returns a `concurrent.futures.Future` of its outputs (one
-        array for a one-output engine, else ``{name: array}``, arrays the caller owns).
+        """Submit one request; returns a `ServeFuture` (a `concurrent.futures.Future`) of its
+        outputs (one array for a one-output engine, else ``{name: array}``, arrays the caller
+        owns).
 
         ``inputs``: as `Engine.submit` (numpy arrays or host tensors, C-contiguous, the
         declared dtype, ``(rows, *row_shape)``, at most ``max_rows`` rows); copied into a slot
@@ -376,11 +389,11 @@ class ProcessEngine:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
             self._counts["bad"] += 1
-            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut = ServeFuture()
             fut.set_exception(exc)
             return fut
         slot = self._take_slot(self.submit_timeout if timeout is ... else timeout)
-        fut = concurrent.futures.Future()
+        fut = ServeFuture()
         fut.set_running_or_notify_cancel()
         self._send(arrays, _Entry(fut, None, outs, t0, slot, rows))
         return fut
@@ -784,6 +797,22 @@ def _read_responses(ref, fd: int, reader: wire.RecordReader) -> None:
                 engine._child_gone()
             return
         reader.feed(data)
+
+
+def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
+    """Refuse slots that the shared-memory file system cannot hold: a tmpfs hands out pages
+    lazily, and touching one past its size kills the process with SIGBUS (a container's
+    /dev/shm is often 64 MiB)."""
+    try:
+        st = os.statvfs(where)
+    except OSError:  # no /dev/shm: SharedMemory says what is wrong
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ServeConfigValueError(
+            f"the slots need {nbytes / 2**20:.1f} MiB of shared memory but {where} has "
+            f"{free / 2**20:.1f} MiB free; give fewer slots or a smaller max_rows, or a larger "
+            f"{where} (docker run --shm-size)")
 
 
 def _set_many(items) -> None:

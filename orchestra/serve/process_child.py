@@ -45,12 +45,13 @@ def main(factory, args, kwargs, req_fd, resp_fd, ctl) -> None:
         return
     try:
         ctl.send(("ready", _describe(engine)))
-        op, name, layout = ctl.recv()  # ("attach", shared memory name, SlotLayout)
+        # ("attach", shared memory name, SlotLayout, zero-copy wanted)
+        op, name, layout, zero_copy = ctl.recv()
         shm = shared_memory.SharedMemory(name=name)
     except BaseException:  # noqa: BLE001 - the client is gone or failed to start: just end
         engine.close(cancel=True)
         return
-    child = _Child(engine, shm, layout, req_fd.fileno(), resp_fd.fileno())
+    child = _Child(engine, shm, layout, req_fd.fileno(), resp_fd.fileno(), zero_copy)
     try:
         ctl.send(("attached", child.pinned))
         child.start()
@@ -102,7 +103,8 @@ class _Child:
     the response writer. Page-locks the shared memory when the engine runs on a GPU, so that
     requests are submitted with ``pinned=True`` (the instance may read a slot directly)."""
 
-    def __init__(self, engine, shm, layout: wire.SlotLayout, req_fd: int, resp_fd: int):
+    def __init__(self, engine, shm, layout: wire.SlotLayout, req_fd: int, resp_fd: int,
+                 zero_copy: bool):
         self.engine = engine
         self.shm = shm
         self.layout = layout
@@ -112,7 +114,7 @@ class _Child:
         self._reg = None
         self.pinned = False
         cuda = sys.modules.get("orchestra.serve.cuda_backend")
-        if cuda is not None and isinstance(engine.backend, cuda.CudaBackend):
+        if zero_copy and cuda is not None and isinstance(engine.backend, cuda.CudaBackend):
             try:
                 import numpy as np
 
@@ -126,6 +128,10 @@ class _Child:
                             "memory (%s); inputs are copied into pinned staging", exc)
         self._ins = [layout.views(shm.buf, s, "inputs") for s in range(layout.slots)]
         self._outs = [layout.views(shm.buf, s, "outputs") for s in range(layout.slots)]
+        # (slot, rows) -> the request's input and output views, made on first use: a request
+        # of a size seen before on that slot costs no slicing, and its arrays are the very
+        # objects bound before (the engine's instances skip their checks for those)
+        self._views: dict[tuple[int, int], tuple[dict, dict]] = {}
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
@@ -143,6 +149,7 @@ class _Child:
         reader = wire.RecordReader(wire.REQUEST, sized=False)
         submit = self.engine.submit
         pinned = self.pinned
+        views = self._views
         while True:
             try:
                 data = os.read(self.req_fd, 1 << 16)
@@ -154,9 +161,12 @@ class _Child:
             while (rec := reader.pop()) is not None:
                 rid, slot, rows = rec
                 try:
-                    ins = {n: a[:rows] for n, a in self._ins[slot].items()}
-                    outs = {n: a[:rows] for n, a in self._outs[slot].items()}
-                    fut = submit(ins, out=outs, pinned=pinned)
+                    v = views.get((slot, rows))
+                    if v is None:
+                        v = views[slot, rows] = (
+                            {n: a[:rows] for n, a in self._ins[slot].items()},
+                            {n: a[:rows] for n, a in self._outs[slot].items()})
+                    fut = submit(v[0], out=v[1], pinned=pinned)
                 except BaseException as exc:  # noqa: BLE001 - Overloaded, closed, broken
                     self._respond(rid, slot, exc)
                     continue
@@ -186,6 +196,7 @@ class _Child:
             except Exception:  # noqa: BLE001 - the process ends next
                 pass
         self._ins = self._outs = []
+        self._views = {}
         try:
             self.shm.close()
         except BufferError:  # a view still referenced somewhere: the process ends next
