@@ -54,6 +54,10 @@ def _fn(d, delay=0.0):
         raise KeyError("minus one")  # travels back pickled, as itself
     if (x == -2).any():
         raise Unpicklable("minus two")
+    if (x == -3).any():  # what a kernel reading unmapped memory makes the engine see
+        from orchestra.errors import CudaError
+
+        raise CudaError("cuStreamSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
     return {"y": x * 2 + 1, "s": x.sum(axis=1, keepdims=True, dtype=np.float64)}
 
 
@@ -292,7 +296,7 @@ def test_full_slots_raise_or_time_out():
 
 def test_close_drains_pending_requests_and_frees_everything():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.01}, slots=32)
-    name, proc = e._shm.name, e._proc
+    name, proc = e._shm.name, e._child.proc
     xs = [_x(1 + k % 8, k) for k in range(30)]
     futs = [e.submit(x) for x in xs]
     e.close()
@@ -341,7 +345,7 @@ def test_forgotten_engine_process_exits():
     import gc
 
     e = ProcessEngine(cpu_engine, slots=2)
-    proc, name = e._proc, e._shm.name
+    proc, name = e._child.proc, e._shm.name
     x = _x(1, 1)
     _check(e(x), x)
     del e
@@ -361,3 +365,60 @@ def test_slots_beyond_the_shared_memory_file_system_are_refused(monkeypatch):
     with pytest.raises(ServeConfigValueError, match="shm-size"):
         process._check_shm_space(1 << 20)
     process._check_shm_space(1 << 16)  # fits
+
+
+def _wait_open(e, old_pid, timeout=60.0):
+    """Wait until the ProcessEngine serves from a new engine process."""
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        if e.pid != old_pid and e._state == "open":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no restart within {timeout} s (state {e._state})")
+
+
+def test_a_dead_engine_process_is_replaced_while_restarts_are_left():
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.2}, slots=8, restarts=1)
+    try:
+        pid = e.pid
+        futs = [e.submit(_x(1, k)) for k in range(3)]
+        os.kill(pid, signal.SIGKILL)
+        for f in futs:
+            assert isinstance(f.exception(timeout=10), EngineProcessError)
+        try:  # refused while the new process starts, or served by it
+            e.submit(_x(1, 1)).result(timeout=30)
+        except Overloaded as exc:
+            assert "restarted" in str(exc)
+        _wait_open(e, pid)
+        x = _x(5, 77)
+        _check(e(x), x)
+        st = e.stats()["process"]
+        assert st["restarts"] == 1 and st["pid"] == e.pid != pid
+        os.kill(e.pid, signal.SIGKILL)  # no restart left: broken
+        t = time.monotonic() + 10
+        while e.broken is None and time.monotonic() < t:
+            time.sleep(0.05)
+        with pytest.raises(EngineProcessError):
+            e(x)
+    finally:
+        e.close()
+    assert _gone(e._shm.name)
+
+
+def test_a_sticky_error_in_the_engine_process_restarts_it():
+    e = ProcessEngine(cpu_engine, slots=8, restarts=2)
+    try:
+        pid = e.pid
+        x = _x(2, 3)
+        x[0, 0] = -3
+        from orchestra.errors import CudaError
+
+        with pytest.raises(CudaError) as info:
+            e(x)
+        assert info.value.sticky
+        _wait_open(e, pid)
+        y = _x(3, 4)
+        _check(e(y), y)
+        assert e.stats()["process"]["restarts"] == 1
+    finally:
+        e.close()

@@ -59,7 +59,7 @@ def test_threads_get_bit_exact_outputs_through_pinned_slots(executor):
         assert not errors, errors[0]
         st = e.stats()
         assert st["process"]["requests"] == 480 and st["process"]["failed"] == 0
-        name, proc = e._shm.name, e._proc
+        name, proc = e._shm.name, e._child.proc
     assert proc.exitcode == 0
     assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
 

@@ -127,6 +127,10 @@ class ProcessEngine:
         zero_copy: the engine process page-locks the shared memory and submits the slots with
             ``pinned=True`` (default True; False: its instances copy each request into their
             own pinned staging, as for an in-process `Engine`).
+        restarts: how many times a new engine process may replace one that died or whose
+            engine a sticky CUDA error broke (default 0: the `ProcessEngine` is broken then).
+            The requests in flight fail with `EngineProcessError`; while the new process
+            starts, new requests are refused with `Overloaded` (retry them).
 
     Raises `ServeConfigTypeError` / `ServeConfigValueError` for bad arguments (before any
     process starts), what the factory raised (its type, with a note), or
@@ -141,7 +145,7 @@ class ProcessEngine:
                  slots: int = 64, max_rows: int | None = None, on_full: str = "block",
                  submit_timeout: float | None = None, start_timeout: float = 120.0,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 completions_per_turn: int = 16, zero_copy: bool = True):
+                 completions_per_turn: int = 16, zero_copy: bool = True, restarts: int = 0):
         kwargs = dict(kwargs or {})
         if not callable(factory):
             raise ServeConfigTypeError(f"factory must be callable (it makes the Engine in the "
@@ -167,6 +171,8 @@ class ProcessEngine:
         if not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
             raise ServeConfigValueError(f"start_timeout must be > 0 seconds; got "
                                         f"{start_timeout}")
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
         if int(completions_per_turn) < 1:
             raise ServeConfigValueError(f"completions_per_turn must be >= 1; got "
                                         f"{completions_per_turn}")
@@ -186,71 +192,51 @@ class ProcessEngine:
         self._ctl_lock = threading.Lock()
         self._pending: dict[int, _Entry] = {}
         self._ids = itertools.count(1)
-        self._state = "starting"  # starting | open | closing | closed
+        self._state = "starting"  # starting | open | restarting | closing | closed
         self._closed_event = threading.Event()
+        self._restart_idle = threading.Event()  # set while no restart runs
+        self._restart_idle.set()
         self._broken: EngineProcessError | None = None
         self._latency: collections.deque = collections.deque(maxlen=LATENCY_SAMPLES)
-        self._counts = {"requests": 0, "failed": 0, "bad": 0, "overloaded": 0, "cancelled": 0}
+        self._counts = {"requests": 0, "failed": 0, "bad": 0, "overloaded": 0, "cancelled": 0,
+                        "restarts": 0}
+        self.restarts = restarts
+        self._restart_cause: BaseException | None = None
         self._loop: Any = loop  # None, or the event loop that reads the completions
-        self._reader_thread: threading.Thread | None = None
-        self._turn_pending = False
-        self._handed = False  # close(): the loop gave the response pipe to the reader thread
         self._shm: Any = None
         self._final_stats: dict | None = None
-
-        ctx = multiprocessing.get_context("spawn")
-        req_r, req_w = ctx.Pipe(duplex=False)
-        resp_r, resp_w = ctx.Pipe(duplex=False)
-        ctl, ctl_child = ctx.Pipe()
-        proc = ctx.Process(target=process_child.main, name="orchestra-serve-engine",
-                           args=(factory, tuple(args), kwargs, req_r, resp_w, ctl_child),
-                           daemon=True)
-        self._proc = proc
-        self._conns = (req_w, resp_r, ctl)
-        self._ctl = ctl
-        # a forgotten engine: its connections close (the child sees its control connection end,
-        # cancels and exits), the child is waited for, the shared memory unlinked
-        self._finalizer = weakref.finalize(self, _abandon, proc, self._conns, [])
+        self._spawn_args = (factory, tuple(args), kwargs)
+        self._start_timeout = start_timeout
+        # the engine process of now (a restart replaces it) and, for the finalizer, the list
+        # that holds it; a forgotten engine: its process's connections close (the child sees
+        # its control connection end, cancels and exits), the child is waited for, the shared
+        # memory unlinked
+        child = _ChildProc(*self._spawn_args)
+        self._child = child
+        self._children = [child]
+        self._shms: list = []
+        self._finalizer = weakref.finalize(self, _abandon, self._children, self._shms)
         try:
-            proc.start()
-        finally:
-            for c in (req_r, resp_w, ctl_child):  # the child's ends: its own copies now
-                c.close()
-        try:
-            self._start(max_rows, slots, start_timeout)
+            self._start(child, max_rows, slots, start_timeout)
         except BaseException:
             self._finalizer()
             raise
-        self._req_fd = req_w.fileno()
-        self._resp_fd = resp_r.fileno()
         self._state = "open"
-        if loop is None:
-            self._start_reader_thread()
+        self._read_from(child)
+
+    def _read_from(self, child: _ChildProc) -> None:
+        """Start reading ``child``'s responses: on the event loop (``loop=``) or a thread."""
+        if self._loop is None:
+            self._start_reader_thread(child)
         else:
-            self._watch_on_loop()
+            self._watch_on_loop(child)
 
     # -- start ------------------------------------------------------------------------------
 
-    def _recv_start(self, timeout: float, what: str):
-        ctl, proc = self._ctl, self._proc
-        try:
-            ready = ctl.poll(timeout)
-            msg = ctl.recv() if ready else None
-        except (EOFError, OSError):
-            proc.join(5)
-            raise EngineProcessError(f"the engine process exited {what} (exit code "
-                                     f"{proc.exitcode})", proc.exitcode) from None
-        if msg is None:
-            raise EngineProcessError(f"the engine process did not answer within "
-                                     f"{timeout:g} s {what} (start_timeout)")
-        if msg[0] == "error":
-            exc = wire.decode_error(msg[1])
-            exc.add_note("(raised in the engine process, by the ProcessEngine factory)")
-            raise exc
-        return msg[1]
-
-    def _start(self, max_rows: int | None, slots: int, timeout: float) -> None:
-        desc = self._recv_start(timeout, "while the factory made the engine")
+    def _start(self, child: _ChildProc, max_rows: int | None, slots: int,
+               timeout: float) -> None:
+        desc = child.recv(timeout, "while the factory made the engine")
+        self._desc = desc
         self._inputs = tensor_specs(desc["inputs"], "inputs")
         self._outputs = tensor_specs(desc["outputs"], "outputs")
         self.largest = int(desc["largest"])
@@ -269,20 +255,22 @@ class ProcessEngine:
         _check_shm_space(layout.nbytes)
         shm = shared_memory.SharedMemory(create=True, size=layout.nbytes)
         self._shm = shm
+        self._shms.append(shm)
         # every page touched now, not by the first request that uses it (a page fault per
         # 4 KiB on the way of a request, in both processes)
         np.ndarray((layout.nbytes,), np.uint8, buffer=shm.buf).fill(0)
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _abandon, self._proc, self._conns, [shm])
         self.layout = layout
         self.slots = slots
-        self._ctl.send(("attach", shm.name, layout, self.zero_copy))
-        self.pinned = bool(self._recv_start(timeout, "while it attached the shared memory"))
+        self._attach(child, timeout)
         self._in_views = [layout.views(shm.buf, s, "inputs") for s in range(slots)]
         self._out_views = [layout.views(shm.buf, s, "outputs") for s in range(slots)]
         self._free = list(range(slots - 1, -1, -1))
         self._single_in = next(iter(self._inputs)) if len(self._inputs) == 1 else None
         self._single_out = next(iter(self._outputs)) if len(self._outputs) == 1 else None
+
+    def _attach(self, child: _ChildProc, timeout: float) -> None:
+        child.ctl.send(("attach", self._shm.name, self.layout, self.zero_copy))
+        self.pinned = bool(child.recv(timeout, "while it attached the shared memory"))
 
     # -- describing -------------------------------------------------------------------------
 
@@ -301,7 +289,8 @@ class ProcessEngine:
 
     @property
     def broken(self) -> EngineProcessError | None:
-        """The `EngineProcessError` of an engine process that exited while serving, or None."""
+        """The `EngineProcessError` of an engine process that exited while serving (with no
+        restart left, or whose restart failed), or None."""
         return self._broken
 
     # -- submitting -------------------------------------------------------------------------
@@ -321,6 +310,10 @@ class ProcessEngine:
         if self._broken is not None:
             raise self._broken
         if self._state != "open":
+            if self._state == "restarting":
+                self._counts["overloaded"] += 1
+                raise Overloaded(f"the engine process is being restarted (after: "
+                                 f"{self._restart_cause}); retry in a few seconds")
             raise EngineClosed("the ProcessEngine is closing or closed")
 
     def _take_slot(self, timeout) -> int:
@@ -360,7 +353,7 @@ class ProcessEngine:
                 self._check_open()
                 self._pending[rid] = entry
                 try:
-                    os.write(self._req_fd, wire.REQUEST.pack(rid, slot, rows))
+                    os.write(self._child.req_fd, wire.REQUEST.pack(rid, slot, rows))
                 except OSError:  # the child is gone: the reader reports how
                     del self._pending[rid]
                     raise self._gone_error() from None
@@ -499,6 +492,8 @@ class ProcessEngine:
         if err:
             exc = wire.decode_error(err)
             self._counts["failed"] += 1
+            if self.restarts and _breaks_engine(exc):
+                self._begin_restart(exc)
         elif not fut.done():  # a cancelled task's outputs are not copied
             views = self._out_views[slot]
             rows = entry.rows
@@ -537,30 +532,26 @@ class ProcessEngine:
             except RuntimeError:  # that loop is closed: nobody awaits these any more
                 pass
 
-    def _start_reader_thread(self) -> None:
-        reader = self._rreader if self._loop is not None else wire.RecordReader(
-            wire.RESPONSE, sized=True)
+    def _start_reader_thread(self, child: _ChildProc) -> None:
         # the thread holds the engine weakly: a forgotten engine is still collected, and its
         # finalizer ends the process (the thread then sees the end of the pipe)
-        t = threading.Thread(target=_read_responses, args=(weakref.ref(self), self._resp_fd,
-                                                           reader),
+        t = threading.Thread(target=_read_responses, args=(weakref.ref(self), child),
                              name="orchestra-serve-process-reader", daemon=True)
-        self._reader_thread = t
+        child.thread = t
         t.start()
 
-    def _watch_on_loop(self) -> None:
-        self._rreader = wire.RecordReader(wire.RESPONSE, sized=True)
-        os.set_blocking(self._resp_fd, False)
+    def _watch_on_loop(self, child: _ChildProc) -> None:
+        os.set_blocking(child.resp_fd, False)
         loop: Any = self._loop
         if _running_loop() is loop:
-            self._loop.add_reader(self._resp_fd, self._on_readable)
+            self._loop.add_reader(child.resp_fd, self._on_readable, child)
             return
         done = threading.Event()
         failed: list = []
 
         def add():
             try:
-                loop.add_reader(self._resp_fd, self._on_readable)
+                loop.add_reader(child.resp_fd, self._on_readable, child)
             except BaseException as exc:  # noqa: BLE001 - raised in the constructor
                 failed.append(exc)
             done.set()
@@ -575,30 +566,31 @@ class ProcessEngine:
             raise ServeConfigValueError(f"loop cannot watch the response pipe "
                                         f"({failed[0]!r}); use loop=None") from failed[0]
 
-    def _on_readable(self) -> None:
-        if self._handed:
+    def _on_readable(self, child: _ChildProc) -> None:
+        if child.handed:
             return
         try:
-            data = os.read(self._resp_fd, 1 << 16)
+            data = os.read(child.resp_fd, 1 << 16)
         except BlockingIOError:
             return
         except OSError:
             data = b""
         if not data:
-            self._loop.remove_reader(self._resp_fd)
-            self._child_gone()
+            self._loop.remove_reader(child.resp_fd)
+            child.handed = True
+            self._child_gone(child)
             return
-        self._rreader.feed(data)
-        if not self._turn_pending:
-            self._drain_turn()
+        child.reader.feed(data)
+        if not child.turn_pending:
+            self._drain_turn(child)
 
-    def _drain_turn(self) -> None:
+    def _drain_turn(self, child: _ChildProc) -> None:
         """On the loop: resolve up to ``completions_per_turn`` requests (and for at most
         `TURN_BUDGET_NS`); the rest in the next iteration."""
-        self._turn_pending = False
-        if self._handed:  # close() gave the rest to the reader thread
+        child.turn_pending = False
+        if child.handed:  # close() gave the rest to the reader thread
             return
-        reader, limit = self._rreader, self.completions_per_turn
+        reader, limit = child.reader, self.completions_per_turn
         end = _now() + TURN_BUDGET_NS
         n = 0
         while (rec := reader.pop()) is not None:
@@ -606,32 +598,48 @@ class ProcessEngine:
             n += 1
             if n >= limit or _now() > end:
                 if reader.pending:
-                    self._turn_pending = True
-                    self._loop.call_soon(self._drain_turn)
+                    child.turn_pending = True
+                    self._loop.call_soon(self._drain_turn, child)
                 return
 
-    def _gone_error(self) -> EngineProcessError:
+    def _gone_error(self, child: _ChildProc | None = None) -> EngineProcessError:
         if self._broken is not None:
             return self._broken
-        code = self._proc.exitcode
+        code = (child or self._child).proc.exitcode
         return EngineProcessError(f"the engine process exited (exit code {code}); make a new "
                                   f"ProcessEngine to serve again", code)
 
-    def _child_gone(self) -> None:
-        """The response pipe ended: the engine process closed (close()) or died. Fail what is
-        still pending."""
-        self._proc.join(5)
+    def _child_gone(self, child: _ChildProc) -> None:
+        """``child``'s response pipe ended: it closed (close(), a restart) or died. Fail what
+        is still pending; a death while serving starts a restart when one is left, else
+        breaks the engine."""
+        child.proc.join(5)
+        restart = False
         with self._lock:
             if self._state == "open":
-                self._broken = self._gone_error()
-                log.error("serve: %s", self._broken)
-            exc = self._broken or EngineProcessError(
-                f"the engine process ended before it answered (exit code "
-                f"{self._proc.exitcode})", self._proc.exitcode)
+                cause = self._gone_error(child)
+                if self._counts["restarts"] < self.restarts:
+                    self._state = "restarting"
+                    self._restart_idle.clear()
+                    self._restart_cause = cause
+                    restart = True
+                else:
+                    self._broken = cause
+                log.error("serve: %s%s", cause, "; restarting it" if restart else "")
+            if self._state == "restarting":
+                exc = EngineProcessError(
+                    f"the engine process was replaced before it answered (restart after: "
+                    f"{self._restart_cause}); the request is lost, retry it",
+                    child.proc.exitcode)
+            else:
+                exc = self._broken or EngineProcessError(
+                    f"the engine process ended before it answered (exit code "
+                    f"{child.proc.exitcode})", child.proc.exitcode)
             pending = list(self._pending.values())
             self._pending.clear()
-            waiting = list(self._aio_waiting)
-            self._aio_waiting.clear()
+            waiting = [] if self._state == "restarting" else list(self._aio_waiting)
+            if waiting:
+                self._aio_waiting.clear()
             self._space.notify_all()
         batch: dict = {}
         for e in pending:
@@ -640,9 +648,97 @@ class ProcessEngine:
                 e.fut.set_exception(exc)
             else:
                 batch.setdefault(e.loop, []).append((e.fut, None, exc))
+            self._release(e.slot)
         for loop, wait in waiting:
             batch.setdefault(loop, []).append((wait, None, exc))
         self._hand_batches(batch)
+        child.gone.set()
+        if restart:
+            self._start_restarter(child)
+
+    # -- restarting -------------------------------------------------------------------------
+
+    def _begin_restart(self, cause: BaseException) -> None:
+        """A response said the engine is broken (a sticky CUDA error): replace the process
+        when a restart is left."""
+        with self._lock:
+            if self._state != "open" or self._counts["restarts"] >= self.restarts:
+                return
+            self._state = "restarting"
+            self._restart_idle.clear()
+            self._restart_cause = cause
+            child = self._child
+            try:
+                child.conns[0].close()  # no request reaches the broken engine any more
+            except OSError:
+                pass
+        log.error("serve: the engine process's engine is broken (%s); restarting it", cause)
+        self._start_restarter(child)
+
+    def _start_restarter(self, old: _ChildProc) -> None:
+        threading.Thread(target=self._restart, args=(old,), daemon=True,
+                         name="orchestra-serve-process-restart").start()
+
+    def _restart(self, old: _ChildProc) -> None:
+        """The restart thread: end ``old`` (its answers still delivered), start a new engine
+        process on the same shared memory, serve from it."""
+        try:
+            if not old.gone.is_set():
+                try:
+                    with self._ctl_lock:
+                        old.ctl.send(("close", True))
+                        if old.ctl.poll(30):
+                            old.ctl.recv()
+                except (EOFError, OSError):
+                    pass
+                if not old.gone.wait(30):
+                    old.proc.terminate()
+                    old.gone.wait(30)
+            old.finalizer()
+            new = _ChildProc(*self._spawn_args)
+            self._children.append(new)
+            try:
+                desc = new.recv(self._start_timeout, "while the factory made the engine again")
+                same = {k: desc[k] for k in ("inputs", "outputs")}
+                if same != {k: self._desc[k] for k in ("inputs", "outputs")}:
+                    raise EngineProcessError(f"the restarted engine serves other tensors "
+                                             f"({same}) than the first ({self._desc})")
+                self._attach(new, self._start_timeout)
+            except BaseException:
+                new.finalizer()
+                raise
+            with self._lock:
+                self._children.remove(old)
+                if self._state != "restarting":  # closed meanwhile
+                    start = False
+                else:
+                    self._child = new
+                    self.pid = int(desc["pid"])
+                    self._counts["restarts"] += 1
+                    self._state = "open"
+                    self._space.notify_all()
+                    start = True
+            if start:
+                self._read_from(new)
+                log.warning("serve: the engine process was restarted (pid %d)", self.pid)
+        except BaseException as exc:  # noqa: BLE001 - the engine is broken then
+            err = EngineProcessError(f"the engine process could not be restarted after "
+                                     f"{self._restart_cause} ({type(exc).__name__}: {exc})")
+            err.__cause__ = exc
+            log.error("serve: %s", err)
+            with self._lock:
+                self._broken = err
+                if self._state == "restarting":
+                    self._state = "open"  # broken: every call raises err
+                waiting = list(self._aio_waiting)
+                self._aio_waiting.clear()
+                self._space.notify_all()
+            batch: dict = {}
+            for loop, w in waiting:
+                batch.setdefault(loop, []).append((w, None, err))
+            self._hand_batches(batch)
+        finally:
+            self._restart_idle.set()
 
     # -- control ----------------------------------------------------------------------------
 
@@ -650,9 +746,10 @@ class ProcessEngine:
         with self._ctl_lock:
             if self._state == "closed":
                 raise EngineClosed("the ProcessEngine is closed")
+            ctl = self._child.ctl
             try:
-                self._ctl.send((op, arg))
-                kind, value = self._ctl.recv()
+                ctl.send((op, arg))
+                kind, value = ctl.recv()
             except (EOFError, OSError) as exc:
                 raise self._gone_error() from exc
         if kind == "error":
@@ -695,6 +792,8 @@ class ProcessEngine:
         """Stop taking requests; let the engine process finish (or, ``cancel=True``, cancel)
         what it holds; deliver every answer; end the process; free the shared memory.
         Idempotent; a second caller waits for the first. Not from a future's callback."""
+        if not self._restart_idle.is_set():  # a restart first ends (or fails)
+            self._restart_idle.wait(self._start_timeout + 90)
         with self._lock:
             if self._state in ("closing", "closed"):
                 first = False
@@ -713,18 +812,19 @@ class ProcessEngine:
             for loop, wait in waiting:
                 batch.setdefault(loop, []).append((wait, None, exc))
             self._hand_batches(batch)
-            if self._loop is not None:
-                self._unwatch_loop()  # answers are read by a thread while the child drains
-                self._start_reader_thread()
-            req_w, _, _ = self._conns
+            child = self._child
+            if self._loop is not None and not child.handed:
+                self._unwatch_loop(child)  # answers are read by a thread while it drains
+                self._start_reader_thread(child)
             with self._lock:
-                req_w.close()  # the child reads every request written, then sees the end
-            try:
-                self._final_stats = self._control("close", bool(cancel))
-            except OrchestraError as exc2:
-                log.warning("serve: closing the engine process: %s", exc2)
-            if self._reader_thread is not None:
-                self._reader_thread.join()
+                child.conns[0].close()  # the child reads every request written, then the end
+            if not child.gone.is_set():
+                try:
+                    self._final_stats = self._control("close", bool(cancel))
+                except OrchestraError as exc2:
+                    log.warning("serve: closing the engine process: %s", exc2)
+            if child.thread is not None:
+                child.thread.join()
         finally:
             self._in_views = self._out_views = []  # no view may hold the shared memory
             self._finalizer()  # joins (or ends) the process, closes connections, frees memory
@@ -732,31 +832,31 @@ class ProcessEngine:
                 self._state = "closed"
             self._closed_event.set()
 
-    def _unwatch_loop(self) -> None:
+    def _unwatch_loop(self, child: _ChildProc) -> None:
         """Stop reading on the loop (on the loop's thread, so that no drain of the loop runs
         once the reader thread takes over)."""
-        loop, fd = self._loop, self._resp_fd
+        loop, fd = self._loop, child.resp_fd
         if loop.is_closed():
-            self._handed = True
+            child.handed = True
             return
         if _running_loop() is loop or not loop.is_running():
             loop.remove_reader(fd)
-            self._handed = True
+            child.handed = True
             return
         done = threading.Event()
 
         def remove():
             loop.remove_reader(fd)
-            self._handed = True
+            child.handed = True
             done.set()
 
         try:
             loop.call_soon_threadsafe(remove)
         except RuntimeError:  # closed meanwhile
-            self._handed = True
+            child.handed = True
             return
         if not done.wait(5):  # the loop is stuck: the reader thread takes over regardless
-            self._handed = True
+            child.handed = True
 
     async def aclose(self, cancel: bool = False) -> None:
         """`close` from a coroutine: in the loop's default executor, the loop keeps running."""
@@ -773,9 +873,10 @@ class ProcessEngine:
                 f"{len(self._pending)} in flight>")
 
 
-def _read_responses(ref, fd: int, reader: wire.RecordReader) -> None:
-    """The reader thread: every response until the engine process closes its end (or the
-    engine is gone)."""
+def _read_responses(ref, child: _ChildProc) -> None:
+    """The reader thread: every response of ``child`` until it closes its end (or the engine
+    is gone)."""
+    fd, reader = child.resp_fd, child.reader
     os.set_blocking(fd, True)
     while True:
         engine = ref()
@@ -794,9 +895,18 @@ def _read_responses(ref, fd: int, reader: wire.RecordReader) -> None:
         if not data:
             engine = ref()
             if engine is not None:
-                engine._child_gone()
+                engine._child_gone(child)
             return
         reader.feed(data)
+
+
+def _breaks_engine(exc: BaseException) -> bool:
+    """Whether a request's error says the engine process's CUDA context is unusable."""
+    from orchestra.errors import CudaError
+    from orchestra.serve.errors import EngineBroken
+
+    return isinstance(exc, EngineBroken) or (isinstance(exc, CudaError)
+                                             and bool(getattr(exc, "sticky", False)))
 
 
 def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
@@ -820,14 +930,72 @@ def _set_many(items) -> None:
         _set_aio(fut, result, exc)
 
 
-def _abandon(proc, conns, shms) -> None:
-    """Close the connections (the child then closes its engine and exits), wait for the child
-    (end it if it does not exit), unlink the shared memory. Also `close`'s last step."""
+class _ChildProc:
+    """One engine process (spawned at once) and its connections: ``conns`` = (request pipe's
+    write end, response pipe's read end, control connection), the response `RecordReader`,
+    the reader thread (or ``handed`` once the event loop stopped reading it), ``gone`` (set
+    once its responses ended and what was pending failed). ``finalizer`` closes the
+    connections and waits for the process (ends it when it does not exit).
+
+    Thread-safety: owned by its `ProcessEngine` (under its locks)."""
+
+    def __init__(self, factory, args: tuple, kwargs: dict):
+        ctx = multiprocessing.get_context("spawn")
+        req_r, req_w = ctx.Pipe(duplex=False)
+        resp_r, resp_w = ctx.Pipe(duplex=False)
+        ctl, ctl_child = ctx.Pipe()
+        self.proc = ctx.Process(target=process_child.main, name="orchestra-serve-engine",
+                                args=(factory, args, kwargs, req_r, resp_w, ctl_child),
+                                daemon=True)
+        self.conns = (req_w, resp_r, ctl)
+        self.ctl = ctl
+        self.req_fd = req_w.fileno()
+        self.resp_fd = resp_r.fileno()
+        self.reader = wire.RecordReader(wire.RESPONSE, sized=True)
+        self.thread: threading.Thread | None = None
+        self.handed = False
+        self.turn_pending = False
+        self.gone = threading.Event()
+        self.finalizer = weakref.finalize(self, _end_child, self.proc, self.conns)
+        try:
+            self.proc.start()
+        except BaseException:
+            self.finalizer()
+            raise
+        finally:
+            for c in (req_r, resp_w, ctl_child):  # the child's ends: its own copies now
+                c.close()
+
+    def recv(self, timeout: float, what: str):
+        """The next start-up message, or the error that says why none came."""
+        ctl, proc = self.ctl, self.proc
+        try:
+            ready = ctl.poll(timeout)
+            msg = ctl.recv() if ready else None
+        except (EOFError, OSError):
+            proc.join(5)
+            raise EngineProcessError(f"the engine process exited {what} (exit code "
+                                     f"{proc.exitcode})", proc.exitcode) from None
+        if msg is None:
+            raise EngineProcessError(f"the engine process did not answer within "
+                                     f"{timeout:g} s {what} (start_timeout)")
+        if msg[0] == "error":
+            exc = wire.decode_error(msg[1])
+            exc.add_note("(raised in the engine process, by the ProcessEngine factory)")
+            raise exc
+        return msg[1]
+
+
+def _end_child(proc, conns) -> None:
+    """Close the connections (the child then closes its engine and exits) and wait for the
+    child (end it if it does not exit)."""
     for c in conns:
         try:
             c.close()
         except OSError:
             pass
+    if proc.pid is None:  # never started
+        return
     proc.join(30)
     if proc.is_alive():
         log.warning("serve: the engine process %s did not exit; terminating it", proc.pid)
@@ -836,6 +1004,13 @@ def _abandon(proc, conns, shms) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def _abandon(children: list, shms: list) -> None:
+    """End every engine process (`_end_child`) and unlink the shared memory: `close`'s last
+    step, and a forgotten engine's finalizer."""
+    for child in list(children):
+        child.finalizer()
     for shm in shms:
         try:
             shm.close()
