@@ -30,6 +30,40 @@ def gpu_engine(executor="graph", batching=False):
                   batching=Batching(max_batch=16, max_delay_us=100) if batching else None)
 
 
+class _Unmapped:  # an "external device buffer" at an address nothing maps (next to null)
+    ptr = 16
+    nbytes = 1 << 30
+
+
+def _sticky_build(sig):
+    """The demo's graph, except that the 4-row bucket's kernel reads unmapped memory."""
+    from orchestra.graph import (Alloc, Buffer, DeviceToHost, Free, HostBuffer, HostToDevice,
+                                 In, KernelNode, Out, TaskGraph)
+    from orchestra.serve import demo
+    from orchestra.serve.cuda_backend import ServeGraph
+
+    rows = sig.shape("x")[0]
+    n = rows * ROW
+    g = TaskGraph()
+    hin, hout = HostBuffer("x_host", 4 * n), HostBuffer("y_host", 4 * n)
+    dx, dy, bad = Buffer("x_dev", 4 * n), Buffer("y_dev", 4 * n), Buffer("bad", 4 * n)
+    g.add(Alloc("ax", dx))
+    g.add(Alloc("ay", dy))
+    g.add(HostToDevice("h2d", hin, dx))
+    g.add(KernelNode("k", demo.kernel_ref(), 64, 256,
+                     (In(bad if rows == 4 else dx), Out(dy), n, 2, 0.5, 1.0)))
+    g.add(DeviceToHost("d2h", dy, hout))
+    g.add(Free("fx", dx))
+    g.add(Free("fy", dy))
+    return ServeGraph(g, inputs={"x": "x_host"}, outputs={"y": "y_host"},
+                      bindings={"bad": _Unmapped()} if rows == 4 else {})
+
+
+def sticky_engine():
+    return Engine(_sticky_build, inputs={"x": ((ROW,), "float32")},
+                  outputs={"y": ((ROW,), "float32")}, buckets=[1, 4], instances=1)
+
+
 def _x(n, seed):
     return (np.random.default_rng(seed).standard_normal((n, ROW)) * 10).astype(np.float32)
 
@@ -80,3 +114,24 @@ def test_event_loop_reads_completions_with_batching():
             await e.aclose()
 
     asyncio.run(main())
+
+
+def test_a_sticky_cuda_error_restarts_the_engine_process():
+    from orchestra.errors import CudaError
+
+    with ProcessEngine(sticky_engine, slots=8, restarts=1) as e:
+        x = _x(1, 1)
+        assert np.array_equal(e(x), demo_reference(x, 2))
+        pid = e.pid
+        with pytest.raises(CudaError) as info:
+            e(_x(3, 2))  # the 4-row bucket: an illegal address, the context is lost
+        assert info.value.sticky
+        import time
+
+        t = time.monotonic() + 90
+        while (e.pid == pid or e._state != "open") and time.monotonic() < t:
+            time.sleep(0.1)
+        assert e.pid != pid and e.broken is None
+        x = _x(1, 3)
+        assert np.array_equal(e(x), demo_reference(x, 2))  # a new CUDA context serves
+        assert e.stats()["process"]["restarts"] == 1
