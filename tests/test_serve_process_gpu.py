@@ -68,10 +68,11 @@ def _x(n, seed):
     return (np.random.default_rng(seed).standard_normal((n, ROW)) * 10).astype(np.float32)
 
 
-@pytest.mark.parametrize("executor", ["graph", "capture", "eager"])
-def test_threads_get_bit_exact_outputs_through_pinned_slots(executor):
-    with ProcessEngine(gpu_engine, (executor,), slots=32) as e:
-        assert e.pinned  # the engine process registered the shared memory
+@pytest.mark.parametrize("executor, zero_copy", [
+    ("graph", True), ("capture", True), ("eager", True), ("graph", False)])
+def test_threads_get_bit_exact_outputs_through_pinned_slots(executor, zero_copy):
+    with ProcessEngine(gpu_engine, (executor,), slots=32, zero_copy=zero_copy) as e:
+        assert e.pinned is zero_copy  # the engine process registered the shared memory
         report = e.warmup()
         assert sorted(r["rows"] for r in report) == [1, 2, 4, 8, 16]
         errors = []
