@@ -21,18 +21,19 @@ SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "orchestra"
 
 
 def _can_build_wheels() -> bool:
-    """setuptools >= 70.1 (bdist_wheel built in), or an older one with the wheel package."""
+    """setuptools >= 77: bdist_wheel built in, and the SPDX license string of pyproject.toml
+    (PEP 639) understood."""
     if importlib.util.find_spec("setuptools") is None:
         return False
     from importlib import metadata
 
     major, minor = (int(x) for x in metadata.version("setuptools").split(".")[:2])
-    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+    return (major, minor) >= (77, 0)
 
 
 needs_setuptools = pytest.mark.skipif(
     not _can_build_wheels(),
-    reason="building a wheel offline needs setuptools >= 70.1 here (pip install -e '.[test]')")
+    reason="building a wheel offline needs setuptools >= 77 here (pip install -e '.[test]')")
 
 
 @pytest.fixture(scope="module")
