@@ -2,6 +2,7 @@
 
     python examples/serve_http.py --port 8080            # needs an NVIDIA GPU
     python examples/serve_http.py --port 8080 --cpu      # the same server, numpy instead of CUDA
+    python examples/serve_http.py --port 8080 --process  # the engine in a process of its own
 
     POST /infer   body: float32 little-endian bytes, rows x --row floats
                   (Content-Type: application/octet-stream), or JSON {"x": [[...], ...]}
@@ -12,7 +13,9 @@
 A request of r rows runs on the smallest bucket that fits (padded, sliced back); many concurrent
 connections share the engine: each handler awaits ``engine.run`` on the server's event loop,
 which never blocks. Bad input is 400 with the engine's message, a full queue 503, a broken GPU
-context 500 (restart the process). Ctrl-C stops the server and closes the engine.
+context 500 (restart the process). With --process the engine runs in a child process, and a
+new one replaces it after a sticky CUDA error (503 while it starts). Ctrl-C stops the server
+and closes the engine.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import numpy as np
 from aiohttp import web
 
 from orchestra.errors import NoDeviceError, OrchestraError
-from orchestra.serve import BadRequest, Engine, EngineBroken, NumpyBackend, Overloaded
+from orchestra.serve import (BadRequest, Engine, EngineBroken, EngineProcessError, NumpyBackend,
+                             Overloaded, ProcessEngine)
 from orchestra.serve.demo import demo_graph, demo_reference
 
-ENGINE = web.AppKey("engine", Engine)
+ENGINE = web.AppKey("engine", object)  # an Engine or a ProcessEngine
 
 
-def make_app(engine: Engine, row: int) -> web.Application:
+def make_app(engine, row: int) -> web.Application:
     """The aiohttp application serving ``engine`` (one float32 input ``x`` of ``row`` floats
     per row, one output)."""
 
@@ -59,7 +63,7 @@ def make_app(engine: Engine, row: int) -> web.Application:
             raise web.HTTPBadRequest(text=str(exc)) from None
         except Overloaded as exc:
             raise web.HTTPServiceUnavailable(text=str(exc)) from None
-        except EngineBroken as exc:
+        except (EngineBroken, EngineProcessError) as exc:
             raise web.HTTPInternalServerError(text=str(exc)) from None
         if as_json:
             return web.json_response({"y": y.tolist()})
@@ -80,14 +84,25 @@ def make_app(engine: Engine, row: int) -> web.Application:
     return app
 
 
-def make_engine(args) -> Engine:
-    spec = {"x": ((args.row,), "float32")}
-    out = {"y": ((args.row,), "float32")}
-    kw = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=args.max_rows,
-              instances=args.instances, batching=True if args.batching else None)
-    if args.cpu:
+def engine_for(row: int, max_rows: int, instances: int, batching: bool, cpu: bool,
+               device: int) -> Engine:
+    """The engine this server runs (module level: with --process the engine process calls it)."""
+    spec = {"x": ((row,), "float32")}
+    out = {"y": ((row,), "float32")}
+    kw = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=max_rows,
+              instances=instances, batching=True if batching else None)
+    if cpu:
         return Engine(backend=NumpyBackend(lambda d: demo_reference(d["x"])), **kw)
-    return Engine(functools.partial(demo_graph, memory="external"), device=args.device, **kw)
+    return Engine(functools.partial(demo_graph, memory="external"), device=device, **kw)
+
+
+def make_engine(args):
+    """An `Engine`, or with --process a `ProcessEngine` (the engine in a process of its own,
+    replaced up to --restarts times after a sticky CUDA error)."""
+    how = (args.row, args.max_rows, args.instances, args.batching, args.cpu, args.device)
+    if args.process:
+        return ProcessEngine(engine_for, how, slots=256, restarts=args.restarts)
+    return engine_for(*how)
 
 
 def main(argv=None) -> int:
@@ -100,6 +115,11 @@ def main(argv=None) -> int:
     p.add_argument("--batching", action="store_true", help="dynamic batching on")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="numpy instead of CUDA (no GPU needed)")
+    p.add_argument("--process", action="store_true",
+                   help="run the engine in a process of its own (orchestra.serve.ProcessEngine)")
+    p.add_argument("--restarts", type=int, default=3,
+                   help="with --process: how often a new engine process may replace one that "
+                        "died or hit a sticky CUDA error (default 3)")
     args = p.parse_args(argv)
     try:
         engine = make_engine(args)

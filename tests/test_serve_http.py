@@ -104,7 +104,11 @@ def _run(*extra: str) -> None:
         stats = asyncio.run(_drive(port, proc))
         served = sum(b["requests"] for b in stats["buckets"].values())
         assert served == 400 + 1
-        assert stats["engine"]["bad_requests"] == 1  # the too-large one reached the engine
+        if "--process" in extra:  # the too-large one was refused before it left the server
+            assert stats["engine"]["bad_requests"] == 0
+            assert stats["process"]["bad"] == 1 and stats["process"]["requests"] == 401
+        else:
+            assert stats["engine"]["bad_requests"] == 1  # the too-large one reached it
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # aiohttp's graceful exit: the engine closes
@@ -124,6 +128,10 @@ def test_http_example_with_batching_on_the_cpu_backend():
     _run("--cpu", "--batching")
 
 
+def test_http_example_with_the_engine_in_a_process_of_its_own():
+    _run("--cpu", "--process")
+
+
 @pytest.mark.gpu
 def test_http_example_on_the_gpu():
     _run()
@@ -132,3 +140,8 @@ def test_http_example_on_the_gpu():
 @pytest.mark.gpu
 def test_http_example_on_the_gpu_with_batching():
     _run("--batching")
+
+
+@pytest.mark.gpu
+def test_http_example_on_the_gpu_with_the_engine_in_a_process_of_its_own():
+    _run("--process")

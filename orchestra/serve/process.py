@@ -302,8 +302,9 @@ class ProcessEngine:
         if rows < 1:
             raise BadRequest("a request has at least one row (axis 0 is empty)")
         if rows > self.max_rows:
-            raise RequestTooLarge(rows, self.max_rows,
-                                  " (the ProcessEngine's max_rows: the size of its slots)")
+            raise RequestTooLarge(rows, self.max_rows, "" if self.max_rows == self.largest else
+                                  f"this ProcessEngine's slots hold {self.max_rows} rows: "
+                                  f"its max_rows")
         outs = check_out(self._outputs, out, rows) if out is not None else None
         return arrays, rows, outs
 
