@@ -189,6 +189,19 @@ def test_out_arrays_are_filled(pe):
     _check(out, x)
 
 
+def test_out_for_some_outputs_only_returns_all_of_them(pe):
+    # as an in-process Engine: the outputs without an out= array come back as new arrays
+    x = _x(5, 6)
+    y = np.full((5, ROW), np.nan, np.float32)
+    res = pe(x, out={"y": y})
+    assert set(res) == {"y", "s"} and res["y"] is y
+    _check(res, x)
+    s = np.zeros((5, 1))
+    res = pe.submit(x, out={"s": s}).result(timeout=30)
+    assert set(res) == {"y", "s"} and res["s"] is s
+    _check(res, x)
+
+
 def test_bad_requests_fail_their_own_future_and_nothing_else(pe):
     sent = pe.stats()["process"]["requests"]
     f = pe.submit(_x(2, 1).astype(np.float64))

@@ -490,7 +490,8 @@ class ProcessEngine:
                       rid)
             return
         fut, loop = entry.fut, entry.loop
-        exc = result = None
+        exc = None
+        result: Any = None
         if err:
             exc = wire.decode_error(err)
             self._counts["failed"] += 1
@@ -500,9 +501,16 @@ class ProcessEngine:
             views = self._out_views[slot]
             rows = entry.rows
             if entry.out is not None:
-                for name, a in entry.out.items():
-                    np.copyto(a, views[name][:rows])
-                result = entry.out
+                # out= may name only some outputs (as for an in-process Engine): the others
+                # come back as new arrays, not left out of the result
+                result = {}
+                for name, v in views.items():
+                    a = entry.out.get(name)
+                    if a is None:
+                        result[name] = v[:rows].copy()
+                    else:
+                        np.copyto(a, v[:rows])
+                        result[name] = a
             else:
                 result = {name: v[:rows].copy() for name, v in views.items()}
             one = self._single_out
