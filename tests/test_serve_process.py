@@ -202,6 +202,18 @@ def test_out_for_some_outputs_only_returns_all_of_them(pe):
     _check(res, x)
 
 
+def test_requests_are_checked_while_another_thread_imports_numpy_ma(pe, monkeypatch):
+    # stats() (np.percentile) imports numpy.ma lazily, in the client and in the engine
+    # process; a request checked meanwhile saw the half-made module (AttributeError:
+    # MaskedArray), seen with 16 threads submitting while one called stats()
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "numpy.ma", types.ModuleType("numpy.ma"))
+    x = _x(3, 8)
+    _check(pe(x), x)
+
+
 def test_bad_requests_fail_their_own_future_and_nothing_else(pe):
     sent = pe.stats()["process"]["requests"]
     f = pe.submit(_x(2, 1).astype(np.float64))
