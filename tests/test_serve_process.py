@@ -366,6 +366,20 @@ def test_factory_errors_and_bad_arguments():
         ProcessEngine(cpu_engine, max_rows=9)
 
 
+def test_bad_arguments_raise_orchestra_errors_not_builtins(pe):
+    # each raised a bare ValueError / TypeError before
+    for kw in ({"completions_per_turn": "a"}, {"completions_per_turn": None},
+               {"completions_per_turn": True}, {"kwargs": [1]}, {"args": 5},
+               {"submit_timeout": "1"}, {"submit_timeout": -1}):
+        with pytest.raises((ServeConfigTypeError, ServeConfigValueError)):
+            ProcessEngine(cpu_engine, **kw)
+    x = _x(2, 1)
+    for t in ("1", [1], -1.0):
+        with pytest.raises((ServeConfigTypeError, ServeConfigValueError), match="timeout"):
+            pe.submit(x, timeout=t)
+    _check(pe.submit(x, timeout=5).result(timeout=30), x)
+
+
 def test_forgotten_engine_process_exits():
     import gc
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import concurrent.futures
 import itertools
 import json
@@ -148,6 +149,13 @@ class ProcessEngine:
                  submit_timeout: float | None = None, start_timeout: float = 120.0,
                  loop: asyncio.AbstractEventLoop | None = None,
                  completions_per_turn: int = 16, zero_copy: bool = False, restarts: int = 0):
+        # every argument checked before dict() / tuple() / int() could raise a builtin error
+        if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
+            raise ServeConfigTypeError(f"kwargs must be a mapping (the factory's keyword "
+                                       f"arguments) or None; got {type(kwargs).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise ServeConfigTypeError(f"args must be a tuple (the factory's positional "
+                                       f"arguments); got {type(args).__name__}")
         kwargs = dict(kwargs or {})
         if not callable(factory):
             raise ServeConfigTypeError(f"factory must be callable (it makes the Engine in the "
@@ -175,9 +183,11 @@ class ProcessEngine:
                                         f"{start_timeout}")
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
-        if int(completions_per_turn) < 1:
-            raise ServeConfigValueError(f"completions_per_turn must be >= 1; got "
-                                        f"{completions_per_turn}")
+        if (isinstance(completions_per_turn, bool) or not isinstance(completions_per_turn, int)
+                or completions_per_turn < 1):
+            raise ServeConfigValueError(f"completions_per_turn must be an int >= 1; got "
+                                        f"{completions_per_turn!r}")
+        _check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
@@ -380,6 +390,8 @@ class ProcessEngine:
         `EngineProcessError`. A submitted request runs to the end (``cancel()`` returns
         False)."""
         t0 = _now()
+        if timeout is not ...:
+            _check_timeout(timeout, "timeout")
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
@@ -933,6 +945,17 @@ def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
             f"the slots need {nbytes / 2**20:.1f} MiB of shared memory but {where} has "
             f"{free / 2**20:.1f} MiB free; give fewer slots or a smaller max_rows, or a larger "
             f"{where} (docker run --shm-size)")
+
+
+def _check_timeout(value, what: str) -> None:
+    """None or seconds >= 0 (else the wait for a slot raised a bare TypeError)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
+                                   f"{type(value).__name__}")
+    if not value >= 0:
+        raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
 
 
 def _set_many(items) -> None:
