@@ -335,6 +335,27 @@ def test_close_drains_pending_requests_and_frees_everything():
     e.close()  # idempotent
 
 
+def test_close_between_taking_a_slot_and_sending_raises_engine_closed():
+    # a submitter that took a slot just before another thread's close() ran to the end: it
+    # indexed the cleared slot views (IndexError) instead of raising EngineClosed
+    e = ProcessEngine(cpu_engine, slots=2)
+    x = _x(2, 2)
+    _check(e(x), x)
+    take = e._take_slot
+
+    def take_then_close(timeout):
+        slot = take(timeout)
+        t = threading.Thread(target=e.close)
+        t.start()
+        t.join()
+        return slot
+
+    e._take_slot = take_then_close
+    with pytest.raises(EngineClosed):
+        e.submit(x)
+    assert e.closed and _gone(e._shm.name)
+
+
 def test_killed_engine_process_fails_pending_and_refuses_new_work():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.5}, slots=8)
     name = e._shm.name

@@ -357,7 +357,10 @@ class ProcessEngine:
         slot is free again and the error raised."""
         slot, rows = entry.slot, entry.rows
         try:
-            views = self._in_views[slot]
+            in_views = self._in_views
+            if not in_views:  # close() ran to its end since this request took its slot
+                raise EngineClosed("the ProcessEngine is closing or closed")
+            views = in_views[slot]
             for name, a in arrays.items():
                 views[name][:rows] = a
             rid = next(self._ids)
