@@ -300,6 +300,37 @@ def test_cancelled_task_drops_its_result_and_frees_the_slot():
     asyncio.run(main())
 
 
+def test_loop_delivers_answers_read_before_the_engine_process_ended():
+    # the loop resolves completions_per_turn answers per iteration; when the pipe's end was
+    # read with answers still buffered, those requests failed with EngineProcessError
+    # although their outputs were in the slots (the reader thread delivers them)
+    async def main():
+        e = ProcessEngine(cpu_engine, slots=8, loop=asyncio.get_running_loop(),
+                          completions_per_turn=1)
+        try:
+            xs = [_x(1 + k, 40 + k) for k in range(8)]
+            futs = [e.submit(x) for x in xs]
+            import fcntl
+            import struct
+            import termios
+
+            def unread() -> int:
+                n = fcntl.ioctl(e._child.resp_fd, termios.FIONREAD, b"\0\0\0\0")
+                return struct.unpack("i", n)[0]
+
+            t = time.monotonic() + 30  # the loop is blocked: it reads nothing meanwhile
+            while time.monotonic() < t and unread() < 8 * wire.RESPONSE.size:
+                time.sleep(0.01)  # until every answer lies in the pipe
+            os.kill(e.pid, signal.SIGKILL)
+            e._child.proc.join(30)
+            for f, x in zip(futs, xs):
+                _check(await asyncio.wrap_future(f), x)
+        finally:
+            await e.aclose()
+
+    asyncio.run(main())
+
+
 def test_full_slots_raise_or_time_out():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=1, on_full="raise")
     try:

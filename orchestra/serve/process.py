@@ -602,6 +602,10 @@ class ProcessEngine:
             data = b""
         if not data:
             self._loop.remove_reader(child.resp_fd)
+            # answers still buffered (a drain stops at completions_per_turn) are delivered
+            # first: their outputs are in the slots; _child_gone would fail them
+            while (rec := child.reader.pop()) is not None:
+                self._complete(rec[0], rec[1], rec[2], None)
             child.handed = True
             self._child_gone(child)
             return
