@@ -77,6 +77,13 @@ def cpu_engine(delay=0.0, batching=False, max_rows=8, device_thread=True, queue_
                   batching=Batching(max_batch=max_rows, max_delay_us=200) if batching else None)
 
 
+def slow_restart_engine(marker):
+    """`cpu_engine`, made 1.5 s slower once ``marker`` exists (a restart's window)."""
+    if os.path.exists(marker):
+        time.sleep(1.5)
+    return cpu_engine()
+
+
 def failing_factory():
     raise ServeConfigValueError("the factory refuses")
 
@@ -491,6 +498,37 @@ def test_a_dead_engine_process_is_replaced_while_restarts_are_left():
             time.sleep(0.05)
         with pytest.raises(EngineProcessError):
             e(x)
+    finally:
+        e.close()
+    assert _gone(e._shm.name)
+
+
+def test_a_restart_that_cannot_watch_its_loop_breaks_the_engine_at_once(tmp_path):
+    # the loop= loop closed while a restart ran: the restart thread called close(), which
+    # waited for that very restart to end (start_timeout + 90 s) before the engine broke
+    marker = str(tmp_path / "slow")
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever)
+    t.start()
+    e = ProcessEngine(slow_restart_engine, (marker,), slots=2, loop=loop, restarts=1,
+                      start_timeout=60)
+    try:
+        x = _x(2, 5)
+        _check(e(x), x)  # a thread's call, answered through the loop
+        open(marker, "w").close()
+        os.kill(e.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while e._state != "restarting" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.close()  # the new process is still starting (1.5 s)
+        deadline = time.monotonic() + 45
+        while e.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(e.broken, EngineProcessError), e._state
+        with pytest.raises(EngineProcessError):
+            e.submit(x)
     finally:
         e.close()
     assert _gone(e._shm.name)

@@ -234,7 +234,11 @@ class ProcessEngine:
             self._finalizer()
             raise
         self._state = "open"
-        self._read_from(child)
+        try:
+            self._read_from(child)
+        except BaseException:
+            self.close(cancel=True)
+            raise
 
     def _read_from(self, child: _ChildProc) -> None:
         """Start reading ``child``'s responses: on the event loop (``loop=``) or a thread."""
@@ -586,8 +590,8 @@ class ProcessEngine:
             done.wait()
         else:
             add()
-        if failed:
-            self.close(cancel=True)
+        if failed:  # the constructor closes; a restart thread breaks the engine (its close()
+            # would wait for the very restart that calls it)
             raise ServeConfigValueError(f"loop cannot watch the response pipe "
                                         f"({failed[0]!r}); use loop=None") from failed[0]
 
