@@ -77,6 +77,13 @@ def cpu_engine(delay=0.0, batching=False, max_rows=8, device_thread=True, queue_
                   batching=Batching(max_batch=max_rows, max_delay_us=200) if batching else None)
 
 
+def slow_restart_engine(marker):
+    """`cpu_engine`, made 1.5 s slower once ``marker`` exists (a restart's window)."""
+    if os.path.exists(marker):
+        time.sleep(1.5)
+    return cpu_engine()
+
+
 def failing_factory():
     raise ServeConfigValueError("the factory refuses")
 
@@ -189,6 +196,31 @@ def test_out_arrays_are_filled(pe):
     _check(out, x)
 
 
+def test_out_for_some_outputs_only_returns_all_of_them(pe):
+    # as an in-process Engine: the outputs without an out= array come back as new arrays
+    x = _x(5, 6)
+    y = np.full((5, ROW), np.nan, np.float32)
+    res = pe(x, out={"y": y})
+    assert set(res) == {"y", "s"} and res["y"] is y
+    _check(res, x)
+    s = np.zeros((5, 1))
+    res = pe.submit(x, out={"s": s}).result(timeout=30)
+    assert set(res) == {"y", "s"} and res["s"] is s
+    _check(res, x)
+
+
+def test_requests_are_checked_while_another_thread_imports_numpy_ma(pe, monkeypatch):
+    # stats() (np.percentile) imports numpy.ma lazily, in the client and in the engine
+    # process; a request checked meanwhile saw the half-made module (AttributeError:
+    # MaskedArray), seen with 16 threads submitting while one called stats()
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "numpy.ma", types.ModuleType("numpy.ma"))
+    x = _x(3, 8)
+    _check(pe(x), x)
+
+
 def test_bad_requests_fail_their_own_future_and_nothing_else(pe):
     sent = pe.stats()["process"]["requests"]
     f = pe.submit(_x(2, 1).astype(np.float64))
@@ -275,6 +307,37 @@ def test_cancelled_task_drops_its_result_and_frees_the_slot():
     asyncio.run(main())
 
 
+def test_loop_delivers_answers_read_before_the_engine_process_ended():
+    # the loop resolves completions_per_turn answers per iteration; when the pipe's end was
+    # read with answers still buffered, those requests failed with EngineProcessError
+    # although their outputs were in the slots (the reader thread delivers them)
+    async def main():
+        e = ProcessEngine(cpu_engine, slots=8, loop=asyncio.get_running_loop(),
+                          completions_per_turn=1)
+        try:
+            xs = [_x(1 + k, 40 + k) for k in range(8)]
+            futs = [e.submit(x) for x in xs]
+            import fcntl
+            import struct
+            import termios
+
+            def unread() -> int:
+                n = fcntl.ioctl(e._child.resp_fd, termios.FIONREAD, b"\0\0\0\0")
+                return struct.unpack("i", n)[0]
+
+            t = time.monotonic() + 30  # the loop is blocked: it reads nothing meanwhile
+            while time.monotonic() < t and unread() < 8 * wire.RESPONSE.size:
+                time.sleep(0.01)  # until every answer lies in the pipe
+            os.kill(e.pid, signal.SIGKILL)
+            e._child.proc.join(30)
+            for f, x in zip(futs, xs):
+                _check(await asyncio.wrap_future(f), x)
+        finally:
+            await e.aclose()
+
+    asyncio.run(main())
+
+
 def test_full_slots_raise_or_time_out():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=1, on_full="raise")
     try:
@@ -310,6 +373,27 @@ def test_close_drains_pending_requests_and_frees_everything():
     e.close()  # idempotent
 
 
+def test_close_between_taking_a_slot_and_sending_raises_engine_closed():
+    # a submitter that took a slot just before another thread's close() ran to the end: it
+    # indexed the cleared slot views (IndexError) instead of raising EngineClosed
+    e = ProcessEngine(cpu_engine, slots=2)
+    x = _x(2, 2)
+    _check(e(x), x)
+    take = e._take_slot
+
+    def take_then_close(timeout):
+        slot = take(timeout)
+        t = threading.Thread(target=e.close)
+        t.start()
+        t.join()
+        return slot
+
+    e._take_slot = take_then_close
+    with pytest.raises(EngineClosed):
+        e.submit(x)
+    assert e.closed and _gone(e._shm.name)
+
+
 def test_killed_engine_process_fails_pending_and_refuses_new_work():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.5}, slots=8)
     name = e._shm.name
@@ -339,6 +423,20 @@ def test_factory_errors_and_bad_arguments():
         ProcessEngine(cpu_engine, on_full="drop")
     with pytest.raises(ServeConfigValueError, match="max_rows 9 is above"):
         ProcessEngine(cpu_engine, max_rows=9)
+
+
+def test_bad_arguments_raise_orchestra_errors_not_builtins(pe):
+    # each raised a bare ValueError / TypeError before
+    for kw in ({"completions_per_turn": "a"}, {"completions_per_turn": None},
+               {"completions_per_turn": True}, {"kwargs": [1]}, {"args": 5},
+               {"submit_timeout": "1"}, {"submit_timeout": -1}):
+        with pytest.raises((ServeConfigTypeError, ServeConfigValueError)):
+            ProcessEngine(cpu_engine, **kw)
+    x = _x(2, 1)
+    for t in ("1", [1], -1.0):
+        with pytest.raises((ServeConfigTypeError, ServeConfigValueError), match="timeout"):
+            pe.submit(x, timeout=t)
+    _check(pe.submit(x, timeout=5).result(timeout=30), x)
 
 
 def test_forgotten_engine_process_exits():
@@ -400,6 +498,37 @@ def test_a_dead_engine_process_is_replaced_while_restarts_are_left():
             time.sleep(0.05)
         with pytest.raises(EngineProcessError):
             e(x)
+    finally:
+        e.close()
+    assert _gone(e._shm.name)
+
+
+def test_a_restart_that_cannot_watch_its_loop_breaks_the_engine_at_once(tmp_path):
+    # the loop= loop closed while a restart ran: the restart thread called close(), which
+    # waited for that very restart to end (start_timeout + 90 s) before the engine broke
+    marker = str(tmp_path / "slow")
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever)
+    t.start()
+    e = ProcessEngine(slow_restart_engine, (marker,), slots=2, loop=loop, restarts=1,
+                      start_timeout=60)
+    try:
+        x = _x(2, 5)
+        _check(e(x), x)  # a thread's call, answered through the loop
+        open(marker, "w").close()
+        os.kill(e.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while e._state != "restarting" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.close()  # the new process is still starting (1.5 s)
+        deadline = time.monotonic() + 45
+        while e.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(e.broken, EngineProcessError), e._state
+        with pytest.raises(EngineProcessError):
+            e.submit(x)
     finally:
         e.close()
     assert _gone(e._shm.name)

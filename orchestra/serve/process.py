@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import concurrent.futures
 import itertools
 import json
@@ -148,6 +149,13 @@ class ProcessEngine:
                  submit_timeout: float | None = None, start_timeout: float = 120.0,
                  loop: asyncio.AbstractEventLoop | None = None,
                  completions_per_turn: int = 16, zero_copy: bool = False, restarts: int = 0):
+        # every argument checked before dict() / tuple() / int() could raise a builtin error
+        if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
+            raise ServeConfigTypeError(f"kwargs must be a mapping (the factory's keyword "
+                                       f"arguments) or None; got {type(kwargs).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise ServeConfigTypeError(f"args must be a tuple (the factory's positional "
+                                       f"arguments); got {type(args).__name__}")
         kwargs = dict(kwargs or {})
         if not callable(factory):
             raise ServeConfigTypeError(f"factory must be callable (it makes the Engine in the "
@@ -175,9 +183,11 @@ class ProcessEngine:
                                         f"{start_timeout}")
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
-        if int(completions_per_turn) < 1:
-            raise ServeConfigValueError(f"completions_per_turn must be >= 1; got "
-                                        f"{completions_per_turn}")
+        if (isinstance(completions_per_turn, bool) or not isinstance(completions_per_turn, int)
+                or completions_per_turn < 1):
+            raise ServeConfigValueError(f"completions_per_turn must be an int >= 1; got "
+                                        f"{completions_per_turn!r}")
+        _check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
@@ -224,7 +234,11 @@ class ProcessEngine:
             self._finalizer()
             raise
         self._state = "open"
-        self._read_from(child)
+        try:
+            self._read_from(child)
+        except BaseException:
+            self.close(cancel=True)
+            raise
 
     def _read_from(self, child: _ChildProc) -> None:
         """Start reading ``child``'s responses: on the event loop (``loop=``) or a thread."""
@@ -348,7 +362,10 @@ class ProcessEngine:
         slot is free again and the error raised."""
         slot, rows = entry.slot, entry.rows
         try:
-            views = self._in_views[slot]
+            in_views = self._in_views
+            if not in_views:  # close() ran to its end since this request took its slot
+                raise EngineClosed("the ProcessEngine is closing or closed")
+            views = in_views[slot]
             for name, a in arrays.items():
                 views[name][:rows] = a
             rid = next(self._ids)
@@ -381,6 +398,8 @@ class ProcessEngine:
         `EngineProcessError`. A submitted request runs to the end (``cancel()`` returns
         False)."""
         t0 = _now()
+        if timeout is not ...:
+            _check_timeout(timeout, "timeout")
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
@@ -491,7 +510,8 @@ class ProcessEngine:
                       rid)
             return
         fut, loop = entry.fut, entry.loop
-        exc = result = None
+        exc = None
+        result: Any = None
         if err:
             exc = wire.decode_error(err)
             self._counts["failed"] += 1
@@ -501,9 +521,16 @@ class ProcessEngine:
             views = self._out_views[slot]
             rows = entry.rows
             if entry.out is not None:
-                for name, a in entry.out.items():
-                    np.copyto(a, views[name][:rows])
-                result = entry.out
+                # out= may name only some outputs (as for an in-process Engine): the others
+                # come back as new arrays, not left out of the result
+                result = {}
+                for name, v in views.items():
+                    a = entry.out.get(name)
+                    if a is None:
+                        result[name] = v[:rows].copy()
+                    else:
+                        np.copyto(a, v[:rows])
+                        result[name] = a
             else:
                 result = {name: v[:rows].copy() for name, v in views.items()}
             one = self._single_out
@@ -564,8 +591,8 @@ class ProcessEngine:
             done.wait()
         else:
             add()
-        if failed:
-            self.close(cancel=True)
+        if failed:  # the constructor closes; a restart thread breaks the engine (its close()
+            # would wait for the very restart that calls it)
             raise ServeConfigValueError(f"loop cannot watch the response pipe "
                                         f"({failed[0]!r}); use loop=None") from failed[0]
 
@@ -580,6 +607,10 @@ class ProcessEngine:
             data = b""
         if not data:
             self._loop.remove_reader(child.resp_fd)
+            # answers still buffered (a drain stops at completions_per_turn) are delivered
+            # first: their outputs are in the slots; _child_gone would fail them
+            while (rec := child.reader.pop()) is not None:
+                self._complete(rec[0], rec[1], rec[2], None)
             child.handed = True
             self._child_gone(child)
             return
@@ -926,6 +957,17 @@ def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
             f"the slots need {nbytes / 2**20:.1f} MiB of shared memory but {where} has "
             f"{free / 2**20:.1f} MiB free; give fewer slots or a smaller max_rows, or a larger "
             f"{where} (docker run --shm-size)")
+
+
+def _check_timeout(value, what: str) -> None:
+    """None or seconds >= 0 (else the wait for a slot raised a bare TypeError)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
+                                   f"{type(value).__name__}")
+    if not value >= 0:
+        raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
 
 
 def _set_many(items) -> None:

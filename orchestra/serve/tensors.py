@@ -223,8 +223,11 @@ def _check_array(spec: TensorSpec, a: Any, what: str) -> np.ndarray:
         raise InputTypeError(f"{what} {name}: expected a numpy array or a host tensor "
                              f"{spec.describe()}, got {type(a).__name__}; convert it with "
                              f"np.asarray(..., dtype={_astype(spec, what)})")
-    ma = sys.modules.get("numpy.ma")  # never imported: no array is a masked one
-    if ma is not None and isinstance(a, ma.MaskedArray):
+    # never imported: no array is a masked one; being imported by another thread (stats()'s
+    # np.percentile imports it lazily): the module may not have the class yet, and then no
+    # array is one either
+    masked = getattr(sys.modules.get("numpy.ma"), "MaskedArray", None)
+    if masked is not None and isinstance(a, masked):
         # the engine reads the array's memory, which holds no mask: the masked entries' data
         # would be served as if they were values
         raise InputTypeError(f"{what} {name} is a masked array, whose mask the engine would "
