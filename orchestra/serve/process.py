@@ -755,6 +755,8 @@ class ProcessEngine:
             if start:
                 self._read_from(new)
                 log.warning("serve: the engine process was restarted (pid %d)", self.pid)
+            else:  # close() ran meanwhile (it gave up waiting for this restart): end it here
+                new.finalizer()
         except BaseException as exc:  # noqa: BLE001 - the engine is broken then
             err = EngineProcessError(f"the engine process could not be restarted after "
                                      f"{self._restart_cause} ({type(exc).__name__}: {exc})")
