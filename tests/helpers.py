@@ -22,3 +22,25 @@ TINY_PTX = """
     ret;
 }
 """
+
+
+def in_threads(fn, n: int) -> None:
+    """Run ``fn(k)`` for k in range(n), each in its own thread, and raise the first exception
+    any of them raised (after all have ended)."""
+    import threading
+
+    errors: list = []
+
+    def run(k):
+        try:
+            fn(k)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -33,6 +33,7 @@ from orchestra.serve import (
 )
 from orchestra.serve import wire
 from orchestra.serve.process import ProcessEngine
+from tests.helpers import in_threads
 from orchestra.serve.tensors import tensor_specs
 
 ROW = 64
@@ -160,29 +161,19 @@ def test_errors_round_trip_or_become_remote_errors():
 
 
 def test_many_threads_get_their_own_outputs(pe):
-    errors = []
-
     def client(k):
-        try:
-            rng = np.random.default_rng(k)
-            for i in range(40):
-                x = _x(int(rng.integers(1, 9)), 1000 * k + i)
-                if i % 2:
-                    _check(pe(x), x)
-                else:
-                    f = pe.submit(x)
-                    x_copy = x.copy()
-                    x[:] = 0  # the inputs were copied into a slot before submit returned
-                    _check(f.result(timeout=30), x_copy)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        rng = np.random.default_rng(k)
+        for i in range(40):
+            x = _x(int(rng.integers(1, 9)), 1000 * k + i)
+            if i % 2:
+                _check(pe(x), x)
+            else:
+                f = pe.submit(x)
+                x_copy = x.copy()
+                x[:] = 0  # the inputs were copied into a slot before submit returned
+                _check(f.result(timeout=30), x_copy)
 
-    ts = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors[0]
+    in_threads(client, 8)
     st = pe.stats()
     assert st["process"]["in_flight"] == 0
     assert sum(b["requests"] for b in st["buckets"].values()) >= 320

@@ -16,6 +16,7 @@ import pytest
 from orchestra.serve import Batching, Engine
 from orchestra.serve.demo import demo_graph, demo_reference
 from orchestra.serve.process import ProcessEngine
+from tests.helpers import in_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -75,23 +76,13 @@ def test_threads_get_bit_exact_outputs_through_pinned_slots(executor, zero_copy)
         assert e.pinned is zero_copy  # the engine process registered the shared memory
         report = e.warmup()
         assert sorted(r["rows"] for r in report) == [1, 2, 4, 8, 16]
-        errors = []
-
         def client(k):
-            try:
-                for i in range(60):
-                    x = _x(1 + (k + i) % 16, 100 * k + i)
-                    y = e(x) if i % 2 else e.submit(x).result(timeout=60)
-                    assert np.array_equal(y, demo_reference(x, 2)), (k, i)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+            for i in range(60):
+                x = _x(1 + (k + i) % 16, 100 * k + i)
+                y = e(x) if i % 2 else e.submit(x).result(timeout=60)
+                assert np.array_equal(y, demo_reference(x, 2)), (k, i)
 
-        ts = [threading.Thread(target=client, args=(k,)) for k in range(8)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert not errors, errors[0]
+        in_threads(client, 8)
         st = e.stats()
         assert st["process"]["requests"] == 480 and st["process"]["failed"] == 0
         name, proc = e._shm.name, e._child.proc
