@@ -100,8 +100,8 @@ def _serve_control(engine, ctl, child) -> None:
 
 class _Child:
     """The engine process's side of the slots: views of each slot, the request reader thread,
-    the response writer. Page-locks the shared memory when the engine runs on a GPU, so that
-    requests are submitted with ``pinned=True`` (the instance may read a slot directly)."""
+    the response writer. With ``zero_copy`` and an engine on a GPU it page-locks the shared
+    memory and submits requests with ``pinned=True`` (an instance may read a slot directly)."""
 
     def __init__(self, engine, shm, layout: wire.SlotLayout, req_fd: int, resp_fd: int,
                  zero_copy: bool):
