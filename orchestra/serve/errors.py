@@ -122,7 +122,7 @@ class EngineProcessError(ServeError, StateError):
         return (type(self), (str(self), self.exitcode))
 
 
-__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "EngineProcessError",
-           "FutureStateError", "InputTypeError", "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
+__all__ = ["BadRequest", "EngineBroken", "EngineClosed", "EngineProcessError", "FutureStateError",
+           "InputTypeError", "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
            "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "StopIterationRaised",
            "TimerError"]

@@ -53,10 +53,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from orchestra.errors import CallOrderError, OrchestraError
+from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.serve import process_child, wire
 from orchestra.serve.errors import (
     BadRequest,
+    EngineBroken,
     EngineClosed,
     EngineProcessError,
     Overloaded,
@@ -64,6 +65,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
 )
+from orchestra.serve.buckets import positive_count
 from orchestra.serve.future import ServeFuture
 from orchestra.serve.tensors import check_inputs, check_out, tensor_specs
 
@@ -172,23 +174,17 @@ class ProcessEngine:
                 f"closure") from exc
         if on_full not in ("block", "raise"):
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
-        if isinstance(slots, bool) or not isinstance(slots, int):
-            raise ServeConfigTypeError(f"slots must be an int; got {type(slots).__name__}")
-        if not 1 <= slots <= wire.MAX_SLOTS:
+        slots = positive_count("slots", slots)
+        if slots > wire.MAX_SLOTS:
             raise ServeConfigValueError(f"slots must be 1..{wire.MAX_SLOTS}; got {slots}")
-        if max_rows is not None and (isinstance(max_rows, bool)
-                                     or not isinstance(max_rows, int) or max_rows < 1):
-            raise ServeConfigValueError(f"max_rows must be an int >= 1 or None; got "
-                                        f"{max_rows!r}")
+        if max_rows is not None:
+            max_rows = positive_count("max_rows", max_rows)
         if not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
             raise ServeConfigValueError(f"start_timeout must be > 0 seconds; got "
                                         f"{start_timeout}")
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
-        if (isinstance(completions_per_turn, bool) or not isinstance(completions_per_turn, int)
-                or completions_per_turn < 1):
-            raise ServeConfigValueError(f"completions_per_turn must be an int >= 1; got "
-                                        f"{completions_per_turn!r}")
+        completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
         _check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
@@ -198,7 +194,7 @@ class ProcessEngine:
         self.on_full = on_full
         self.submit_timeout = submit_timeout
         self.zero_copy = bool(zero_copy)
-        self.completions_per_turn = int(completions_per_turn)
+        self.completions_per_turn = completions_per_turn
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._space_waiting = 0
@@ -262,11 +258,11 @@ class ProcessEngine:
         self.pid = int(desc["pid"])
         if max_rows is None:
             max_rows = self.largest
-        elif int(max_rows) > self.largest and not desc["split"]:
+        elif max_rows > self.largest and not desc["split"]:
             raise ServeConfigValueError(
                 f"max_rows {max_rows} is above the engine's largest bucket ({self.largest} "
                 f"rows) and the engine does not split requests (make it with split=True)")
-        self.max_rows = int(max_rows)
+        self.max_rows = max_rows
         layout = wire.slot_layout(self._inputs, self._outputs, self.max_rows, slots)
         from multiprocessing import shared_memory
 
@@ -283,7 +279,6 @@ class ProcessEngine:
         self._in_views = [layout.views(shm.buf, s, "inputs") for s in range(slots)]
         self._out_views = [layout.views(shm.buf, s, "outputs") for s in range(slots)]
         self._free = list(range(slots - 1, -1, -1))
-        self._single_in = next(iter(self._inputs)) if len(self._inputs) == 1 else None
         self._single_out = next(iter(self._outputs)) if len(self._outputs) == 1 else None
 
     def _attach(self, child: _ChildProc, timeout: float) -> None:
@@ -335,15 +330,20 @@ class ProcessEngine:
                                  f"{self._restart_cause}); retry in a few seconds")
             raise EngineClosed("the ProcessEngine is closing or closed")
 
+    def _full(self) -> Overloaded:
+        """Under the lock: the `Overloaded` of an ``on_full="raise"`` request finding no slot
+        (counted)."""
+        self._counts["overloaded"] += 1
+        return Overloaded(f"all {self.slots} slots of the ProcessEngine are in flight; retry "
+                          f"later, or make it with more slots")
+
     def _take_slot(self, timeout) -> int:
         with self._lock:
             self._check_open()
             if self._free and not self._aio_waiting:
                 return self._free.pop()
             if self.on_full == "raise":
-                self._counts["overloaded"] += 1
-                raise Overloaded(f"all {self.slots} slots of the ProcessEngine are in flight; "
-                                 f"retry later, or make it with more slots")
+                raise self._full()
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._free:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -446,9 +446,7 @@ class ProcessEngine:
             slot = self._free.pop() if self._free and not self._aio_waiting else None
             if slot is None:
                 if self.on_full == "raise":
-                    self._counts["overloaded"] += 1
-                    raise Overloaded(f"all {self.slots} slots of the ProcessEngine are in "
-                                     f"flight; retry later, or make it with more slots")
+                    raise self._full()
                 wait = loop.create_future()
                 self._aio_waiting.append((loop, wait))
         if slot is None:
@@ -520,21 +518,18 @@ class ProcessEngine:
             if self.restarts and _breaks_engine(exc):
                 self._begin_restart(exc)
         elif not fut.done():  # a cancelled task's outputs are not copied
-            views = self._out_views[slot]
             rows = entry.rows
-            if entry.out is not None:
-                # out= may name only some outputs (as for an in-process Engine): the others
-                # come back as new arrays, not left out of the result
-                result = {}
-                for name, v in views.items():
-                    a = entry.out.get(name)
-                    if a is None:
-                        result[name] = v[:rows].copy()
-                    else:
-                        np.copyto(a, v[:rows])
-                        result[name] = a
-            else:
-                result = {name: v[:rows].copy() for name, v in views.items()}
+            # out= may name only some outputs (as for an in-process Engine): the others come
+            # back as new arrays, not left out of the result
+            out = entry.out or {}
+            result = {}
+            for name, v in self._out_views[slot].items():
+                a = out.get(name)
+                if a is None:
+                    result[name] = v[:rows].copy()
+                else:
+                    np.copyto(a, v[:rows])
+                    result[name] = a
             one = self._single_out
             if one is not None:
                 result = result[one]
@@ -555,6 +550,18 @@ class ProcessEngine:
                 loop.call_soon_threadsafe(_set_aio, fut, result, exc)
             except RuntimeError:  # that loop is closed: nobody awaits it any more
                 pass
+
+    def _fail_slot_waiters(self, exc: BaseException) -> None:
+        """Fail every asyncio request awaiting a slot with ``exc`` and wake the threads
+        waiting for one (the engine no longer takes requests: they see why themselves)."""
+        with self._lock:
+            waiting = list(self._aio_waiting)
+            self._aio_waiting.clear()
+            self._space.notify_all()
+        batch: dict = {}
+        for loop, wait in waiting:
+            batch.setdefault(loop, []).append((wait, None, exc))
+        self._hand_batches(batch)
 
     @staticmethod
     def _hand_batches(batch: dict) -> None:
@@ -662,7 +669,7 @@ class ProcessEngine:
                 else:
                     self._broken = cause
                 log.error("serve: %s%s", cause, "; restarting it" if restart else "")
-            if self._state == "restarting":
+            if self._state == "restarting":  # those awaiting a slot wait for the new one
                 exc = EngineProcessError(
                     f"the engine process was replaced before it answered (restart after: "
                     f"{self._restart_cause}); the request is lost, retry it",
@@ -673,9 +680,6 @@ class ProcessEngine:
                     f"{child.proc.exitcode})", child.proc.exitcode)
             pending = list(self._pending.values())
             self._pending.clear()
-            waiting = [] if self._state == "restarting" else list(self._aio_waiting)
-            if waiting:
-                self._aio_waiting.clear()
             self._space.notify_all()
         batch: dict = {}
         for e in pending:
@@ -685,9 +689,9 @@ class ProcessEngine:
             else:
                 batch.setdefault(e.loop, []).append((e.fut, None, exc))
             self._release(e.slot)
-        for loop, wait in waiting:
-            batch.setdefault(loop, []).append((wait, None, exc))
         self._hand_batches(batch)
+        if self._state != "restarting":
+            self._fail_slot_waiters(exc)
         child.gone.set()
         if restart:
             self._start_restarter(child)
@@ -768,13 +772,7 @@ class ProcessEngine:
                 self._broken = err
                 if self._state == "restarting":
                     self._state = "open"  # broken: every call raises err
-                waiting = list(self._aio_waiting)
-                self._aio_waiting.clear()
-                self._space.notify_all()
-            batch: dict = {}
-            for loop, w in waiting:
-                batch.setdefault(loop, []).append((w, None, err))
-            self._hand_batches(batch)
+            self._fail_slot_waiters(err)
         finally:
             self._restart_idle.set()
 
@@ -838,18 +836,12 @@ class ProcessEngine:
             else:
                 first = True
                 self._state = "closing"
-                waiting = list(self._aio_waiting)
-                self._aio_waiting.clear()
-                self._space.notify_all()
         if not first:
             self._closed_event.wait()
             return
         try:
-            exc = EngineClosed("the ProcessEngine closed before the request found a slot")
-            batch: dict = {}
-            for loop, wait in waiting:
-                batch.setdefault(loop, []).append((wait, None, exc))
-            self._hand_batches(batch)
+            self._fail_slot_waiters(EngineClosed("the ProcessEngine closed before the request "
+                                                 "found a slot"))
             child = self._child
             if self._loop is not None and not child.handed:
                 self._unwatch_loop(child)  # answers are read by a thread while it drains
@@ -940,11 +932,7 @@ def _read_responses(ref, child: _ChildProc) -> None:
 
 def _breaks_engine(exc: BaseException) -> bool:
     """Whether a request's error says the engine process's CUDA context is unusable."""
-    from orchestra.errors import CudaError
-    from orchestra.serve.errors import EngineBroken
-
-    return isinstance(exc, EngineBroken) or (isinstance(exc, CudaError)
-                                             and bool(getattr(exc, "sticky", False)))
+    return isinstance(exc, EngineBroken) or (isinstance(exc, CudaError) and exc.sticky)
 
 
 def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:

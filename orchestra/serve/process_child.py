@@ -173,9 +173,10 @@ class _Child:
                 fut.add_done_callback(functools.partial(self._done, rid, slot))
 
     def _done(self, rid: int, slot: int, fut) -> None:
-        exc = None if fut.cancelled() else fut.exception()
         if fut.cancelled():
             exc = EngineClosed("the engine closed with cancel=True before the request ran")
+        else:
+            exc = fut.exception()
         self._respond(rid, slot, exc)
 
     def _respond(self, rid: int, slot: int, exc: BaseException | None) -> None:

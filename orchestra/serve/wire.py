@@ -124,12 +124,13 @@ class RemoteError(ServeError):
 
 
 class RecordReader:
-    """Splits the bytes read from a pipe into records of ``header`` (a `struct.Struct` whose
-    last field is the length of the bytes that follow, or None for fixed-size records).
+    """Splits the bytes read from a pipe into records of ``header`` (a `struct.Struct`); with
+    ``sized`` its last field is the length of the bytes that follow, else records are just the
+    header.
 
     ``feed(data)`` appends what one ``os.read`` returned; ``pop()`` returns the next complete
-    record (the header's fields, plus the trailing bytes when ``header`` has a length), or None
-    when the rest has not arrived yet.
+    record (the header's fields, with ``sized`` the length replaced by the trailing bytes), or
+    None when the rest has not arrived yet.
 
     Thread-safety: one reader thread (or event loop) per instance.
     """
