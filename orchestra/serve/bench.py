@@ -639,19 +639,19 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
             continue
         with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
                          instances=inst) as e:
-            out.append(_asyncio_on(name, w, o, e))
+            out.append(asyncio.run(_warmed_load(name, w, o, e)))
     return out
 
 
-def _asyncio_on(name: str, w: Workload, o: BenchOptions, e) -> Result:
-    """The asyncio load on a warmed-up engine, in a new event loop (`asyncio.run`)."""
+async def _warmed_load(name: str, w: Workload, o: BenchOptions, e) -> Result:
+    """Warm ``e`` up (blocking the loop, before the load starts), freeze the collector's
+    start-up state (``--gc-freeze``) and run the asyncio load on this event loop."""
     info = _warm(e)
     if o.gc_freeze:
         gc.collect()
         gc.freeze()
     try:
-        r = asyncio.run(_asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks,
-                                      o.gc_young_ms))
+        r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks, o.gc_young_ms)
     finally:
         if o.gc_freeze:
             gc.unfreeze()
@@ -668,18 +668,7 @@ async def _asyncio_in_process(name: str, w: Workload, o: BenchOptions, batching:
                     process=True, loop=asyncio.get_running_loop(),
                     slots=min(4096, max(256, o.tasks)))
     try:
-        info = _warm(e)  # a control call: it blocks the loop, before the load starts
-        if o.gc_freeze:
-            gc.collect()
-            gc.freeze()
-        try:
-            r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks,
-                                    o.gc_young_ms)
-        finally:
-            if o.gc_freeze:
-                gc.unfreeze()
-        r.batch_fill = _fill(e)
-        r.extra.update(info)
+        r = await _warmed_load(name, w, o, e)
         r.extra["process"] = e.stats()["process"]
         return r
     finally:
