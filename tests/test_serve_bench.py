@@ -114,6 +114,9 @@ def test_cli_refusals(capsys):
         assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--gc-young-ms", bad]) == 2
         assert (f"--gc-young-ms must be a finite number >= 0, got {float(bad)}"
                 in capsys.readouterr().err)
+    assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--completions-per-turn",
+                "0"]) == 2
+    assert "--completions-per-turn must be >= 1" in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--mode", "open", "--rate", "1e-300"]) == 2
     assert "--rate must be at least 1 request/s, got 1e-300" in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--batching", "on", "--max-delay-us", "1e12"]) == 2
@@ -220,3 +223,19 @@ def test_cli_cpu_runs_the_engine_without_a_gpu(capsys):
     assert rep["device"].startswith("CPU") and rep["verified"] is True
     (r,) = rep["results"]
     assert "dynamic batching" in r["name"] and r["requests"] > 0 and r["wrong"] == 0
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_completions_per_turn_reaches_the_engine(process):
+    """--completions-per-turn is the option of the engine the bench opens, in this process and
+    in an engine process."""
+    from orchestra.cli.main import build_parser
+    from orchestra.serve.bench import Workload, open_engine
+    from orchestra.serve.cli import options
+
+    args = build_parser().parse_args(["bench", "serve", "--cpu", "--mode", "asyncio",
+                                      "--completions-per-turn", "3"])
+    o = options(args)
+    assert o.engine.completions_per_turn == 3
+    with open_engine(Workload("4K", pool=2), o.engine, process=process) as e:
+        assert e.completions_per_turn == 3

@@ -226,6 +226,8 @@ class EngineConfig:
     device: int = 0
     max_batch: int | None = None
     max_delay_us: float = 200.0
+    # asyncio: awaited requests one loop iteration resolves at most (both engines' option)
+    completions_per_turn: int = 16
     backend_factory: Callable | None = None  # tests: a CPU backend instead of CUDA
 
 
@@ -248,6 +250,7 @@ def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
     out = {"y": ((w.row_floats,), "float32")}
     kw: dict[str, Any] = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=top,
               instances=instances or cfg.instances, dispatch=dispatch, queue_limit=4096,
+              completions_per_turn=cfg.completions_per_turn,
               batching=Batching(max_batch=max_batch, max_delay_us=cfg.max_delay_us)
               if batching else None)
     if cfg.backend_factory is not None:
@@ -269,7 +272,8 @@ def open_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
 
     return ProcessEngine(make_engine, (w, cfg), dict(batching=batching, dispatch=dispatch,
                                                      instances=instances),
-                         slots=slots, max_rows=w.max_rows, loop=loop)
+                         slots=slots, max_rows=w.max_rows, loop=loop,
+                         completions_per_turn=cfg.completions_per_turn)
 
 
 def _warm(engine: Engine) -> dict:

@@ -73,6 +73,10 @@ def register(bsub) -> None:
                         "automatic collector)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
+    p.add_argument("--completions-per-turn", type=int, default=16, metavar="N",
+                   help="asyncio: awaited requests the engine resolves per event-loop "
+                        "iteration at most (default 16; fewer: shorter iterations, so less "
+                        "lag, for a little more loop overhead per request)")
     p.add_argument("--process", action="store_true",
                    help="closed, asyncio: run the engine in a process of its own "
                         "(orchestra.serve.ProcessEngine: requests through shared memory; with "
@@ -93,9 +97,9 @@ def _check_numbers(args) -> None:
     from orchestra.errors import BenchConfigError
     from orchestra.serve.bench import parse_mix
 
-    for name in ("threads", "window", "tasks", "instances", "iters"):
+    for name in ("threads", "window", "tasks", "instances", "iters", "completions_per_turn"):
         if getattr(args, name) < 1:
-            raise BenchConfigError(f"--{name} must be >= 1")
+            raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("requests", "max_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -180,6 +184,7 @@ def options(args):
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
+                            completions_per_turn=args.completions_per_turn,
                             backend_factory=cpu_backend_factory if args.cpu else None))
 
 
