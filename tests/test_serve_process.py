@@ -542,3 +542,112 @@ def test_a_sticky_error_in_the_engine_process_restarts_it():
         assert e.stats()["process"]["restarts"] == 1
     finally:
         e.close()
+
+
+# -- slots handed over between threads and loops ------------------------------------------------
+
+
+def _loop_in_thread():
+    """A new event loop running in a thread of its own: (loop, thread)."""
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    return loop, t
+
+
+def _wait_until(pred, timeout=10.0, what="the condition"):
+    t = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > t:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.002)
+
+
+def test_a_slot_handed_to_a_loop_that_closes_before_taking_it_is_not_lost():
+    # _release passed the slot to the waiter of another loop in a call_soon_threadsafe
+    # callback; the loop closed before it ran: the slot never came back (one slot fewer for
+    # good, and with slots=1 no request was ever admitted again)
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.05}, slots=2)
+    try:
+        held = [e._take_slot(None), e._take_slot(None)]  # both slots in use
+        loop, t = _loop_in_thread()
+        x = _x(1, 1)
+        waiter = asyncio.run_coroutine_threadsafe(e.run(x), loop)
+        _wait_until(lambda: len(e._aio_waiting) == 1, what="the run() awaiting a slot")
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        e._release(held.pop())  # to the waiter of the stopped loop ...
+        loop.close()  # ... which closes before it runs another callback
+        e._release(held.pop())
+        assert not waiter.done()  # its task never ran again
+        st = e.stats()["process"]
+        assert st["in_flight"] == 0 and sorted(e._free) == [0, 1]
+        # every slot serves again: two requests in flight at once, neither refused
+        e.on_full = "raise"
+        xs = [_x(3, 10), _x(5, 11)]
+        futs = [e.submit(x) for x in xs]
+        for f, x in zip(futs, xs):
+            _check(f.result(timeout=30), x)
+        assert e.stats()["process"]["overloaded"] == 0
+    finally:
+        e.close()
+
+
+def test_a_request_queued_behind_a_wake_up_lost_to_a_closed_loop_is_served():
+    # the first waiter's loop closed with its wake-up pending: the next request to come
+    # moves the queue on (the second waiter, of a live loop, takes the slot), then is served
+    e = ProcessEngine(cpu_engine, slots=1)
+    try:
+        held = e._take_slot(None)
+        dead, t_dead = _loop_in_thread()
+        live, t_live = _loop_in_thread()
+        xb, xc, xd = _x(2, 20), _x(3, 21), _x(4, 22)
+        asyncio.run_coroutine_threadsafe(e.run(xb), dead)
+        _wait_until(lambda: len(e._aio_waiting) == 1, what="the first waiter")
+        c = asyncio.run_coroutine_threadsafe(e.run(xc), live)
+        _wait_until(lambda: len(e._aio_waiting) == 2, what="the second waiter")
+        dead.call_soon_threadsafe(dead.stop)
+        t_dead.join(10)
+        e._release(held)  # the wake-up goes to the stopped loop ...
+        dead.close()  # ... and is never run
+        assert not c.done()
+
+        async def later():
+            return await e.run(xd)
+
+        _check(asyncio.run(asyncio.wait_for(later(), 30)), xd)
+        _check(c.result(timeout=30), xc)
+        assert sorted(e._free) == [0] and not e._waking and not e._aio_waiting
+        live.call_soon_threadsafe(live.stop)
+        t_live.join(10)
+        live.close()
+    finally:
+        e.close()
+
+
+def test_threads_and_tasks_of_other_loops_share_few_slots():
+    # completions free the slots on the reader thread: every asyncio waiter is woken on its
+    # own loop and may find its slot taken by a thread meanwhile (it queues again first)
+    e = ProcessEngine(cpu_engine, slots=2)
+    try:
+        def client(k):
+            if k % 2:
+                for i in range(30):
+                    x = _x(1 + (k + i) % 8, 100 * k + i)
+                    _check(e(x), x)
+                return
+
+            async def tasks():
+                xs = [_x(1 + (k + i) % 8, 100 * k + i) for i in range(30)]
+                outs = await asyncio.gather(*(e.run(x) for x in xs))
+                for o, x in zip(outs, xs):
+                    _check(o, x)
+
+            asyncio.run(tasks())
+
+        in_threads(client, 6)
+        st = e.stats()["process"]
+        assert st["in_flight"] == 0 and st["requests"] == 180
+        assert sorted(e._free) == [0, 1] and not e._waking and not e._aio_waiting
+    finally:
+        e.close()

@@ -199,6 +199,9 @@ class ProcessEngine:
         self._space = threading.Condition(self._lock)
         self._space_waiting = 0
         self._aio_waiting: collections.deque = collections.deque()  # (loop, future) for a slot
+        # {future: its loop}: waiters of other loops woken (`_wake` sent) but not yet run; the
+        # free slots they will take stay in the pool meanwhile
+        self._waking: dict = {}
         self._ctl_lock = threading.Lock()
         self._pending: dict[int, _Entry] = {}
         self._ids = itertools.count(1)
@@ -441,6 +444,7 @@ class ProcessEngine:
         except OrchestraError:
             self._counts["bad"] += 1
             raise
+        stranded = False
         with self._lock:
             self._check_open()
             slot = self._free.pop() if self._free and not self._aio_waiting else None
@@ -449,12 +453,17 @@ class ProcessEngine:
                     raise self._full()
                 wait = loop.create_future()
                 self._aio_waiting.append((loop, wait))
+                # free slots but a queue: a wake-up that a closed loop will never run left a
+                # slot spare: the queue moves on now, not at the next release
+                stranded = bool(self._free) and self._spare() > 0
         if slot is None:
+            if stranded:
+                self._release(None)
             try:
                 slot = await wait
             except asyncio.CancelledError:
-                if wait.done() and not wait.cancelled():  # handed a slot as it was cancelled
-                    self._release(wait.result())
+                if wait.done() and not wait.cancelled() and wait.exception() is None:
+                    self._release(wait.result())  # handed a slot as it was cancelled
                 raise
         fut = loop.create_future()
         self._send(arrays, _Entry(fut, loop, outs, t0, slot, rows))
@@ -466,36 +475,77 @@ class ProcessEngine:
 
     # -- slots ------------------------------------------------------------------------------
 
-    def _release(self, slot: int) -> None:
-        """A slot is free: to the first asyncio request awaiting one, else to the pool."""
+    def _release(self, slot: int | None) -> None:
+        """``slot`` is free (None: only look for a free slot no woken request is on its way
+        to take): back to the pool, and the first asyncio request awaiting a slot is handed
+        one at once when it awaits on this thread's running loop, else woken on its own loop
+        to take one there (`_wake`). With no asyncio request waiting, a thread waiting in
+        `submit` is woken.
+
+        The slot stays in the pool until the woken request takes it: a loop that stops or
+        closes before it runs the wake-up loses no slot (it went with the slot before), and
+        a request that comes meanwhile may take it (the woken one then queues again first).
+        """
+        here = _running_loop()
         while True:
             with self._lock:
-                while self._aio_waiting:
-                    loop, wait = self._aio_waiting.popleft()
-                    if not wait.done():
-                        break
-                else:
+                if slot is not None:
                     self._free.append(slot)
-                    if self._space_waiting:
+                    slot = None
+                target = None
+                while self._aio_waiting and self._spare() > 0:
+                    loop, wait = self._aio_waiting.popleft()
+                    if wait.done():  # its task was cancelled
+                        continue
+                    if loop is here:
+                        wait.set_result(self._free.pop())
+                        continue
+                    self._waking[wait] = loop
+                    target = (loop, wait)
+                    break
+                else:
+                    if not self._aio_waiting and self._space_waiting and self._spare() > 0:
                         self._space.notify()
                     return
-            if _running_loop() is loop:
-                if not wait.done():
-                    wait.set_result(slot)
-                    return
-                continue
+                more = bool(self._aio_waiting) and len(self._free) > len(self._waking)
+            loop, wait = target
             try:
-                loop.call_soon_threadsafe(self._give, wait, slot)
-                return
-            except RuntimeError:  # that loop is closed: the next waiter, or the pool
+                loop.call_soon_threadsafe(self._wake, wait)
+            except RuntimeError:  # that loop is closed: the next waiter
+                with self._lock:
+                    self._waking.pop(wait, None)
                 continue
+            if not more:
+                return
 
-    def _give(self, wait, slot: int) -> None:
-        """On the waiter's loop: hand it the slot, or release it again when it gave up."""
-        if wait.done():
-            self._release(slot)
-        else:
-            wait.set_result(slot)
+    def _spare(self) -> int:
+        """Under the lock: free slots that no woken request is on its way to take. A wake-up
+        sent to a loop that closed since can never run: it no longer counts (checked only
+        when no slot seems spare, so a release costs no scan)."""
+        n = len(self._free) - len(self._waking)
+        if n <= 0 and self._free and self._waking:
+            for wait, loop in list(self._waking.items()):
+                if loop.is_closed():
+                    del self._waking[wait]
+            n = len(self._free) - len(self._waking)
+        return n
+
+    def _wake(self, wait) -> None:
+        """On the waiter's loop, woken by `_release`: take a free slot; when a request that
+        came meanwhile took it, queue again at the head; a waiter whose task was cancelled
+        passes the wake-up on."""
+        with self._lock:
+            self._waking.pop(wait, None)
+            if not wait.done():
+                if self._free:
+                    wait.set_result(self._free.pop())
+                elif self._state in ("open", "restarting") and self._broken is None:
+                    self._aio_waiting.appendleft((wait.get_loop(), wait))
+                else:  # _fail_slot_waiters ran while it was woken
+                    wait.set_exception(self._broken or EngineClosed(
+                        "the ProcessEngine closed before the request found a slot"))
+                return
+        self._release(None)
 
     # -- completions ------------------------------------------------------------------------
 
