@@ -651,3 +651,43 @@ def test_threads_and_tasks_of_other_loops_share_few_slots():
         assert sorted(e._free) == [0, 1] and not e._waking and not e._aio_waiting
     finally:
         e.close()
+
+
+class _SwitchingCounts(dict):
+    """``_counts`` whose reads run Python code, so a thread switch can fall between the read
+    and the write of ``counts[k] += 1`` (CPython 3.11 switches threads only at such points;
+    a free-threaded build at any): an update outside the lock is then lost."""
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key)
+
+
+def test_counts_from_many_threads_are_exact(pe):
+    import sys
+
+    before = pe.stats()["process"]
+    pe._counts = _SwitchingCounts(pe._counts)
+    bad = _x(2, 1).astype(np.float64)  # refused in the client: counted as bad
+    n = 1000
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def client(k):
+            if k % 2:
+                for _ in range(n):
+                    assert isinstance(pe.submit(bad).exception(timeout=5), InputTypeError)
+                return
+
+            async def refused():
+                for _ in range(n):
+                    with pytest.raises(InputTypeError):
+                        await pe.run(bad)
+
+            asyncio.run(refused())
+
+        in_threads(client, 8)
+    finally:
+        sys.setswitchinterval(interval)
+    after = pe.stats()["process"]
+    assert after["bad"] - before["bad"] == 8 * n
+    assert after["requests"] == before["requests"] and after["in_flight"] == 0

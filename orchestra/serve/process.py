@@ -322,6 +322,12 @@ class ProcessEngine:
         outs = check_out(self._outputs, out, rows) if out is not None else None
         return arrays, rows, outs
 
+    def _count(self, what: str) -> None:
+        # under the lock: the threads and loops that count at once lose no update (a
+        # read-modify-write of the dict is not atomic)
+        with self._lock:
+            self._counts[what] += 1
+
     def _check_open(self) -> None:
         """Under the lock: raise unless new requests may start."""
         if self._broken is not None:
@@ -408,7 +414,7 @@ class ProcessEngine:
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
-            self._counts["bad"] += 1
+            self._count("bad")
             fut = ServeFuture()
             fut.set_exception(exc)
             return fut
@@ -442,7 +448,7 @@ class ProcessEngine:
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError:
-            self._counts["bad"] += 1
+            self._count("bad")
             raise
         stranded = False
         with self._lock:
@@ -470,7 +476,7 @@ class ProcessEngine:
         try:
             return await fut
         except asyncio.CancelledError:
-            self._counts["cancelled"] += 1
+            self._count("cancelled")
             raise
 
     # -- slots ------------------------------------------------------------------------------
@@ -555,6 +561,8 @@ class ProcessEngine:
         ``batch`` per loop)."""
         with self._lock:
             entry = self._pending.pop(rid, None)
+            if err and entry is not None:
+                self._counts["failed"] += 1
         if entry is None:
             log.error("serve: the engine process answered request %d, which is not pending",
                       rid)
@@ -564,7 +572,6 @@ class ProcessEngine:
         result: Any = None
         if err:
             exc = wire.decode_error(err)
-            self._counts["failed"] += 1
             if self.restarts and _breaks_engine(exc):
                 self._begin_restart(exc)
         elif not fut.done():  # a cancelled task's outputs are not copied
@@ -730,10 +737,10 @@ class ProcessEngine:
                     f"{child.proc.exitcode})", child.proc.exitcode)
             pending = list(self._pending.values())
             self._pending.clear()
+            self._counts["failed"] += len(pending)
             self._space.notify_all()
         batch: dict = {}
         for e in pending:
-            self._counts["failed"] += 1
             if e.loop is None:
                 e.fut.set_exception(exc)
             else:
