@@ -691,3 +691,67 @@ def test_counts_from_many_threads_are_exact(pe):
     after = pe.stats()["process"]
     assert after["bad"] - before["bad"] == 8 * n
     assert after["requests"] == before["requests"] and after["in_flight"] == 0
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_dead_engine_process_does_not_hold_up_the_loop(restarts):
+    # the loop read the end of the response pipe and joined the process right there
+    # (proc.join(5)): a process reaped late held every callback of the loop that long. On
+    # the CPU a killed process is reaped at once; a GPU process can take seconds (its device
+    # file is released after its pipes closed): its join returns only 1 s after the kill
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=4, loop=loop,
+                          restarts=restarts)
+        gaps: list = []
+        stop = asyncio.Event()
+
+        async def probe():
+            while not stop.is_set():
+                t = time.monotonic()
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - t)
+
+        p = asyncio.ensure_future(probe())
+        try:
+            proc, pid = e._child.proc, e.pid
+            join = proc.join
+            reaped = [float("inf")]
+
+            def late_join(timeout=None):
+                left = reaped[0] - time.monotonic()
+                if left > 0:
+                    time.sleep(left if timeout is None else min(left, timeout))
+                return join(timeout)
+
+            proc.join = late_join
+            xs = [_x(1 + k, 60 + k) for k in range(3)]
+            tasks = [asyncio.ensure_future(e.run(x)) for x in xs]
+            await asyncio.sleep(0.05)  # every request reached the engine process
+            reaped[0] = time.monotonic() + 1.0
+            os.kill(pid, signal.SIGKILL)
+            for t in tasks:
+                with pytest.raises(EngineProcessError) as info:
+                    await asyncio.wait_for(t, 10)
+                assert info.value.exitcode == -signal.SIGKILL
+            if restarts:
+                deadline = time.monotonic() + 60
+                while not (e.pid != pid and e._state == "open"):
+                    assert time.monotonic() < deadline, e._state
+                    await asyncio.sleep(0.02)
+                x = _x(4, 70)
+                _check(await e.run(x), x)  # served by the new process, read by this loop
+                assert e.stats()["process"]["restarts"] == 1
+            else:
+                while e.broken is None:
+                    await asyncio.sleep(0.01)
+                with pytest.raises(EngineProcessError, match="exit code -9"):
+                    await e.run(xs[0])
+            await asyncio.sleep(max(0.0, reaped[0] - time.monotonic()) + 0.05)
+        finally:
+            stop.set()
+            await p
+            await e.aclose()
+        assert max(gaps) < 0.5, max(gaps)
+
+    asyncio.run(main())

@@ -678,7 +678,12 @@ class ProcessEngine:
             while (rec := child.reader.pop()) is not None:
                 self._complete(rec[0], rec[1], rec[2], None)
             child.handed = True
-            self._child_gone(child)
+            # on a thread: _child_gone waits for the process to be reaped (a GPU process can
+            # take seconds after its pipes closed), which would hold up the loop
+            t = threading.Thread(target=self._child_gone, args=(child,), daemon=True,
+                                 name="orchestra-serve-process-gone")
+            child.gone_thread = t
+            t.start()
             return
         child.reader.feed(data)
         if not child.turn_pending:
@@ -712,7 +717,8 @@ class ProcessEngine:
     def _child_gone(self, child: _ChildProc) -> None:
         """``child``'s response pipe ended: it closed (close(), a restart) or died. Fail what
         is still pending; a death while serving starts a restart when one is left, else
-        breaks the engine."""
+        breaks the engine. On the reader thread, or a thread of its own with ``loop=`` (it
+        waits up to 5 s for the process to be reaped, for its exit code)."""
         child.proc.join(5)
         restart = False
         with self._lock:
@@ -912,6 +918,8 @@ class ProcessEngine:
                     log.warning("serve: closing the engine process: %s", exc2)
             if child.thread is not None:
                 child.thread.join()
+            if child.gone_thread is not None:  # the loop saw the end: its answers first
+                child.gone_thread.join()
         finally:
             self._in_views = self._out_views = []  # no view may hold the shared memory
             self._finalizer()  # joins (or ends) the process, closes connections, frees memory
@@ -1027,8 +1035,9 @@ def _set_many(items) -> None:
 class _ChildProc:
     """One engine process (spawned at once) and its connections: ``conns`` = (request pipe's
     write end, response pipe's read end, control connection), the response `RecordReader`,
-    the reader thread (or ``handed`` once the event loop stopped reading it), ``gone`` (set
-    once its responses ended and what was pending failed). ``finalizer`` closes the
+    the reader thread (or ``handed`` once the event loop stopped reading it; the thread that
+    handles the end of its responses when the loop read it), ``gone`` (set once its responses
+    ended and what was pending failed). ``finalizer`` closes the
     connections and waits for the process (ends it when it does not exit).
 
     Thread-safety: owned by its `ProcessEngine` (under its locks)."""
@@ -1047,6 +1056,7 @@ class _ChildProc:
         self.resp_fd = resp_r.fileno()
         self.reader = wire.RecordReader(wire.RESPONSE, sized=True)
         self.thread: threading.Thread | None = None
+        self.gone_thread: threading.Thread | None = None  # loop=: _child_gone's thread
         self.handed = False
         self.turn_pending = False
         self.gone = threading.Event()
