@@ -755,3 +755,70 @@ def test_a_dead_engine_process_does_not_hold_up_the_loop(restarts):
         assert max(gaps) < 0.5, max(gaps)
 
     asyncio.run(main())
+
+
+# -- timeout arguments: one check for both engines ---------------------------------------------
+
+BAD_TIMEOUTS = [pytest.param(v, err, id=repr(v)) for v, err in (
+    ("1", ServeConfigTypeError), ([1], ServeConfigTypeError), (True, ServeConfigTypeError),
+    (float("nan"), ServeConfigValueError), (-1, ServeConfigValueError),
+    (-0.5, ServeConfigValueError), (float("-inf"), ServeConfigValueError))]
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same engine as `pe`'s, in this process."""
+    e = cpu_engine()
+    yield e
+    e.close()
+
+
+def _sent(e) -> int:
+    st = e.stats()
+    if "process" in st:
+        return st["process"]["requests"]
+    return sum(b["requests"] for b in st["buckets"].values())
+
+
+@pytest.mark.parametrize("which", ["Engine", "ProcessEngine"])
+@pytest.mark.parametrize("bad, error", BAD_TIMEOUTS)
+def test_bad_timeouts_are_refused_before_anything_is_queued(which, bad, error, pe, local):
+    # Engine.submit took any timeout: a wrong one passed unnoticed while an instance was
+    # free, and raised a builtin TypeError (or waited oddly) once the queue was full
+    e = pe if which == "ProcessEngine" else local
+    x = _x(2, 31)
+    sent = _sent(e)
+    with pytest.raises(error, match=r"^timeout must be"):
+        e.submit(x, timeout=bad)
+    assert _sent(e) == sent
+    _check(e.submit(x, timeout=5).result(timeout=30), x)
+
+
+@pytest.mark.parametrize("bad, error", BAD_TIMEOUTS)
+def test_bad_submit_timeouts_are_refused_by_both_constructors(bad, error):
+    with pytest.raises(error, match=r"^submit_timeout must be"):
+        Engine(backend=NumpyBackend(_fn), inputs={"x": ((ROW,), "float32")},
+               outputs={"y": ((ROW,), "float32")}, submit_timeout=bad)
+    with pytest.raises(error, match=r"^submit_timeout must be"):
+        ProcessEngine(cpu_engine, submit_timeout=bad)
+
+
+def test_an_infinite_timeout_waits_without_a_limit():
+    # float("inf") reached Condition.wait, which raised a builtin OverflowError
+    xs = [_x(1, 40 + k) for k in range(4)]
+    e = cpu_engine(delay=0.1, queue_limit=1)  # 2 instances and 1 queued: full
+    try:
+        futs = [e.submit(x) for x in xs[:3]]
+        futs.append(e.submit(xs[3], timeout=float("inf")))  # waits for queue space
+        for f, x in zip(futs, xs):
+            _check(f.result(timeout=30), x)
+    finally:
+        e.close()
+    pe1 = ProcessEngine(cpu_engine, kwargs={"delay": 0.1}, slots=1)
+    try:
+        first = pe1.submit(xs[0])
+        second = pe1.submit(xs[1], timeout=float("inf"))  # waits for the one slot
+        _check(first.result(timeout=30), xs[0])
+        _check(second.result(timeout=30), xs[1])
+    finally:
+        pe1.close()

@@ -64,6 +64,7 @@ from orchestra.serve.errors import (
     RequestTooLarge,
     ServeConfigTypeError,
     ServeConfigValueError,
+    check_timeout,
 )
 from orchestra.serve.buckets import positive_count
 from orchestra.serve.future import ServeFuture
@@ -185,7 +186,7 @@ class ProcessEngine:
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
         completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        _check_timeout(submit_timeout, "submit_timeout")
+        submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
@@ -402,15 +403,17 @@ class ProcessEngine:
         declared dtype, ``(rows, *row_shape)``, at most ``max_rows`` rows); copied into a slot
         before this returns, so the caller may change them at once. ``out``: arrays to copy
         the outputs into instead. ``timeout``: seconds to wait for a free slot with
-        ``on_full="block"`` (default ``submit_timeout``).
+        ``on_full="block"`` (default ``submit_timeout``; None or ``inf``: no limit).
 
         A bad request returns a future already failed with `BadRequest` / `InputTypeError` /
         `RequestTooLarge`; nothing is sent. Raises `Overloaded`, `EngineClosed`,
-        `EngineProcessError`. A submitted request runs to the end (``cancel()`` returns
+        `EngineProcessError`; `ServeConfigTypeError` / `ServeConfigValueError` for a
+        ``timeout`` that is not a number, a bool, NaN or negative (as `Engine.submit`). A
+        submitted request runs to the end (``cancel()`` returns
         False)."""
         t0 = _now()
         if timeout is not ...:
-            _check_timeout(timeout, "timeout")
+            timeout = check_timeout(timeout, "timeout")
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
@@ -1014,17 +1017,6 @@ def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
             f"the slots need {nbytes / 2**20:.1f} MiB of shared memory but {where} has "
             f"{free / 2**20:.1f} MiB free; give fewer slots or a smaller max_rows, or a larger "
             f"{where} (docker run --shm-size)")
-
-
-def _check_timeout(value, what: str) -> None:
-    """None or seconds >= 0 (else the wait for a slot raised a bare TypeError)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
-                                   f"{type(value).__name__}")
-    if not value >= 0:
-        raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
 
 
 def _set_many(items) -> None:
