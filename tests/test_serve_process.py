@@ -822,3 +822,73 @@ def test_an_infinite_timeout_waits_without_a_limit():
         _check(second.result(timeout=30), xs[1])
     finally:
         pe1.close()
+
+
+# -- a forgotten loop= engine ------------------------------------------------------------------
+
+
+async def _until_exited(proc, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while proc.is_alive():
+        assert time.monotonic() < deadline, "the engine process did not exit"
+        await asyncio.sleep(0.01)
+
+
+def test_a_forgotten_loop_engine_is_collected_on_its_loop():
+    # the loop's reader callback (a bound method) held the engine: it was never collected,
+    # its engine process never ended, until close()
+    import gc
+    import weakref
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = ProcessEngine(cpu_engine, slots=2, loop=loop)
+        proc, fd, name = e._child.proc, e._child.resp_fd, e._shm.name
+        x = _x(3, 80)
+        _check(await e.run(x), x)
+        ref = weakref.ref(e)
+        del e
+        gc.collect()
+        try:
+            assert ref() is None
+            assert not loop.remove_reader(fd)  # the finalizer removed it, at once here
+            await _until_exited(proc)
+            assert _gone(name)
+        finally:
+            left = ref()
+            if left is not None:  # the failure above: leave no process behind
+                await left.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_forgotten_loop_engine_is_collected_from_another_thread():
+    import gc
+    import weakref
+
+    loop, t = _loop_in_thread()
+    try:
+        e = ProcessEngine(cpu_engine, slots=2, loop=loop)
+        proc, fd, name = e._child.proc, e._child.resp_fd, e._shm.name
+        x = _x(2, 81)
+        _check(e(x), x)  # this thread's call, answered through the loop
+        ref = weakref.ref(e)
+        del e
+        gc.collect()  # the finalizer runs here, not on the loop's thread
+        try:
+            assert ref() is None
+
+            async def reader_left():
+                return loop.remove_reader(fd)
+
+            assert not asyncio.run_coroutine_threadsafe(reader_left(), loop).result(10)
+            proc.join(10)
+            assert not proc.is_alive() and _gone(name)
+        finally:
+            left = ref()
+            if left is not None:
+                left.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()

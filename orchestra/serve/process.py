@@ -222,18 +222,19 @@ class ProcessEngine:
         self._spawn_args = (factory, tuple(args), kwargs)
         self._start_timeout = start_timeout
         # the engine process of now (a restart replaces it) and, for the finalizer, the list
-        # that holds it; a forgotten engine: its process's connections close (the child sees
-        # its control connection end, cancels and exits), the child is waited for, the shared
-        # memory unlinked
+        # that holds it; a forgotten engine (the loop's reader holds it weakly, as the reader
+        # thread does): the loop stops reading, its process's connections close (the child
+        # sees its control connection end, cancels and exits), the child is waited for, the
+        # shared memory unlinked
         child = _ChildProc(*self._spawn_args)
         self._child = child
         self._children = [child]
         self._shms: list = []
-        self._finalizer = weakref.finalize(self, _abandon, self._children, self._shms)
+        self._finalizer = weakref.finalize(self, _abandon, self._children, self._shms, loop)
         try:
             self._start(child, max_rows, slots, start_timeout)
         except BaseException:
-            self._finalizer()
+            self._end()
             raise
         self._state = "open"
         try:
@@ -642,15 +643,18 @@ class ProcessEngine:
     def _watch_on_loop(self, child: _ChildProc) -> None:
         os.set_blocking(child.resp_fd, False)
         loop: Any = self._loop
+        # the engine held weakly (a bound method would keep a forgotten engine alive as long
+        # as the loop runs): its finalizer removes the reader
+        ref = weakref.ref(self)
         if _running_loop() is loop:
-            self._loop.add_reader(child.resp_fd, self._on_readable, child)
+            self._loop.add_reader(child.resp_fd, _readable, ref, child)
             return
         done = threading.Event()
         failed: list = []
 
         def add():
             try:
-                loop.add_reader(child.resp_fd, self._on_readable, child)
+                loop.add_reader(child.resp_fd, _readable, ref, child)
             except BaseException as exc:  # noqa: BLE001 - raised in the constructor
                 failed.append(exc)
             done.set()
@@ -910,7 +914,7 @@ class ProcessEngine:
                                                  "found a slot"))
             child = self._child
             if self._loop is not None and not child.handed:
-                self._unwatch_loop(child)  # answers are read by a thread while it drains
+                _unwatch(self._loop, child)  # answers are read by a thread while it drains
                 self._start_reader_thread(child)
             with self._lock:
                 child.conns[0].close()  # the child reads every request written, then the end
@@ -925,36 +929,19 @@ class ProcessEngine:
                 child.gone_thread.join()
         finally:
             self._in_views = self._out_views = []  # no view may hold the shared memory
-            self._finalizer()  # joins (or ends) the process, closes connections, frees memory
+            self._end()  # joins (or ends) the process, closes connections, frees memory
             with self._lock:
                 self._state = "closed"
             self._closed_event.set()
 
-    def _unwatch_loop(self, child: _ChildProc) -> None:
-        """Stop reading on the loop (on the loop's thread, so that no drain of the loop runs
-        once the reader thread takes over)."""
-        loop, fd = self._loop, child.resp_fd
-        if loop.is_closed():
-            child.handed = True
-            return
-        if _running_loop() is loop or not loop.is_running():
-            loop.remove_reader(fd)
-            child.handed = True
-            return
-        done = threading.Event()
-
-        def remove():
-            loop.remove_reader(fd)
-            child.handed = True
-            done.set()
-
-        try:
-            loop.call_soon_threadsafe(remove)
-        except RuntimeError:  # closed meanwhile
-            child.handed = True
-            return
-        if not done.wait(5):  # the loop is stuck: the reader thread takes over regardless
-            child.handed = True
+    def _end(self) -> None:
+        """The finalizer, with the engine processes ended (waited for) in this thread: a
+        `close` on the loop's thread returns once they exited."""
+        for child in list(self._children):
+            if self._loop is not None and not child.handed:  # before its descriptor closes
+                _unwatch(self._loop, child)
+            child.finalizer()
+        self._finalizer()
 
     async def aclose(self, cancel: bool = False) -> None:
         """`close` from a coroutine: in the loop's default executor, the loop keeps running."""
@@ -969,6 +956,47 @@ class ProcessEngine:
     def __repr__(self) -> str:
         return (f"<ProcessEngine pid {getattr(self, 'pid', None)} {self._state}, "
                 f"{len(self._pending)} in flight>")
+
+
+def _readable(ref, child: _ChildProc) -> None:
+    """The loop's reader of ``child``'s response pipe (``loop=``)."""
+    engine = ref()
+    if engine is not None:
+        engine._on_readable(child)
+    elif not child.handed:  # collected, its finalizer's removal still on its way
+        child.handed = True
+        loop = _running_loop()
+        if loop is not None:
+            loop.remove_reader(child.resp_fd)
+
+
+def _unwatch(loop, child: _ChildProc, timeout: float = 5.0) -> None:
+    """Stop reading ``child``'s responses on ``loop``, from any thread: at once on the loop's
+    thread (or while it does not run), else in a callback on it, waited for up to ``timeout``
+    s (a stuck loop is given up on). Afterwards no drain of the loop runs for ``child``
+    (``handed``); a closed loop reads nothing any more."""
+    fd = child.resp_fd
+    if loop.is_closed():
+        child.handed = True
+        return
+    if _running_loop() is loop or not loop.is_running():
+        loop.remove_reader(fd)
+        child.handed = True
+        return
+    done = threading.Event()
+
+    def remove():
+        loop.remove_reader(fd)
+        child.handed = True
+        done.set()
+
+    try:
+        loop.call_soon_threadsafe(remove)
+    except RuntimeError:  # closed meanwhile
+        child.handed = True
+        return
+    if not done.wait(timeout):  # the loop is stuck: go on regardless
+        child.handed = True
 
 
 def _read_responses(ref, child: _ChildProc) -> None:
@@ -1102,11 +1130,22 @@ def _end_child(proc, conns) -> None:
             proc.join(5)
 
 
-def _abandon(children: list, shms: list) -> None:
-    """End every engine process (`_end_child`) and unlink the shared memory: `close`'s last
-    step, and a forgotten engine's finalizer."""
+def _abandon(children: list, shms: list, loop) -> None:
+    """Stop reading on ``loop`` (``loop=``: the reader is removed before the connections
+    close, so its descriptor cannot be reused under it), end every engine process
+    (`_end_child`) and unlink the shared memory: `close`'s last step, and a forgotten
+    engine's finalizer, which may run on any thread: on an event loop's thread the processes
+    are waited for on a thread of their own, not there."""
     for child in list(children):
-        child.finalizer()
+        if loop is not None and not child.handed:
+            _unwatch(loop, child)
+    ends = [child.finalizer for child in list(children)]
+    if ends and _running_loop() is not None:
+        threading.Thread(target=lambda: [end() for end in ends], daemon=True,
+                         name="orchestra-serve-process-end").start()
+    else:
+        for end in ends:
+            end()
     for shm in shms:
         try:
             shm.close()
