@@ -662,11 +662,11 @@ class _SwitchingCounts(dict):
         return dict.__getitem__(self, key)
 
 
-def test_counts_from_many_threads_are_exact(pe):
+def test_counts_from_many_threads_are_exact(pe, monkeypatch):
     import sys
 
     before = pe.stats()["process"]
-    pe._counts = _SwitchingCounts(pe._counts)
+    monkeypatch.setattr(pe, "_counts", _SwitchingCounts(pe._counts))
     bad = _x(2, 1).astype(np.float64)  # refused in the client: counted as bad
     n = 1000
     interval = sys.getswitchinterval()
