@@ -542,3 +542,353 @@ def test_a_sticky_error_in_the_engine_process_restarts_it():
         assert e.stats()["process"]["restarts"] == 1
     finally:
         e.close()
+
+
+# -- slots handed over between threads and loops ------------------------------------------------
+
+
+def _loop_in_thread():
+    """A new event loop running in a thread of its own: (loop, thread)."""
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    return loop, t
+
+
+def _wait_until(pred, timeout=10.0, what="the condition"):
+    t = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > t:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.002)
+
+
+def test_a_slot_handed_to_a_loop_that_closes_before_taking_it_is_not_lost():
+    # _release passed the slot to the waiter of another loop in a call_soon_threadsafe
+    # callback; the loop closed before it ran: the slot never came back (one slot fewer for
+    # good, and with slots=1 no request was ever admitted again)
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.05}, slots=2)
+    try:
+        held = [e._take_slot(None), e._take_slot(None)]  # both slots in use
+        loop, t = _loop_in_thread()
+        x = _x(1, 1)
+        waiter = asyncio.run_coroutine_threadsafe(e.run(x), loop)
+        _wait_until(lambda: len(e._aio_waiting) == 1, what="the run() awaiting a slot")
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        e._release(held.pop())  # to the waiter of the stopped loop ...
+        loop.close()  # ... which closes before it runs another callback
+        e._release(held.pop())
+        assert not waiter.done()  # its task never ran again
+        st = e.stats()["process"]
+        assert st["in_flight"] == 0 and sorted(e._free) == [0, 1]
+        # every slot serves again: two requests in flight at once, neither refused
+        e.on_full = "raise"
+        xs = [_x(3, 10), _x(5, 11)]
+        futs = [e.submit(x) for x in xs]
+        for f, x in zip(futs, xs):
+            _check(f.result(timeout=30), x)
+        assert e.stats()["process"]["overloaded"] == 0
+    finally:
+        e.close()
+
+
+def test_a_request_queued_behind_a_wake_up_lost_to_a_closed_loop_is_served():
+    # the first waiter's loop closed with its wake-up pending: the next request to come
+    # moves the queue on (the second waiter, of a live loop, takes the slot), then is served
+    e = ProcessEngine(cpu_engine, slots=1)
+    try:
+        held = e._take_slot(None)
+        dead, t_dead = _loop_in_thread()
+        live, t_live = _loop_in_thread()
+        xb, xc, xd = _x(2, 20), _x(3, 21), _x(4, 22)
+        asyncio.run_coroutine_threadsafe(e.run(xb), dead)
+        _wait_until(lambda: len(e._aio_waiting) == 1, what="the first waiter")
+        c = asyncio.run_coroutine_threadsafe(e.run(xc), live)
+        _wait_until(lambda: len(e._aio_waiting) == 2, what="the second waiter")
+        dead.call_soon_threadsafe(dead.stop)
+        t_dead.join(10)
+        e._release(held)  # the wake-up goes to the stopped loop ...
+        dead.close()  # ... and is never run
+        assert not c.done()
+
+        async def later():
+            return await e.run(xd)
+
+        _check(asyncio.run(asyncio.wait_for(later(), 30)), xd)
+        _check(c.result(timeout=30), xc)
+        assert sorted(e._free) == [0] and not e._waking and not e._aio_waiting
+        live.call_soon_threadsafe(live.stop)
+        t_live.join(10)
+        live.close()
+    finally:
+        e.close()
+
+
+def test_threads_and_tasks_of_other_loops_share_few_slots():
+    # completions free the slots on the reader thread: every asyncio waiter is woken on its
+    # own loop and may find its slot taken by a thread meanwhile (it queues again first)
+    e = ProcessEngine(cpu_engine, slots=2)
+    try:
+        def client(k):
+            if k % 2:
+                for i in range(30):
+                    x = _x(1 + (k + i) % 8, 100 * k + i)
+                    _check(e(x), x)
+                return
+
+            async def tasks():
+                xs = [_x(1 + (k + i) % 8, 100 * k + i) for i in range(30)]
+                outs = await asyncio.gather(*(e.run(x) for x in xs))
+                for o, x in zip(outs, xs):
+                    _check(o, x)
+
+            asyncio.run(tasks())
+
+        in_threads(client, 6)
+        st = e.stats()["process"]
+        assert st["in_flight"] == 0 and st["requests"] == 180
+        assert sorted(e._free) == [0, 1] and not e._waking and not e._aio_waiting
+    finally:
+        e.close()
+
+
+class _SwitchingCounts(dict):
+    """``_counts`` whose reads run Python code, so a thread switch can fall between the read
+    and the write of ``counts[k] += 1`` (CPython 3.11 switches threads only at such points;
+    a free-threaded build at any): an update outside the lock is then lost."""
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key)
+
+
+def test_counts_from_many_threads_are_exact(pe, monkeypatch):
+    import sys
+
+    before = pe.stats()["process"]
+    monkeypatch.setattr(pe, "_counts", _SwitchingCounts(pe._counts))
+    bad = _x(2, 1).astype(np.float64)  # refused in the client: counted as bad
+    n = 1000
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def client(k):
+            if k % 2:
+                for _ in range(n):
+                    assert isinstance(pe.submit(bad).exception(timeout=5), InputTypeError)
+                return
+
+            async def refused():
+                for _ in range(n):
+                    with pytest.raises(InputTypeError):
+                        await pe.run(bad)
+
+            asyncio.run(refused())
+
+        in_threads(client, 8)
+    finally:
+        sys.setswitchinterval(interval)
+    after = pe.stats()["process"]
+    assert after["bad"] - before["bad"] == 8 * n
+    assert after["requests"] == before["requests"] and after["in_flight"] == 0
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_dead_engine_process_does_not_hold_up_the_loop(restarts):
+    # the loop read the end of the response pipe and joined the process right there
+    # (proc.join(5)): a process reaped late held every callback of the loop that long. On
+    # the CPU a killed process is reaped at once; a GPU process can take seconds (its device
+    # file is released after its pipes closed): its join returns only 1 s after the kill
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=4, loop=loop,
+                          restarts=restarts)
+        gaps: list = []
+        stop = asyncio.Event()
+
+        async def probe():
+            while not stop.is_set():
+                t = time.monotonic()
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - t)
+
+        p = asyncio.ensure_future(probe())
+        try:
+            proc, pid = e._child.proc, e.pid
+            join = proc.join
+            reaped = [float("inf")]
+
+            def late_join(timeout=None):
+                left = reaped[0] - time.monotonic()
+                if left > 0:
+                    time.sleep(left if timeout is None else min(left, timeout))
+                return join(timeout)
+
+            proc.join = late_join
+            xs = [_x(1 + k, 60 + k) for k in range(3)]
+            tasks = [asyncio.ensure_future(e.run(x)) for x in xs]
+            await asyncio.sleep(0.05)  # every request reached the engine process
+            reaped[0] = time.monotonic() + 1.0
+            os.kill(pid, signal.SIGKILL)
+            for t in tasks:
+                with pytest.raises(EngineProcessError) as info:
+                    await asyncio.wait_for(t, 10)
+                assert info.value.exitcode == -signal.SIGKILL
+            if restarts:
+                deadline = time.monotonic() + 60
+                while not (e.pid != pid and e._state == "open"):
+                    assert time.monotonic() < deadline, e._state
+                    await asyncio.sleep(0.02)
+                x = _x(4, 70)
+                _check(await e.run(x), x)  # served by the new process, read by this loop
+                assert e.stats()["process"]["restarts"] == 1
+            else:
+                while e.broken is None:
+                    await asyncio.sleep(0.01)
+                with pytest.raises(EngineProcessError, match="exit code -9"):
+                    await e.run(xs[0])
+            await asyncio.sleep(max(0.0, reaped[0] - time.monotonic()) + 0.05)
+        finally:
+            stop.set()
+            await p
+            await e.aclose()
+        assert max(gaps) < 0.5, max(gaps)
+
+    asyncio.run(main())
+
+
+# -- timeout arguments: one check for both engines ---------------------------------------------
+
+BAD_TIMEOUTS = [pytest.param(v, err, id=repr(v)) for v, err in (
+    ("1", ServeConfigTypeError), ([1], ServeConfigTypeError), (True, ServeConfigTypeError),
+    (float("nan"), ServeConfigValueError), (-1, ServeConfigValueError),
+    (-0.5, ServeConfigValueError), (float("-inf"), ServeConfigValueError))]
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same engine as `pe`'s, in this process."""
+    e = cpu_engine()
+    yield e
+    e.close()
+
+
+def _sent(e) -> int:
+    st = e.stats()
+    if "process" in st:
+        return st["process"]["requests"]
+    return sum(b["requests"] for b in st["buckets"].values())
+
+
+@pytest.mark.parametrize("which", ["Engine", "ProcessEngine"])
+@pytest.mark.parametrize("bad, error", BAD_TIMEOUTS)
+def test_bad_timeouts_are_refused_before_anything_is_queued(which, bad, error, pe, local):
+    # Engine.submit took any timeout: a wrong one passed unnoticed while an instance was
+    # free, and raised a builtin TypeError (or waited oddly) once the queue was full
+    e = pe if which == "ProcessEngine" else local
+    x = _x(2, 31)
+    sent = _sent(e)
+    with pytest.raises(error, match=r"^timeout must be"):
+        e.submit(x, timeout=bad)
+    assert _sent(e) == sent
+    _check(e.submit(x, timeout=5).result(timeout=30), x)
+
+
+@pytest.mark.parametrize("bad, error", BAD_TIMEOUTS)
+def test_bad_submit_timeouts_are_refused_by_both_constructors(bad, error):
+    with pytest.raises(error, match=r"^submit_timeout must be"):
+        Engine(backend=NumpyBackend(_fn), inputs={"x": ((ROW,), "float32")},
+               outputs={"y": ((ROW,), "float32")}, submit_timeout=bad)
+    with pytest.raises(error, match=r"^submit_timeout must be"):
+        ProcessEngine(cpu_engine, submit_timeout=bad)
+
+
+def test_an_infinite_timeout_waits_without_a_limit():
+    # float("inf") reached Condition.wait, which raised a builtin OverflowError
+    xs = [_x(1, 40 + k) for k in range(4)]
+    e = cpu_engine(delay=0.1, queue_limit=1)  # 2 instances and 1 queued: full
+    try:
+        futs = [e.submit(x) for x in xs[:3]]
+        futs.append(e.submit(xs[3], timeout=float("inf")))  # waits for queue space
+        for f, x in zip(futs, xs):
+            _check(f.result(timeout=30), x)
+    finally:
+        e.close()
+    pe1 = ProcessEngine(cpu_engine, kwargs={"delay": 0.1}, slots=1)
+    try:
+        first = pe1.submit(xs[0])
+        second = pe1.submit(xs[1], timeout=float("inf"))  # waits for the one slot
+        _check(first.result(timeout=30), xs[0])
+        _check(second.result(timeout=30), xs[1])
+    finally:
+        pe1.close()
+
+
+# -- a forgotten loop= engine ------------------------------------------------------------------
+
+
+async def _until_exited(proc, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while proc.is_alive():
+        assert time.monotonic() < deadline, "the engine process did not exit"
+        await asyncio.sleep(0.01)
+
+
+def test_a_forgotten_loop_engine_is_collected_on_its_loop():
+    # the loop's reader callback (a bound method) held the engine: it was never collected,
+    # its engine process never ended, until close()
+    import gc
+    import weakref
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = ProcessEngine(cpu_engine, slots=2, loop=loop)
+        proc, fd, name = e._child.proc, e._child.resp_fd, e._shm.name
+        x = _x(3, 80)
+        _check(await e.run(x), x)
+        ref = weakref.ref(e)
+        del e
+        gc.collect()
+        try:
+            assert ref() is None
+            assert not loop.remove_reader(fd)  # the finalizer removed it, at once here
+            await _until_exited(proc)
+            assert _gone(name)
+        finally:
+            left = ref()
+            if left is not None:  # the failure above: leave no process behind
+                await left.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_forgotten_loop_engine_is_collected_from_another_thread():
+    import gc
+    import weakref
+
+    loop, t = _loop_in_thread()
+    try:
+        e = ProcessEngine(cpu_engine, slots=2, loop=loop)
+        proc, fd, name = e._child.proc, e._child.resp_fd, e._shm.name
+        x = _x(2, 81)
+        _check(e(x), x)  # this thread's call, answered through the loop
+        ref = weakref.ref(e)
+        del e
+        gc.collect()  # the finalizer runs here, not on the loop's thread
+        try:
+            assert ref() is None
+
+            async def reader_left():
+                return loop.remove_reader(fd)
+
+            assert not asyncio.run_coroutine_threadsafe(reader_left(), loop).result(10)
+            proc.join(10)
+            assert not proc.is_alive() and _gone(name)
+        finally:
+            left = ref()
+            if left is not None:
+                left.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()

@@ -67,6 +67,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
     StopIterationRaised,
+    check_timeout,
 )
 from orchestra.serve.future import ServeFuture
 from orchestra.serve.stats import BucketStats, percentiles
@@ -219,7 +220,8 @@ class Engine:
         instances: instances per bucket (K): how many requests of one bucket run at once.
         queue_limit: requests that may wait for an instance (or for the dispatcher) at once.
         on_full: ``"block"`` (default: ``submit`` waits up to ``submit_timeout`` seconds,
-            None: forever, then raises `Overloaded`) or ``"raise"`` (`Overloaded` at once).
+            None or ``inf``: forever, then raises `Overloaded`) or ``"raise"`` (`Overloaded`
+            at once). ``submit_timeout`` is checked as ``submit``'s ``timeout`` is.
         batching: None (default: one request per launch), a `Batching`, or True (its
             defaults). Requires a kernel that works row by row.
         split: allow requests above the largest bucket: they run as chunks of the largest
@@ -261,6 +263,7 @@ class Engine:
             raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
         if on_full not in ("block", "raise"):
             raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
+        submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
@@ -430,14 +433,16 @@ class Engine:
                 bucket exactly and runs alone; the arrays must then stay unchanged and alive
                 until the future is done.
             timeout: seconds to wait for queue space with ``on_full="block"`` (default: the
-                engine's ``submit_timeout``).
+                engine's ``submit_timeout``; None or ``inf``: no limit).
 
         A bad request returns a future already failed with `BadRequest` / `InputTypeError` /
         `RequestTooLarge` (or `PageableMemoryError` for ``pinned=True``); nothing is enqueued.
-        Raises `Overloaded` (queue full), `EngineBroken` (a sticky CUDA error), `EngineClosed`.
+        Raises `Overloaded` (queue full), `EngineBroken` (a sticky CUDA error), `EngineClosed`;
+        `ServeConfigTypeError` / `ServeConfigValueError` for a ``timeout`` that is not a
+        number, a bool, NaN or negative (before anything is checked or queued).
         """
-        return self._submit(inputs, out, pinned, self.submit_timeout if timeout is ... else
-                            timeout, self.on_full == "block", False)
+        timeout = self.submit_timeout if timeout is ... else check_timeout(timeout, "timeout")
+        return self._submit(inputs, out, pinned, timeout, self.on_full == "block", False)
 
     def __call__(self, inputs, *, out=None, pinned: bool = False):
         """Run one request and wait for it in this thread: the lowest-latency path. Without

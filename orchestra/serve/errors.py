@@ -7,6 +7,9 @@ are raised by ``submit`` itself: the engine refuses the work.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from orchestra.errors import ClosedError, OrchestraError, StateError
 
 
@@ -120,6 +123,23 @@ class EngineProcessError(ServeError, StateError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.exitcode))
+
+
+def check_timeout(value, what: str) -> float | None:
+    """A timeout argument of `Engine` and `ProcessEngine` (``what`` names it in the message):
+    None or seconds >= 0 (a real number: numpy's too, not a bool), returned as a float, or None
+    for ``inf`` (no limit: ``Condition.wait`` would raise ``OverflowError``). Raises
+    `ServeConfigTypeError` for another kind of value and `ServeConfigValueError` for a
+    negative one or NaN (the wait it bounds would raise a builtin error, or never end)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
+                                   f"{type(value).__name__}")
+    seconds = float(value)
+    if not seconds >= 0:
+        raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
+    return None if math.isinf(seconds) else seconds
 
 
 __all__ = ["BadRequest", "EngineBroken", "EngineClosed", "EngineProcessError", "FutureStateError",

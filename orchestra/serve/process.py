@@ -64,6 +64,7 @@ from orchestra.serve.errors import (
     RequestTooLarge,
     ServeConfigTypeError,
     ServeConfigValueError,
+    check_timeout,
 )
 from orchestra.serve.buckets import positive_count
 from orchestra.serve.future import ServeFuture
@@ -185,7 +186,7 @@ class ProcessEngine:
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
         completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        _check_timeout(submit_timeout, "submit_timeout")
+        submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
@@ -199,6 +200,9 @@ class ProcessEngine:
         self._space = threading.Condition(self._lock)
         self._space_waiting = 0
         self._aio_waiting: collections.deque = collections.deque()  # (loop, future) for a slot
+        # {future: its loop}: waiters of other loops woken (`_wake` sent) but not yet run; the
+        # free slots they will take stay in the pool meanwhile
+        self._waking: dict = {}
         self._ctl_lock = threading.Lock()
         self._pending: dict[int, _Entry] = {}
         self._ids = itertools.count(1)
@@ -218,18 +222,19 @@ class ProcessEngine:
         self._spawn_args = (factory, tuple(args), kwargs)
         self._start_timeout = start_timeout
         # the engine process of now (a restart replaces it) and, for the finalizer, the list
-        # that holds it; a forgotten engine: its process's connections close (the child sees
-        # its control connection end, cancels and exits), the child is waited for, the shared
-        # memory unlinked
+        # that holds it; a forgotten engine (the loop's reader holds it weakly, as the reader
+        # thread does): the loop stops reading, its process's connections close (the child
+        # sees its control connection end, cancels and exits), the child is waited for, the
+        # shared memory unlinked
         child = _ChildProc(*self._spawn_args)
         self._child = child
         self._children = [child]
         self._shms: list = []
-        self._finalizer = weakref.finalize(self, _abandon, self._children, self._shms)
+        self._finalizer = weakref.finalize(self, _abandon, self._children, self._shms, loop)
         try:
             self._start(child, max_rows, slots, start_timeout)
         except BaseException:
-            self._finalizer()
+            self._end()
             raise
         self._state = "open"
         try:
@@ -319,6 +324,12 @@ class ProcessEngine:
         outs = check_out(self._outputs, out, rows) if out is not None else None
         return arrays, rows, outs
 
+    def _count(self, what: str) -> None:
+        # under the lock: the threads and loops that count at once lose no update (a
+        # read-modify-write of the dict is not atomic)
+        with self._lock:
+            self._counts[what] += 1
+
     def _check_open(self) -> None:
         """Under the lock: raise unless new requests may start."""
         if self._broken is not None:
@@ -393,19 +404,21 @@ class ProcessEngine:
         declared dtype, ``(rows, *row_shape)``, at most ``max_rows`` rows); copied into a slot
         before this returns, so the caller may change them at once. ``out``: arrays to copy
         the outputs into instead. ``timeout``: seconds to wait for a free slot with
-        ``on_full="block"`` (default ``submit_timeout``).
+        ``on_full="block"`` (default ``submit_timeout``; None or ``inf``: no limit).
 
         A bad request returns a future already failed with `BadRequest` / `InputTypeError` /
         `RequestTooLarge`; nothing is sent. Raises `Overloaded`, `EngineClosed`,
-        `EngineProcessError`. A submitted request runs to the end (``cancel()`` returns
+        `EngineProcessError`; `ServeConfigTypeError` / `ServeConfigValueError` for a
+        ``timeout`` that is not a number, a bool, NaN or negative (as `Engine.submit`). A
+        submitted request runs to the end (``cancel()`` returns
         False)."""
         t0 = _now()
         if timeout is not ...:
-            _check_timeout(timeout, "timeout")
+            timeout = check_timeout(timeout, "timeout")
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError as exc:
-            self._counts["bad"] += 1
+            self._count("bad")
             fut = ServeFuture()
             fut.set_exception(exc)
             return fut
@@ -439,8 +452,9 @@ class ProcessEngine:
         try:
             arrays, rows, outs = self._check(inputs, out)
         except OrchestraError:
-            self._counts["bad"] += 1
+            self._count("bad")
             raise
+        stranded = False
         with self._lock:
             self._check_open()
             slot = self._free.pop() if self._free and not self._aio_waiting else None
@@ -449,53 +463,99 @@ class ProcessEngine:
                     raise self._full()
                 wait = loop.create_future()
                 self._aio_waiting.append((loop, wait))
+                # free slots but a queue: a wake-up that a closed loop will never run left a
+                # slot spare: the queue moves on now, not at the next release
+                stranded = bool(self._free) and self._spare() > 0
         if slot is None:
+            if stranded:
+                self._release(None)
             try:
                 slot = await wait
             except asyncio.CancelledError:
-                if wait.done() and not wait.cancelled():  # handed a slot as it was cancelled
-                    self._release(wait.result())
+                if wait.done() and not wait.cancelled() and wait.exception() is None:
+                    self._release(wait.result())  # handed a slot as it was cancelled
                 raise
         fut = loop.create_future()
         self._send(arrays, _Entry(fut, loop, outs, t0, slot, rows))
         try:
             return await fut
         except asyncio.CancelledError:
-            self._counts["cancelled"] += 1
+            self._count("cancelled")
             raise
 
     # -- slots ------------------------------------------------------------------------------
 
-    def _release(self, slot: int) -> None:
-        """A slot is free: to the first asyncio request awaiting one, else to the pool."""
+    def _release(self, slot: int | None) -> None:
+        """``slot`` is free (None: only look for a free slot no woken request is on its way
+        to take): back to the pool, and the first asyncio request awaiting a slot is handed
+        one at once when it awaits on this thread's running loop, else woken on its own loop
+        to take one there (`_wake`). With no asyncio request waiting, a thread waiting in
+        `submit` is woken.
+
+        The slot stays in the pool until the woken request takes it: a loop that stops or
+        closes before it runs the wake-up loses no slot (it went with the slot before), and
+        a request that comes meanwhile may take it (the woken one then queues again first).
+        """
+        here = _running_loop()
         while True:
             with self._lock:
-                while self._aio_waiting:
-                    loop, wait = self._aio_waiting.popleft()
-                    if not wait.done():
-                        break
-                else:
+                if slot is not None:
                     self._free.append(slot)
-                    if self._space_waiting:
+                    slot = None
+                target = None
+                while self._aio_waiting and self._spare() > 0:
+                    loop, wait = self._aio_waiting.popleft()
+                    if wait.done():  # its task was cancelled
+                        continue
+                    if loop is here:
+                        wait.set_result(self._free.pop())
+                        continue
+                    self._waking[wait] = loop
+                    target = (loop, wait)
+                    break
+                else:
+                    if not self._aio_waiting and self._space_waiting and self._spare() > 0:
                         self._space.notify()
                     return
-            if _running_loop() is loop:
-                if not wait.done():
-                    wait.set_result(slot)
-                    return
-                continue
+                more = bool(self._aio_waiting) and len(self._free) > len(self._waking)
+            loop, wait = target
             try:
-                loop.call_soon_threadsafe(self._give, wait, slot)
-                return
-            except RuntimeError:  # that loop is closed: the next waiter, or the pool
+                loop.call_soon_threadsafe(self._wake, wait)
+            except RuntimeError:  # that loop is closed: the next waiter
+                with self._lock:
+                    self._waking.pop(wait, None)
                 continue
+            if not more:
+                return
 
-    def _give(self, wait, slot: int) -> None:
-        """On the waiter's loop: hand it the slot, or release it again when it gave up."""
-        if wait.done():
-            self._release(slot)
-        else:
-            wait.set_result(slot)
+    def _spare(self) -> int:
+        """Under the lock: free slots that no woken request is on its way to take. A wake-up
+        sent to a loop that closed since can never run: it no longer counts (checked only
+        when no slot seems spare, so a release costs no scan)."""
+        n = len(self._free) - len(self._waking)
+        if n <= 0 and self._free and self._waking:
+            for wait, loop in list(self._waking.items()):
+                if loop.is_closed():
+                    del self._waking[wait]
+            n = len(self._free) - len(self._waking)
+        return n
+
+    def _wake(self, wait) -> None:
+        """On the waiter's loop, woken by `_release`: take a free slot; when a request that
+        came meanwhile took it, queue again at the head; a waiter whose task was cancelled
+        passes the wake-up on."""
+        with self._lock:
+            self._waking.pop(wait, None)
+            if not wait.done():
+                if self._free:
+                    wait.set_result(self._free.pop())
+                elif self._state in ("open", "restarting") and self._broken is None:
+                    self._aio_waiting.appendleft((wait.get_loop(), wait))
+                else:  # _fail_slot_waiters ran while it was woken
+                    wait.set_exception(self._broken or EngineClosed(
+                        "the ProcessEngine closed before the request found a slot"))
+                return
+        self._release(None)
 
     # -- completions ------------------------------------------------------------------------
 
@@ -505,6 +565,8 @@ class ProcessEngine:
         ``batch`` per loop)."""
         with self._lock:
             entry = self._pending.pop(rid, None)
+            if err and entry is not None:
+                self._counts["failed"] += 1
         if entry is None:
             log.error("serve: the engine process answered request %d, which is not pending",
                       rid)
@@ -514,7 +576,6 @@ class ProcessEngine:
         result: Any = None
         if err:
             exc = wire.decode_error(err)
-            self._counts["failed"] += 1
             if self.restarts and _breaks_engine(exc):
                 self._begin_restart(exc)
         elif not fut.done():  # a cancelled task's outputs are not copied
@@ -582,15 +643,18 @@ class ProcessEngine:
     def _watch_on_loop(self, child: _ChildProc) -> None:
         os.set_blocking(child.resp_fd, False)
         loop: Any = self._loop
+        # the engine held weakly (a bound method would keep a forgotten engine alive as long
+        # as the loop runs): its finalizer removes the reader
+        ref = weakref.ref(self)
         if _running_loop() is loop:
-            self._loop.add_reader(child.resp_fd, self._on_readable, child)
+            self._loop.add_reader(child.resp_fd, _readable, ref, child)
             return
         done = threading.Event()
         failed: list = []
 
         def add():
             try:
-                loop.add_reader(child.resp_fd, self._on_readable, child)
+                loop.add_reader(child.resp_fd, _readable, ref, child)
             except BaseException as exc:  # noqa: BLE001 - raised in the constructor
                 failed.append(exc)
             done.set()
@@ -621,7 +685,12 @@ class ProcessEngine:
             while (rec := child.reader.pop()) is not None:
                 self._complete(rec[0], rec[1], rec[2], None)
             child.handed = True
-            self._child_gone(child)
+            # on a thread: _child_gone waits for the process to be reaped (a GPU process can
+            # take seconds after its pipes closed), which would hold up the loop
+            t = threading.Thread(target=self._child_gone, args=(child,), daemon=True,
+                                 name="orchestra-serve-process-gone")
+            child.gone_thread = t
+            t.start()
             return
         child.reader.feed(data)
         if not child.turn_pending:
@@ -655,7 +724,8 @@ class ProcessEngine:
     def _child_gone(self, child: _ChildProc) -> None:
         """``child``'s response pipe ended: it closed (close(), a restart) or died. Fail what
         is still pending; a death while serving starts a restart when one is left, else
-        breaks the engine."""
+        breaks the engine. On the reader thread, or a thread of its own with ``loop=`` (it
+        waits up to 5 s for the process to be reaped, for its exit code)."""
         child.proc.join(5)
         restart = False
         with self._lock:
@@ -680,10 +750,10 @@ class ProcessEngine:
                     f"{child.proc.exitcode})", child.proc.exitcode)
             pending = list(self._pending.values())
             self._pending.clear()
+            self._counts["failed"] += len(pending)
             self._space.notify_all()
         batch: dict = {}
         for e in pending:
-            self._counts["failed"] += 1
             if e.loop is None:
                 e.fut.set_exception(exc)
             else:
@@ -844,7 +914,7 @@ class ProcessEngine:
                                                  "found a slot"))
             child = self._child
             if self._loop is not None and not child.handed:
-                self._unwatch_loop(child)  # answers are read by a thread while it drains
+                _unwatch(self._loop, child)  # answers are read by a thread while it drains
                 self._start_reader_thread(child)
             with self._lock:
                 child.conns[0].close()  # the child reads every request written, then the end
@@ -855,38 +925,23 @@ class ProcessEngine:
                     log.warning("serve: closing the engine process: %s", exc2)
             if child.thread is not None:
                 child.thread.join()
+            if child.gone_thread is not None:  # the loop saw the end: its answers first
+                child.gone_thread.join()
         finally:
             self._in_views = self._out_views = []  # no view may hold the shared memory
-            self._finalizer()  # joins (or ends) the process, closes connections, frees memory
+            self._end()  # joins (or ends) the process, closes connections, frees memory
             with self._lock:
                 self._state = "closed"
             self._closed_event.set()
 
-    def _unwatch_loop(self, child: _ChildProc) -> None:
-        """Stop reading on the loop (on the loop's thread, so that no drain of the loop runs
-        once the reader thread takes over)."""
-        loop, fd = self._loop, child.resp_fd
-        if loop.is_closed():
-            child.handed = True
-            return
-        if _running_loop() is loop or not loop.is_running():
-            loop.remove_reader(fd)
-            child.handed = True
-            return
-        done = threading.Event()
-
-        def remove():
-            loop.remove_reader(fd)
-            child.handed = True
-            done.set()
-
-        try:
-            loop.call_soon_threadsafe(remove)
-        except RuntimeError:  # closed meanwhile
-            child.handed = True
-            return
-        if not done.wait(5):  # the loop is stuck: the reader thread takes over regardless
-            child.handed = True
+    def _end(self) -> None:
+        """The finalizer, with the engine processes ended (waited for) in this thread: a
+        `close` on the loop's thread returns once they exited."""
+        for child in list(self._children):
+            if self._loop is not None and not child.handed:  # before its descriptor closes
+                _unwatch(self._loop, child)
+            child.finalizer()
+        self._finalizer()
 
     async def aclose(self, cancel: bool = False) -> None:
         """`close` from a coroutine: in the loop's default executor, the loop keeps running."""
@@ -901,6 +956,47 @@ class ProcessEngine:
     def __repr__(self) -> str:
         return (f"<ProcessEngine pid {getattr(self, 'pid', None)} {self._state}, "
                 f"{len(self._pending)} in flight>")
+
+
+def _readable(ref, child: _ChildProc) -> None:
+    """The loop's reader of ``child``'s response pipe (``loop=``)."""
+    engine = ref()
+    if engine is not None:
+        engine._on_readable(child)
+    elif not child.handed:  # collected, its finalizer's removal still on its way
+        child.handed = True
+        loop = _running_loop()
+        if loop is not None:
+            loop.remove_reader(child.resp_fd)
+
+
+def _unwatch(loop, child: _ChildProc, timeout: float = 5.0) -> None:
+    """Stop reading ``child``'s responses on ``loop``, from any thread: at once on the loop's
+    thread (or while it does not run), else in a callback on it, waited for up to ``timeout``
+    s (a stuck loop is given up on). Afterwards no drain of the loop runs for ``child``
+    (``handed``); a closed loop reads nothing any more."""
+    fd = child.resp_fd
+    if loop.is_closed():
+        child.handed = True
+        return
+    if _running_loop() is loop or not loop.is_running():
+        loop.remove_reader(fd)
+        child.handed = True
+        return
+    done = threading.Event()
+
+    def remove():
+        loop.remove_reader(fd)
+        child.handed = True
+        done.set()
+
+    try:
+        loop.call_soon_threadsafe(remove)
+    except RuntimeError:  # closed meanwhile
+        child.handed = True
+        return
+    if not done.wait(timeout):  # the loop is stuck: go on regardless
+        child.handed = True
 
 
 def _read_responses(ref, child: _ChildProc) -> None:
@@ -951,17 +1047,6 @@ def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
             f"{where} (docker run --shm-size)")
 
 
-def _check_timeout(value, what: str) -> None:
-    """None or seconds >= 0 (else the wait for a slot raised a bare TypeError)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
-                                   f"{type(value).__name__}")
-    if not value >= 0:
-        raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
-
-
 def _set_many(items) -> None:
     for fut, result, exc in items:
         _set_aio(fut, result, exc)
@@ -970,8 +1055,9 @@ def _set_many(items) -> None:
 class _ChildProc:
     """One engine process (spawned at once) and its connections: ``conns`` = (request pipe's
     write end, response pipe's read end, control connection), the response `RecordReader`,
-    the reader thread (or ``handed`` once the event loop stopped reading it), ``gone`` (set
-    once its responses ended and what was pending failed). ``finalizer`` closes the
+    the reader thread (or ``handed`` once the event loop stopped reading it; the thread that
+    handles the end of its responses when the loop read it), ``gone`` (set once its responses
+    ended and what was pending failed). ``finalizer`` closes the
     connections and waits for the process (ends it when it does not exit).
 
     Thread-safety: owned by its `ProcessEngine` (under its locks)."""
@@ -990,6 +1076,7 @@ class _ChildProc:
         self.resp_fd = resp_r.fileno()
         self.reader = wire.RecordReader(wire.RESPONSE, sized=True)
         self.thread: threading.Thread | None = None
+        self.gone_thread: threading.Thread | None = None  # loop=: _child_gone's thread
         self.handed = False
         self.turn_pending = False
         self.gone = threading.Event()
@@ -1043,11 +1130,22 @@ def _end_child(proc, conns) -> None:
             proc.join(5)
 
 
-def _abandon(children: list, shms: list) -> None:
-    """End every engine process (`_end_child`) and unlink the shared memory: `close`'s last
-    step, and a forgotten engine's finalizer."""
+def _abandon(children: list, shms: list, loop) -> None:
+    """Stop reading on ``loop`` (``loop=``: the reader is removed before the connections
+    close, so its descriptor cannot be reused under it), end every engine process
+    (`_end_child`) and unlink the shared memory: `close`'s last step, and a forgotten
+    engine's finalizer, which may run on any thread: on an event loop's thread the processes
+    are waited for on a thread of their own, not there."""
     for child in list(children):
-        child.finalizer()
+        if loop is not None and not child.handed:
+            _unwatch(loop, child)
+    ends = [child.finalizer for child in list(children)]
+    if ends and _running_loop() is not None:
+        threading.Thread(target=lambda: [end() for end in ends], daemon=True,
+                         name="orchestra-serve-process-end").start()
+    else:
+        for end in ends:
+            end()
     for shm in shms:
         try:
             shm.close()
