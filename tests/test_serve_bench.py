@@ -239,3 +239,9 @@ def test_completions_per_turn_reaches_the_engine(process):
     assert o.engine.completions_per_turn == 3
     with open_engine(Workload("4K", pool=2), o.engine, process=process) as e:
         assert e.completions_per_turn == 3
+    # without the option each engine keeps its own default: 16 in process, 4 for an engine
+    # process (whose loop copies every output out of its slot)
+    o = options(build_parser().parse_args(["bench", "serve", "--cpu", "--mode", "asyncio"]))
+    assert o.engine.completions_per_turn is None
+    with open_engine(Workload("4K", pool=2), o.engine, process=process) as e:
+        assert e.completions_per_turn == (4 if process else 16)

@@ -226,8 +226,9 @@ class EngineConfig:
     device: int = 0
     max_batch: int | None = None
     max_delay_us: float = 200.0
-    # asyncio: awaited requests one loop iteration resolves at most (both engines' option)
-    completions_per_turn: int = 16
+    # asyncio: awaited requests one loop iteration resolves at most (both engines' option;
+    # None: each engine's own default, 16 for Engine and 4 for ProcessEngine)
+    completions_per_turn: int | None = None
     backend_factory: Callable | None = None  # tests: a CPU backend instead of CUDA
 
 
@@ -250,9 +251,10 @@ def make_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
     out = {"y": ((w.row_floats,), "float32")}
     kw: dict[str, Any] = dict(inputs=spec, outputs=out, buckets="pow2", max_rows=top,
               instances=instances or cfg.instances, dispatch=dispatch, queue_limit=4096,
-              completions_per_turn=cfg.completions_per_turn,
               batching=Batching(max_batch=max_batch, max_delay_us=cfg.max_delay_us)
               if batching else None)
+    if cfg.completions_per_turn is not None:
+        kw["completions_per_turn"] = cfg.completions_per_turn
     if cfg.backend_factory is not None:
         return Engine(backend=cfg.backend_factory(w), **kw)
     build = functools.partial(demo_graph, iters=w.iters, s=S, t=T, memory=cfg.memory,
@@ -270,10 +272,11 @@ def open_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
         return make_engine(w, cfg, batching=batching, dispatch=dispatch, instances=instances)
     from orchestra.serve.process import ProcessEngine
 
+    per_turn = ({} if cfg.completions_per_turn is None
+                else {"completions_per_turn": cfg.completions_per_turn})
     return ProcessEngine(make_engine, (w, cfg), dict(batching=batching, dispatch=dispatch,
                                                      instances=instances),
-                         slots=slots, max_rows=w.max_rows, loop=loop,
-                         completions_per_turn=cfg.completions_per_turn)
+                         slots=slots, max_rows=w.max_rows, loop=loop, **per_turn)
 
 
 def _warm(engine: Engine) -> dict:

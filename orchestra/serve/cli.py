@@ -73,10 +73,11 @@ def register(bsub) -> None:
                         "automatic collector)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
-    p.add_argument("--completions-per-turn", type=int, default=16, metavar="N",
+    p.add_argument("--completions-per-turn", type=int, default=None, metavar="N",
                    help="asyncio: awaited requests the engine resolves per event-loop "
-                        "iteration at most (default 16; fewer: shorter iterations, so less "
-                        "lag, for a little more loop overhead per request)")
+                        "iteration at most (default: the engine's own, 16 in process and 4 "
+                        "with --process; fewer: shorter iterations, so less lag, for a little "
+                        "more loop overhead per request)")
     p.add_argument("--process", action="store_true",
                    help="closed, asyncio: run the engine in a process of its own "
                         "(orchestra.serve.ProcessEngine: requests through shared memory; with "
@@ -97,10 +98,10 @@ def _check_numbers(args) -> None:
     from orchestra.errors import BenchConfigError
     from orchestra.serve.bench import parse_mix
 
-    for name in ("threads", "window", "tasks", "instances", "iters", "completions_per_turn"):
+    for name in ("threads", "window", "tasks", "instances", "iters"):
         if getattr(args, name) < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("requests", "max_batch"):
+    for name in ("requests", "max_batch", "completions_per_turn"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -128,7 +128,12 @@ class ProcessEngine:
             only the loop can deliver their answer (`CallOrderError`). Default None: a
             reader thread.
         completions_per_turn: with ``loop=``: requests resolved per loop iteration at most
-            (default 16; a drain also stops after 0.25 ms).
+            (default 4; a drain also stops after 0.25 ms). Here the loop itself copies each
+            output out of its slot and resumes the awaiting task, so a request costs the loop
+            some 50-80 µs: 16 per iteration measured a lag maximum of 2.0-3.2 ms from 1,000
+            tasks, 4 of 0.9-2.0 ms for 0-5% fewer requests per second (H200 host,
+            docs/serving.md). An in-process `Engine` keeps 16: its loop does less per
+            request.
         zero_copy: True: the engine process page-locks the shared memory and submits the
             slots with ``pinned=True``, so a request that fills its bucket is read in place (a
             rebinding of the instance's graph per request). Default False: its instances copy
@@ -153,7 +158,7 @@ class ProcessEngine:
                  slots: int = 64, max_rows: int | None = None, on_full: str = "block",
                  submit_timeout: float | None = None, start_timeout: float = 120.0,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 completions_per_turn: int = 16, zero_copy: bool = False, restarts: int = 0):
+                 completions_per_turn: int = 4, zero_copy: bool = False, restarts: int = 0):
         # every argument checked before dict() / tuple() / int() could raise a builtin error
         if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
             raise ServeConfigTypeError(f"kwargs must be a mapping (the factory's keyword "
