@@ -272,8 +272,8 @@ def open_engine(w: Workload, cfg: EngineConfig, *, batching: bool = False,
         return make_engine(w, cfg, batching=batching, dispatch=dispatch, instances=instances)
     from orchestra.serve.process import ProcessEngine
 
-    per_turn = ({} if cfg.completions_per_turn is None
-                else {"completions_per_turn": cfg.completions_per_turn})
+    per_turn: dict[str, Any] = ({} if cfg.completions_per_turn is None
+                                  else {"completions_per_turn": cfg.completions_per_turn})
     return ProcessEngine(make_engine, (w, cfg), dict(batching=batching, dispatch=dispatch,
                                                      instances=instances),
                          slots=slots, max_rows=w.max_rows, loop=loop, **per_turn)
