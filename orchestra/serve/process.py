@@ -132,7 +132,7 @@ class ProcessEngine:
             output out of its slot and resumes the awaiting task, so a request costs the loop
             some 50-80 µs: 16 per iteration measured a lag maximum of 2.0-3.2 ms from 1,000
             tasks, 4 of 0.9-2.0 ms for 0-5% fewer requests per second (H200 host,
-            docs/serving.md). An in-process `Engine` keeps 16: its loop does less per
+            benchmarks/RESULTS.md, 2026-12-03). An in-process `Engine` keeps 16: its loop does less per
             request.
         zero_copy: True: the engine process page-locks the shared memory and submits the
             slots with ``pinned=True``, so a request that fills its bucket is read in place (a
