@@ -65,7 +65,7 @@ def interleaved_batches(loops, launches: int, repeats: int, stream) -> dict:
 
 def paired(per: dict, fn, base) -> tuple[float, float, float]:
     """Median and interquartile range (µs) of ``fn``'s per-turn time minus ``base``'s."""
-    d = sorted(a - b for a, b in zip(per[fn], per[base]))
+    d = [a - b for a, b in zip(per[fn], per[base])]
     q = statistics.quantiles(d, n=4)
     return statistics.median(d), q[0], q[2]
 

@@ -130,10 +130,12 @@ class ProcessEngine:
         completions_per_turn: with ``loop=``: requests resolved per loop iteration at most
             (default 4; a drain also stops after 0.25 ms). Here the loop itself copies each
             output out of its slot and resumes the awaiting task, so a request costs the loop
-            some 50-80 µs: 16 per iteration measured a lag maximum of 2.0-3.2 ms from 1,000
-            tasks, 4 of 0.9-2.0 ms for 0-5% fewer requests per second (H200 host,
-            benchmarks/RESULTS.md, 2026-12-03). An in-process `Engine` keeps 16: its loop does less per
-            request.
+            some 50-80 µs: from 1,000 tasks, 16 per iteration measured a lag maximum of
+            2.0-3.2 ms and 4 one of 0.9-2.0 ms in the same runs, for 0-5% fewer requests per
+            second (on another machine start 4 gave 1.2-3.6 ms, once 9.7 ms with the loop
+            saturated: a 1 ms bound is not kept on every run; H200 host,
+            benchmarks/RESULTS.md, 2026-12-03). An in-process `Engine`
+            keeps 16: its loop does less per request.
         zero_copy: True: the engine process page-locks the shared memory and submits the
             slots with ``pinned=True``, so a request that fills its bucket is read in place (a
             rebinding of the instance's graph per request). Default False: its instances copy
