@@ -803,6 +803,33 @@ def test_bad_submit_timeouts_are_refused_by_both_constructors(bad, error):
         ProcessEngine(cpu_engine, submit_timeout=bad)
 
 
+@pytest.mark.parametrize("which", ["Engine", "ProcessEngine"])
+def test_settings_changed_while_serving_are_checked_and_followed(which, pe, local):
+    # on_full and submit_timeout were plain attributes: a wrong value set after construction
+    # passed unnoticed and surfaced as a builtin error (or an odd wait) once the engine filled
+    e = pe if which == "ProcessEngine" else local
+    assert (e.on_full, e.submit_timeout) == ("block", None)
+    for param in BAD_TIMEOUTS:
+        bad, error = param.values
+        with pytest.raises(error, match=r"^submit_timeout must be"):
+            e.submit_timeout = bad
+    for bad in ("Block", "drop", None, 1):
+        with pytest.raises(ServeConfigValueError, match=r"^on_full must be 'block' or 'raise'"):
+            e.on_full = bad
+    assert (e.on_full, e.submit_timeout) == ("block", None)  # nothing changed
+    try:
+        e.submit_timeout = np.float32(2.5)
+        assert e.submit_timeout == 2.5 and type(e.submit_timeout) is float
+        e.submit_timeout = float("inf")
+        assert e.submit_timeout is None  # inf: no limit, as in the constructor
+        e.on_full = "raise"
+        assert e.on_full == "raise"
+        x = _x(2, 33)
+        _check(e.submit(x).result(timeout=30), x)  # still serving
+    finally:
+        e.on_full, e.submit_timeout = "block", None
+
+
 def test_an_infinite_timeout_waits_without_a_limit():
     # float("inf") reached Condition.wait, which raised a builtin OverflowError
     xs = [_x(1, 40 + k) for k in range(4)]

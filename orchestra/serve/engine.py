@@ -67,6 +67,7 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
     StopIterationRaised,
+    check_on_full,
     check_timeout,
 )
 from orchestra.serve.future import ServeFuture
@@ -261,9 +262,8 @@ class Engine:
             raise ServeConfigValueError(f"instances must be >= 1; got {instances}")
         if queue_limit < 1:
             raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
-        if on_full not in ("block", "raise"):
-            raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
-        submit_timeout = check_timeout(submit_timeout, "submit_timeout")
+        self._block = check_on_full(on_full) == "block"
+        self._submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
@@ -290,8 +290,6 @@ class Engine:
         self.batching = batching
         self.instances = int(instances)
         self.queue_limit = int(queue_limit)
-        self.on_full = on_full
-        self.submit_timeout = submit_timeout
         self.split = bool(split)
         self.dispatch = dispatch
         # one FIFO of requests (the batcher thread and, with dispatch "caller", the submitting
@@ -414,6 +412,30 @@ class Engine:
 
     # -- submitting -------------------------------------------------------------------------
 
+    # on_full and submit_timeout may change while the engine serves (a server tightening its
+    # admission under load); the hot paths read the checked private values
+    @property
+    def on_full(self) -> str:
+        """``"block"`` or ``"raise"``: what a request that finds the engine full does (see the
+        constructor). May be set at any time, from any thread: the next request follows it;
+        another value raises `ServeConfigValueError` and changes nothing."""
+        return "block" if self._block else "raise"
+
+    @on_full.setter
+    def on_full(self, value) -> None:
+        self._block = check_on_full(value) == "block"
+
+    @property
+    def submit_timeout(self) -> float | None:
+        """Seconds a blocking request waits for room (None: no limit). May be set at any time,
+        checked as the constructor's argument (`ServeConfigTypeError` /
+        `ServeConfigValueError`, nothing changed)."""
+        return self._submit_timeout
+
+    @submit_timeout.setter
+    def submit_timeout(self, value) -> None:
+        self._submit_timeout = check_timeout(value, "submit_timeout")
+
     def submit(self, inputs, *, out=None, pinned: bool = False,
                timeout: Any = ...) -> ServeFuture:
         """Submit one request; returns its `ServeFuture` (the outputs: one array for a
@@ -441,8 +463,8 @@ class Engine:
         `ServeConfigTypeError` / `ServeConfigValueError` for a ``timeout`` that is not a
         number, a bool, NaN or negative (before anything is checked or queued).
         """
-        timeout = self.submit_timeout if timeout is ... else check_timeout(timeout, "timeout")
-        return self._submit(inputs, out, pinned, timeout, self.on_full == "block", False)
+        timeout = self._submit_timeout if timeout is ... else check_timeout(timeout, "timeout")
+        return self._submit(inputs, out, pinned, timeout, self._block, False)
 
     def __call__(self, inputs, *, out=None, pinned: bool = False):
         """Run one request and wait for it in this thread: the lowest-latency path. Without
@@ -480,7 +502,7 @@ class Engine:
                     return self._call_inline(b, inst, inputs if arrays is None else arrays,
                                              rows, t0)
         # queued, being built, split, out=/pinned, or dispatched by the thread: the general path
-        fut = self._submit(inputs, out, pinned, self.submit_timeout, self.on_full == "block",
+        fut = self._submit(inputs, out, pinned, self._submit_timeout, self._block,
                            True)
         return fut.result()
 
@@ -618,7 +640,7 @@ class Engine:
             box = self._inbox(loop)
         slots = box.sem
         if not slots.take():  # no slot free (or others await one first)
-            if self.on_full != "block":
+            if not self._block:
                 self._count_overloaded()
                 raise Overloaded(f"{self.queue_limit} requests of this event loop are in "
                                  f"flight (queue_limit={self.queue_limit}); retry later")
@@ -722,7 +744,7 @@ class Engine:
                     self._cancelled += 1
                 return
             try:
-                todo = self._admit(reqs, self.submit_timeout, self.on_full == "block",
+                todo = self._admit(reqs, self._submit_timeout, self._block,
                                    bridge=True)
             except OrchestraError as exc:  # Overloaded, EngineClosed, EngineBroken
                 for r in reqs:

@@ -142,6 +142,17 @@ def check_timeout(value, what: str) -> float | None:
     return None if math.isinf(seconds) else seconds
 
 
+ON_FULL = ("block", "raise")
+
+
+def check_on_full(value) -> str:
+    """The ``on_full`` setting of `Engine` and `ProcessEngine`: ``"block"`` or ``"raise"``,
+    else `ServeConfigValueError`."""
+    if not isinstance(value, str) or value not in ON_FULL:
+        raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {value!r}")
+    return value
+
+
 __all__ = ["BadRequest", "EngineBroken", "EngineClosed", "EngineProcessError", "FutureStateError",
            "InputTypeError", "Overloaded", "RequestTooLarge", "ResultTimeout", "ServeConfigError",
            "ServeConfigTypeError", "ServeConfigValueError", "ServeError", "StopIterationRaised",

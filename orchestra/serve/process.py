@@ -64,6 +64,7 @@ from orchestra.serve.errors import (
     RequestTooLarge,
     ServeConfigTypeError,
     ServeConfigValueError,
+    check_on_full,
     check_timeout,
 )
 from orchestra.serve.buckets import positive_count
@@ -180,8 +181,7 @@ class ProcessEngine:
                 f"with multiprocessing's spawn ({type(exc).__name__}: {exc}); use a "
                 f"module-level function (or functools.partial of one), not a lambda or a "
                 f"closure") from exc
-        if on_full not in ("block", "raise"):
-            raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {on_full!r}")
+        self._block = check_on_full(on_full) == "block"
         slots = positive_count("slots", slots)
         if slots > wire.MAX_SLOTS:
             raise ServeConfigValueError(f"slots must be 1..{wire.MAX_SLOTS}; got {slots}")
@@ -193,14 +193,12 @@ class ProcessEngine:
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
         completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        submit_timeout = check_timeout(submit_timeout, "submit_timeout")
+        self._submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
         if loop is not None and loop.is_closed():
             raise ServeConfigValueError("loop is closed")
-        self.on_full = on_full
-        self.submit_timeout = submit_timeout
         self.zero_copy = bool(zero_copy)
         self.completions_per_turn = completions_per_turn
         self._lock = threading.Lock()
@@ -320,6 +318,30 @@ class ProcessEngine:
 
     # -- submitting -------------------------------------------------------------------------
 
+    # on_full and submit_timeout may change while the engine serves (a server tightening its
+    # admission under load); the hot paths read the checked private values
+    @property
+    def on_full(self) -> str:
+        """``"block"`` or ``"raise"``: what a request that finds the engine full does (see the
+        constructor). May be set at any time, from any thread: the next request follows it;
+        another value raises `ServeConfigValueError` and changes nothing."""
+        return "block" if self._block else "raise"
+
+    @on_full.setter
+    def on_full(self, value) -> None:
+        self._block = check_on_full(value) == "block"
+
+    @property
+    def submit_timeout(self) -> float | None:
+        """Seconds a blocking request waits for room (None: no limit). May be set at any time,
+        checked as the constructor's argument (`ServeConfigTypeError` /
+        `ServeConfigValueError`, nothing changed)."""
+        return self._submit_timeout
+
+    @submit_timeout.setter
+    def submit_timeout(self, value) -> None:
+        self._submit_timeout = check_timeout(value, "submit_timeout")
+
     def _check(self, inputs, out):
         arrays, rows = check_inputs(self._inputs, inputs)
         if rows < 1:
@@ -360,7 +382,7 @@ class ProcessEngine:
             self._check_open()
             if self._free and not self._aio_waiting:
                 return self._free.pop()
-            if self.on_full == "raise":
+            if not self._block:
                 raise self._full()
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._free:
@@ -429,7 +451,7 @@ class ProcessEngine:
             fut = ServeFuture()
             fut.set_exception(exc)
             return fut
-        slot = self._take_slot(self.submit_timeout if timeout is ... else timeout)
+        slot = self._take_slot(self._submit_timeout if timeout is ... else timeout)
         fut = ServeFuture()
         fut.set_running_or_notify_cancel()
         self._send(arrays, _Entry(fut, None, outs, t0, slot, rows))
@@ -466,7 +488,7 @@ class ProcessEngine:
             self._check_open()
             slot = self._free.pop() if self._free and not self._aio_waiting else None
             if slot is None:
-                if self.on_full == "raise":
+                if not self._block:
                     raise self._full()
                 wait = loop.create_future()
                 self._aio_waiting.append((loop, wait))
