@@ -297,12 +297,17 @@ def _fill(engine: Engine) -> float | None:
 
 
 def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, duration: float,
-                window: int = 1, warm: int = 20) -> Result:
+                window: int = 1, warm: int = 20, sync: Callable[[], Any] | None = None,
+                seed: int = 1000) -> Result:
     """``threads`` threads, each with ``make_client()`` (made in the thread) that is either a
     callable ``client(x) -> y`` or a pair ``(submit(x) -> handle, wait(handle) -> y)``; a
-    window of ``window`` requests in flight per thread (pairs only)."""
+    window of ``window`` requests in flight per thread (pairs only). ``sync``: called once
+    every thread has warmed up, before the measured window opens (several processes start
+    their windows together through it; the window's ``time.monotonic()`` ends are then in
+    ``extra["window"]``). ``seed``: thread k picks its inputs with seed ``seed + k``."""
     res = Result(mode, name)
     barrier = threading.Barrier(threads + 1)
+    go = threading.Barrier(threads + 1) if sync is not None else None
     stop = threading.Event()
     lock = threading.Lock()
     errors: list = []
@@ -312,16 +317,20 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
         lat, wrong, n = [], 0, 0
         try:
             client = make_client()
-            pick = w.picker(1000 + k)
+            pick = w.picker(seed + k)
             for _ in range(warm):
                 x, _ = pick()
                 _call(client, x)
         except BaseException as exc:  # noqa: BLE001 - reported in the table
             errors.append(exc)
             barrier.abort()
+            if go is not None:
+                go.abort()
             return
         try:
             barrier.wait()
+            if go is not None:
+                go.wait()
         except threading.BrokenBarrierError:
             return
         try:
@@ -365,12 +374,26 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
         barrier.wait()
     except threading.BrokenBarrierError:
         pass
-    t0 = time.perf_counter()
+    if go is not None:
+        try:
+            sync()
+        except BaseException:
+            go.abort()  # the threads return without a measured window
+            for t in ts:
+                t.join()
+            raise
+        try:
+            go.wait()
+        except threading.BrokenBarrierError:  # a thread failed warming up
+            pass
+    t0, m0 = time.perf_counter(), time.monotonic()
     time.sleep(duration)
     stop.set()
     for t in ts:
         t.join()
     res.seconds = time.perf_counter() - t0
+    if go is not None:
+        res.extra["window"] = (m0, time.monotonic())
     res.errors = len(errors)
     if errors:
         res.note = f"{type(errors[0]).__name__}: {errors[0]}"[:120]
@@ -414,28 +437,55 @@ class BenchOptions:
     gc_young_ms: float | None = 5.0
     switch_interval_ms: float | None = None  # sys.setswitchinterval for the run (None: as is)
     process: bool = False  # closed / asyncio: the engine in a process of its own (ProcessEngine)
+    # closed: the threads split over this many processes, each with its own engine (and
+    # peers), their measured windows started together
+    processes: int = 1
     engine: EngineConfig = attrs.field(factory=EngineConfig)
+
+
+PEERS = ("bare", "torch")  # the closed loop's peers, in the order they run
+
+
+def peer_skipped(kind: str) -> str | None:
+    """Why the peer ``kind`` cannot run here (a note), or None."""
+    if kind == "torch":
+        from orchestra.serve.peers import torch_available
+
+        why = torch_available()
+        return None if why is None else f"PyTorch CUDA graph peer skipped: {why}"
+    return None
+
+
+def peer_result(kind: str, mode, w: Workload, o: BenchOptions, threads: int, duration: float,
+                sync=None, seed: int = 1000) -> Result:
+    """One peer (``"bare"``: cuda-python, a stream per thread; ``"torch"``: PyTorch CUDA graph
+    replay per thread) in `closed_loop`."""
+    if kind == "bare":
+        from orchestra.driver import Device
+        from orchestra.serve.peers import BareClient
+
+        dev = Device.get(o.engine.device)
+        max_elems = w.max_rows * w.row_floats
+        return closed_loop("cuda-python (stream per thread)", mode, w,
+                           lambda: BareClient(dev, max_elems, w.iters, S, T), threads,
+                           duration, sync=sync, seed=seed)
+    from orchestra.serve.peers import TorchClient
+
+    return closed_loop("PyTorch CUDA graph (per thread)", mode, w,
+                       lambda: TorchClient(w.shapes, w.iters, S, T, o.engine.device),
+                       threads, duration, sync=sync, seed=seed)
 
 
 def _peer_results(mode, w: Workload, o: BenchOptions, threads: int, duration: float,
                   window: int, out: list, notes: list) -> None:
     if not o.peers or o.engine.backend_factory is not None:
         return
-    from orchestra.driver import Device
-    from orchestra.serve.peers import BareClient, TorchClient, torch_available
-
-    dev = Device.get(o.engine.device)
-    max_elems = w.max_rows * w.row_floats
-    out.append(closed_loop("cuda-python (stream per thread)", mode, w,
-                           lambda: BareClient(dev, max_elems, w.iters, S, T), threads,
-                           duration))
-    why = torch_available()
-    if why is not None:
-        notes.append(f"PyTorch CUDA graph peer skipped: {why}")
-        return
-    out.append(closed_loop("PyTorch CUDA graph (per thread)", mode, w,
-                           lambda: TorchClient(w.shapes, w.iters, S, T, o.engine.device),
-                           threads, duration))
+    for kind in PEERS:
+        why = peer_skipped(kind)
+        if why is not None:
+            notes.append(why)
+            continue
+        out.append(peer_result(kind, mode, w, o, threads, duration))
 
 
 def _dur(o: BenchOptions, default: float = 3.0) -> float:
@@ -516,27 +566,37 @@ def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
     return out
 
 
+def engine_result(w: Workload, o: BenchOptions, variant: tuple[str, bool, str], threads: int,
+                  sync=None, seed: int = 1000) -> Result:
+    """One engine variant of `_engine_variants` (name, batching, dispatch) in `closed_loop`
+    with ``threads`` threads, its engine made, warmed up and closed here."""
+    name, batching, dispatch = variant
+    inst = o.engine.instances if batching else max(o.engine.instances, threads)
+    if o.process:
+        name += ", engine process"
+    with open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=inst,
+                     process=o.process) as e:
+        info = _warm(e)
+        if o.window > 1 or batching or dispatch == "thread":
+            client = (e.submit, lambda f: f.result())
+        else:
+            client = e.__call__
+        r = closed_loop(f"{name}, {inst} inst/bucket", "closed", w, lambda c=client: c,
+                        threads, _dur(o), o.window, sync=sync, seed=seed)
+        r.batch_fill = _fill(e)
+        r.extra.update(info)
+        if batching:
+            r.note = (f"max_batch {o.engine.max_batch or 8 * w.max_rows} rows, "
+                      f"{o.engine.max_delay_us:g} us")
+    return r
+
+
 def run_closed(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
-    out = []
-    for name, batching, dispatch in _engine_variants(o):
-        inst = o.engine.instances if batching else max(o.engine.instances, o.threads)
-        if o.process:
-            name += ", engine process"
-        with open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=inst,
-                         process=o.process) as e:
-            info = _warm(e)
-            if o.window > 1 or batching or dispatch == "thread":
-                client = (e.submit, lambda f: f.result())
-            else:
-                client = e.__call__
-            r = closed_loop(f"{name}, {inst} inst/bucket", "closed", w, lambda c=client: c,
-                            o.threads, _dur(o), o.window)
-            r.batch_fill = _fill(e)
-            r.extra.update(info)
-            if batching:
-                r.note = (f"max_batch {o.engine.max_batch or 8 * w.max_rows} rows, "
-                          f"{o.engine.max_delay_us:g} us")
-            out.append(r)
+    if o.processes > 1:
+        from orchestra.serve.bench_processes import run_closed_across
+
+        return run_closed_across(w, o, notes)
+    out = [engine_result(w, o, v, o.threads) for v in _engine_variants(o)]
     _peer_results("closed", w, o, o.threads, _dur(o), 1, out, notes)
     return out
 

@@ -82,6 +82,11 @@ def register(bsub) -> None:
                    help="closed, asyncio: run the engine in a process of its own "
                         "(orchestra.serve.ProcessEngine: requests through shared memory; with "
                         "asyncio the event loop reads the completions itself)")
+    p.add_argument("--processes", type=int, default=1, metavar="K",
+                   help="closed: split --threads over K processes, each with its own engine "
+                        "(and its own peers) on the same GPU, their measured windows started "
+                        "together: what K server processes serve at once, past one Python "
+                        "process's GIL (default 1)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw the latency CDF of every contender (needs matplotlib)")
@@ -98,7 +103,7 @@ def _check_numbers(args) -> None:
     from orchestra.errors import BenchConfigError
     from orchestra.serve.bench import parse_mix
 
-    for name in ("threads", "window", "tasks", "instances", "iters"):
+    for name in ("threads", "window", "tasks", "instances", "iters", "processes"):
         if getattr(args, name) < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("requests", "max_batch", "completions_per_turn"):
@@ -116,6 +121,17 @@ def _check_numbers(args) -> None:
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
         raise BenchConfigError(f"--max-delay-us must be a finite number >= 0, got "
                                f"{args.max_delay_us}")
+    if args.processes > 1:
+        if args.mode not in ("closed", "all"):
+            raise BenchConfigError(f"--processes applies to the closed loop (--mode closed or "
+                                   f"all), not --mode {args.mode}")
+        if args.process:
+            raise BenchConfigError("--processes and --process are two ways to use processes; "
+                                   "pass one of them")
+        if args.threads < args.processes:
+            raise BenchConfigError(f"--processes {args.processes} needs at least as many "
+                                   f"--threads (got {args.threads}): every process runs one "
+                                   "or more")
     if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
         raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
     if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
@@ -181,7 +197,7 @@ def options(args):
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
-        process=args.process,
+        process=args.process, processes=args.processes,
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,

@@ -1,0 +1,177 @@
+"""``orchestra bench serve --mode closed --processes K``: the closed loop's threads split over
+K processes, each with its own engine (and its own peers), their measured windows started
+together.
+
+Why: one CPython process hands requests through one GIL. On the H200 host 8 threads with
+dynamic batching, 64 KiB requests, reached about 26,000-32,000 requests/s in one process,
+and the leanest batcher that CPython allows (``benchmarks/probe_serve_ceiling.py``) about
+35,000, while the GPU and the link were far from busy. A server that needs more runs several
+processes, each embedding its own engine on the same GPU (as web servers run several
+workers); this measures what they serve together.
+
+Each worker process (multiprocessing's ``spawn``: no CUDA state inherited) builds the
+workload and the contender, warms it up and waits at a barrier shared with the others; then
+every process runs its measured window of ``--duration`` seconds. Requests/s is the sum of
+every process's requests over the span from the first window's start to the last one's end
+(``time.monotonic``, one clock for every process on the host), so a late start counts
+against the total; the latency percentiles are over every process's requests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+
+from orchestra.errors import BenchConfigError
+from orchestra.serve.bench import (
+    PEERS,
+    BenchOptions,
+    Result,
+    Workload,
+    _dur,
+    _engine_variants,
+    engine_result,
+    peer_result,
+    peer_skipped,
+)
+
+# seconds a worker may take to start (an interpreter, orchestra, a CUDA context, the engine's
+# warm-up), and beyond its window to hand back its result
+START_TIMEOUT_S = 180.0
+RESULT_TIMEOUT_S = 120.0
+
+
+def split_threads(threads: int, processes: int) -> list[int]:
+    """``threads`` spread over ``processes`` as evenly as they go (the first ones get one more);
+    `BenchConfigError` when there are fewer threads than processes."""
+    if processes < 1 or threads < processes:
+        raise BenchConfigError(f"--processes {processes} needs at least as many --threads "
+                               f"(got {threads}): every process runs one or more")
+    return [threads // processes + (k < threads % processes) for k in range(processes)]
+
+
+def _worker(o: BenchOptions, contender: tuple, threads: int, index: int, barrier, conn) -> None:
+    """In a worker process: run ``contender`` (``("engine", variant)`` or ``("peer", kind)``)
+    with ``threads`` threads and send its figures back (or the error, as text)."""
+    try:
+        w = Workload(o.mix, int(o.row_kib * 256), o.iters)
+
+        def sync():
+            barrier.wait(START_TIMEOUT_S)
+
+        seed = 1000 + 100 * index  # each process its own inputs
+        if contender[0] == "engine":
+            r = engine_result(w, o, contender[1], threads, sync=sync, seed=seed)
+        else:
+            r = peer_result(contender[1], "closed", w, o, threads, _dur(o), sync=sync, seed=seed)
+        lat = np.asarray(r.latency_us, dtype=np.float64)
+        conn.send({"name": r.name, "requests": r.requests, "wrong": r.wrong,
+                   "errors": r.errors, "note": r.note, "batch_fill": r.batch_fill,
+                   "window": r.extra.get("window"), "latency": lat.tobytes(),
+                   "extra": {k: v for k, v in r.extra.items() if k != "window"}})
+    except BaseException as exc:  # noqa: BLE001 - reported in the parent's table
+        barrier.abort()
+        try:
+            conn.send({"error": f"{type(exc).__name__}: {exc}"[:300]})
+        except OSError:
+            pass
+    finally:
+        conn.close()
+
+
+def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(counts))
+    procs, conns = [], []
+    try:
+        for k, n in enumerate(counts):
+            mine, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(o, contender, n, k, barrier, theirs),
+                            daemon=True, name=f"orchestra-bench-serve-{k}")
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(mine)
+        deadline = time.monotonic() + START_TIMEOUT_S + _dur(o) + RESULT_TIMEOUT_S
+        answers = []
+        for k, c in enumerate(conns):
+            if c.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    answers.append(c.recv())
+                    continue
+                except EOFError:
+                    pass
+            barrier.abort()  # the others must not wait for it
+            code = procs[k].exitcode
+            answers.append({"error": f"worker process {k} gave no result (exit code "
+                                     f"{code if code is not None else 'none yet'})"})
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+    return merge(answers, counts)
+
+
+def merge(answers: list[dict], counts: list[int]) -> Result:
+    """One row from every worker's figures: requests and errors summed, requests/s over the
+    span from the first window's start to the last one's end, latency over every request."""
+    ok = [a for a in answers if "error" not in a]
+    failed = [a["error"] for a in answers if "error" in a]
+    base = ok[0]["name"] if ok else "contender"
+    per = "/".join(map(str, sorted(set(counts), reverse=True)))
+    res = Result("closed", f"{base}, {len(counts)} processes x {per} threads")
+    windows = [a["window"] for a in ok if a["window"]]
+    res.requests = sum(a["requests"] for a in ok)
+    res.wrong = sum(a["wrong"] for a in ok)
+    res.errors = sum(a["errors"] for a in ok) + len(failed)
+    if windows:
+        res.seconds = max(b for _, b in windows) - min(a for a, _ in windows)
+    lat = [np.frombuffer(a["latency"], dtype=np.float64) for a in ok]
+    res.latency_us = np.concatenate(lat).tolist() if lat else []
+    fills = [(a["batch_fill"], a["requests"]) for a in ok if a["batch_fill"] is not None]
+    if fills and sum(n for _, n in fills):
+        res.batch_fill = sum(f * n for f, n in fills) / sum(n for _, n in fills)
+    notes = [a["note"] for a in ok if a["note"]]
+    res.note = "; ".join(dict.fromkeys(notes + failed))
+    res.extra.update({
+        "processes": len(counts), "threads_per_process": counts,
+        "per_process_req_per_s": [a["requests"] / (a["window"][1] - a["window"][0])
+                                  if a["window"] else 0.0 for a in ok],
+        "start_spread_ms": (max(a for a, _ in windows) - min(a for a, _ in windows)) * 1e3
+        if windows else None})
+    for key in ("warmup_ms", "buckets", "graph_bytes"):
+        vals = [a["extra"][key] for a in ok if key in a["extra"]]
+        if vals:
+            res.extra[key] = max(vals)
+    return res
+
+
+def run_closed_across(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
+    """The closed mode with ``o.processes`` worker processes: every engine variant, then the
+    peers, each in its own set of processes."""
+    counts = split_threads(o.threads, o.processes)
+    contenders: list[tuple] = [("engine", v) for v in _engine_variants(o)]
+    if o.peers and o.engine.backend_factory is None:
+        for kind in PEERS:
+            why = peer_skipped(kind)
+            if why is None:
+                contenders.append(("peer", kind))
+            else:
+                notes.append(why)
+    out = [_across(o, c, counts) for c in contenders]
+    spread = [r.extra["start_spread_ms"] for r in out if r.extra.get("start_spread_ms")]
+    notes.append(f"closed: {o.processes} processes ({'/'.join(map(str, counts))} threads), "
+                 "each with its own engine or peer on the same GPU, their windows started "
+                 "together; req/s = every process's requests over the span from the first "
+                 "start to the last end" + (f" (starts within {max(spread):.1f} ms)"
+                                            if spread else ""))
+    return out
+
+
+__all__ = ["merge", "run_closed_across", "split_threads"]

@@ -1,0 +1,122 @@
+"""`orchestra bench serve --processes K` on the CPU: the threads split over worker processes,
+each with its own engine, windows started together and the figures merged; the arithmetic of
+the merge on made-up figures; the CLI's refusals; a start that fails joins every thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from orchestra.errors import BenchConfigError
+from orchestra.serve.bench import (
+    BenchOptions,
+    EngineConfig,
+    Workload,
+    closed_loop,
+    cpu_backend_factory,
+    run,
+)
+from orchestra.serve.bench_processes import merge, split_threads
+
+
+def test_threads_spread_over_the_processes_as_evenly_as_they_go():
+    assert split_threads(8, 1) == [8]
+    assert split_threads(8, 2) == [4, 4]
+    assert split_threads(8, 3) == [3, 3, 2]
+    assert split_threads(5, 5) == [1, 1, 1, 1, 1]
+    with pytest.raises(BenchConfigError, match="--processes 3 needs at least as many --threads"):
+        split_threads(2, 3)
+
+
+def _answer(requests, window, lat, fill=1.0, name="engine, dynamic batching, 2 inst/bucket"):
+    return {"name": name, "requests": requests, "wrong": 0, "errors": 0, "note": "",
+            "batch_fill": fill, "window": window,
+            "latency": np.asarray(lat, dtype=np.float64).tobytes(), "extra": {"warmup_ms": 3.0}}
+
+
+def test_the_merge_sums_requests_over_the_span_of_every_window():
+    # two processes whose windows overlap for 1.5 of their 2 s: the span is 2.5 s, so the
+    # total is 3,000 requests / 2.5 s, below the 1,000 + 2,000 req/s the windows saw alone
+    a = _answer(2000, (10.0, 12.0), [100.0] * 10, fill=1.0)
+    b = _answer(4000, (10.5, 12.5), [300.0] * 30, fill=0.5)
+    r = merge([a, b], [4, 4])
+    assert r.name == "engine, dynamic batching, 2 inst/bucket, 2 processes x 4 threads"
+    assert r.requests == 6000 and r.seconds == pytest.approx(2.5)
+    assert r.rps == pytest.approx(2400.0)
+    assert r.extra["per_process_req_per_s"] == pytest.approx([1000.0, 2000.0])
+    assert r.extra["start_spread_ms"] == pytest.approx(500.0)
+    assert len(r.latency_us) == 40 and r.pct()["p50"] == pytest.approx(300.0)
+    assert r.batch_fill == pytest.approx((2000 * 1.0 + 4000 * 0.5) / 6000)
+    assert r.errors == 0 and r.extra["warmup_ms"] == 3.0
+
+
+def test_a_worker_that_failed_is_an_error_of_the_row_with_its_message():
+    a = _answer(100, (1.0, 2.0), [5.0])
+    r = merge([a, {"error": "CudaError: out of memory"}], [2, 1])
+    assert r.requests == 100 and r.errors == 1
+    assert "CudaError: out of memory" in r.note
+    assert r.name.endswith("2 processes x 2/1 threads")
+    empty = merge([{"error": "x"}, {"error": "x"}], [1, 1])
+    assert empty.requests == 0 and empty.rps == 0.0 and empty.errors == 2
+
+
+def test_two_worker_processes_serve_together_every_output_checked():
+    o = BenchOptions(mode="closed", mix="16K", threads=3, window=4, duration=0.5,
+                     batching="on", dispatch="caller", processes=2,
+                     engine=EngineConfig(backend_factory=cpu_backend_factory))
+    results, notes, _ = run(o)
+    (r,) = results
+    assert r.name == "engine, dynamic batching, 2 inst/bucket, 2 processes x 2/1 threads"
+    assert r.errors == 0 and r.wrong == 0 and r.requests > 0, r.note
+    assert len(r.latency_us) == r.requests
+    assert r.extra["processes"] == 2 and r.extra["threads_per_process"] == [2, 1]
+    # the span covers every window: the total cannot exceed what the processes saw alone
+    assert r.seconds >= 0.5
+    assert r.rps <= sum(r.extra["per_process_req_per_s"]) * (1 + 1e-9)
+    assert all(v > 0 for v in r.extra["per_process_req_per_s"])
+    assert any("2 processes (2/1 threads)" in n for n in notes)
+
+
+def test_cli_refuses_processes_where_they_do_not_apply(capsys):
+    from orchestra.cli.main import main as cli
+
+    assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--processes", "2"]) == 2
+    assert "--processes applies to the closed loop" in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", "2",
+                "--process"]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", "4",
+                "--threads", "2"]) == 2
+    assert "--processes 4 needs at least as many --threads (got 2)" in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", "0"]) == 2
+    assert "--processes must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_json_carries_the_merged_row(capsys):
+    from orchestra.cli.main import main as cli
+
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--duration", "0.3",
+                "--threads", "2", "--processes", "2", "--mix", "16K", "--batching", "off",
+                "--dispatch", "caller", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    (r,) = rep["results"]
+    assert rep["verified"] is True and r["wrong"] == 0 and r["errors"] == 0
+    assert r["processes"] == 2 and r["requests"] > 0
+    assert r["name"].endswith("2 processes x 1 threads")
+
+
+def test_a_start_that_fails_joins_the_warmed_threads_and_raises():
+    # the barrier shared with the other processes broke: no window is measured and no thread
+    # is left waiting
+    w = Workload("4K", pool=2)
+    before = threading.active_count()
+
+    def sync():
+        raise threading.BrokenBarrierError
+
+    with pytest.raises(threading.BrokenBarrierError):
+        closed_loop("echo", "closed", w, lambda: (lambda x: x), 3, 0.1, sync=sync)
+    assert threading.active_count() == before
