@@ -3,6 +3,7 @@
     python examples/serve_http.py --port 8080            # needs an NVIDIA GPU
     python examples/serve_http.py --port 8080 --cpu      # the same server, numpy instead of CUDA
     python examples/serve_http.py --port 8080 --process  # the engine in a process of its own
+    python examples/serve_http.py --port 8080 --workers 4  # 4 server processes on one port
 
     POST /infer   body: float32 little-endian bytes, rows x --row floats
                   (Content-Type: application/octet-stream), or JSON {"x": [[...], ...]}
@@ -14,8 +15,11 @@ A request of r rows runs on the smallest bucket that fits (padded, sliced back);
 connections share the engine: each handler awaits ``engine.run`` on the server's event loop,
 which never blocks. Bad input is 400 with the engine's message, a full queue 503, a broken GPU
 context 500 (restart the process). With --process the engine runs in a child process, and a
-new one replaces it after a sticky CUDA error (503 while it starts). Ctrl-C stops the server
-and closes the engine.
+new one replaces it after a sticky CUDA error (503 while it starts). With --workers K, K server
+processes (each its own engine on the same GPU) listen on the one port (SO_REUSEPORT: the
+kernel spreads the connections): one Python process serves as many requests as its GIL lets
+through, K serve more (docs/serving.md, "Several processes"). Ctrl-C stops the server and
+closes the engine (every worker's).
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
 import sys
 
 import numpy as np
@@ -71,7 +80,8 @@ def make_app(engine, row: int) -> web.Application:
                             content_type="application/octet-stream")
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response(json.loads(engine.stats_json()))
+        # with --workers, each server process answers for its own engine: server_pid says which
+        return web.json_response({**json.loads(engine.stats_json()), "server_pid": os.getpid()})
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -105,22 +115,9 @@ def make_engine(args):
     return engine_for(*how)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="HTTP inference endpoint over orchestra.serve")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--row", type=int, default=1024, help="floats per row (default 1024)")
-    p.add_argument("--max-rows", type=int, default=64, help="the largest bucket (default 64)")
-    p.add_argument("--instances", type=int, default=4, help="instances per bucket (4)")
-    p.add_argument("--batching", action="store_true", help="dynamic batching on")
-    p.add_argument("--device", type=int, default=0)
-    p.add_argument("--cpu", action="store_true", help="numpy instead of CUDA (no GPU needed)")
-    p.add_argument("--process", action="store_true",
-                   help="run the engine in a process of its own (orchestra.serve.ProcessEngine)")
-    p.add_argument("--restarts", type=int, default=3,
-                   help="with --process: how often a new engine process may replace one that "
-                        "died or hit a sticky CUDA error (default 3)")
-    args = p.parse_args(argv)
+def serve(args, reuse_port: bool = False) -> int:
+    """Make and warm up the engine, then serve until SIGINT (module level: every --workers
+    process runs it)."""
     try:
         engine = make_engine(args)
         engine.warmup()
@@ -136,9 +133,77 @@ def main(argv=None) -> int:
         app[ENGINE].close()
 
     app.on_cleanup.append(close_engine)
-    print(f"serving on http://{args.host}:{args.port}/infer", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    if not reuse_port:
+        print(f"serving on http://{args.host}:{args.port}/infer", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, reuse_port=reuse_port or None)
     return 0
+
+
+def _worker(args) -> None:
+    sys.exit(serve(args, reuse_port=True))
+
+
+def serve_workers(args) -> int:
+    """--workers K: K processes (spawned: no CUDA state inherited) serving on one port. SIGINT
+    or SIGTERM here stops them all (each closes its engine); if one exits by itself the others
+    are stopped too and the exit status is 1."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(args,), name=f"serve_http-worker-{k}")
+             for k in range(args.workers)]
+    for p in procs:
+        p.start()
+    print(f"serving on http://{args.host}:{args.port}/infer with {args.workers} worker "
+          f"processes", flush=True)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
+    try:
+        while not stopping and all(p.is_alive() for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
+    except KeyboardInterrupt:
+        stopping.append("SIGINT")
+    early = [p for p in procs if not p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGINT)  # aiohttp's graceful exit: the engine closes
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if early and not stopping:
+        codes = ", ".join(f"{p.name} {p.exitcode}" for p in early)
+        print(f"serve_http: a worker exited on its own ({codes}); stopped the others",
+              file=sys.stderr)
+        return 1
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="HTTP inference endpoint over orchestra.serve")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--row", type=int, default=1024, help="floats per row (default 1024)")
+    p.add_argument("--max-rows", type=int, default=64, help="the largest bucket (default 64)")
+    p.add_argument("--instances", type=int, default=4, help="instances per bucket (4)")
+    p.add_argument("--batching", action="store_true", help="dynamic batching on")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="numpy instead of CUDA (no GPU needed)")
+    p.add_argument("--process", action="store_true",
+                   help="run the engine in a process of its own (orchestra.serve.ProcessEngine)")
+    p.add_argument("--restarts", type=int, default=3,
+                   help="with --process: how often a new engine process may replace one that "
+                        "died or hit a sticky CUDA error (default 3)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes on the one port, each with its own engine on the "
+                        "same GPU (default 1; Linux: SO_REUSEPORT)")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            p.error("--workers above 1 needs SO_REUSEPORT (Linux)")
+        return serve_workers(args)
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,68 @@ def _run(*extra: str) -> None:
     assert proc.returncode == 0, proc.stdout.read()
 
 
+async def _drive_workers(port: int, proc, workers: int, requests: int = 400) -> dict:
+    """Every request on a connection of its own (the kernel picks a worker per connection);
+    then each worker's statistics, asked until every worker has answered."""
+    base = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(1)
+    wrong = []
+    conn = aiohttp.TCPConnector(limit=32, force_close=True)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        await _wait_ready(session, base, proc)
+
+        async def one(i):
+            rows = 1 + i % MAX_ROWS
+            x = (rng.standard_normal((rows, ROW)) * 10).astype(np.float32)
+            async with session.post(f"{base}/infer", data=x.tobytes(),
+                                    headers={"Content-Type": "application/octet-stream"}) as r:
+                assert r.status == 200, await r.text()
+                y = np.frombuffer(await r.read(), dtype="<f4").reshape(rows, ROW)
+            if y.tobytes() != demo_reference(x).tobytes():
+                wrong.append(i)
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        by_pid: dict = {}
+        for _ in range(400):
+            async with session.get(f"{base}/stats") as r:
+                st = await r.json()
+            by_pid[st["server_pid"]] = st
+            if len(by_pid) == workers:
+                break
+    assert not wrong, f"{len(wrong)} wrong responses"
+    return by_pid
+
+
+def _run_workers(workers: int, *extra: str) -> None:
+    port = _free_port()
+    proc = _start(port, "--workers", str(workers), *extra)
+    try:
+        # the /health poll may reach one worker while another still warms up: wait for all
+        by_pid = asyncio.run(_drive_workers(port, proc, workers))
+        assert len(by_pid) == workers, f"only {len(by_pid)} of {workers} workers answered"
+        served = [sum(b["requests"] for b in st["buckets"].values()) for st in by_pid.values()]
+        assert sum(served) == 400 and all(n > 0 for n in served), served
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the parent stops every worker
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()
+
+
+def test_http_example_with_two_worker_processes_on_one_port():
+    _run_workers(2, "--cpu")
+
+
+def test_http_example_refuses_zero_workers():
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--workers", "0", "--cpu"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--workers must be >= 1, got 0" in out.stderr
+
+
 def test_http_example_on_the_cpu_backend():
     _run("--cpu")
 
@@ -145,3 +207,8 @@ def test_http_example_on_the_gpu_with_batching():
 @pytest.mark.gpu
 def test_http_example_on_the_gpu_with_the_engine_in_a_process_of_its_own():
     _run("--process")
+
+
+@pytest.mark.gpu
+def test_http_example_on_the_gpu_with_two_worker_processes():
+    _run_workers(2, "--batching")
