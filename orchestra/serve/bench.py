@@ -10,7 +10,8 @@ Modes (``--mode``):
   ``engine.submit(x).result()``, bare cuda-python, PyTorch CUDA graph replay;
 - ``closed``: T threads in a closed loop (``--window`` requests in flight per thread), without
   and with dynamic batching, with the caller-thread and the dispatcher-thread designs, and the
-  peers (one client per thread);
+  peers (one client per thread); ``--processes K`` splits the threads over K processes, each
+  with its own engine and peers (`orchestra.serve.bench_processes`);
 - ``open``: Poisson arrivals at ``--rate`` requests/s from one generator thread; latency is
   measured from each request's scheduled arrival (no coordinated omission);
 - ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started 8 per loop turn,

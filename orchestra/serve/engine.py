@@ -222,7 +222,9 @@ class Engine:
         queue_limit: requests that may wait for an instance (or for the dispatcher) at once.
         on_full: ``"block"`` (default: ``submit`` waits up to ``submit_timeout`` seconds,
             None or ``inf``: forever, then raises `Overloaded`) or ``"raise"`` (`Overloaded`
-            at once). ``submit_timeout`` is checked as ``submit``'s ``timeout`` is.
+            at once). ``submit_timeout`` is checked as ``submit``'s ``timeout`` is. Both may
+            be set on the engine later (checked the same way); the other settings are fixed
+            when it is made.
         batching: None (default: one request per launch), a `Batching`, or True (its
             defaults). Requires a kernel that works row by row.
         split: allow requests above the largest bucket: they run as chunks of the largest

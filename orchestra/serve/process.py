@@ -120,7 +120,8 @@ class ProcessEngine:
             it with an engine made with ``split=True``). A slot's size follows from it.
         on_full: ``"block"`` (default: `submit` waits up to ``submit_timeout`` seconds for a
             free slot, None: forever, then raises `Overloaded`; `run` awaits one) or
-            ``"raise"`` (`Overloaded` at once).
+            ``"raise"`` (`Overloaded` at once). ``on_full`` and ``submit_timeout`` may be set
+            later too (checked as here); the other settings are fixed.
         start_timeout: seconds the child may take to make the engine (default 120: a cold
             compile cache compiles the kernels there).
         loop: an asyncio event loop (Unix selector loops, uvloop) that reads the completions
