@@ -375,7 +375,7 @@ def closed_loop(name: str, mode: str, w: Workload, make_client, threads: int, du
         barrier.wait()
     except threading.BrokenBarrierError:
         pass
-    if go is not None:
+    if go is not None and sync is not None:
         try:
             sync()
         except BaseException:
