@@ -25,6 +25,7 @@ closes the engine (every worker's).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import multiprocessing
@@ -115,9 +116,10 @@ def make_engine(args):
     return engine_for(*how)
 
 
-def serve(args, reuse_port: bool = False) -> int:
-    """Make and warm up the engine, then serve until SIGINT (module level: every --workers
-    process runs it)."""
+def serve(args, ready=None) -> int:
+    """Make and warm up the engine, then serve until SIGINT (or, as a --workers process, until
+    SIGINT or SIGTERM: ``ready`` is the event it sets once it listens). Module level: every
+    worker process runs it."""
     try:
         engine = make_engine(args)
         engine.warmup()
@@ -133,45 +135,75 @@ def serve(args, reuse_port: bool = False) -> int:
         app[ENGINE].close()
 
     app.on_cleanup.append(close_engine)
-    if not reuse_port:
+    if ready is None:
         print(f"serving on http://{args.host}:{args.port}/infer", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, reuse_port=reuse_port or None)
+        web.run_app(app, host=args.host, port=args.port, print=None)
+        return 0
+    return asyncio.run(_serve_worker(app, args, ready))
+
+
+async def _serve_worker(app, args, ready) -> int:
+    """One --workers process: listen with SO_REUSEPORT beside the others, say so, serve until
+    SIGINT or SIGTERM, then close (the engine with it)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, args.host, args.port, reuse_port=True).start()
+        except OSError as exc:  # the port is taken by a process that did not set SO_REUSEPORT
+            print(f"serve_http: cannot listen on {args.host}:{args.port}: {exc}",
+                  file=sys.stderr)
+            return 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        ready.set()
+        await stop.wait()
+    finally:
+        await runner.cleanup()  # on_cleanup: the engine closes
     return 0
 
 
-def _worker(args) -> None:
-    sys.exit(serve(args, reuse_port=True))
+def _worker(args, ready) -> None:
+    sys.exit(serve(args, ready))
 
 
 def serve_workers(args) -> int:
-    """--workers K: K processes (spawned: no CUDA state inherited) serving on one port. SIGINT
-    or SIGTERM here stops them all (each closes its engine); if one exits by itself the others
-    are stopped too and the exit status is 1."""
+    """--workers K: K processes (spawned: no CUDA state inherited) serving on one port; this one
+    says "serving on" once every one listens. SIGINT or SIGTERM here stops them all (each
+    closes its engine); if one exits by itself (or fails to start) the others are stopped too
+    and the exit status is 1."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(args,), name=f"serve_http-worker-{k}")
-             for k in range(args.workers)]
+    ready = [ctx.Event() for _ in range(args.workers)]
+    procs = [ctx.Process(target=_worker, args=(args, ev), name=f"serve_http-worker-{k}")
+             for k, ev in enumerate(ready)]
+    stopping: list = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     for p in procs:
         p.start()
-    print(f"serving on http://{args.host}:{args.port}/infer with {args.workers} worker "
-          f"processes", flush=True)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
+    announced = False
     try:
         while not stopping and all(p.is_alive() for p in procs):
-            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
+            if not announced and all(ev.is_set() for ev in ready):
+                print(f"serving on http://{args.host}:{args.port}/infer with {args.workers} "
+                      f"worker processes", flush=True)
+                announced = True
+            multiprocessing.connection.wait([p.sentinel for p in procs],
+                                            timeout=0.5 if announced else 0.05)
     except KeyboardInterrupt:
         stopping.append("SIGINT")
     early = [p for p in procs if not p.is_alive()]
     for p in procs:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGINT)  # aiohttp's graceful exit: the engine closes
+            os.kill(p.pid, signal.SIGINT)  # the worker's graceful exit: its engine closes
     for p in procs:
         p.join(60)
         if p.is_alive():
             p.kill()
             p.join()
     if early and not stopping:
-        codes = ", ".join(f"{p.name} {p.exitcode}" for p in early)
+        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in early)
         print(f"serve_http: a worker exited on its own ({codes}); stopped the others",
               file=sys.stderr)
         return 1

@@ -58,6 +58,23 @@ async def _wait_ready(session, base: str, proc, timeout: float = 90.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _requests(session, base: str, rng, requests: int, wrong: list) -> None:
+    """``requests`` POSTs of 1..MAX_ROWS rows at once; the index of every response that
+    differs from numpy's goes into ``wrong``."""
+
+    async def one(i):
+        rows = 1 + i % MAX_ROWS
+        x = (rng.standard_normal((rows, ROW)) * 10).astype(np.float32)
+        async with session.post(f"{base}/infer", data=x.tobytes(),
+                                headers={"Content-Type": "application/octet-stream"}) as r:
+            assert r.status == 200, await r.text()
+            y = np.frombuffer(await r.read(), dtype="<f4").reshape(rows, ROW)
+        if y.tobytes() != demo_reference(x).tobytes():
+            wrong.append(i)
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+
+
 async def _drive(port: int, proc, connections: int = 32, requests: int = 400) -> dict:
     base = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(0)
@@ -66,17 +83,7 @@ async def _drive(port: int, proc, connections: int = 32, requests: int = 400) ->
             connector=aiohttp.TCPConnector(limit=connections)) as session:
         await _wait_ready(session, base, proc)
 
-        async def one(i):
-            rows = 1 + i % MAX_ROWS
-            x = (rng.standard_normal((rows, ROW)) * 10).astype(np.float32)
-            async with session.post(f"{base}/infer", data=x.tobytes(),
-                                    headers={"Content-Type": "application/octet-stream"}) as r:
-                assert r.status == 200, await r.text()
-                y = np.frombuffer(await r.read(), dtype="<f4").reshape(rows, ROW)
-            if y.tobytes() != demo_reference(x).tobytes():
-                wrong.append(i)
-
-        await asyncio.gather(*(one(i) for i in range(requests)))
+        await _requests(session, base, rng, requests, wrong)
         # JSON in, JSON out
         x = [[1.0] * ROW, [2.0] * ROW]
         async with session.post(f"{base}/infer", json={"x": x}) as r:
@@ -130,17 +137,7 @@ async def _drive_workers(port: int, proc, workers: int, requests: int = 400) -> 
     async with aiohttp.ClientSession(connector=conn) as session:
         await _wait_ready(session, base, proc)
 
-        async def one(i):
-            rows = 1 + i % MAX_ROWS
-            x = (rng.standard_normal((rows, ROW)) * 10).astype(np.float32)
-            async with session.post(f"{base}/infer", data=x.tobytes(),
-                                    headers={"Content-Type": "application/octet-stream"}) as r:
-                assert r.status == 200, await r.text()
-                y = np.frombuffer(await r.read(), dtype="<f4").reshape(rows, ROW)
-            if y.tobytes() != demo_reference(x).tobytes():
-                wrong.append(i)
-
-        await asyncio.gather(*(one(i) for i in range(requests)))
+        await _requests(session, base, rng, requests, wrong)
         by_pid: dict = {}
         for _ in range(400):
             async with session.get(f"{base}/stats") as r:
@@ -156,7 +153,15 @@ def _run_workers(workers: int, *extra: str) -> None:
     port = _free_port()
     proc = _start(port, "--workers", str(workers), *extra)
     try:
-        # the /health poll may reach one worker while another still warms up: wait for all
+        # a worker that still warms up does not listen yet, and the kernel gives every
+        # connection to the others: the server says "serving on" once all of them listen
+        t = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("serving on"):
+                break
+            assert time.monotonic() < t, "the workers did not all come up"
+        else:
+            raise AssertionError(f"the server exited with {proc.wait()} before serving")
         by_pid = asyncio.run(_drive_workers(port, proc, workers))
         assert len(by_pid) == workers, f"only {len(by_pid)} of {workers} workers answered"
         served = [sum(b["requests"] for b in st["buckets"].values()) for st in by_pid.values()]

@@ -57,6 +57,7 @@ import attrs
 import numpy as np
 
 from orchestra.errors import CallOrderError, CudaError, OrchestraError
+from orchestra.serve.admission import AdmissionSettings
 from orchestra.serve.backend import Backend, Instance
 from orchestra.serve.buckets import Buckets, bucket_sizes, positive_count
 from orchestra.serve.errors import (
@@ -67,7 +68,6 @@ from orchestra.serve.errors import (
     ServeConfigTypeError,
     ServeConfigValueError,
     StopIterationRaised,
-    check_on_full,
     check_timeout,
 )
 from orchestra.serve.future import ServeFuture
@@ -200,7 +200,7 @@ class _Bucket:
 # -- the engine ----------------------------------------------------------------------------
 
 
-class Engine:
+class Engine(AdmissionSettings):
     """A serving engine over shape buckets of executable task graphs.
 
     Args:
@@ -264,8 +264,7 @@ class Engine:
             raise ServeConfigValueError(f"instances must be >= 1; got {instances}")
         if queue_limit < 1:
             raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
-        self._block = check_on_full(on_full) == "block"
-        self._submit_timeout = check_timeout(submit_timeout, "submit_timeout")
+        self._init_admission(on_full, submit_timeout)
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
         self.completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
@@ -413,30 +412,6 @@ class Engine:
         return self._state == "closed"
 
     # -- submitting -------------------------------------------------------------------------
-
-    # on_full and submit_timeout may change while the engine serves (a server tightening its
-    # admission under load); the hot paths read the checked private values
-    @property
-    def on_full(self) -> str:
-        """``"block"`` or ``"raise"``: what a request that finds the engine full does (see the
-        constructor). May be set at any time, from any thread: the next request follows it;
-        another value raises `ServeConfigValueError` and changes nothing."""
-        return "block" if self._block else "raise"
-
-    @on_full.setter
-    def on_full(self, value) -> None:
-        self._block = check_on_full(value) == "block"
-
-    @property
-    def submit_timeout(self) -> float | None:
-        """Seconds a blocking request waits for room (None: no limit). May be set at any time,
-        checked as the constructor's argument (`ServeConfigTypeError` /
-        `ServeConfigValueError`, nothing changed)."""
-        return self._submit_timeout
-
-    @submit_timeout.setter
-    def submit_timeout(self, value) -> None:
-        self._submit_timeout = check_timeout(value, "submit_timeout")
 
     def submit(self, inputs, *, out=None, pinned: bool = False,
                timeout: Any = ...) -> ServeFuture:

@@ -55,6 +55,7 @@ import numpy as np
 
 from orchestra.errors import CallOrderError, CudaError, OrchestraError
 from orchestra.serve import process_child, wire
+from orchestra.serve.admission import AdmissionSettings
 from orchestra.serve.errors import (
     BadRequest,
     EngineBroken,
@@ -64,7 +65,6 @@ from orchestra.serve.errors import (
     RequestTooLarge,
     ServeConfigTypeError,
     ServeConfigValueError,
-    check_on_full,
     check_timeout,
 )
 from orchestra.serve.buckets import positive_count
@@ -105,7 +105,7 @@ def _set_aio(fut, result, exc) -> None:
         fut.set_result(result)
 
 
-class ProcessEngine:
+class ProcessEngine(AdmissionSettings):
     """An `Engine` made by ``factory(*args, **kwargs)`` in a child process, served through
     shared memory (see the module doc).
 
@@ -182,7 +182,7 @@ class ProcessEngine:
                 f"with multiprocessing's spawn ({type(exc).__name__}: {exc}); use a "
                 f"module-level function (or functools.partial of one), not a lambda or a "
                 f"closure") from exc
-        self._block = check_on_full(on_full) == "block"
+        self._init_admission(on_full, submit_timeout)
         slots = positive_count("slots", slots)
         if slots > wire.MAX_SLOTS:
             raise ServeConfigValueError(f"slots must be 1..{wire.MAX_SLOTS}; got {slots}")
@@ -194,7 +194,6 @@ class ProcessEngine:
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ServeConfigValueError(f"restarts must be an int >= 0; got {restarts!r}")
         completions_per_turn = positive_count("completions_per_turn", completions_per_turn)
-        self._submit_timeout = check_timeout(submit_timeout, "submit_timeout")
         if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
             raise ServeConfigTypeError(f"loop must be an asyncio event loop or None; got "
                                        f"{type(loop).__name__}")
@@ -318,30 +317,6 @@ class ProcessEngine:
         return self._broken
 
     # -- submitting -------------------------------------------------------------------------
-
-    # on_full and submit_timeout may change while the engine serves (a server tightening its
-    # admission under load); the hot paths read the checked private values
-    @property
-    def on_full(self) -> str:
-        """``"block"`` or ``"raise"``: what a request that finds the engine full does (see the
-        constructor). May be set at any time, from any thread: the next request follows it;
-        another value raises `ServeConfigValueError` and changes nothing."""
-        return "block" if self._block else "raise"
-
-    @on_full.setter
-    def on_full(self, value) -> None:
-        self._block = check_on_full(value) == "block"
-
-    @property
-    def submit_timeout(self) -> float | None:
-        """Seconds a blocking request waits for room (None: no limit). May be set at any time,
-        checked as the constructor's argument (`ServeConfigTypeError` /
-        `ServeConfigValueError`, nothing changed)."""
-        return self._submit_timeout
-
-    @submit_timeout.setter
-    def submit_timeout(self, value) -> None:
-        self._submit_timeout = check_timeout(value, "submit_timeout")
 
     def _check(self, inputs, out):
         arrays, rows = check_inputs(self._inputs, inputs)
