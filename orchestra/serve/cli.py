@@ -128,10 +128,9 @@ def _check_numbers(args) -> None:
         if args.process:
             raise BenchConfigError("--processes and --process are two ways to use processes; "
                                    "pass one of them")
-        if args.threads < args.processes:
-            raise BenchConfigError(f"--processes {args.processes} needs at least as many "
-                                   f"--threads (got {args.threads}): every process runs one "
-                                   "or more")
+        from orchestra.serve.bench_processes import split_threads
+
+        split_threads(args.threads, args.processes)  # BenchConfigError: fewer threads
     if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
         raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
     if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
