@@ -762,7 +762,8 @@ def test_a_dead_engine_process_does_not_hold_up_the_loop(restarts):
 BAD_TIMEOUTS = [pytest.param(v, err, id=repr(v)) for v, err in (
     ("1", ServeConfigTypeError), ([1], ServeConfigTypeError), (True, ServeConfigTypeError),
     (float("nan"), ServeConfigValueError), (-1, ServeConfigValueError),
-    (-0.5, ServeConfigValueError), (float("-inf"), ServeConfigValueError))]
+    (-0.5, ServeConfigValueError), (float("-inf"), ServeConfigValueError),
+    (-10 ** 400, ServeConfigValueError))]
 
 
 @pytest.fixture(scope="module")
@@ -813,8 +814,11 @@ def test_settings_changed_while_serving_are_checked_and_followed(which, pe, loca
         bad, error = param.values
         with pytest.raises(error, match=r"^submit_timeout must be"):
             e.submit_timeout = bad
-    for bad in ("Block", "drop", None, 1):
+    for bad in ("Block", "drop"):
         with pytest.raises(ServeConfigValueError, match=r"^on_full must be 'block' or 'raise'"):
+            e.on_full = bad
+    for bad in (None, 1, b"block"):  # the wrong kind: a TypeError, as submit_timeout's
+        with pytest.raises(ServeConfigTypeError, match=r"^on_full must be the string 'block'"):
             e.on_full = bad
     assert (e.on_full, e.submit_timeout) == ("block", None)  # nothing changed
     try:
@@ -830,13 +834,25 @@ def test_settings_changed_while_serving_are_checked_and_followed(which, pe, loca
         e.on_full, e.submit_timeout = "block", None
 
 
-def test_an_infinite_timeout_waits_without_a_limit():
-    # float("inf") reached Condition.wait, which raised a builtin OverflowError
+@pytest.mark.parametrize("which", ["Engine", "ProcessEngine"])
+def test_minus_zero_timeout_is_zero(which, pe, local):
+    e = pe if which == "ProcessEngine" else local
+    try:
+        e.submit_timeout = -0.0
+        assert e.submit_timeout == 0.0 and str(e.submit_timeout) == "0.0"
+    finally:
+        e.submit_timeout = None
+
+
+@pytest.mark.parametrize("huge", [float("inf"), 1e10, 1e300, 10 ** 400], ids=["inf", "1e10", "1e300", "10**400"])
+def test_an_infinite_timeout_waits_without_a_limit(huge):
+    # float("inf") reached Condition.wait, which raised a builtin OverflowError; so did any
+    # value above threading.TIMEOUT_MAX (10 ** 400 at once: float() of it overflows)
     xs = [_x(1, 40 + k) for k in range(4)]
     e = cpu_engine(delay=0.1, queue_limit=1)  # 2 instances and 1 queued: full
     try:
         futs = [e.submit(x) for x in xs[:3]]
-        futs.append(e.submit(xs[3], timeout=float("inf")))  # waits for queue space
+        futs.append(e.submit(xs[3], timeout=huge))  # waits for queue space
         for f, x in zip(futs, xs):
             _check(f.result(timeout=30), x)
     finally:
@@ -844,7 +860,9 @@ def test_an_infinite_timeout_waits_without_a_limit():
     pe1 = ProcessEngine(cpu_engine, kwargs={"delay": 0.1}, slots=1)
     try:
         first = pe1.submit(xs[0])
-        second = pe1.submit(xs[1], timeout=float("inf"))  # waits for the one slot
+        pe1.submit_timeout = huge
+        assert pe1.submit_timeout is None
+        second = pe1.submit(xs[1])  # waits for the one slot
         _check(first.result(timeout=30), xs[0])
         _check(second.result(timeout=30), xs[1])
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 
 from orchestra.errors import ClosedError, OrchestraError, StateError
 
@@ -127,8 +128,10 @@ class EngineProcessError(ServeError, StateError):
 
 def check_timeout(value, what: str) -> float | None:
     """A timeout argument of `Engine` and `ProcessEngine` (``what`` names it in the message):
-    None or seconds >= 0 (a real number: numpy's too, not a bool), returned as a float, or None
-    for ``inf`` (no limit: ``Condition.wait`` would raise ``OverflowError``). Raises
+    None or seconds >= 0 (a real number: numpy's too, not a bool), returned as a float (``-0.0``
+    as ``0.0``), or None for no limit: ``inf``, and any value above ``threading.TIMEOUT_MAX``
+    (about 292 years on Linux), which ``Condition.wait`` would refuse with a builtin
+    ``OverflowError``; an integer too large for a float counts as such a value too. Raises
     `ServeConfigTypeError` for another kind of value and `ServeConfigValueError` for a
     negative one or NaN (the wait it bounds would raise a builtin error, or never end)."""
     if value is None:
@@ -136,19 +139,26 @@ def check_timeout(value, what: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ServeConfigTypeError(f"{what} must be seconds (a number) or None; got "
                                    f"{type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range: seconds >= 0 decides below
+        seconds = math.inf if value > 0 else -math.inf
     if not seconds >= 0:
         raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
-    return None if math.isinf(seconds) else seconds
+    return None if seconds > threading.TIMEOUT_MAX else seconds + 0.0
 
 
 ON_FULL = ("block", "raise")
 
 
 def check_on_full(value) -> str:
-    """The ``on_full`` setting of `Engine` and `ProcessEngine`: ``"block"`` or ``"raise"``,
-    else `ServeConfigValueError`."""
-    if not isinstance(value, str) or value not in ON_FULL:
+    """The ``on_full`` setting of `Engine` and `ProcessEngine`: ``"block"`` or ``"raise"``.
+    Raises `ServeConfigTypeError` for a value that is not a string, `ServeConfigValueError`
+    for another string."""
+    if not isinstance(value, str):
+        raise ServeConfigTypeError(f"on_full must be the string 'block' or 'raise'; got "
+                                   f"{type(value).__name__}")
+    if value not in ON_FULL:
         raise ServeConfigValueError(f"on_full must be 'block' or 'raise'; got {value!r}")
     return value
 
