@@ -441,6 +441,7 @@ class BenchOptions:
     # closed: the threads split over this many processes, each with its own engine (and
     # peers), their measured windows started together
     processes: int = 1
+    loop: str = "asyncio"  # asyncio: the event loop, "asyncio" or "uvloop" (`loop_runner`)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
 
@@ -682,8 +683,37 @@ def allocator_note(environ) -> str:
             "docs/serving.md, point 5 of a lag bound, has the settings that keep it)")
 
 
+def loop_runner(kind: str):
+    """How the asyncio load runs a coroutine to completion: ``asyncio.run`` for ``"asyncio"``;
+    for ``"uvloop"``, an ``asyncio.Runner`` on a uvloop event loop (libuv's, the one uvicorn
+    picks when installed). Raises `BenchConfigError` when uvloop is not installed, or for
+    another ``kind``."""
+    from orchestra.errors import BenchConfigError
+
+    if kind == "asyncio":
+        return asyncio.run
+    if kind != "uvloop":
+        raise BenchConfigError(f"the event loop must be 'asyncio' or 'uvloop', not {kind!r}")
+    try:
+        import uvloop
+    except ImportError as exc:
+        raise BenchConfigError("--loop uvloop needs uvloop: pip install 'orchestra[uvloop]'"
+                               ) from exc
+
+    def run(coro):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+
+    return run
+
+
 def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     out = []
+    run = loop_runner(o.loop)
+    if o.loop == "uvloop":
+        import uvloop
+
+        notes.append(f"asyncio: the tasks run on uvloop {uvloop.__version__}'s event loop")
     if o.gc_freeze:
         notes.append("asyncio: gc.freeze() after the engine's warm-up (docs/serving.md "
                      "recommends it for servers with a lag bound; --no-gc-freeze measures "
@@ -702,12 +732,12 @@ def run_asyncio(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
             continue  # asyncio: the caller design and batching
         inst = max(o.engine.instances, 8)
         if o.process:
-            out.append(asyncio.run(_asyncio_in_process(f"{name}, engine process", w, o,
-                                                       batching, dispatch, inst)))
+            out.append(run(_asyncio_in_process(f"{name}, engine process", w, o,
+                                               batching, dispatch, inst)))
             continue
         with make_engine(w, o.engine, batching=batching, dispatch=dispatch,
                          instances=inst) as e:
-            out.append(asyncio.run(_warmed_load(name, w, o, e)))
+            out.append(run(_warmed_load(name, w, o, e)))
     return out
 
 
@@ -880,7 +910,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
     samples = []
     stop = False
-    period = 0.0005
+    # uvloop's timers count whole ms (libuv's): a 0.5 ms sleep would be a 0 ms one, woken at
+    # the next iteration, and the lag (the wake-up past the sleep's end) would read 0.5 ms low
+    on_uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    period = 0.001 if on_uvloop else 0.0005
 
     async def probe():
         clock, cpu = time.perf_counter, time.thread_time
@@ -973,7 +1006,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     res.extra.update({"loop_lag_p50_ms": float(np.percentile(lag, 50)),
                       "loop_lag_p99_ms": float(np.percentile(lag, 99)),
                       "loop_lag_max_ms": float(lag.max()),
-                      "loop_lag_samples": len(samples),
+                      "loop_lag_samples": len(samples), "loop_lag_probe_ms": period * 1e3,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
                       # the loop thread's CPU time per request (the engine's run() and inbox,
@@ -992,7 +1025,8 @@ def format_lag(r: Result) -> list[str]:
     x = r.extra
     lines = [f"  {r.name}: event-loop lag p50 {x['loop_lag_p50_ms']:.3f} ms, p99 "
              f"{x['loop_lag_p99_ms']:.3f} ms, max {x['loop_lag_max_ms']:.3f} ms over "
-             f"{x['loop_lag_samples']:,} probes (0.5 ms sleeps); "
+             f"{x['loop_lag_samples']:,} probes ({x.get('loop_lag_probe_ms', 0.5):g} ms "
+             f"sleeps); "
              f"{x['loop_lag_over_1ms']:,} above {LAG_BOUND_MS:g} ms"]
     for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
         lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "

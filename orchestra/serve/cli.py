@@ -71,6 +71,9 @@ def register(bsub) -> None:
                         "generation every this many ms from the event loop, as "
                         "docs/serving.md recommends for a lag bound (default 5; 0: the "
                         "automatic collector)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
+                        "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for the run, in ms (default: Python's 5 ms)")
     p.add_argument("--completions-per-turn", type=int, default=None, metavar="N",
@@ -131,6 +134,13 @@ def _check_numbers(args) -> None:
         from orchestra.serve.bench_processes import split_threads
 
         split_threads(args.threads, args.processes)  # BenchConfigError: fewer threads
+    if args.loop != "asyncio":
+        if args.mode not in ("asyncio", "all"):
+            raise BenchConfigError(f"--loop applies to the asyncio load (--mode asyncio or all), "
+                                   f"not --mode {args.mode}")
+        from orchestra.serve.bench import loop_runner
+
+        loop_runner(args.loop)  # BenchConfigError when uvloop is not installed
     if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
         raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
     if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
@@ -196,7 +206,7 @@ def options(args):
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
-        process=args.process, processes=args.processes,
+        process=args.process, processes=args.processes, loop=args.loop,
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
