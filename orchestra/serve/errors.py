@@ -142,7 +142,7 @@ def check_timeout(value, what: str) -> float | None:
     try:
         seconds = float(value)
     except OverflowError:  # an int beyond a float's range: seconds >= 0 decides below
-        seconds = math.inf if int(value) > 0 else -math.inf
+        seconds = -math.inf if value <= 0 else math.inf
     if not seconds >= 0:
         raise ServeConfigValueError(f"{what} must be >= 0 seconds or None; got {value}")
     return None if seconds > threading.TIMEOUT_MAX else seconds + 0.0
