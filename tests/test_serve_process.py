@@ -937,3 +937,13 @@ def test_a_forgotten_loop_engine_is_collected_from_another_thread():
         loop.call_soon_threadsafe(loop.stop)
         t.join(10)
         loop.close()
+
+
+def test_exit_text_says_how_a_process_ended():
+    from orchestra.serve.process import exit_text
+
+    assert exit_text(0) == "exit code 0" and exit_text(3) == "exit code 3"
+    assert exit_text(-9) == "exit code -9 (SIGKILL)"
+    assert exit_text(-15) == "exit code -15 (SIGTERM)"
+    assert exit_text(-200) == "exit code -200"  # no such signal: the number alone
+    assert "not known yet" in exit_text(None) and "None" not in exit_text(None)

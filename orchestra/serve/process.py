@@ -46,6 +46,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import weakref
@@ -723,7 +724,7 @@ class ProcessEngine(AdmissionSettings):
         if self._broken is not None:
             return self._broken
         code = (child or self._child).proc.exitcode
-        return EngineProcessError(f"the engine process exited (exit code {code}); make a new "
+        return EngineProcessError(f"the engine process exited ({exit_text(code)}); make a new "
                                   f"ProcessEngine to serve again", code)
 
     def _child_gone(self, child: _ChildProc) -> None:
@@ -751,8 +752,8 @@ class ProcessEngine(AdmissionSettings):
                     child.proc.exitcode)
             else:
                 exc = self._broken or EngineProcessError(
-                    f"the engine process ended before it answered (exit code "
-                    f"{child.proc.exitcode})", child.proc.exitcode)
+                    f"the engine process ended before it answered "
+                    f"({exit_text(child.proc.exitcode)})", child.proc.exitcode)
             pending = list(self._pending.values())
             self._pending.clear()
             self._counts["failed"] += len(pending)
@@ -1036,6 +1037,20 @@ def _breaks_engine(exc: BaseException) -> bool:
     return isinstance(exc, EngineBroken) or (isinstance(exc, CudaError) and exc.sticky)
 
 
+def exit_text(code: int | None) -> str:
+    """How a process ended, for a message: ``"exit code 3"``, ``"exit code -9 (SIGKILL)"`` for
+    a signal (``multiprocessing``'s negative exit code), or, for None (gone, its pipes closed,
+    but not reaped yet: a GPU process can take seconds), that the code is not known yet."""
+    if code is None:
+        return "exit code not known yet: the process is still being reaped"
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
 def _check_shm_space(nbytes: int, where: str = "/dev/shm") -> None:
     """Refuse slots that the shared-memory file system cannot hold: a tmpfs hands out pages
     lazily, and touching one past its size kills the process with SIGBUS (a container's
@@ -1103,8 +1118,8 @@ class _ChildProc:
             msg = ctl.recv() if ready else None
         except (EOFError, OSError):
             proc.join(5)
-            raise EngineProcessError(f"the engine process exited {what} (exit code "
-                                     f"{proc.exitcode})", proc.exitcode) from None
+            raise EngineProcessError(f"the engine process exited {what} "
+                                     f"({exit_text(proc.exitcode)})", proc.exitcode) from None
         if msg is None:
             raise EngineProcessError(f"the engine process did not answer within "
                                      f"{timeout:g} s {what} (start_timeout)")
