@@ -280,6 +280,49 @@ def test_loop_reads_completions_and_slots_are_awaited():
     asyncio.run(main())
 
 
+def test_loop_resolves_at_most_completions_per_turn_per_iteration():
+    # the response pipe's reader drained at once when no drain was scheduled, so in one
+    # iteration a drain scheduled in the one before (which emptied what was read) and the
+    # reader's own drain of new answers both ran: twice completions_per_turn tasks resumed
+    # in the next iteration (the long iterations of a busy loop)
+    from types import SimpleNamespace
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)  # as the loop's end of the response pipe
+    soon = []
+    e = object.__new__(ProcessEngine)
+    e._loop = SimpleNamespace(call_soon=lambda fn, *a: soon.append((fn, a)))
+    e.completions_per_turn = 3
+    done = []
+    e._complete = lambda rid, slot, err, batch: done.append(rid)
+    child = SimpleNamespace(handed=False, turn_pending=False, resp_fd=r,
+                            reader=wire.RecordReader(wire.RESPONSE, sized=True))
+
+    def answer(*rids):
+        os.write(w, b"".join(wire.RESPONSE.pack(rid, 0, 0) for rid in rids))
+
+    def iteration(readable: bool) -> int:
+        """One loop iteration: the callbacks scheduled in the last one, then the reader."""
+        before, due = len(done), soon[:]
+        soon.clear()
+        for fn, a in due:
+            fn(*a)
+        if readable:
+            e._on_readable(child)
+        return len(done) - before
+
+    try:
+        answer(*range(5))
+        counts = [iteration(True)]  # 5 answers: 3 now or in the next iteration, 2 after
+        answer(5, 6, 7)  # more arrive while 2 are still to resolve
+        counts += [iteration(True) for _ in range(4)]
+        assert done == list(range(8))
+        assert max(counts) <= 3, counts
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_cancelled_task_drops_its_result_and_frees_the_slot():
     async def main():
         e = ProcessEngine(cpu_engine, kwargs={"delay": 0.05}, slots=1,

@@ -700,7 +700,11 @@ class ProcessEngine(AdmissionSettings):
             return
         child.reader.feed(data)
         if not child.turn_pending:
-            self._drain_turn(child)
+            # in the next iteration, not here: a drain scheduled in the last one may already
+            # have run in this one, and two drains would resume 2 x completions_per_turn tasks
+            # in the next (the long iterations of a saturated loop)
+            child.turn_pending = True
+            self._loop.call_soon(self._drain_turn, child)
 
     def _drain_turn(self, child: _ChildProc) -> None:
         """On the loop: resolve up to ``completions_per_turn`` requests (and for at most
