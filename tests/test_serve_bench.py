@@ -117,6 +117,9 @@ def test_cli_refusals(capsys):
     assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--completions-per-turn",
                 "0"]) == 2
     assert "--completions-per-turn must be >= 1" in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "asyncio", "--arrivals-per-turn",
+                "0"]) == 2
+    assert "--arrivals-per-turn must be >= 1" in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--mode", "open", "--rate", "1e-300"]) == 2
     assert "--rate must be at least 1 request/s, got 1e-300" in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--batching", "on", "--max-delay-us", "1e12"]) == 2

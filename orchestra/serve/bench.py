@@ -411,6 +411,10 @@ def _call(client, x):
 # -- modes ----------------------------------------------------------------------------------
 
 
+# asyncio: tasks started per loop turn while the load ramps up (connections arriving)
+ARRIVALS_PER_TURN = 8
+
+
 @attrs.define
 class BenchOptions:
     """What `orchestra bench serve` runs (the CLI's options). Plain data.
@@ -441,6 +445,7 @@ class BenchOptions:
     # closed: the threads split over this many processes, each with its own engine (and
     # peers), their measured windows started together
     processes: int = 1
+    arrivals_per_turn: int = ARRIVALS_PER_TURN  # asyncio: tasks started per loop iteration
     loop: str = "asyncio"  # asyncio: the event loop, "asyncio" or "uvloop" (`loop_runner`)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
@@ -749,7 +754,8 @@ async def _warmed_load(name: str, w: Workload, o: BenchOptions, e) -> Result:
         gc.collect()
         gc.freeze()
     try:
-        r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks, o.gc_young_ms)
+        r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks, o.gc_young_ms,
+                                o.arrivals_per_turn)
     finally:
         if o.gc_freeze:
             gc.unfreeze()
@@ -795,7 +801,6 @@ class _GcPauses:
 
 
 LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
-ARRIVALS_PER_TURN = 8  # asyncio: tasks started per loop turn (connections arriving)
 
 
 def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
@@ -906,7 +911,8 @@ async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
 
 
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
-                        young_ms: float | None = None) -> Result:
+                        young_ms: float | None = None,
+                        arrivals: int = ARRIVALS_PER_TURN) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
     samples = []
     stop = False
@@ -975,12 +981,12 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             gc.disable()
             young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        # the tasks start ARRIVALS_PER_TURN per loop turn, as a server's connections arrive:
-        # the first steps of 1,000 coroutines in one turn would be the benchmark's own lag
+        # the tasks start `arrivals` per loop turn, as a server's connections arrive: the
+        # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
         started = []
-        for lo in range(0, tasks, ARRIVALS_PER_TURN):
+        for lo in range(0, tasks, arrivals):
             started += [asyncio.ensure_future(task(k))
-                        for k in range(lo, min(tasks, lo + ARRIVALS_PER_TURN))]
+                        for k in range(lo, min(tasks, lo + arrivals))]
             await asyncio.sleep(0)
         await finished.wait()
         res.seconds = time.perf_counter() - t0

@@ -71,6 +71,11 @@ def register(bsub) -> None:
                         "generation every this many ms from the event loop, as "
                         "docs/serving.md recommends for a lag bound (default 5; 0: the "
                         "automatic collector)")
+    p.add_argument("--arrivals-per-turn", type=int, default=None, metavar="N",
+                   help="asyncio: tasks started per event-loop iteration while the load "
+                        "ramps up, as a server's connections arrive (default 8); each first "
+                        "step submits a request, so N adds to an iteration's work as "
+                        "--completions-per-turn does")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
                         "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")
@@ -109,7 +114,7 @@ def _check_numbers(args) -> None:
     for name in ("threads", "window", "tasks", "instances", "iters", "processes"):
         if getattr(args, name) < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("requests", "max_batch", "completions_per_turn"):
+    for name in ("requests", "max_batch", "completions_per_turn", "arrivals_per_turn"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -207,6 +212,8 @@ def options(args):
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
         process=args.process, processes=args.processes, loop=args.loop,
+        **({} if args.arrivals_per_turn is None
+           else {"arrivals_per_turn": args.arrivals_per_turn}),
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
