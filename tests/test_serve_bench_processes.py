@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from orchestra.serve.bench import (
     cpu_backend_factory,
     run,
 )
+from orchestra.serve import bench_processes
 from orchestra.serve.bench_processes import merge, split_threads
 
 
@@ -120,3 +122,22 @@ def test_a_start_that_fails_joins_the_warmed_threads_and_raises():
     with pytest.raises(threading.BrokenBarrierError):
         closed_loop("echo", "closed", w, lambda: (lambda x: x), 3, 0.1, sync=sync)
     assert threading.active_count() == before
+
+
+def _options(**kw):
+    kw = {"mode": "closed", "mix": "16K", "threads": 2, "duration": 0.3, "batching": "on",
+          "dispatch": "caller", "processes": 2,
+          "engine": EngineConfig(backend_factory=cpu_backend_factory), **kw}
+    return BenchOptions(**kw)
+
+
+def test_a_worker_that_dies_before_the_start_is_seen_at_once(monkeypatch):
+    # worker 1 dies while worker 0 waits at the barrier: reading the pipes in order waited
+    # for worker 0 until the barrier's 180 s ran out
+    from tests import fake_bench_workers
+
+    monkeypatch.setattr(bench_processes, "_worker", fake_bench_workers.dies_before_the_start)
+    t0 = time.monotonic()
+    (r,), _, _ = run(_options())
+    assert time.monotonic() - t0 < 30
+    assert r.requests == 0 and r.errors == 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from multiprocessing import connection
 
 import numpy as np
 
@@ -41,6 +42,10 @@ from orchestra.serve.bench import (
 # warm-up), and beyond its window to hand back its result
 START_TIMEOUT_S = 180.0
 RESULT_TIMEOUT_S = 120.0
+# once every result is in: how long the workers get to exit on their own (their engines are
+# closed by then); after a failure or a stop: how long a SIGTERM gets before SIGKILL
+JOIN_TIMEOUT_S = 10.0
+STOP_GRACE_S = 1.0
 
 
 def split_threads(threads: int, processes: int) -> list[int]:
@@ -85,6 +90,8 @@ def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(len(counts))
     procs, conns = [], []
+    answers: list[dict | None] = [None] * len(counts)
+    failed = True  # until _collect says otherwise (an exception: stop them at once)
     try:
         for k, n in enumerate(counts):
             mine, theirs = ctx.Pipe(duplex=False)
@@ -94,28 +101,86 @@ def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
             theirs.close()
             procs.append(p)
             conns.append(mine)
-        deadline = time.monotonic() + START_TIMEOUT_S + _dur(o) + RESULT_TIMEOUT_S
-        answers = []
-        for k, c in enumerate(conns):
-            if c.poll(max(0.0, deadline - time.monotonic())):
-                try:
-                    answers.append(c.recv())
-                    continue
-                except EOFError:
-                    pass
-            barrier.abort()  # the others must not wait for it
-            code = procs[k].exitcode
-            answers.append({"error": f"worker process {k} gave no result (exit code "
-                                     f"{code if code is not None else 'none yet'})"})
+        failed = _collect(procs, conns, barrier, answers,
+                          START_TIMEOUT_S + _dur(o) + RESULT_TIMEOUT_S)
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        # after a failure the row is lost: the others are stopped rather than waited for
+        _stop(procs, STOP_GRACE_S if failed else JOIN_TIMEOUT_S)
         for c in conns:
             c.close()
-    return merge(answers, counts)
+    return merge([a if a is not None else {"error": "gave no result"} for a in answers], counts)
+
+
+def _collect(procs: list, conns: list, barrier, answers: list, timeout_s: float) -> bool:
+    """Every worker's answer into ``answers[k]``, in the order they come: the result pipes and
+    the process sentinels are waited on together, so a worker that dies (at any point, even
+    before the start barrier, which a killed process does not break) is seen at once rather
+    than after the workers before it in the list have answered. The first failure aborts the
+    barrier (the others waiting there return at once) and leaves the rest `STOP_GRACE_S` to
+    answer; who has not by then, or by ``timeout_s``, is left to `_stop`. True when a worker
+    failed (or timed out)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(enumerate(zip(conns, procs)))
+    failed_at: float | None = None
+    while waiting:
+        limit = deadline if failed_at is None else min(deadline, failed_at + STOP_GRACE_S)
+        ready = set(connection.wait([x for c, p in waiting.values() for x in (c, p.sentinel)],
+                                    max(0.0, limit - time.monotonic())))
+        if not ready:
+            break
+        for k, (c, p) in list(waiting.items()):
+            if c not in ready and p.sentinel not in ready:
+                continue
+            answer = _read(c, p)
+            if answer is None:
+                continue  # the pipe has more to come
+            del waiting[k]
+            answers[k] = answer
+            if "error" in answer and failed_at is None:
+                failed_at = time.monotonic()
+                barrier.abort()  # the others must not wait for it
+    for k in waiting:
+        if failed_at is None:  # nobody failed: the deadline passed
+            answers[k] = {"error": f"still running after the {timeout_s:.0f} s timeout "
+                                   f"(start {START_TIMEOUT_S:.0f} s + window + result "
+                                   f"{RESULT_TIMEOUT_S:.0f} s)"}
+        else:
+            answers[k] = {"error": "stopped: another worker failed", "secondary": True}
+    return failed_at is not None or bool(waiting)
+
+
+def _read(c, p) -> dict | None:
+    """The answer of the worker ``p`` on ``c`` once one of them is ready: what it sent, or the
+    error of a worker that ended without sending; None while a live worker's pipe is empty."""
+    try:
+        if c.poll(0):
+            return c.recv()
+    except (EOFError, OSError):
+        pass  # the worker closed its end without a word: it is ending
+    else:
+        if p.is_alive():
+            return None
+    p.join(STOP_GRACE_S)  # its end closed: the exit status follows at once
+    return {"error": "ended without handing back a result"}
+
+
+def _stop(procs: list, wait_s: float) -> None:
+    """Every worker ended, with one shared deadline: ``wait_s`` to exit on its own, then
+    SIGTERM and `STOP_GRACE_S`, then SIGKILL (a worker stuck in a driver call or a full pipe
+    ignores nothing else)."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(STOP_GRACE_S)
 
 
 def merge(answers: list[dict], counts: list[int]) -> Result:
