@@ -17,3 +17,17 @@ def dies_before_the_start(o, contender, threads, index, barrier, conn):
     if index == 1:
         os._exit(3)
     _worker(o, contender, threads, index, barrier, conn)
+
+
+def runs_on(o, contender, threads, index, barrier, conn):
+    """Writes its pid to ``$ORCHESTRA_TEST_PIDS/<index>``, waits at the barrier and then
+    sleeps far past any test, as a worker in a long window does; worker 1 ignores SIGTERM as
+    one stuck where SIGTERM does not end it, so only SIGKILL does."""
+    if index == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    folder = os.environ["ORCHESTRA_TEST_PIDS"]
+    with open(os.path.join(folder, f"{index}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(folder, f"{index}.tmp"), os.path.join(folder, str(index)))
+    barrier.wait(60)
+    time.sleep(600)

@@ -5,8 +5,13 @@ the merge on made-up figures; the CLI's refusals; a start that fails joins every
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,3 +146,98 @@ def test_a_worker_that_dies_before_the_start_is_seen_at_once(monkeypatch):
     (r,), _, _ = run(_options())
     assert time.monotonic() - t0 < 30
     assert r.requests == 0 and r.errors == 2
+
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = str(Path(__file__).with_name("bench_serve_child.py"))
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie not reaped yet is gone as far as the test is concerned
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal_the_parent(tmp_path, sig):
+    """Start the CLI with two workers that run on (`fake_bench_workers.runs_on`), send
+    ``sig`` to the parent alone once both have started; (exit status, seconds from the
+    signal to the exit, stderr, the workers' pids)."""
+    env = dict(os.environ, ORCHESTRA_TEST_PIDS=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # SIGINT as a terminal delivers it: a shell's background job ignores it, and a child
+    # would inherit that
+    proc = subprocess.Popen(
+        [sys.executable, CHILD, "runs_on", "bench", "serve", "--cpu", "--mode", "closed",
+         "--processes", "2", "--threads", "2", "--duration", "60", "--batching", "on",
+         "--dispatch", "caller"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / str(k)).exists() for k in range(2)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        pids = [int((tmp_path / str(k)).read_text()) for k in range(2)]
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        return proc.returncode, time.monotonic() - t0, err, pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _gone(pids):
+    deadline = time.monotonic() + 2
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    live = [p for p in pids if _alive(p)]
+    for p in live:  # leave nothing behind for the next test, then fail
+        os.kill(p, signal.SIGKILL)
+    return not live
+
+
+def test_ctrl_c_to_the_parent_stops_every_worker_at_once(tmp_path):
+    # it took a join(10) per worker, the barrier unbroken, and no word
+    code, seconds, err, pids = _signal_the_parent(tmp_path, signal.SIGINT)
+    assert _gone(pids)
+    assert code == 130, err
+    assert seconds < 5, seconds
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines() == [
+        "orchestra bench serve: interrupted; every worker process was stopped, no results"]
+
+
+def test_sigterm_to_the_parent_stops_every_worker(tmp_path):
+    # SIGTERM ended the parent alone; its workers ran their windows out
+    code, seconds, err, pids = _signal_the_parent(tmp_path, signal.SIGTERM)
+    assert _gone(pids)
+    assert code == 143, err
+    assert seconds < 5, seconds
+    assert err.strip().splitlines() == [
+        "orchestra bench serve: stopped by SIGTERM; every worker process was stopped, no "
+        "results"]
+
+
+def test_the_sigterm_handler_is_put_back_and_set_only_in_the_main_thread():
+    before = signal.getsignal(signal.SIGTERM)
+    with bench_processes._sigterm_raises():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    seen = []
+
+    def elsewhere():
+        with bench_processes._sigterm_raises():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    t.join()
+    assert seen == [before]

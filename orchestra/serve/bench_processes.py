@@ -19,13 +19,16 @@ against the total; the latency percentiles are over every process's requests.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import signal
+import threading
 import time
 from multiprocessing import connection
 
 import numpy as np
 
-from orchestra.errors import BenchConfigError
+from orchestra.errors import BenchConfigError, StoppedBySignal
 from orchestra.serve.bench import (
     PEERS,
     BenchOptions,
@@ -60,6 +63,9 @@ def split_threads(threads: int, processes: int) -> list[int]:
 def _worker(o: BenchOptions, contender: tuple, threads: int, index: int, barrier, conn) -> None:
     """In a worker process: run ``contender`` (``("engine", variant)`` or ``("peer", kind)``)
     with ``threads`` threads and send its figures back (or the error, as text)."""
+    # the parent stops the workers (SIGTERM) when it is interrupted: a terminal's Ctrl-C,
+    # which reaches the whole process group, must not also end them mid-send on their own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         w = Workload(o.mix, int(o.row_kib * 256), o.iters)
 
@@ -91,7 +97,7 @@ def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
     barrier = ctx.Barrier(len(counts))
     procs, conns = [], []
     answers: list[dict | None] = [None] * len(counts)
-    failed = True  # until _collect says otherwise (an exception: stop them at once)
+    stop_after = 0.0  # interrupted (Ctrl-C, SIGTERM) or failed to start: stop them at once
     try:
         for k, n in enumerate(counts):
             mine, theirs = ctx.Pipe(duplex=False)
@@ -103,9 +109,13 @@ def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
             conns.append(mine)
         failed = _collect(procs, conns, barrier, answers,
                           START_TIMEOUT_S + _dur(o) + RESULT_TIMEOUT_S)
-    finally:
         # after a failure the row is lost: the others are stopped rather than waited for
-        _stop(procs, STOP_GRACE_S if failed else JOIN_TIMEOUT_S)
+        stop_after = STOP_GRACE_S if failed else JOIN_TIMEOUT_S
+    except BaseException:
+        barrier.abort()  # a worker still starting returns from the barrier, not into a window
+        raise
+    finally:
+        _stop(procs, stop_after)
         for c in conns:
             c.close()
     return merge([a if a is not None else {"error": "gave no result"} for a in answers], counts)
@@ -217,6 +227,33 @@ def merge(answers: list[dict], counts: list[int]) -> Result:
     return res
 
 
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the workers run, SIGTERM raises `StoppedBySignal` in the main thread, so that
+    `_across` stops them on its way out: SIGTERM's default action would end this process at
+    once and leave them running their windows out. The old handler is back afterwards. Only
+    the main thread can set a handler (and only there does the signal raise); elsewhere this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def handler(signum, frame):
+        if fired:  # stopping already: a second SIGTERM must not cut the stopping short
+            return
+        fired.append(signum)
+        raise StoppedBySignal("stopped by SIGTERM; every worker process was stopped, no "
+                              "results", signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python, which cannot be put back; the default is nearest
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
 def run_closed_across(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     """The closed mode with ``o.processes`` worker processes: every engine variant, then the
     peers, each in its own set of processes."""
@@ -229,7 +266,8 @@ def run_closed_across(w: Workload, o: BenchOptions, notes: list) -> list[Result]
                 contenders.append(("peer", kind))
             else:
                 notes.append(why)
-    out = [_across(o, c, counts) for c in contenders]
+    with _sigterm_raises():
+        out = [_across(o, c, counts) for c in contenders]
     spread = [r.extra["start_spread_ms"] for r in out if r.extra.get("start_spread_ms")]
     notes.append(f"closed: {o.processes} processes ({'/'.join(map(str, counts))} threads), "
                  "each with its own engine or peer on the same GPU, their windows started "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 MODES = ("all", "latency", "closed", "open", "asyncio", "soak")
 
 
@@ -209,8 +211,15 @@ def run_cmd(args) -> int:
     from orchestra.serve.bench import main
 
     o = options(args)
-    if args.cpu:
-        return main(o, as_json=args.json, plot=args.plot,
-                    device_name="CPU (NumpyBackend, device thread)")
-    dev = Device.get(args.device)
-    return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)
+    try:
+        if args.cpu:
+            return main(o, as_json=args.json, plot=args.plot,
+                        device_name="CPU (NumpyBackend, device thread)")
+        dev = Device.get(args.device)
+        return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)
+    except KeyboardInterrupt:
+        # the CLI exits 130 without a word; with worker processes say what became of them
+        if o.processes > 1:
+            print("orchestra bench serve: interrupted; every worker process was stopped, no "
+                  "results", file=sys.stderr)
+        raise
