@@ -31,3 +31,12 @@ def runs_on(o, contender, threads, index, barrier, conn):
     os.replace(os.path.join(folder, f"{index}.tmp"), os.path.join(folder, str(index)))
     barrier.wait(60)
     time.sleep(600)
+
+
+def killed_in_its_window(o, contender, threads, index, barrier, conn):
+    """Worker 1 is killed (SIGKILL) once the windows have started; every other worker is the
+    real one and hands back its figures."""
+    if index == 1:
+        barrier.wait(60)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _worker(o, contender, threads, index, barrier, conn)

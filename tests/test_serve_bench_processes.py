@@ -19,6 +19,7 @@ import pytest
 from orchestra.errors import BenchConfigError
 from orchestra.serve.bench import (
     BenchOptions,
+    _engine_variants,
     EngineConfig,
     Workload,
     closed_loop,
@@ -38,8 +39,11 @@ def test_threads_spread_over_the_processes_as_evenly_as_they_go():
         split_threads(2, 3)
 
 
-def _answer(requests, window, lat, fill=1.0, name="engine, dynamic batching, 2 inst/bucket"):
-    return {"name": name, "requests": requests, "wrong": 0, "errors": 0, "note": "",
+BASE = "engine, dynamic batching, 2 inst/bucket"
+
+
+def _answer(requests, window, lat, fill=1.0):
+    return {"requests": requests, "wrong": 0, "errors": 0, "note": "",
             "batch_fill": fill, "window": window,
             "latency": np.asarray(lat, dtype=np.float64).tobytes(), "extra": {"warmup_ms": 3.0}}
 
@@ -49,7 +53,7 @@ def test_the_merge_sums_requests_over_the_span_of_every_window():
     # total is 3,000 requests / 2.5 s, below the 1,000 + 2,000 req/s the windows saw alone
     a = _answer(2000, (10.0, 12.0), [100.0] * 10, fill=1.0)
     b = _answer(4000, (10.5, 12.5), [300.0] * 30, fill=0.5)
-    r = merge([a, b], [4, 4])
+    r = merge([a, b], [4, 4], BASE)
     assert r.name == "engine, dynamic batching, 2 inst/bucket, 2 processes x 4 threads"
     assert r.requests == 6000 and r.seconds == pytest.approx(2.5)
     assert r.rps == pytest.approx(2400.0)
@@ -60,14 +64,49 @@ def test_the_merge_sums_requests_over_the_span_of_every_window():
     assert r.errors == 0 and r.extra["warmup_ms"] == 3.0
 
 
-def test_a_worker_that_failed_is_an_error_of_the_row_with_its_message():
+def test_a_worker_that_failed_fails_the_row_naming_the_worker_how_it_ended_and_why():
     a = _answer(100, (1.0, 2.0), [5.0])
-    r = merge([a, {"error": "CudaError: out of memory"}], [2, 1])
-    assert r.requests == 100 and r.errors == 1
-    assert "CudaError: out of memory" in r.note
-    assert r.name.endswith("2 processes x 2/1 threads")
-    empty = merge([{"error": "x"}, {"error": "x"}], [1, 1])
+    r = merge([a, {"error": "CudaError: out of memory", "exit": "exit code 1"}], [2, 1], BASE)
+    assert r.requests == 100 and r.errors == 1  # the survivors' figures, the sums unchanged
+    assert r.failed == "worker 1 of 2 (exit code 1): CudaError: out of memory"
+    assert r.failed in r.note and r.as_dict()["failed"] == r.failed
+    assert r.name == BASE + ", 2 processes x 2/1 threads"
+    # every worker failed: the row keeps its real name, and the one that failed first (not
+    # those its failure stopped) is the row's failure
+    empty = merge([{"error": "another worker failed before the start; see its error",
+                    "secondary": True, "exit": "exit code 1"},
+                   {"error": "ended without handing back a result",
+                    "exit": "killed by signal SIGKILL"}], [1, 1], "cuda-python (stream per thread)")
     assert empty.requests == 0 and empty.rps == 0.0 and empty.errors == 2
+    assert empty.name == "cuda-python (stream per thread), 2 processes x 1 threads"
+    assert empty.failed == ("worker 1 of 2 (killed by signal SIGKILL): ended without handing "
+                            "back a result")
+    assert len(empty.extra["worker_errors"]) == 2
+    assert merge([a, a], [1, 1], BASE).failed is None
+
+
+def test_how_a_worker_ended_in_words():
+    from types import SimpleNamespace as P
+
+    assert bench_processes.ended(P(exitcode=None)) == "still running"
+    assert bench_processes.ended(P(exitcode=3)) == "exit code 3"
+    assert bench_processes.ended(P(exitcode=-9)) == "killed by signal SIGKILL"
+    assert bench_processes.ended(P(exitcode=-15)) == "killed by signal SIGTERM"
+
+
+def test_the_row_is_named_from_the_configuration_instances_per_process():
+    # without batching every thread holds an instance: 3 threads over 2 processes are 2 and
+    # 1, and so are their instances per bucket (worker 0's alone said 2)
+    o = BenchOptions(mode="closed", threads=3, processes=2, batching="off", dispatch="caller",
+                     engine=EngineConfig(instances=1))
+    (variant,) = _engine_variants(o)
+    name = bench_processes.contender_name(o, ("engine", variant), [2, 1])
+    assert name == "engine, caller thread launches, 2/1 inst/bucket"
+    o.engine.instances = 4
+    assert bench_processes.contender_name(o, ("engine", variant), [2, 1]) == \
+        "engine, caller thread launches, 4 inst/bucket"
+    assert bench_processes.contender_name(o, ("peer", "torch"), [2, 1]) == \
+        "PyTorch CUDA graph (per thread)"
 
 
 def test_two_worker_processes_serve_together_every_output_checked():
@@ -146,6 +185,32 @@ def test_a_worker_that_dies_before_the_start_is_seen_at_once(monkeypatch):
     (r,), _, _ = run(_options())
     assert time.monotonic() - t0 < 30
     assert r.requests == 0 and r.errors == 2
+    assert r.name == "engine, dynamic batching, 2 inst/bucket, 2 processes x 1 threads"
+    assert r.failed == "worker 1 of 2 (exit code 3): ended without handing back a result"
+    assert r.extra["worker_errors"][0] == ("worker 0 of 2 (exit code 1): another worker failed "
+                                           "before the start; see its error")
+
+
+def test_a_worker_killed_in_its_window_fails_the_run(monkeypatch, capsys):
+    # worker 1 is killed once the windows started; worker 0's figures alone were reported
+    # as the row's, verified, exit status 0, with a goal line
+    from orchestra.cli.main import main as cli
+    from tests import fake_bench_workers
+
+    monkeypatch.setattr(bench_processes, "_worker", fake_bench_workers.killed_in_its_window)
+    argv = ["bench", "serve", "--cpu", "--mode", "closed", "--duration", "0.3", "--threads",
+            "2", "--processes", "2", "--mix", "16K", "--batching", "on", "--dispatch",
+            "caller"]
+    assert cli([*argv, "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    (r,) = rep["results"]
+    assert rep["verified"] is False
+    assert r["failed"] == ("worker 1 of 2 (killed by signal SIGKILL): ended without handing "
+                           "back a result")
+    assert rep["goals"] == [f"closed: {r['name']}: failed, not judged ({r['failed']})"]
+    assert cli(argv) == 1
+    text = capsys.readouterr().out
+    assert "goal >=" not in text and "failed, not judged" in text
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from multiprocessing import connection
@@ -30,12 +31,15 @@ import numpy as np
 
 from orchestra.errors import BenchConfigError, StoppedBySignal
 from orchestra.serve.bench import (
+    PEER_NAMES,
     PEERS,
     BenchOptions,
     Result,
     Workload,
     _dur,
     _engine_variants,
+    engine_instances,
+    engine_label,
     engine_result,
     peer_result,
     peer_skipped,
@@ -66,10 +70,12 @@ def _worker(o: BenchOptions, contender: tuple, threads: int, index: int, barrier
     # the parent stops the workers (SIGTERM) when it is interrupted: a terminal's Ctrl-C,
     # which reaches the whole process group, must not also end them mid-send on their own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    waited: list[float] = []
     try:
         w = Workload(o.mix, int(o.row_kib * 256), o.iters)
 
         def sync():
+            waited.append(time.monotonic())
             barrier.wait(START_TIMEOUT_S)
 
         seed = 1000 + 100 * index  # each process its own inputs
@@ -78,18 +84,54 @@ def _worker(o: BenchOptions, contender: tuple, threads: int, index: int, barrier
         else:
             r = peer_result(contender[1], "closed", w, o, threads, _dur(o), sync=sync, seed=seed)
         lat = np.asarray(r.latency_us, dtype=np.float64)
-        conn.send({"name": r.name, "requests": r.requests, "wrong": r.wrong,
+        conn.send({"requests": r.requests, "wrong": r.wrong,
                    "errors": r.errors, "note": r.note, "batch_fill": r.batch_fill,
                    "window": r.extra.get("window"), "latency": lat.tobytes(),
                    "extra": {k: v for k, v in r.extra.items() if k != "window"}})
     except BaseException as exc:  # noqa: BLE001 - reported in the parent's table
         barrier.abort()
+        if isinstance(exc, threading.BrokenBarrierError):
+            # not this worker's failure (the bare class name said nothing): the one that
+            # broke the barrier has its own error, or nobody came in time
+            late = waited and time.monotonic() - waited[0] >= START_TIMEOUT_S
+            answer = {"error": f"the other workers were not all ready within "
+                               f"{START_TIMEOUT_S:.0f} s" if late else
+                               "another worker failed before the start; see its error",
+                      "secondary": not late}
+        else:
+            answer = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         try:
-            conn.send({"error": f"{type(exc).__name__}: {exc}"[:300]})
+            conn.send(answer)
         except OSError:
             pass
-    finally:
         conn.close()
+        sys.exit(1)  # the exit status says so too (no traceback: SystemExit)
+    conn.close()
+
+
+def ended(p) -> str:
+    """How the process ``p`` ended, in words: ``exit code 3``, ``killed by signal SIGKILL``,
+    ``still running``."""
+    code = p.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal, without a name
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def contender_name(o: BenchOptions, contender: tuple, counts: list[int]) -> str:
+    """A contender's name in the table, from the configuration (not from a worker, which may
+    have failed): an engine variant's with its instances per bucket in each process, as
+    `engine_result` counts them for that process's ``counts[k]`` threads (``3/2 inst/bucket``
+    when the threads split unevenly and every thread needs its own), or a peer's."""
+    if contender[0] != "engine":
+        return PEER_NAMES[contender[1]]
+    inst = sorted({engine_instances(o, contender[1][1], n) for n in counts}, reverse=True)
+    return f"{engine_label(o, contender[1])}, {'/'.join(map(str, inst))} inst/bucket"
 
 
 def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
@@ -118,7 +160,11 @@ def _across(o: BenchOptions, contender: tuple, counts: list[int]) -> Result:
         _stop(procs, stop_after)
         for c in conns:
             c.close()
-    return merge([a if a is not None else {"error": "gave no result"} for a in answers], counts)
+    for a, p in zip(answers, procs):
+        if a is not None and "error" in a:
+            a.setdefault("exit", ended(p))
+    return merge([a if a is not None else {"error": "gave no result"} for a in answers], counts,
+                 contender_name(o, contender, counts))
 
 
 def _collect(procs: list, conns: list, barrier, answers: list, timeout_s: float) -> bool:
@@ -151,11 +197,12 @@ def _collect(procs: list, conns: list, barrier, answers: list, timeout_s: float)
                 barrier.abort()  # the others must not wait for it
     for k in waiting:
         if failed_at is None:  # nobody failed: the deadline passed
-            answers[k] = {"error": f"still running after the {timeout_s:.0f} s timeout "
-                                   f"(start {START_TIMEOUT_S:.0f} s + window + result "
-                                   f"{RESULT_TIMEOUT_S:.0f} s)"}
+            answers[k] = {"error": "gave no result in time, stopped",
+                          "exit": f"still running after the {timeout_s:.0f} s timeout "
+                                  f"(start {START_TIMEOUT_S:.0f} s + window + result "
+                                  f"{RESULT_TIMEOUT_S:.0f} s)"}
         else:
-            answers[k] = {"error": "stopped: another worker failed", "secondary": True}
+            answers[k] = {"error": "stopped after another worker failed", "secondary": True}
     return failed_at is not None or bool(waiting)
 
 
@@ -171,7 +218,7 @@ def _read(c, p) -> dict | None:
         if p.is_alive():
             return None
     p.join(STOP_GRACE_S)  # its end closed: the exit status follows at once
-    return {"error": "ended without handing back a result"}
+    return {"error": "ended without handing back a result"}  # its exit status: `ended`
 
 
 def _stop(procs: list, wait_s: float) -> None:
@@ -193,14 +240,20 @@ def _stop(procs: list, wait_s: float) -> None:
             p.join(STOP_GRACE_S)
 
 
-def merge(answers: list[dict], counts: list[int]) -> Result:
-    """One row from every worker's figures: requests and errors summed, requests/s over the
-    span from the first window's start to the last one's end, latency over every request."""
+def merge(answers: list[dict], counts: list[int], base: str) -> Result:
+    """One row from every worker's figures (``answers[k]``: worker k's): requests and errors
+    summed, requests/s over the span from the first window's start to the last one's end,
+    latency over every request; named ``base`` (`contender_name`) and the split. A worker
+    that failed fails the row (``failed``: its index, how it ended, its message): the
+    survivors' figures stay in it, but they measure fewer processes than the row names."""
     ok = [a for a in answers if "error" not in a]
-    failed = [a["error"] for a in answers if "error" in a]
-    base = ok[0]["name"] if ok else "contender"
+    failed = [_failure(k, len(answers), a) for k, a in enumerate(answers) if "error" in a]
+    # the workers that failed on their own, not those the first one's failure stopped
+    first = [_failure(k, len(answers), a) for k, a in enumerate(answers)
+             if "error" in a and not a.get("secondary")] or failed
     per = "/".join(map(str, sorted(set(counts), reverse=True)))
     res = Result("closed", f"{base}, {len(counts)} processes x {per} threads")
+    res.failed = "; ".join(first) or None
     windows = [a["window"] for a in ok if a["window"]]
     res.requests = sum(a["requests"] for a in ok)
     res.wrong = sum(a["wrong"] for a in ok)
@@ -213,13 +266,15 @@ def merge(answers: list[dict], counts: list[int]) -> Result:
     if fills and sum(n for _, n in fills):
         res.batch_fill = sum(f * n for f, n in fills) / sum(n for _, n in fills)
     notes = [a["note"] for a in ok if a["note"]]
-    res.note = "; ".join(dict.fromkeys(notes + failed))
+    res.note = "; ".join(dict.fromkeys(notes + first))
     res.extra.update({
         "processes": len(counts), "threads_per_process": counts,
         "per_process_req_per_s": [a["requests"] / (a["window"][1] - a["window"][0])
                                   if a["window"] else 0.0 for a in ok],
         "start_spread_ms": (max(a for a, _ in windows) - min(a for a, _ in windows)) * 1e3
         if windows else None})
+    if failed:
+        res.extra["worker_errors"] = failed
     for key in ("warmup_ms", "buckets", "graph_bytes"):
         vals = [a["extra"][key] for a in ok if key in a["extra"]]
         if vals:
@@ -254,6 +309,11 @@ def _sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
 
+def _failure(k: int, n: int, a: dict) -> str:
+    how = f" ({a['exit']})" if a.get("exit") else ""
+    return f"worker {k} of {n}{how}: {a['error']}"
+
+
 def run_closed_across(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     """The closed mode with ``o.processes`` worker processes: every engine variant, then the
     peers, each in its own set of processes."""
@@ -277,4 +337,4 @@ def run_closed_across(w: Workload, o: BenchOptions, notes: list) -> list[Result]
     return out
 
 
-__all__ = ["merge", "run_closed_across", "split_threads"]
+__all__ = ["contender_name", "ended", "merge", "run_closed_across", "split_threads"]

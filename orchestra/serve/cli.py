@@ -13,7 +13,8 @@ def register(bsub) -> None:
         description="Serve float32 requests through orchestra.serve.Engine (H2D, a kernel, D2H "
                     "per request) and, in the same run, through bare cuda-python and PyTorch "
                     "CUDA graph replay; every output is checked bit for bit. Exit status 1 when "
-                    "an output is wrong or a bad request was not refused.")
+                    "an output is wrong, a bad request was not refused, or a worker process "
+                    "of --processes failed.")
     p.add_argument("--mode", choices=MODES, default="all",
                    help="latency (one thread), closed (threads in a closed loop), open "
                         "(Poisson arrivals), asyncio (many tasks, event-loop lag), soak "
