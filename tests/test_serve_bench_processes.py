@@ -126,6 +126,20 @@ def test_two_worker_processes_serve_together_every_output_checked():
     assert any("2 processes (2/1 threads)" in n for n in notes)
 
 
+def test_plot_without_matplotlib_names_the_option_and_the_extra(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from orchestra.cli.main import main as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli(["bench", "serve", "--cpu", "--plot", str(tmp_path / "cdf.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "orchestra[plot]" in err
+    assert "plot_gantt" not in err
+
+
 def test_cli_refuses_processes_where_they_do_not_apply(capsys):
     from orchestra.cli.main import main as cli
 

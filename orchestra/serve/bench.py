@@ -1252,6 +1252,12 @@ def format_soak(r: Result) -> str:
     return "\n".join(lines)
 
 
+# bench serve's own words: the Gantt chart's message (trace.plot.MISSING) names plot_gantt,
+# which `orchestra bench serve --plot` never calls
+PLOT_MISSING = ("--plot needs matplotlib, which is not installed: pip install "
+                "'orchestra[plot]' (or pip install matplotlib)")
+
+
 def plot_cdf(results: list[Result], path: str) -> str:
     """The latency CDF of every contender (matplotlib, the ``plot`` extra)."""
     try:
@@ -1260,8 +1266,7 @@ def plot_cdf(results: list[Result], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise MissingExtraError("--plot needs matplotlib: pip install 'orchestra[plot]'") \
-            from exc
+        raise MissingExtraError(PLOT_MISSING) from exc
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
         if not r.latency_us:

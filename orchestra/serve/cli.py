@@ -182,9 +182,15 @@ def _check_numbers(args) -> None:
     if args.device < 0:
         raise BenchConfigError(f"--device must be >= 0, got {args.device}")
     if args.plot:
-        from orchestra.cli.trace_out import check_outputs
+        import importlib.util
 
-        problem = check_outputs(None, args.plot)
+        from orchestra.cli.trace_out import check_outputs
+        from orchestra.errors import MissingExtraError
+        from orchestra.serve.bench import PLOT_MISSING
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise MissingExtraError(PLOT_MISSING)
+        problem = check_outputs(None, args.plot)  # the folder
         if problem:
             raise BenchConfigError(problem)
 
