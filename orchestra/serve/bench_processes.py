@@ -15,6 +15,11 @@ every process runs its measured window of ``--duration`` seconds. Requests/s is 
 every process's requests over the span from the first window's start to the last one's end
 (``time.monotonic``, one clock for every process on the host), so a late start counts
 against the total; the latency percentiles are over every process's requests.
+
+The parent waits on every worker's result pipe and process at once: a worker that fails or
+dies is seen at once, the others are stopped, and the row is failed (`Result.failed`: the
+worker, how it ended, its message), which fails the run's verification. Ctrl-C or SIGTERM
+to the parent stops every worker (SIGTERM, then SIGKILL) before it exits.
 """
 
 from __future__ import annotations
@@ -189,7 +194,7 @@ def _collect(procs: list, conns: list, barrier, answers: list, timeout_s: float)
                 continue
             answer = _read(c, p)
             if answer is None:
-                continue  # the pipe has more to come
+                continue  # alive, nothing sent yet
             del waiting[k]
             answers[k] = answer
             if "error" in answer and failed_at is None:
