@@ -504,6 +504,20 @@ class BenchConfigError(OrchestraError, ValueError):
     """An `orchestra bench` workload was given sizes or counts it cannot run."""
 
 
+class StoppedBySignal(OrchestraError):
+    """A run stopped by a signal before it finished: SIGTERM to `orchestra bench serve
+    --processes`, whose worker processes are stopped with it. ``signum``: the signal's
+    number; the command exits with 128 + it (143 for SIGTERM), as a shell reports a process
+    the signal ended."""
+
+    def __init__(self, message: str, signum: int = 15):
+        super().__init__(message)
+        self.signum = int(signum)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.signum))
+
+
 class UnsupportedDeviceError(OrchestraError, RuntimeError):
     """The device cannot run what was asked (too old a compute capability, a kernel that does
     not fit on an SM with the shared memory asked for)."""

@@ -15,6 +15,7 @@ A script can tell the failures apart without reading the message:
 74    the output could not be written to stdout (a full disk, ``> /dev/full``, an I/O error)
 130   interrupted (Ctrl-C)
 141   the output pipe was closed (``orchestra plan --json | head -1``)
+143   stopped by SIGTERM (``bench serve --processes``: its worker processes stopped too)
 ====  ==================================================================================
 
 `exit_code(exc)` maps an exception to its code; `UsageError` is what a command raises for an
@@ -27,7 +28,7 @@ from typing import Any
 
 from orchestra.errors import (
     CompileError, CudaError, HazardError, MissingExtraError, NoDeviceError, OrchestraError,
-    UnsupportedDeviceError,
+    StoppedBySignal, UnsupportedDeviceError,
 )
 
 OK = 0
@@ -40,6 +41,7 @@ INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE
 OUTPUT_ERROR = 74    # sysexits.h EX_IOERR: stdout could not be written
 INTERRUPTED = 130    # 128 + SIGINT, what a shell reports for Ctrl-C
 PIPE_CLOSED = 141    # 128 + SIGPIPE
+TERMINATED = 143     # 128 + SIGTERM
 
 #: The epilog of ``orchestra --help`` (and docs/cli.md's table).
 EPILOG = """\
@@ -55,6 +57,7 @@ exit codes:
   74   the output could not be written to stdout (a full disk, an I/O error)
   130  interrupted (Ctrl-C)
   141  the output pipe was closed
+  143  stopped by SIGTERM (bench serve --processes stops its workers first)
 
 Every command takes --json (errors too: {"error": {"type": ..., "message": ...}} on
 stdout), -v (debug log on stderr) and -q (errors only, no progress bars), anywhere on the line."""
@@ -81,6 +84,8 @@ _INPUT_ERRORS = (ValueError, TypeError, KeyError, OverflowError, OSError)
 
 def exit_code(exc: BaseException) -> int:
     """The exit code for ``exc`` (see the module doc): the most specific class wins."""
+    if isinstance(exc, StoppedBySignal):
+        return 128 + exc.signum  # what a shell reports for a process the signal ended
     if isinstance(exc, (NoDeviceError, UnsupportedDeviceError)):
         return NO_DEVICE  # also a driver too old or without an entry point (subclasses)
     if isinstance(exc, CompileError):
@@ -97,4 +102,4 @@ def exit_code(exc: BaseException) -> int:
 
 
 __all__ = ["CHECK_FAILED", "COMPILE_ERROR", "CUDA_ERROR", "EPILOG", "INTERNAL_ERROR",
-           "INTERRUPTED", "NO_DEVICE", "OK", "OUTPUT_ERROR", "PIPE_CLOSED", "USAGE", "UsageError", "exit_code"]
+           "INTERRUPTED", "NO_DEVICE", "OK", "OUTPUT_ERROR", "PIPE_CLOSED", "TERMINATED", "USAGE", "UsageError", "exit_code"]

@@ -169,6 +169,9 @@ class Result:
     batch_fill: float | None = None
     note: str = ""
     extra: dict = attrs.field(factory=dict)
+    # why the row's figures are no measurement (a worker process of --processes failed: its
+    # index, how it ended, its message); such a row fails the run's verification
+    failed: str | None = None
 
     @property
     def rps(self) -> float:
@@ -183,7 +186,7 @@ class Result:
                 "seconds": self.seconds, "req_per_s": self.rps, "p50_us": p["p50"],
                 "p95_us": p["p95"], "p99_us": p["p99"], "wrong": self.wrong,
                 "errors": self.errors, "batch_fill": self.batch_fill, "note": self.note,
-                **self.extra}
+                "failed": self.failed, **self.extra}
 
 
 def _fmt(v, digits=1):
@@ -204,6 +207,7 @@ def format_results(results: list[Result]) -> str:
         p = r.pct()
         rows.append((r.name, f"{r.requests:,}", _fmt(r.rps, 0), _fmt(p["p50"]), _fmt(p["p95"]),
                      _fmt(p["p99"]), "-" if r.batch_fill is None else f"{r.batch_fill:.2f}",
+                     "failed" if r.failed else
                      "ok" if not r.wrong and not r.errors else f"{r.wrong} wrong, {r.errors} err",
                      r.note))
     return format_table(("contender", "requests", "req/s", "p50 us", "p95 us", "p99 us",
@@ -451,6 +455,8 @@ class BenchOptions:
 
 
 PEERS = ("bare", "torch")  # the closed loop's peers, in the order they run
+PEER_NAMES = {"bare": "cuda-python (stream per thread)",
+              "torch": "PyTorch CUDA graph (per thread)"}
 
 
 def peer_skipped(kind: str) -> str | None:
@@ -473,12 +479,12 @@ def peer_result(kind: str, mode, w: Workload, o: BenchOptions, threads: int, dur
 
         dev = Device.get(o.engine.device)
         max_elems = w.max_rows * w.row_floats
-        return closed_loop("cuda-python (stream per thread)", mode, w,
+        return closed_loop(PEER_NAMES["bare"], mode, w,
                            lambda: BareClient(dev, max_elems, w.iters, S, T), threads,
                            duration, sync=sync, seed=seed)
     from orchestra.serve.peers import TorchClient
 
-    return closed_loop("PyTorch CUDA graph (per thread)", mode, w,
+    return closed_loop(PEER_NAMES["torch"], mode, w,
                        lambda: TorchClient(w.shapes, w.iters, S, T, o.engine.device),
                        threads, duration, sync=sync, seed=seed)
 
@@ -573,14 +579,24 @@ def _engine_variants(o: BenchOptions) -> list[tuple[str, bool, str]]:
     return out
 
 
+def engine_instances(o: BenchOptions, batching: bool, threads: int) -> int:
+    """Instances per bucket of an engine variant driven by ``threads`` threads: ``--instances``
+    with batching, else at least one per thread (each thread holds one while it waits)."""
+    return o.engine.instances if batching else max(o.engine.instances, threads)
+
+
+def engine_label(o: BenchOptions, variant: tuple[str, bool, str]) -> str:
+    """An engine variant's name in the table, without its instance count."""
+    return variant[0] + (", engine process" if o.process else "")
+
+
 def engine_result(w: Workload, o: BenchOptions, variant: tuple[str, bool, str], threads: int,
                   sync=None, seed: int = 1000) -> Result:
     """One engine variant of `_engine_variants` (name, batching, dispatch) in `closed_loop`
     with ``threads`` threads, its engine made, warmed up and closed here."""
-    name, batching, dispatch = variant
-    inst = o.engine.instances if batching else max(o.engine.instances, threads)
-    if o.process:
-        name += ", engine process"
+    _, batching, dispatch = variant
+    inst = engine_instances(o, batching, threads)
+    name = engine_label(o, variant)
     with open_engine(w, o.engine, batching=batching, dispatch=dispatch, instances=inst,
                      process=o.process) as e:
         info = _warm(e)
@@ -1225,6 +1241,9 @@ def goal_lines(results: list[Result]) -> list[str]:
                      f"({best.name}, {b50:.1f} us; goal <= 1.1x); p99 = {e99 / e50:.2f}x p50 "
                      "(goal <= 2x)")
     for r in results:
+        if r.failed:  # no figure to judge: the survivors' alone would flatter it
+            lines.append(f"{r.mode}: {r.name}: failed, not judged ({r.failed})")
+            continue
         if r.mode == "closed" and r.name.startswith("engine"):
             goal = 50_000 if "batching" in r.name else 15_000
             lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
@@ -1273,6 +1292,12 @@ def format_soak(r: Result) -> str:
     return "\n".join(lines)
 
 
+# bench serve's own words: the Gantt chart's message (trace.plot.MISSING) names plot_gantt,
+# which `orchestra bench serve --plot` never calls
+PLOT_MISSING = ("--plot needs matplotlib, which is not installed: pip install "
+                "'orchestra[plot]' (or pip install matplotlib)")
+
+
 def plot_cdf(results: list[Result], path: str) -> str:
     """The latency CDF of every contender (matplotlib, the ``plot`` extra)."""
     try:
@@ -1281,8 +1306,7 @@ def plot_cdf(results: list[Result], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise MissingExtraError("--plot needs matplotlib: pip install 'orchestra[plot]'") \
-            from exc
+        raise MissingExtraError(PLOT_MISSING) from exc
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
         if not r.latency_us:
@@ -1303,7 +1327,8 @@ def plot_cdf(results: list[Result], path: str) -> str:
 def main(o: BenchOptions, *, as_json: bool = False, plot: str | None = None,
          device_name: str | None = None) -> int:
     results, notes, w = run(o)
-    ok = all(not r.wrong and not (r.mode == "soak" and r.errors) for r in results)
+    ok = all(not r.wrong and not r.failed and not (r.mode == "soak" and r.errors)
+             for r in results)
     if as_json:
         print(json.dumps({"device": device_name, "mix": o.mix, "row_bytes": 4 * w.row_floats,
                           "results": [r.as_dict() for r in results], "notes": notes,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 MODES = ("all", "latency", "closed", "open", "asyncio", "soak")
 
 
@@ -11,7 +13,8 @@ def register(bsub) -> None:
         description="Serve float32 requests through orchestra.serve.Engine (H2D, a kernel, D2H "
                     "per request) and, in the same run, through bare cuda-python and PyTorch "
                     "CUDA graph replay; every output is checked bit for bit. Exit status 1 when "
-                    "an output is wrong or a bad request was not refused.")
+                    "an output is wrong, a bad request was not refused, or a worker process "
+                    "of --processes failed.")
     p.add_argument("--mode", choices=MODES, default="all",
                    help="latency (one thread), closed (threads in a closed loop), open "
                         "(Poisson arrivals), asyncio (many tasks, event-loop lag), soak "
@@ -194,9 +197,15 @@ def _check_numbers(args) -> None:
     if args.device < 0:
         raise BenchConfigError(f"--device must be >= 0, got {args.device}")
     if args.plot:
-        from orchestra.cli.trace_out import check_outputs
+        import importlib.util
 
-        problem = check_outputs(None, args.plot)
+        from orchestra.cli.trace_out import check_outputs
+        from orchestra.errors import MissingExtraError
+        from orchestra.serve.bench import PLOT_MISSING
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise MissingExtraError(PLOT_MISSING)
+        problem = check_outputs(None, args.plot)  # the folder
         if problem:
             raise BenchConfigError(problem)
 
@@ -226,8 +235,15 @@ def run_cmd(args) -> int:
     from orchestra.serve.bench import main
 
     o = options(args)
-    if args.cpu:
-        return main(o, as_json=args.json, plot=args.plot,
-                    device_name="CPU (NumpyBackend, device thread)")
-    dev = Device.get(args.device)
-    return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)
+    try:
+        if args.cpu:
+            return main(o, as_json=args.json, plot=args.plot,
+                        device_name="CPU (NumpyBackend, device thread)")
+        dev = Device.get(args.device)
+        return main(o, as_json=args.json, plot=args.plot, device_name=dev.name)
+    except KeyboardInterrupt:
+        # the CLI exits 130 without a word; with worker processes say what became of them
+        if o.processes > 1:
+            print("orchestra bench serve: interrupted; every worker process was stopped, no "
+                  "results", file=sys.stderr)
+        raise
