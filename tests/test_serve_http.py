@@ -41,6 +41,19 @@ def _start(port: int, *extra: str) -> subprocess.Popen:
                             env=env)
 
 
+def _stop(proc, timeout: float = 60.0) -> str:
+    """Stop the server with SIGINT (its graceful exit: every engine closes), killed if it does
+    not exit within ``timeout``. Its remaining output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read()
+
+
 async def _wait_ready(session, base: str, proc, timeout: float = 90.0) -> None:
     t = time.monotonic() + timeout
     while True:
@@ -117,14 +130,8 @@ def _run(*extra: str) -> None:
         else:
             assert stats["engine"]["bad_requests"] == 1  # the too-large one reached it
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # aiohttp's graceful exit: the engine closes
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, proc.stdout.read()
+        out = _stop(proc)
+    assert proc.returncode == 0, out
 
 
 async def _drive_workers(port: int, proc, workers: int, requests: int = 400) -> dict:
@@ -167,14 +174,8 @@ def _run_workers(workers: int, *extra: str) -> None:
         served = [sum(b["requests"] for b in st["buckets"].values()) for st in by_pid.values()]
         assert sum(served) == 400 and all(n > 0 for n in served), served
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the parent stops every worker
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, proc.stdout.read()
+        out = _stop(proc)  # the parent stops every worker
+    assert proc.returncode == 0, out
 
 
 def test_http_example_with_two_worker_processes_on_one_port():
