@@ -18,14 +18,19 @@ context 500 (restart the process). With --process the engine runs in a child pro
 new one replaces it after a sticky CUDA error (503 while it starts). With --workers K, K server
 processes (each its own engine on the same GPU) listen on the one port (SO_REUSEPORT: the
 kernel spreads the connections): one Python process serves as many requests as its GIL lets
-through, K serve more (docs/serving.md, "Several processes"). Ctrl-C stops the server and
-closes the engine (every worker's).
+through, K serve more (docs/serving.md, "Several processes"); they stop when this process
+does, even when it is killed. --port 0 serves on a free port, and "serving on" says which; a
+port already in use (by anything, a second server too) is one line and exit status 1. Ctrl-C
+(SIGINT, at the terminal: every process of the group) or SIGTERM stops the server and closes
+the engine (every worker's): exit status 0, or 128 + the signal's number (130 for SIGINT) when
+it came before the server said "serving on".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import functools
 import json
 import multiprocessing
@@ -34,6 +39,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from aiohttp import web
@@ -116,10 +122,45 @@ def make_engine(args):
     return engine_for(*how)
 
 
-def serve(args, ready=None) -> int:
-    """Make and warm up the engine, then serve until SIGINT (or, as a --workers process, until
-    SIGINT or SIGTERM: ``ready`` is the event it sets once it listens). Module level: every
-    worker process runs it."""
+def listening_sockets(host: str, port: int, count: int) -> list:
+    """``count`` TCP sockets listening on ``host``:``port`` (port 0: a free one the system picks),
+    made before any engine so that a taken port fails at once. Several: one per --workers
+    process, with SO_REUSEPORT (the kernel spreads the connections over them, and one that
+    arrives for a worker still warming up waits in its socket's queue). SO_REUSEPORT would
+    also let a second server that sets it bind beside this one, so a plain bind comes first:
+    it fails where anything listens on the port already (a second server started in the same
+    instant could still slip through; anything later is refused)."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]
+    if count == 1:
+        return [socket.create_server((host, port), family=family)]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server does
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # here too
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    socks: list = []
+    try:
+        for _ in range(count):
+            socks.append(socket.create_server((host, port), family=family, reuse_port=True))
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def url(host: str, sock: socket.socket) -> str:
+    port = sock.getsockname()[1]  # the real one, also with --port 0
+    return f"http://[{host}]:{port}/infer" if ":" in host else f"http://{host}:{port}/infer"
+
+
+def serve(args, sock: socket.socket, stop=None, ready=None) -> int:
+    """Make and warm up the engine, then serve on ``sock`` until SIGINT or SIGTERM. As a
+    --workers process (module level: every worker runs it) ``stop`` is its `_Stop` and
+    ``ready`` the event it sets once it serves."""
+    engine = None
     try:
         engine = make_engine(args)
         engine.warmup()
@@ -129,35 +170,77 @@ def serve(args, ready=None) -> int:
     except OrchestraError as exc:
         print(f"serve_http: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server served: no traceback, nothing left
+        if engine is not None:
+            engine.close()
+        return 130
     app = make_app(engine, args.row)
 
     async def close_engine(app):
         app[ENGINE].close()
 
     app.on_cleanup.append(close_engine)
-    if ready is None:
-        print(f"serving on http://{args.host}:{args.port}/infer", flush=True)
-        web.run_app(app, host=args.host, port=args.port, print=None)
+    if stop is None:
+        print(f"serving on {url(args.host, sock)}", flush=True)
+        web.run_app(app, sock=sock, print=None)
         return 0
-    return asyncio.run(_serve_worker(app, args, ready))
+    if stop.requested:  # stopped while the engine warmed up
+        engine.close()
+        return 0
+    return asyncio.run(_serve_worker(app, sock, stop, ready))
 
 
-async def _serve_worker(app, args, ready) -> int:
-    """One --workers process: listen with SO_REUSEPORT beside the others, say so, serve until
-    SIGINT or SIGTERM, then close (the engine with it)."""
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+class _Stop:
+    """When a --workers process stops: at the first SIGINT or SIGTERM, or once its parent has
+    exited (killed, it could not stop this one: nobody else would; noticed once it serves).
+    Repeats are ignored: a Ctrl-C at a terminal reaches every process of the group and the
+    parent passes the stop on as well, and a second one must not interrupt the engine while
+    it closes."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._wake: Callable[[], object] | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        # a repeat finds the stop requested and does nothing (SIG_IGN set here instead would
+        # make Python raise for a second signal that came with this one, awaiting its turn)
+        if not self.requested:
+            self.requested = True
+            if self._wake is not None:
+                self._wake()
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        # a signal handler runs on the main thread between two bytecodes, perhaps while the
+        # loop sleeps in its selector: call_soon_threadsafe wakes the loop (as asyncio.run's
+        # own SIGINT handler does)
+        self._wake = lambda: loop.call_soon_threadsafe(stopped.set)
+        # the parent holds the only write end of the pipe behind this descriptor: it turns
+        # readable (end of file) when the parent exits, however it exits
+        parent = multiprocessing.parent_process()
+        assert parent is not None and parent.sentinel is not None
+        loop.add_reader(parent.sentinel, stopped.set)
+        try:
+            if not self.requested:
+                await stopped.wait()
+        finally:
+            loop.remove_reader(parent.sentinel)
+            self._wake = None
+
+
+async def _serve_worker(app, sock, stop: _Stop, ready) -> int:
+    """One --workers process: serve on its listening socket (the parent made it), say so,
+    serve until told to stop, then close (the engine with it)."""
     runner = web.AppRunner(app)
     await runner.setup()
     try:
-        try:
-            await web.TCPSite(runner, args.host, args.port, reuse_port=True).start()
-        except OSError as exc:  # the port is taken by a process that did not set SO_REUSEPORT
-            print(f"serve_http: cannot listen on {args.host}:{args.port}: {exc}",
-                  file=sys.stderr)
-            return 1
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        await web.SockSite(runner, sock).start()
         ready.set()
         await stop.wait()
     finally:
@@ -165,38 +248,54 @@ async def _serve_worker(app, args, ready) -> int:
     return 0
 
 
-def _worker(args, ready) -> None:
-    sys.exit(serve(args, ready))
+def _worker(args, sock, ready) -> None:
+    stop = _Stop()
+    # the parent started this process with SIGINT and SIGTERM blocked (a signal mask outlives
+    # fork and exec), so that one sent while it imported did not raise KeyboardInterrupt there:
+    # with the handlers in place, one that came meanwhile is delivered now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    code = serve(args, sock, stop, ready)
+    # served and closed: from here on (Python restores the default handlers as it exits, and
+    # SIGTERM's kills) a repeat must not end the process by a signal
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
 
 
-def serve_workers(args) -> int:
-    """--workers K: K processes (spawned: no CUDA state inherited) serving on one port; this one
-    says "serving on" once every one listens. SIGINT or SIGTERM here stops them all (each
-    closes its engine); if one exits by itself (or fails to start) the others are stopped too
-    and the exit status is 1."""
+def serve_workers(args, socks: list) -> int:
+    """--workers K: K processes (spawned: no CUDA state inherited), each serving on one of
+    ``socks``; this one says "serving on" once every one serves. SIGINT or SIGTERM (here, or at
+    every process of the group, as Ctrl-C at a terminal does) stops them all, each closing its
+    engine: exit status 0, or 128 + the signal's number when that came before all of them
+    served. If one exits by itself (or fails to start) the others are stopped too and the exit
+    status is 1."""
+    stopping: list[int] = []  # the signals that came
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
     ctx = multiprocessing.get_context("spawn")
-    ready = [ctx.Event() for _ in range(args.workers)]
-    procs = [ctx.Process(target=_worker, args=(args, ev), name=f"serve_http-worker-{k}")
-             for k, ev in enumerate(ready)]
-    stopping: list = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
-    for p in procs:
-        p.start()
-    announced = False
+    ready = [ctx.Event() for _ in socks]
+    procs = [ctx.Process(target=_worker, args=(args, sock, ev), name=f"serve_http-worker-{k}")
+             for k, (sock, ev) in enumerate(zip(socks, ready))]
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the workers unblock them (_worker)
     try:
-        while not stopping and all(p.is_alive() for p in procs):
-            if not announced and all(ev.is_set() for ev in ready):
-                print(f"serving on http://{args.host}:{args.port}/infer with {args.workers} "
-                      f"worker processes", flush=True)
-                announced = True
-            multiprocessing.connection.wait([p.sentinel for p in procs],
-                                            timeout=0.5 if announced else 0.05)
-    except KeyboardInterrupt:
-        stopping.append("SIGINT")
+        for p in procs:
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    where = url(args.host, socks[0])
+    for sock in socks:
+        sock.close()  # each worker has its own: once it exits, nothing listens on its socket
+    announced = False
+    while not stopping and all(p.is_alive() for p in procs):
+        if not announced and all(ev.is_set() for ev in ready):
+            print(f"serving on {where} with {args.workers} worker processes", flush=True)
+            announced = True
+        # short: a signal's handler only notes it, and the wait goes on to its timeout
+        multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.1)
     early = [p for p in procs if not p.is_alive()]
     for p in procs:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGINT)  # the worker's graceful exit: its engine closes
+            p.terminate()  # SIGTERM: the worker's graceful exit, its engine closes
     for p in procs:
         p.join(60)
         if p.is_alive():
@@ -207,13 +306,19 @@ def serve_workers(args) -> int:
         print(f"serve_http: a worker exited on its own ({codes}); stopped the others",
               file=sys.stderr)
         return 1
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+    failed = [p for p in procs if p.exitcode != 0]
+    if failed:
+        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in failed)
+        print(f"serve_http: a worker did not stop cleanly ({codes})", file=sys.stderr)
+        return 1
+    return 0 if announced else 128 + stopping[0]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="HTTP inference endpoint over orchestra.serve")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="default 8080; 0: a free one (the "
+                                                           "server prints which)")
     p.add_argument("--row", type=int, default=1024, help="floats per row (default 1024)")
     p.add_argument("--max-rows", type=int, default=64, help="the largest bucket (default 64)")
     p.add_argument("--instances", type=int, default=4, help="instances per bucket (4)")
@@ -231,12 +336,24 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
-    if args.workers > 1:
-        if not hasattr(socket, "SO_REUSEPORT"):
-            p.error("--workers above 1 needs SO_REUSEPORT (Linux)")
-        return serve_workers(args)
-    return serve(args)
-
+    if args.workers > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        p.error("--workers above 1 needs SO_REUSEPORT (Linux)")
+    try:
+        socks = listening_sockets(args.host, args.port, args.workers)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print(f"serve_http: port {args.port} on {args.host} is in use", file=sys.stderr)
+        else:
+            print(f"serve_http: cannot listen on {args.host}:{args.port}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.workers > 1:
+            return serve_workers(args, socks)
+        return serve(args, socks[0])
+    finally:
+        for sock in socks:
+            sock.close()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,12 +33,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(port: int, *extra: str) -> subprocess.Popen:
+def _start(port: int, *extra: str, new_session: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--row",
                              str(ROW), "--max-rows", str(MAX_ROWS), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+                            env=env, start_new_session=new_session)
+
+
+def _serving_port(proc, timeout: float = 120.0) -> int:
+    """The port of the server's "serving on" line (with --workers, printed once every worker
+    serves), read from its output."""
+    t = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.startswith("serving on"):
+            port = int(line.split()[2].rsplit(":", 1)[1].split("/")[0])
+            assert port != 0, line
+            return port
+        assert time.monotonic() < t, "the server did not come up"
+    raise AssertionError(f"the server exited with {proc.wait()} before serving")
+
+
+def _stop(proc, sig=signal.SIGINT, group: bool = False, timeout: float = 60.0) -> str:
+    """Stop the server with ``sig`` (its graceful exit: every engine closes), sent to it or,
+    with ``group``, to its whole process group as a terminal's Ctrl-C is; killed if it does
+    not exit within ``timeout``. Its remaining output."""
+    if proc.poll() is None:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read()
+
+
+def _children(pid: int) -> list:
+    """The pids of ``pid``'s multiprocessing children that still run (Linux: /proc)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
 async def _wait_ready(session, base: str, proc, timeout: float = 90.0) -> None:
@@ -104,10 +159,10 @@ async def _drive(port: int, proc, connections: int = 32, requests: int = 400) ->
     return stats
 
 
-def _run(*extra: str) -> None:
-    port = _free_port()
-    proc = _start(port, *extra)
+def _run(*extra: str, port: int | None = None) -> None:
+    proc = _start(_free_port() if port is None else port, *extra)
     try:
+        port = _serving_port(proc)
         stats = asyncio.run(_drive(port, proc))
         served = sum(b["requests"] for b in stats["buckets"].values())
         assert served == 400 + 1
@@ -117,14 +172,8 @@ def _run(*extra: str) -> None:
         else:
             assert stats["engine"]["bad_requests"] == 1  # the too-large one reached it
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # aiohttp's graceful exit: the engine closes
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, proc.stdout.read()
+        out = _stop(proc)
+    assert proc.returncode == 0, out
 
 
 async def _drive_workers(port: int, proc, workers: int, requests: int = 400) -> dict:
@@ -149,36 +198,124 @@ async def _drive_workers(port: int, proc, workers: int, requests: int = 400) -> 
     return by_pid
 
 
-def _run_workers(workers: int, *extra: str) -> None:
-    port = _free_port()
-    proc = _start(port, "--workers", str(workers), *extra)
+def _run_workers(workers: int, *extra: str, port: int | None = None) -> None:
+    proc = _start(_free_port() if port is None else port, "--workers", str(workers), *extra)
     try:
-        # a worker that still warms up does not listen yet, and the kernel gives every
-        # connection to the others: the server says "serving on" once all of them listen
-        t = time.monotonic() + 120
-        for line in proc.stdout:
-            if line.startswith("serving on"):
-                break
-            assert time.monotonic() < t, "the workers did not all come up"
-        else:
-            raise AssertionError(f"the server exited with {proc.wait()} before serving")
+        # a worker that still warms up does not serve yet, and every connection would go to
+        # the others: the server says "serving on" once all of them serve
+        port = _serving_port(proc)
         by_pid = asyncio.run(_drive_workers(port, proc, workers))
         assert len(by_pid) == workers, f"only {len(by_pid)} of {workers} workers answered"
         served = [sum(b["requests"] for b in st["buckets"].values()) for st in by_pid.values()]
         assert sum(served) == 400 and all(n > 0 for n in served), served
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the parent stops every worker
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, proc.stdout.read()
+        out = _stop(proc)  # the parent stops every worker
+    assert proc.returncode == 0, out
+
+
+def _assert_clean(out: str) -> None:
+    assert "Traceback" not in out and "Error" not in out, out
 
 
 def test_http_example_with_two_worker_processes_on_one_port():
     _run_workers(2, "--cpu")
+
+
+def test_http_example_with_two_worker_processes_on_port_0():
+    _run_workers(2, "--cpu", port=0)  # one free port for both, and the server says which
+
+
+def test_http_example_on_port_0():
+    _run("--cpu", port=0)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_http_example_on_a_taken_port_says_so(workers):
+    with socket.socket() as held:  # a listener of another program, no SO_REUSEPORT
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, str(EXAMPLE), "--port", str(port), "--cpu",
+                              "--workers", str(workers)], capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 1, out
+    assert out.stderr == f"serve_http: port {port} on 127.0.0.1 is in use\n", out.stderr
+    assert "serving on" not in out.stdout, out.stdout
+
+
+def test_a_second_http_example_with_workers_on_the_same_port_is_refused():
+    first = _start(_free_port(), "--workers", "2", "--cpu")
+    try:
+        port = _serving_port(first)
+        second = subprocess.run([sys.executable, str(EXAMPLE), "--port", str(port), "--cpu",
+                                 "--workers", "2"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second
+        assert second.stderr == f"serve_http: port {port} on 127.0.0.1 is in use\n", second
+        assert "serving on" not in second.stdout
+        by_pid = asyncio.run(_drive_workers(port, first, 2, requests=40))  # the first serves on
+        assert len(by_pid) == 2
+    finally:
+        out = _stop(first)
+    assert first.returncode == 0, out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("again", [None, 0.02, 0.1], ids=["once", "again-after-0.02s",
+                                                         "again-after-0.1s"])
+def test_http_example_workers_stop_on_a_ctrl_c_at_the_terminal(again):
+    # a terminal's Ctrl-C: SIGINT to every process of the group, the workers as well as the
+    # parent, which passes the stop on to them too; pressed twice, the second one reaches
+    # them while they stop
+    proc = _start(_free_port(), "--workers", "2", "--cpu", new_session=True)
+    try:
+        _serving_port(proc)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        if again is not None:
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(again)
+    finally:
+        out = _stop(proc, group=True)
+    assert proc.returncode == 0, out
+    _assert_clean(out)
+    assert not [pid for pid in workers if _running(pid)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_http_example_ctrl_c_while_the_workers_start():
+    proc = _start(_free_port(), "--workers", "2", "--cpu", new_session=True)
+    try:
+        t = time.monotonic() + 60
+        while not _children(proc.pid):  # the workers have just been started: none serves yet
+            assert proc.poll() is None and time.monotonic() < t, proc.stdout.read()
+            time.sleep(0.005)
+    finally:
+        out = _stop(proc, group=True)
+    assert proc.returncode == 130, out  # stopped before it served
+    assert "serving on" not in out
+    _assert_clean(out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_http_example_workers_stop_when_the_parent_is_killed():
+    proc = _start(_free_port(), "--workers", "2", "--cpu")
+    workers: list = []
+    try:
+        _serving_port(proc)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        proc.kill()  # SIGKILL: the parent cannot stop them
+        proc.wait()
+        t = time.monotonic() + 20
+        while [pid for pid in workers if _running(pid)] and time.monotonic() < t:
+            time.sleep(0.05)
+        left = [pid for pid in workers if _running(pid)]
+        assert not left, f"workers {left} outlived their parent"
+    finally:
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        _stop(proc)
 
 
 def test_http_example_refuses_zero_workers():
