@@ -437,7 +437,7 @@ def test_killed_engine_process_fails_pending_and_refuses_new_work():
         exc = f.exception(timeout=10)
         assert isinstance(exc, EngineProcessError) and exc.exitcode == -signal.SIGKILL
     assert isinstance(e.broken, EngineProcessError)
-    with pytest.raises(EngineProcessError, match="exit code -9"):
+    with pytest.raises(EngineProcessError, match="killed by signal SIGKILL"):
         e.submit(_x(1, 9))
     e.close()
     assert _gone(name)
@@ -788,7 +788,7 @@ def test_a_dead_engine_process_does_not_hold_up_the_loop(restarts):
             else:
                 while e.broken is None:
                     await asyncio.sleep(0.01)
-                with pytest.raises(EngineProcessError, match="exit code -9"):
+                with pytest.raises(EngineProcessError, match="killed by signal SIGKILL"):
                     await e.run(xs[0])
             await asyncio.sleep(max(0.0, reaped[0] - time.monotonic()) + 0.05)
         finally:
@@ -986,7 +986,7 @@ def test_exit_text_says_how_a_process_ended():
     from orchestra.serve.process import exit_text
 
     assert exit_text(0) == "exit code 0" and exit_text(3) == "exit code 3"
-    assert exit_text(-9) == "exit code -9 (SIGKILL)"
-    assert exit_text(-15) == "exit code -15 (SIGTERM)"
-    assert exit_text(-200) == "exit code -200"  # no such signal: the number alone
+    assert exit_text(-9) == "killed by signal SIGKILL"
+    assert exit_text(-15) == "killed by signal SIGTERM"
+    assert exit_text(-200) == "killed by signal 200"  # no such signal's name: its number
     assert "not known yet" in exit_text(None) and "None" not in exit_text(None)

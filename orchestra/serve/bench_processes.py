@@ -49,6 +49,7 @@ from orchestra.serve.bench import (
     peer_result,
     peer_skipped,
 )
+from orchestra.serve.process import exit_text
 
 # seconds a worker may take to start (an interpreter, orchestra, a CUDA context, the engine's
 # warm-up), and beyond its window to hand back its result
@@ -117,15 +118,7 @@ def _worker(o: BenchOptions, contender: tuple, threads: int, index: int, barrier
 def ended(p) -> str:
     """How the process ``p`` ended, in words: ``exit code 3``, ``killed by signal SIGKILL``,
     ``still running``."""
-    code = p.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:  # a real-time signal, without a name
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return exit_text(p.exitcode, unknown="still running")
 
 
 def contender_name(o: BenchOptions, contender: tuple, counts: list[int]) -> str:

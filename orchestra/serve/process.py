@@ -1041,17 +1041,19 @@ def _breaks_engine(exc: BaseException) -> bool:
     return isinstance(exc, EngineBroken) or (isinstance(exc, CudaError) and exc.sticky)
 
 
-def exit_text(code: int | None) -> str:
-    """How a process ended, for a message: ``"exit code 3"``, ``"exit code -9 (SIGKILL)"`` for
-    a signal (``multiprocessing``'s negative exit code), or, for None (gone, its pipes closed,
-    but not reaped yet: a GPU process can take seconds), that the code is not known yet."""
+def exit_text(code: int | None, unknown: str = "exit code not known yet: the process is still "
+                                               "being reaped") -> str:
+    """How a process ended, for a message, from its ``multiprocessing`` exit code: ``"exit
+    code 3"``, ``"killed by signal SIGKILL"`` (a negative code: the signal that ended it), or
+    ``unknown`` for None (by default: gone, its pipes closed, but not reaped yet, which for a
+    GPU process can take seconds)."""
     if code is None:
-        return "exit code not known yet: the process is still being reaped"
+        return unknown
     if code < 0:
         try:
-            return f"exit code {code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal, without a name
+            return f"killed by signal {-code}"
     return f"exit code {code}"
 
 
