@@ -372,6 +372,25 @@ def test_loop_delivers_answers_read_before_the_engine_process_ended():
     asyncio.run(main())
 
 
+def test_a_ctrl_c_reaching_the_engine_process_leaves_it_serving():
+    # a terminal's Ctrl-C reaches every process of the group: the engine process died of it
+    # (KeyboardInterrupt and its traceback), failing the requests in flight before the
+    # client could close it
+    e = ProcessEngine(cpu_engine, kwargs={"delay": 0.2})
+    try:
+        x = _x(3, 51)
+        fut = e.submit(x)  # in flight when the signal comes
+        time.sleep(0.05)
+        os.kill(e.pid, signal.SIGINT)
+        _check(fut.result(timeout=30), x)
+        y = _x(2, 52)
+        _check(e.submit(y).result(timeout=30), y)
+        assert e._child.proc.is_alive()
+    finally:
+        e.close()
+    assert e._child.proc.exitcode == 0
+
+
 def test_full_slots_raise_or_time_out():
     e = ProcessEngine(cpu_engine, kwargs={"delay": 0.3}, slots=1, on_full="raise")
     try:

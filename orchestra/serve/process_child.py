@@ -8,7 +8,10 @@ views of the request's slot; the engine's own threads complete them, and each co
 its response record (under a lock: an error record can be longer than ``PIPE_BUF``).
 
 When the client goes away without closing (its control connection ends), the engine is closed
-with ``cancel=True`` and the process exits.
+with ``cancel=True`` and the process exits. SIGINT is ignored: a Ctrl-C at a terminal reaches
+every process of its group, and this one's life is the client's to end (`ProcessEngine.close`,
+or the client's exit) after the requests in flight are answered; interrupted on its own, it
+would fail them and print a traceback.
 
 Thread-safety: runs once per process, in the process `ProcessEngine` starts.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -35,6 +39,7 @@ def main(factory, args, kwargs, req_fd, resp_fd, ctl) -> None:
 
     from orchestra.serve.engine import Engine
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client ends this process (module doc)
     try:
         engine = factory(*args, **kwargs)
         if not isinstance(engine, Engine):
