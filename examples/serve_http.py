@@ -292,6 +292,11 @@ def serve_workers(args, socks: list) -> int:
             announced = True
         # short: a signal's handler only notes it, and the wait goes on to its timeout
         multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.1)
+    # from here on a stop signal is a repeat (a second Ctrl-C): ignored, not noted. Python
+    # puts the default handler back for a signal with a handler of its own when it exits, and
+    # a repeat that came then would kill this process (exit status -2); SIG_IGN it leaves
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     early = [p for p in procs if not p.is_alive()]
     for p in procs:
         if p.is_alive():
