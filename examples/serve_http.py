@@ -339,6 +339,8 @@ def main(argv=None) -> int:
                    help="server processes on the one port, each with its own engine on the "
                         "same GPU (default 1; Linux: SO_REUSEPORT)")
     args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be 0-65535 (0: a free one), got {args.port}")
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     if args.workers > 1 and not hasattr(socket, "SO_REUSEPORT"):

@@ -1864,3 +1864,19 @@ def test_an_overdue_batch_with_sleeping_callers_is_completed_by_the_timer_thread
         # the timer thread, or a caller that woke first and waited on the launch itself
         assert finisher and finisher[0] in ("orchestra-serve-dispatch", *[t.name for t in ts])
         assert e.stats()["buckets"][16]["requests_per_launch"] == 2
+
+
+@pytest.mark.parametrize("name", ["instances", "queue_limit"])
+@pytest.mark.parametrize("value", [None, "2", 2.5, 1.5, float("inf"), float("nan"), True,
+                                   [1], np.float64(3.0)])
+def test_instances_and_queue_limit_take_ints_only(name, value):
+    """A count that is not an int (a float was truncated, a string or None failed in a
+    comparison, inf or NaN in int()) is refused with ServeConfigTypeError naming it, as
+    completions_per_turn is; numpy ints are ints."""
+    from orchestra.serve.errors import ServeConfigTypeError
+
+    with pytest.raises(ServeConfigTypeError, match=name):
+        Engine(backend=NumpyBackend(f), inputs=SPEC_IN, outputs=SPEC_OUT, **{name: value})
+    with Engine(backend=NumpyBackend(lambda d: f(d["x"])), inputs=SPEC_IN, outputs=SPEC_OUT,
+                buckets=[4], **{name: np.int64(3)}) as e:
+        assert getattr(e, name) == 3 and type(getattr(e, name)) is int

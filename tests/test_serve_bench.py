@@ -285,3 +285,13 @@ def test_completions_per_turn_reaches_the_engine(process):
     assert o.engine.completions_per_turn is None
     with open_engine(Workload("4K", pool=2), o.engine, process=process) as e:
         assert e.completions_per_turn == (4 if process else 16)
+
+
+def test_loop_option_is_refused_with_mode_all(capsys):
+    # --mode all is latency + closed: no asyncio load runs, so --loop uvloop was taken and
+    # silently ignored (the refusal's own message said "--mode asyncio or all")
+    from orchestra.cli.main import main as cli
+
+    assert cli(["bench", "serve", "--cpu", "--mode", "all", "--loop", "uvloop"]) == 2
+    err = capsys.readouterr().err
+    assert "--loop applies to the asyncio load (--mode asyncio), not --mode all" in err

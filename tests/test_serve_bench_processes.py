@@ -320,3 +320,20 @@ def test_the_sigterm_handler_is_put_back_and_set_only_in_the_main_thread():
     t.start()
     t.join()
     assert seen == [before]
+
+
+def test_processes_beyond_the_cap_are_refused_at_once(capsys):
+    # --processes 10**14 --threads 10**14 hung in the option check (split_threads built a
+    # list of 10**14 counts) before anything ran
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.bench_processes import MAX_PROCESSES
+
+    n = str(10**14)
+    t0 = time.monotonic()
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", n,
+                "--threads", n]) == 2
+    assert time.monotonic() - t0 < 10
+    assert f"--processes must be at most {MAX_PROCESSES}" in capsys.readouterr().err
+    with pytest.raises(BenchConfigError, match="at most"):
+        split_threads(MAX_PROCESSES + 1, MAX_PROCESSES + 1)
+    assert len(split_threads(MAX_PROCESSES, MAX_PROCESSES)) == MAX_PROCESSES

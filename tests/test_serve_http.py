@@ -324,6 +324,16 @@ def test_http_example_refuses_zero_workers():
     assert out.returncode == 2 and "--workers must be >= 1, got 0" in out.stderr
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_http_example_refuses_a_port_out_of_range(port):
+    # 99999 was an OverflowError traceback from bind(), -1 a resolver's message and status 1
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--port", port, "--cpu"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert f"--port must be 0-65535 (0: a free one), got {port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_http_example_on_the_cpu_backend():
     _run("--cpu")
 

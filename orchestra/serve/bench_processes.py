@@ -61,9 +61,16 @@ JOIN_TIMEOUT_S = 10.0
 STOP_GRACE_S = 1.0
 
 
+MAX_PROCESSES = 256  # each an interpreter with its own engine (and CUDA context)
+
+
 def split_threads(threads: int, processes: int) -> list[int]:
     """``threads`` spread over ``processes`` as evenly as they go (the first ones get one more);
-    `BenchConfigError` when there are fewer threads than processes."""
+    `BenchConfigError` when there are fewer threads than processes or more processes than
+    `MAX_PROCESSES`."""
+    if processes > MAX_PROCESSES:  # checked before the list of counts is made
+        raise BenchConfigError(f"--processes must be at most {MAX_PROCESSES} (each is a Python "
+                               f"process with its own engine), got {processes}")
     if processes < 1 or threads < processes:
         raise BenchConfigError(f"--processes {processes} needs at least as many --threads "
                                f"(got {threads}): every process runs one or more")

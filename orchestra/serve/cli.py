@@ -143,8 +143,8 @@ def _check_numbers(args) -> None:
 
         split_threads(args.threads, args.processes)  # BenchConfigError: fewer threads
     if args.loop != "asyncio":
-        if args.mode not in ("asyncio", "all"):
-            raise BenchConfigError(f"--loop applies to the asyncio load (--mode asyncio or all), "
+        if args.mode != "asyncio":  # --mode all is latency + closed: no asyncio load
+            raise BenchConfigError(f"--loop applies to the asyncio load (--mode asyncio), "
                                    f"not --mode {args.mode}")
         from orchestra.serve.bench import loop_runner
 

@@ -260,10 +260,8 @@ class Engine(AdmissionSettings):
         self._inputs = tensor_specs(inputs, "inputs")
         self._outputs = tensor_specs(outputs, "outputs")
         self.buckets = Buckets(bucket_sizes(buckets, max_rows))
-        if instances < 1:
-            raise ServeConfigValueError(f"instances must be >= 1; got {instances}")
-        if queue_limit < 1:
-            raise ServeConfigValueError(f"queue_limit must be >= 1; got {queue_limit}")
+        instances = positive_count("instances", instances)
+        queue_limit = positive_count("queue_limit", queue_limit)
         self._init_admission(on_full, submit_timeout)
         if dispatch not in ("caller", "thread"):
             raise ServeConfigValueError(f"dispatch must be 'caller' or 'thread'; got {dispatch!r}")
