@@ -547,6 +547,18 @@ def test_build_failure_fails_waiting_requests_and_warmup_raises():
         assert e(rows(2)).tobytes() == f(rows(2)).tobytes()
 
 
+def test_a_build_failure_without_a_message_is_logged_by_its_kind(caplog):
+    # a MemoryError (raised bare when a build asks for too much) has an empty str: the
+    # warning ended in "failed: " and said nothing
+    backend = GatedBackend(auto=True)
+    with gated_engine(backend, buckets=[4]) as e:
+        backend.create_error = MemoryError()
+        with caplog.at_level("WARNING", logger="orchestra.serve.engine"):
+            with pytest.raises(MemoryError):
+                e.submit(rows(2)).result(timeout=5)
+        assert "building the 4-row bucket failed: MemoryError()" in caplog.text
+
+
 # -- asyncio -------------------------------------------------------------------------------
 
 

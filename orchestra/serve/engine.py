@@ -1649,7 +1649,8 @@ class Engine(AdmissionSettings):
             if self._state != "open":
                 self._notify_idle()
         if err is not None:
-            log.warning("serve: building the %d-row bucket failed: %s", b.rows, err)
+            # repr: a MemoryError (or any error raised bare) has an empty str
+            log.warning("serve: building the %d-row bucket failed: %r", b.rows, err)
             if isinstance(err, CudaError) and err.sticky:
                 self._break(err)
             for r in failed:
