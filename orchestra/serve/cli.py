@@ -149,6 +149,9 @@ def _check_numbers(args) -> None:
         from orchestra.serve.bench import loop_runner
 
         loop_runner(args.loop)  # BenchConfigError when uvloop is not installed
+    if args.arrivals_per_turn is not None and args.mode != "asyncio":
+        raise BenchConfigError(f"--arrivals-per-turn applies to the asyncio load (--mode "
+                               f"asyncio), not --mode {args.mode}")
     if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
         raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
     if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
