@@ -230,19 +230,15 @@ def _stop(procs: list, wait_s: float) -> None:
     """Every worker ended, with one shared deadline: ``wait_s`` to exit on its own, then
     SIGTERM and `STOP_GRACE_S`, then SIGKILL (a worker stuck in a driver call or a full pipe
     ignores nothing else)."""
-    deadline = time.monotonic() + wait_s
+    for wait, end in ((wait_s, "terminate"), (STOP_GRACE_S, "kill")):
+        deadline = time.monotonic() + wait  # one deadline for them all, not one each
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                getattr(p, end)()
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(STOP_GRACE_S)
+        p.join(STOP_GRACE_S)  # a SIGKILL ends it at once: this reaps it
 
 
 def merge(answers: list[dict], counts: list[int], base: str) -> Result:
