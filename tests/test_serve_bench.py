@@ -124,6 +124,10 @@ def test_cli_refusals(capsys):
         assert cli(["bench", "serve", "--cpu", "--mode", mode, "--arrivals-per-turn",
                     "2"]) == 2
         assert "--arrivals-per-turn applies to the asyncio load" in capsys.readouterr().err
+        assert cli(["bench", "serve", "--cpu", "--mode", mode, "--completions-per-turn", "2",
+                    "--loop", "uvloop"]) == 2
+        assert ("--completions-per-turn, --loop apply to the asyncio load (--mode asyncio), "
+                f"not --mode {mode}") in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--mode", "open", "--rate", "1e-300"]) == 2
     assert "--rate must be at least 1 request/s, got 1e-300" in capsys.readouterr().err
     assert cli(["bench", "serve", "--cpu", "--batching", "on", "--max-delay-us", "1e12"]) == 2

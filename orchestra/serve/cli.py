@@ -142,16 +142,19 @@ def _check_numbers(args) -> None:
         from orchestra.serve.bench_processes import split_threads
 
         split_threads(args.threads, args.processes)  # BenchConfigError: fewer threads
+    # options of the asyncio load alone, refused elsewhere rather than taken and left unused
+    # (--mode all is latency + closed: no asyncio load)
+    asyncio_only = [f"--{name.replace('_', '-')}" for name in
+                    ("arrivals_per_turn", "completions_per_turn", "loop")
+                    if getattr(args, name) not in (None, "asyncio")]
+    if asyncio_only and args.mode != "asyncio":
+        raise BenchConfigError(f"{', '.join(asyncio_only)} appl"
+                               f"{'ies' if len(asyncio_only) == 1 else 'y'} to the asyncio "
+                               f"load (--mode asyncio), not --mode {args.mode}")
     if args.loop != "asyncio":
-        if args.mode != "asyncio":  # --mode all is latency + closed: no asyncio load
-            raise BenchConfigError(f"--loop applies to the asyncio load (--mode asyncio), "
-                                   f"not --mode {args.mode}")
         from orchestra.serve.bench import loop_runner
 
         loop_runner(args.loop)  # BenchConfigError when uvloop is not installed
-    if args.arrivals_per_turn is not None and args.mode != "asyncio":
-        raise BenchConfigError(f"--arrivals-per-turn applies to the asyncio load (--mode "
-                               f"asyncio), not --mode {args.mode}")
     if args.rate < 1:  # below one request a second the Poisson gaps overflow the clock
         raise BenchConfigError(f"--rate must be at least 1 request/s, got {args.rate:g}")
     if args.max_delay_us > 1e6:  # a batch that never fills would outwait the whole run
