@@ -193,6 +193,15 @@ def serve(args, sock: socket.socket, stop=None, ready=None) -> int:
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+def ignore_stop_signals() -> None:
+    """Once a process is stopping: a stop signal that comes later (a second Ctrl-C) must not
+    end it by a signal. A handler of its own would not do: Python puts the default handler
+    back for such a signal as it exits, and a repeat that came then would kill the process
+    (exit status -2, or -15); SIG_IGN is what it leaves in place."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class _Stop:
     """When a --workers process stops: at the first SIGINT or SIGTERM, or once its parent has
     exited (killed, it could not stop this one: nobody else would; noticed once it serves).
@@ -255,10 +264,7 @@ def _worker(args, sock, ready) -> None:
     # with the handlers in place, one that came meanwhile is delivered now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     code = serve(args, sock, stop, ready)
-    # served and closed: from here on (Python restores the default handlers as it exits, and
-    # SIGTERM's kills) a repeat must not end the process by a signal
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # served and closed
     sys.exit(code)
 
 
@@ -292,11 +298,7 @@ def serve_workers(args, socks: list) -> int:
             announced = True
         # short: a signal's handler only notes it, and the wait goes on to its timeout
         multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.1)
-    # from here on a stop signal is a repeat (a second Ctrl-C): ignored, not noted. Python
-    # puts the default handler back for a signal with a handler of its own when it exits, and
-    # a repeat that came then would kill this process (exit status -2); SIG_IGN it leaves
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # stopping: from here on a stop signal is a repeat, not noted
     early = [p for p in procs if not p.is_alive()]
     for p in procs:
         if p.is_alive():
