@@ -248,10 +248,10 @@ def merge(answers: list[dict], counts: list[int], base: str) -> Result:
     that failed fails the row (``failed``: its index, how it ended, its message): the
     survivors' figures stay in it, but they measure fewer processes than the row names."""
     ok = [a for a in answers if "error" not in a]
-    failed = [_failure(k, len(answers), a) for k, a in enumerate(answers) if "error" in a]
+    bad = [(_failure(k, len(answers), a), a) for k, a in enumerate(answers) if "error" in a]
+    failed = [text for text, _ in bad]
     # the workers that failed on their own, not those the first one's failure stopped
-    first = [_failure(k, len(answers), a) for k, a in enumerate(answers)
-             if "error" in a and not a.get("secondary")] or failed
+    first = [text for text, a in bad if not a.get("secondary")] or failed
     per = "/".join(map(str, sorted(set(counts), reverse=True)))
     res = Result("closed", f"{base}, {len(counts)} processes x {per} threads")
     res.failed = "; ".join(first) or None
