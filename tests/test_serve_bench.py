@@ -303,3 +303,32 @@ def test_loop_option_is_refused_with_mode_all(capsys):
     assert cli(["bench", "serve", "--cpu", "--mode", "all", "--loop", "uvloop"]) == 2
     err = capsys.readouterr().err
     assert "--loop applies to the asyncio load (--mode asyncio), not --mode all" in err
+
+
+def test_gc_young_ms_is_refused_outside_the_asyncio_load(capsys):
+    """--gc-young-ms (the asyncio load's young collections) was taken by every mode and did
+    nothing outside it; given explicitly, any value (0 and the default 5 too) is refused
+    there, as the other options of the asyncio load are, --mode all (latency + closed)
+    included. Without it the asyncio load still collects every 5 ms; 0 still turns that off."""
+    from orchestra.cli.main import build_parser
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.cli import options
+
+    for mode in ("latency", "closed", "open", "soak", "all"):
+        for value in ("0", "5", "2.5"):
+            assert cli(["bench", "serve", "--cpu", "--mode", mode, "--gc-young-ms",
+                        value]) == 2
+            assert (f"--gc-young-ms applies to the asyncio load (--mode asyncio), not --mode "
+                    f"{mode}") in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--gc-young-ms", "1",
+                "--arrivals-per-turn", "2"]) == 2
+    assert ("--arrivals-per-turn, --gc-young-ms apply to the asyncio load (--mode asyncio), "
+            "not --mode closed") in capsys.readouterr().err
+
+    def parsed(*extra):
+        return options(build_parser().parse_args(["bench", "serve", "--cpu", *extra]))
+
+    assert parsed("--mode", "asyncio").gc_young_ms == 5.0  # the default, as it was
+    assert parsed("--mode", "asyncio", "--gc-young-ms", "0").gc_young_ms == 0.0
+    assert parsed("--mode", "asyncio", "--gc-young-ms", "2").gc_young_ms == 2.0
+    assert parsed("--mode", "closed").gc_young_ms == 5.0  # unused there, and not given

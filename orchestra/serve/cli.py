@@ -69,11 +69,11 @@ def register(bsub) -> None:
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="asyncio: leave the garbage collector as it is (default: gc.freeze() "
                         "after the warm-up, as docs/serving.md recommends for a lag bound)")
-    p.add_argument("--gc-young-ms", type=float, default=5.0,
+    p.add_argument("--gc-young-ms", type=float, default=None,
                    help="asyncio: gc.disable() during the load and a collection of the young "
                         "generation every this many ms from the event loop, as "
                         "docs/serving.md recommends for a lag bound (default 5; 0: the "
-                        "automatic collector)")
+                        "automatic collector; refused with the other modes)")
     p.add_argument("--arrivals-per-turn", type=int, default=None, metavar="N",
                    help="asyncio: tasks started per event-loop iteration while the load "
                         "ramps up, as a server's connections arrive (default 8); each first "
@@ -126,7 +126,8 @@ def _check_numbers(args) -> None:
                         ("row-kib", args.row_kib)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise BenchConfigError(f"--{name} must be a finite number > 0, got {value}")
-    if not (math.isfinite(args.gc_young_ms) and args.gc_young_ms >= 0):
+    if args.gc_young_ms is not None and not (math.isfinite(args.gc_young_ms)
+                                             and args.gc_young_ms >= 0):
         raise BenchConfigError(f"--gc-young-ms must be a finite number >= 0, got "
                                f"{args.gc_young_ms}")
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
@@ -145,7 +146,7 @@ def _check_numbers(args) -> None:
     # options of the asyncio load alone, refused elsewhere rather than taken and left unused
     # (--mode all is latency + closed: no asyncio load)
     asyncio_only = [f"--{name.replace('_', '-')}" for name in
-                    ("arrivals_per_turn", "completions_per_turn", "loop")
+                    ("arrivals_per_turn", "completions_per_turn", "gc_young_ms", "loop")
                     if getattr(args, name) not in (None, "asyncio")]
     if asyncio_only and args.mode != "asyncio":
         raise BenchConfigError(f"{', '.join(asyncio_only)} appl"
@@ -225,10 +226,11 @@ def options(args):
         threads=args.threads, window=args.window, duration=args.duration,
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
-        switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
+        switch_interval_ms=args.switch_interval_ms,
         process=args.process, processes=args.processes, loop=args.loop,
         **({} if args.arrivals_per_turn is None
            else {"arrivals_per_turn": args.arrivals_per_turn}),
+        **({} if args.gc_young_ms is None else {"gc_young_ms": args.gc_young_ms}),
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
