@@ -28,6 +28,18 @@ it came before the server said "serving on".
 
 from __future__ import annotations
 
+import os
+import signal
+
+if __name__ == "__main__":
+    # a Ctrl-C while the modules below load (about a second: numpy, aiohttp, orchestra) would
+    # end in a KeyboardInterrupt traceback from inside some import: exit 130 at once and
+    # quietly, as one while the engine starts does. Nothing needs cleaning up yet (at most
+    # main()'s listening sockets, which the exit closes), and os._exit cannot be caught on
+    # its way out as an exception could; main() puts Python's own handler back before the
+    # engine starts
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
 import argparse
 import asyncio
 import errno
@@ -35,8 +47,6 @@ import functools
 import json
 import multiprocessing
 import multiprocessing.connection
-import os
-import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -356,6 +366,10 @@ def main(argv=None) -> int:
             print(f"serve_http: cannot listen on {args.host}:{args.port}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
         return 1
+    # from here on a Ctrl-C is serve()'s KeyboardInterrupt (and aiohttp's graceful stop once
+    # it serves) or serve_workers()'s handlers: Python's own handler back (asyncio.Runner,
+    # which run_app uses, only installs its own over that one)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.workers > 1:
             return serve_workers(args, socks)

@@ -303,3 +303,77 @@ def test_loop_option_is_refused_with_mode_all(capsys):
     assert cli(["bench", "serve", "--cpu", "--mode", "all", "--loop", "uvloop"]) == 2
     err = capsys.readouterr().err
     assert "--loop applies to the asyncio load (--mode asyncio), not --mode all" in err
+
+
+def test_gc_young_ms_is_refused_outside_the_asyncio_load(capsys):
+    """--gc-young-ms (the asyncio load's young collections) was taken by every mode and did
+    nothing outside it; given explicitly, any value (0 and the default 5 too) is refused
+    there, as the other options of the asyncio load are, --mode all (latency + closed)
+    included. Without it the asyncio load still collects every 5 ms; 0 still turns that off."""
+    from orchestra.cli.main import build_parser
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.cli import options
+
+    for mode in ("latency", "closed", "open", "soak", "all"):
+        for value in ("0", "5", "2.5"):
+            assert cli(["bench", "serve", "--cpu", "--mode", mode, "--gc-young-ms",
+                        value]) == 2
+            assert (f"--gc-young-ms applies to the asyncio load (--mode asyncio), not --mode "
+                    f"{mode}") in capsys.readouterr().err
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--gc-young-ms", "1",
+                "--arrivals-per-turn", "2"]) == 2
+    assert ("--arrivals-per-turn, --gc-young-ms apply to the asyncio load (--mode asyncio), "
+            "not --mode closed") in capsys.readouterr().err
+
+    def parsed(*extra):
+        return options(build_parser().parse_args(["bench", "serve", "--cpu", *extra]))
+
+    assert parsed("--mode", "asyncio").gc_young_ms == 5.0  # the default, as it was
+    assert parsed("--mode", "asyncio", "--gc-young-ms", "0").gc_young_ms == 0.0
+    assert parsed("--mode", "asyncio", "--gc-young-ms", "2").gc_young_ms == 2.0
+    assert parsed("--mode", "closed").gc_young_ms == 5.0  # unused there, and not given
+
+
+def test_counts_have_upper_limits_checked_before_anything_is_made(capsys, monkeypatch):
+    """--threads, --instances, --tasks and --window had no upper bound: a huge count started
+    threads, tasks or instances until MemoryError. Each is refused above its limit (exit 2,
+    before any device is opened: no --cpu here), its limit accepted; --threads x --window
+    requests' outputs must fit in the machine's memory (closed loop only: the one that
+    uses --window)."""
+    from orchestra.cli import job_options
+    from orchestra.cli.main import build_parser
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.cli import MAX_INSTANCES, MAX_TASKS, MAX_THREADS, MAX_WINDOW, options
+
+    limits = {"threads": MAX_THREADS, "instances": MAX_INSTANCES, "tasks": MAX_TASKS,
+              "window": MAX_WINDOW}
+    assert limits == {"threads": 4096, "instances": 1024, "tasks": 1_000_000, "window": 65536}
+    for name, limit in limits.items():
+        mode = "asyncio" if name == "tasks" else "closed"
+        for value in (limit + 1, 10**14, 10**50):
+            assert cli(["bench", "serve", "--mode", mode, f"--{name}", str(value)]) == 2
+            err = capsys.readouterr().err
+            assert f"--{name} must be at most {limit:,} (" in err, err
+            assert f"pass a smaller --{name}" in err
+        assert "got 1.000e+50 (a 167-bit int)" in err  # no 51-digit number in the message
+        o = options(build_parser().parse_args(["bench", "serve", "--cpu", "--mode", mode,
+                                               "--mix", "4K", "--threads", "1",
+                                               f"--{name}", str(limit)]))
+        assert (o.engine.instances if name == "instances" else getattr(o, name)) == limit
+
+    def check(*extra):
+        return options(build_parser().parse_args(["bench", "serve", "--cpu", "--mix", "64K",
+                                                  *extra]))
+
+    # requests in flight hold their outputs: 8 x 4096 x 64 KiB = 2 GiB on a 1 GiB machine
+    monkeypatch.setattr(job_options, "host_memory_bytes", lambda: 2**30)
+    for mode in ("closed", "all"):
+        assert cli(["bench", "serve", "--cpu", "--mode", mode, "--mix", "64K", "--threads",
+                    "8", "--window", "4096"]) == 2
+        assert ("--threads 8 x --window 4096 requests in flight of up to 64.0 KiB each may "
+                "hold 2.00 GiB of outputs but this machine has 1.00 GiB; pass a smaller "
+                "--window or fewer --threads") in capsys.readouterr().err
+    assert check("--mode", "closed", "--threads", "8", "--window", "2048").window == 2048
+    assert check("--mode", "soak", "--threads", "8", "--window", "4096").window == 4096
+    monkeypatch.setattr(job_options, "host_memory_bytes", lambda: None)  # not known: no check
+    assert check("--mode", "closed", "--threads", "8", "--window", "4096").window == 4096

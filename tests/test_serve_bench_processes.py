@@ -328,10 +328,18 @@ def test_processes_beyond_the_cap_are_refused_at_once(capsys):
     from orchestra.cli.main import main as cli
     from orchestra.serve.bench_processes import MAX_PROCESSES
 
+    from orchestra.serve.cli import MAX_THREADS
+
     n = str(10**14)
     t0 = time.monotonic()
     assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", n,
                 "--threads", n]) == 2
+    assert time.monotonic() - t0 < 10
+    # --threads has a limit of its own now, checked first
+    assert f"--threads must be at most {MAX_THREADS:,}" in capsys.readouterr().err
+    t0 = time.monotonic()
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--processes", n,
+                "--threads", str(MAX_THREADS)]) == 2
     assert time.monotonic() - t0 < 10
     assert f"--processes must be at most {MAX_PROCESSES}" in capsys.readouterr().err
     with pytest.raises(BenchConfigError, match="at most"):

@@ -296,6 +296,41 @@ def test_http_example_ctrl_c_while_the_workers_start():
     _assert_clean(out)
 
 
+def _mapped(pid: int, name: str) -> bool:
+    """Whether a file whose path contains ``name`` is mapped into process ``pid`` (Linux)."""
+    try:
+        return name in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # not started yet, or gone
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.02])
+def test_http_example_ctrl_c_while_it_imports_its_modules(delay):
+    # a Ctrl-C while the example loads numpy, aiohttp and orchestra (about a second, before
+    # main() runs) was a KeyboardInterrupt traceback from inside some import; it is exit
+    # status 130 and nothing printed, as a Ctrl-C while the engine starts is. The signal goes
+    # once numpy's extension module is mapped: Python's own start-up is over and the
+    # example's imports are under way, with aiohttp's and orchestra's still to come
+    proc = _start(_free_port(), "--cpu")
+    try:
+        t = time.monotonic() + 60
+        while not _mapped(proc.pid, "_multiarray_umath"):
+            assert proc.poll() is None and time.monotonic() < t, proc.stdout.read()
+            time.sleep(0.0005)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out
+    assert "serving on" not in out
+    _assert_clean(out)
+    assert "KeyboardInterrupt" not in out and len(out.splitlines()) <= 1, out
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_http_example_workers_stop_when_the_parent_is_killed():
     proc = _start(_free_port(), "--workers", "2", "--cpu")

@@ -6,6 +6,30 @@ import sys
 
 MODES = ("all", "latency", "closed", "open", "asyncio", "soak")
 
+# Upper limits of the counts, checked before anything is made (a huge count used to start
+# threads, tasks or instances until MemoryError). Each is far past what measures anything new
+# and still runs on one machine:
+# - threads: each is a thread of this process with its own stack, and in the closed loop
+#   without batching (and the soak, with a 256 KiB ring of samples) its own engine instance
+#   of every bucket, whatever --instances says (so up to 4096 there); past a few dozen
+#   the GIL's hand-offs, not the thread count, set the requests/s (docs/serving.md), and Linux
+#   starts 4096 threads without tuning (their stacks are reserved, not resident).
+MAX_THREADS = 4096
+# - instances per bucket: each holds its own device buffers, pinned staging and CUDA graph,
+#   all built at warm-up, and a GPU runs at most 128 kernels at once (CUDA's limit of
+#   resident grids per device): 8 times that is more than ever run a bucket's requests
+#   together.
+MAX_INSTANCES = 1024
+# - asyncio tasks: each task and its input picker (a seeded random.Random) take about 4 KiB
+#   before the load starts, so 1,000,000 are about 4 GiB (and the default 20 requests each,
+#   20,000,000 latencies); a server's connections per process are far fewer.
+MAX_TASKS = 1_000_000
+# - requests in flight per thread in the closed loop: each holds its output until its thread
+#   waits for it (64 KiB requests: 4 GiB per thread at the limit), so --threads x --window x
+#   the largest request is also checked against the machine's memory; by Little's law 65536
+#   in flight at the ~35,000 requests/s one process serves is about 2 s of queueing each.
+MAX_WINDOW = 65536
+
 
 def register(bsub) -> None:
     p = bsub.add_parser(
@@ -28,16 +52,20 @@ def register(bsub) -> None:
                         "default 4)")
     p.add_argument("--iters", type=int, default=1,
                    help="kernel steps per element (default 1)")
-    p.add_argument("--threads", type=int, default=8, help="submitting threads (default 8)")
+    p.add_argument("--threads", type=int, default=8,
+                   help=f"submitting threads (default 8, at most {MAX_THREADS})")
     p.add_argument("--window", type=int, default=1,
-                   help="requests in flight per thread in the closed loop (default 1)")
+                   help=f"requests in flight per thread in the closed loop (default 1, at "
+                        f"most {MAX_WINDOW}, and --threads x --window requests' outputs "
+                        f"must fit in this machine's memory)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds per contender (closed, open; default 3) or the soak's limit "
                         "(default 600: the soak stops at --requests or this, whichever first)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per contender (latency, default 2,000), in all (asyncio, "
                         "default 20 per task; soak, default 1,000,000, or --duration first)")
-    p.add_argument("--tasks", type=int, default=1000, help="asyncio tasks (default 1,000)")
+    p.add_argument("--tasks", type=int, default=1000,
+                   help=f"asyncio tasks (default 1,000, at most {MAX_TASKS:,})")
     p.add_argument("--rate", type=float, default=10_000.0,
                    help="offered requests/s in the open loop (default 10,000)")
     p.add_argument("--batching", choices=("off", "on", "both"), default="both",
@@ -52,8 +80,8 @@ def register(bsub) -> None:
     p.add_argument("--max-delay-us", type=float, default=200.0,
                    help="how long a batch waits for more requests, us (default 200)")
     p.add_argument("--instances", type=int, default=2,
-                   help="instances per bucket (default 2; the closed loop without batching "
-                        "uses at least one per thread)")
+                   help=f"instances per bucket (default 2, at most {MAX_INSTANCES}; the "
+                        f"closed loop without batching uses at least one per thread)")
     p.add_argument("--executor", choices=("graph", "capture", "eager"), default="graph",
                    help="how instances run (default graph: explicitly built CUDA graphs)")
     p.add_argument("--memory", choices=("external", "graph"), default="external",
@@ -69,11 +97,11 @@ def register(bsub) -> None:
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="asyncio: leave the garbage collector as it is (default: gc.freeze() "
                         "after the warm-up, as docs/serving.md recommends for a lag bound)")
-    p.add_argument("--gc-young-ms", type=float, default=5.0,
+    p.add_argument("--gc-young-ms", type=float, default=None,
                    help="asyncio: gc.disable() during the load and a collection of the young "
                         "generation every this many ms from the event loop, as "
                         "docs/serving.md recommends for a lag bound (default 5; 0: the "
-                        "automatic collector)")
+                        "automatic collector; refused with the other modes)")
     p.add_argument("--arrivals-per-turn", type=int, default=None, metavar="N",
                    help="asyncio: tasks started per event-loop iteration while the load "
                         "ramps up, as a server's connections arrive (default 8); each first "
@@ -114,9 +142,26 @@ def _check_numbers(args) -> None:
     from orchestra.errors import BenchConfigError
     from orchestra.serve.bench import parse_mix
 
+    from orchestra.errors import int_text
+
     for name in ("threads", "window", "tasks", "instances", "iters", "processes"):
         if getattr(args, name) < 1:
             raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    for name, limit, what in (
+            ("threads", MAX_THREADS, "each is a thread of this process, and without batching "
+                                     "an engine instance of every bucket; past a few dozen "
+                                     "the GIL, not the thread count, sets the requests/s"),
+            ("instances", MAX_INSTANCES, "per bucket, each with its own device buffers, "
+                                         "staging and graph built at warm-up; a GPU runs at "
+                                         "most 128 kernels at once"),
+            ("tasks", MAX_TASKS, "each task and its input picker take about 4 KiB before "
+                                 "the load starts"),
+            ("window", MAX_WINDOW, "requests in flight per thread, each holding its output "
+                                   "until its thread waits for it")):
+        value = getattr(args, name)
+        if value > limit:
+            raise BenchConfigError(f"--{name} must be at most {limit:,} ({what}), got "
+                                   f"{int_text(value)}; pass a smaller --{name}")
     for name in ("requests", "max_batch", "completions_per_turn", "arrivals_per_turn"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -126,7 +171,8 @@ def _check_numbers(args) -> None:
                         ("row-kib", args.row_kib)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise BenchConfigError(f"--{name} must be a finite number > 0, got {value}")
-    if not (math.isfinite(args.gc_young_ms) and args.gc_young_ms >= 0):
+    if args.gc_young_ms is not None and not (math.isfinite(args.gc_young_ms)
+                                             and args.gc_young_ms >= 0):
         raise BenchConfigError(f"--gc-young-ms must be a finite number >= 0, got "
                                f"{args.gc_young_ms}")
     if not (math.isfinite(args.max_delay_us) and args.max_delay_us >= 0):
@@ -145,7 +191,7 @@ def _check_numbers(args) -> None:
     # options of the asyncio load alone, refused elsewhere rather than taken and left unused
     # (--mode all is latency + closed: no asyncio load)
     asyncio_only = [f"--{name.replace('_', '-')}" for name in
-                    ("arrivals_per_turn", "completions_per_turn", "loop")
+                    ("arrivals_per_turn", "completions_per_turn", "gc_young_ms", "loop")
                     if getattr(args, name) not in (None, "asyncio")]
     if asyncio_only and args.mode != "asyncio":
         raise BenchConfigError(f"{', '.join(asyncio_only)} appl"
@@ -162,8 +208,6 @@ def _check_numbers(args) -> None:
                                f"does not fill waits that long; got {args.max_delay_us:g}")
     # upper limits: what the kernel and the waits can take (each once failed or hung later)
     import threading
-
-    from orchestra.errors import int_text
 
     if args.iters > 2**31 - 1:  # serve_burn's int iters
         raise BenchConfigError(f"--iters must be at most {2**31 - 1} (the kernel's int "
@@ -190,16 +234,26 @@ def _check_numbers(args) -> None:
             raise BenchConfigError(f"--mix {args.mix!r}: request size {nbytes} bytes is not a "
                                    f"whole number of {row_bytes}-byte rows; pick a multiple or "
                                    "change --row-kib")
-    if args.max_batch is not None:
-        from orchestra.cli.job_options import fmt_bytes, host_memory_bytes
+    from orchestra.cli.job_options import fmt_bytes, host_memory_bytes
 
-        host = host_memory_bytes()
+    host = host_memory_bytes()
+    if args.max_batch is not None:
         need = args.max_batch * row_bytes  # the largest bucket's input (and its output)
         if host is not None and need > host:  # the engine's bucket table then took forever
             raise BenchConfigError(
                 f"--max-batch {int_text(args.max_batch)}: a batch of that many "
                 f"{row_bytes}-byte rows needs {fmt_bytes(need)} per buffer but this machine "
                 f"has {fmt_bytes(host)}; pass a smaller --max-batch")
+    if args.window > 1 and args.mode in ("closed", "all"):
+        # every request in flight may hold its output (a new array) until its thread waits
+        # for it: at the limits, 4096 x 65536 requests of 64 KiB would be 16 TiB
+        largest = max(nbytes for nbytes, _ in mix)
+        need = args.threads * args.window * largest
+        if host is not None and need > host:
+            raise BenchConfigError(
+                f"--threads {args.threads} x --window {args.window} requests in flight of up "
+                f"to {fmt_bytes(largest)} each may hold {fmt_bytes(need)} of outputs but this "
+                f"machine has {fmt_bytes(host)}; pass a smaller --window or fewer --threads")
     if args.device < 0:
         raise BenchConfigError(f"--device must be >= 0, got {args.device}")
     if args.plot:
@@ -225,10 +279,11 @@ def options(args):
         threads=args.threads, window=args.window, duration=args.duration,
         requests=args.requests, tasks=args.tasks, rate=args.rate, batching=args.batching,
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
-        switch_interval_ms=args.switch_interval_ms, gc_young_ms=args.gc_young_ms,
+        switch_interval_ms=args.switch_interval_ms,
         process=args.process, processes=args.processes, loop=args.loop,
         **({} if args.arrivals_per_turn is None
            else {"arrivals_per_turn": args.arrivals_per_turn}),
+        **({} if args.gc_young_ms is None else {"gc_young_ms": args.gc_young_ms}),
         engine=EngineConfig(executor=args.executor, instances=args.instances,
                             memory=args.memory, device=args.device, max_batch=args.max_batch,
                             max_delay_us=args.max_delay_us,
