@@ -139,10 +139,8 @@ def _check_numbers(args) -> None:
     and row size the workload will parse, and --plot's folder and matplotlib."""
     import math
 
-    from orchestra.errors import BenchConfigError
+    from orchestra.errors import BenchConfigError, int_text
     from orchestra.serve.bench import parse_mix
-
-    from orchestra.errors import int_text
 
     for name in ("threads", "window", "tasks", "instances", "iters", "processes"):
         if getattr(args, name) < 1:
