@@ -233,7 +233,7 @@ def test_asyncio_mode_runs_on_uvloop_when_asked(monkeypatch):
     (r,) = results
     assert seen and seen[0].startswith("uvloop")
     assert r.requests == 800 and r.wrong == 0 and r.errors == 0
-    assert r.extra["loop_lag_probe_ms"] == 1.0 and r.extra["loop_lag_samples"] > 0
+    assert r.extra["loop_lag_probe_gap_ms"] == 1.0 and r.extra["loop_lag_samples"] > 0
     assert any(f"uvloop {uvloop.__version__}" in n for n in notes)
 
 

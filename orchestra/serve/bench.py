@@ -16,8 +16,9 @@ Modes (``--mode``):
   measured from each request's scheduled arrival (no coordinated omission);
 - ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started 8 per loop turn,
   as connections arrive), each output compared on the loop (the benchmark's own cost: one
-  64 KiB copy and compare per request); the event loop's lag is measured by a probe task
-  sleeping 0.5 ms in a loop, every late wake-up put down to its cause; the garbage collector
+  64 KiB copy and compare per request); the event loop's lag is measured from outside the loop
+  (`orchestra.serve.loop_lag.LoopLagProbe`: how late it runs a callback handed to it from a
+  thread at a known instant, about every ms), every late one put down to its cause; the garbage collector
   runs as docs/serving.md recommends for a lag bound (``gc.freeze()`` after the warm-up,
   young collections from the loop every ``--gc-young-ms``; both printed);
 - ``soak``: T threads, ``--requests`` requests or ``--duration`` seconds, 1% bad requests (each
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import functools
 import gc
 import json
@@ -49,6 +49,7 @@ import numpy as np
 from orchestra.errors import BenchConfigError, MissingExtraError
 from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
+from orchestra.serve.loop_lag import LAG_BOUND_MS, GcPauses, LoopLagProbe, RunQueueClock, lag_causes
 from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
@@ -795,124 +796,6 @@ async def _asyncio_in_process(name: str, w: Workload, o: BenchOptions, batching:
         await e.aclose()
 
 
-class _GcPauses:
-    """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
-
-    def __init__(self):
-        self.pauses: list[tuple[float, float, int]] = []
-        self._t = 0.0
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.pauses.append((self._t, time.perf_counter(), info["generation"]))
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
-
-
-LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
-
-
-def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
-    """Why the probe woke late, for every sample above ``bound_ms``.
-
-    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep, optionally
-    with a fifth item: the ms the loop thread spent runnable but not running (waiting for a
-    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown); ``pauses``:
-    `_GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
-    within the sleep cover half the lag or more; else to the loop's own callbacks when the
-    loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
-    loop iteration); else to waiting: the loop thread was ready but did not run. With the
-    run-queue wait known, waiting is split: for a CPU when the run-queue wait covers half the
-    lag or more (more runnable threads than CPUs), else for the GIL (asleep while another
-    thread ran Python); without it, one cause, "the GIL or a CPU". Returns
-    ``{cause: {"count", "max_ms"}}``.
-    """
-    out: dict = {}
-    for sample in samples:
-        t0, t1, lag, cpu = sample[:4]
-        rq = sample[4] if len(sample) > 4 else None
-        if lag <= bound_ms:
-            continue
-        gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
-        gens = [g for a, b, g in pauses if b > t0 and a < t1]
-        if gc_ms >= lag / 2:
-            cause = f"garbage collector (generation {max(gens)})"
-        elif cpu >= (t1 - t0) * 1e3 / 2:
-            cause = "loop busy running callbacks"
-        elif rq is None:
-            cause = "loop thread waiting for the GIL or a CPU"
-        elif rq >= lag / 2:
-            cause = "loop thread waiting for a CPU (runnable, all CPUs busy)"
-        else:
-            cause = "loop thread waiting for the GIL"
-        c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
-        c["count"] += 1
-        c["max_ms"] = max(c["max_ms"], lag)
-    return out
-
-
-class RunQueueClock:
-    """The calling thread's time spent runnable but not running (waiting for a CPU), in ns,
-    from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
-    ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
-    wait for the GIL). `open` returns None where the file or libc is missing; a call returns
-    None when a read fails.
-
-    Thread-safety: made and read on one thread (the file is that thread's).
-    """
-
-    _pread: Any = None  # libc's pread through PyDLL, made once (a new PyDLL per probe would
-    # leave its function-pointer type's reference cycle to the collector)
-
-    _Buf = ctypes.c_char * 128  # one type (create_string_buffer makes one per call: a cycle)
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._buf = RunQueueClock._Buf()
-
-    @classmethod
-    def open(cls) -> RunQueueClock | None:
-        if not sys.platform.startswith("linux"):
-            return None
-        try:
-            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            if RunQueueClock._pread is None:
-                pread = ctypes.PyDLL(None, use_errno=True).pread
-                pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_long]
-                pread.restype = ctypes.c_ssize_t
-                RunQueueClock._pread = pread
-            clock = cls(fd)
-            if clock() is not None:
-                return clock
-        except (OSError, AttributeError):  # no libc symbol: no run-queue clock
-            pass
-        os.close(fd)
-        return None
-
-    def __call__(self) -> int | None:
-        """The run-queue wait so far (ns), or None if the file could not be read or parsed
-        (the probe then records the wait as unknown)."""
-        n = RunQueueClock._pread(self._fd, self._buf, 127, 0)
-        fields = self._buf.raw[:n].split() if n > 0 else []
-        return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
 async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
     """What a server with a lag bound runs beside its tasks while the automatic collector is
     off (``gc.disable()``): a collection of the youngest generation every ``every_s`` seconds,
@@ -930,28 +813,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                         young_ms: float | None = None,
                         arrivals: int = ARRIVALS_PER_TURN) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
-    samples = []
     stop = False
-    # uvloop's timers count whole ms (libuv's): a 0.5 ms sleep would be a 0 ms one, woken at
-    # the next iteration, and the lag (the wake-up past the sleep's end) would read 0.5 ms low
-    on_uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
-    period = 0.001 if on_uvloop else 0.0005
-
-    async def probe():
-        clock, cpu = time.perf_counter, time.thread_time
-        rq = RunQueueClock.open()  # the loop thread's wait for a CPU, where Linux says it
-        try:
-            # one reading of each clock per sleep: a sample's end is the next one's start
-            t, c, q = clock(), cpu(), rq() if rq else None
-            while not stop:
-                await asyncio.sleep(period)
-                t1, c1, q1 = clock(), cpu(), rq() if rq else None
-                samples.append((t, t1, (t1 - t - period) * 1e3, (c1 - c) * 1e3,
-                                (q1 - q) / 1e6 if q1 is not None and q is not None else None))
-                t, c, q = t1, c1, q1
-        finally:
-            if rq is not None:
-                rq.close()
 
     per = max(1, total // tasks)
     # the benchmark's own work on the loop, kept as small as a client's can be: the pickers
@@ -990,28 +852,34 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             if not left[0]:
                 finished.set()
 
-    with _GcPauses() as gcp:
-        p = asyncio.ensure_future(probe())
-        young = None
-        if young_ms:
-            gc.disable()
-            young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        # the tasks start `arrivals` per loop turn, as a server's connections arrive: the
-        # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
-        started = []
-        for lo in range(0, tasks, arrivals):
-            started += [asyncio.ensure_future(task(k))
-                        for k in range(lo, min(tasks, lo + arrivals))]
-            await asyncio.sleep(0)
-        await finished.wait()
-        res.seconds = time.perf_counter() - t0
-        loop_cpu = time.thread_time() - cpu0
-        stop = True
-        await p
-        if young is not None:
-            await young
-            gc.enable()
+    probe = LoopLagProbe(asyncio.get_running_loop())
+    young = None
+    with GcPauses() as gcp:
+        probe.start()
+        try:
+            if young_ms:
+                gc.disable()
+                young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            # the tasks start `arrivals` per loop turn, as a server's connections arrive: the
+            # first steps of 1,000 coroutines in one turn would be the benchmark's own lag
+            started = []
+            for lo in range(0, tasks, arrivals):
+                started += [asyncio.ensure_future(task(k))
+                            for k in range(lo, min(tasks, lo + arrivals))]
+                await asyncio.sleep(0)
+            await finished.wait()
+            res.seconds = time.perf_counter() - t0
+            loop_cpu = time.thread_time() - cpu0
+            stop = True
+            samples = probe.stop()
+            if young is not None:
+                await young
+        finally:  # also when the load is cancelled: the probe's thread joined, gc back on
+            stop = True
+            probe.stop()
+            if young_ms:
+                gc.enable()
     if young is not None:  # what the timer left to full collections (0: no cycles)
         res.extra["gc_left_for_full_collection"] = gc.collect()
     res.errors = len(errs)
@@ -1028,7 +896,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     res.extra.update({"loop_lag_p50_ms": float(np.percentile(lag, 50)),
                       "loop_lag_p99_ms": float(np.percentile(lag, 99)),
                       "loop_lag_max_ms": float(lag.max()),
-                      "loop_lag_samples": len(samples), "loop_lag_probe_ms": period * 1e3,
+                      "loop_lag_samples": len(samples), "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
                       # the loop thread's CPU time per request (the engine's run() and inbox,
@@ -1042,13 +910,17 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     return res
 
 
+def _probe_text(x: dict) -> str:
+    gap = x["loop_lag_probe_gap_ms"]
+    return f"a callback from a thread every {gap / 2:g}-{gap * 1.5:g} ms"
+
+
 def format_lag(r: Result) -> list[str]:
     """The asyncio rows' lag distribution and, above the bound, its causes."""
     x = r.extra
     lines = [f"  {r.name}: event-loop lag p50 {x['loop_lag_p50_ms']:.3f} ms, p99 "
              f"{x['loop_lag_p99_ms']:.3f} ms, max {x['loop_lag_max_ms']:.3f} ms over "
-             f"{x['loop_lag_samples']:,} probes ({x.get('loop_lag_probe_ms', 0.5):g} ms "
-             f"sleeps); "
+             f"{x['loop_lag_samples']:,} probes ({_probe_text(x)}); "
              f"{x['loop_lag_over_1ms']:,} above {LAG_BOUND_MS:g} ms"]
     for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
         lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "

@@ -1,0 +1,244 @@
+"""An asyncio event loop's lag, measured from outside the loop, and why it was late.
+
+`LoopLagProbe` samples how late the loop runs a callback handed to it from another thread at a
+known instant; `lag_causes` puts every late sample down to the garbage collector (`GcPauses`),
+the loop's own callbacks, or a wait for a CPU (`RunQueueClock`) or for the GIL. Used by
+``orchestra bench serve --mode asyncio``; usable beside any asyncio server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import os
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+class GcPauses:
+    """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[float, float, int]] = []
+        self._t = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append((self._t, time.perf_counter(), info["generation"]))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
+
+
+def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
+    """Why the probe woke late, for every sample above ``bound_ms``.
+
+    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep, optionally
+    with a fifth item: the ms the loop thread spent runnable but not running (waiting for a
+    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown); ``pauses``:
+    `GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
+    within the sleep cover half the lag or more; else to the loop's own callbacks when the
+    loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
+    loop iteration); else to waiting: the loop thread was ready but did not run. With the
+    run-queue wait known, waiting is split: for a CPU when the run-queue wait covers half the
+    lag or more (more runnable threads than CPUs), else for the GIL (asleep while another
+    thread ran Python); without it, one cause, "the GIL or a CPU". Returns
+    ``{cause: {"count", "max_ms"}}``.
+    """
+    out: dict = {}
+    for sample in samples:
+        t0, t1, lag, cpu = sample[:4]
+        rq = sample[4] if len(sample) > 4 else None
+        if lag <= bound_ms:
+            continue
+        gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
+        gens = [g for a, b, g in pauses if b > t0 and a < t1]
+        if gc_ms >= lag / 2:
+            cause = f"garbage collector (generation {max(gens)})"
+        elif cpu >= (t1 - t0) * 1e3 / 2:
+            cause = "loop busy running callbacks"
+        elif rq is None:
+            cause = "loop thread waiting for the GIL or a CPU"
+        elif rq >= lag / 2:
+            cause = "loop thread waiting for a CPU (runnable, all CPUs busy)"
+        else:
+            cause = "loop thread waiting for the GIL"
+        c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
+        c["count"] += 1
+        c["max_ms"] = max(c["max_ms"], lag)
+    return out
+
+
+class RunQueueClock:
+    """The calling thread's time spent runnable but not running (waiting for a CPU), in ns,
+    from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
+    ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
+    wait for the GIL). `open` returns None where the file or libc is missing; a call returns
+    None when a read fails.
+
+    Thread-safety: made and read on one thread (the file is that thread's).
+    """
+
+    _pread: Any = None  # libc's pread through PyDLL, made once (a new PyDLL per probe would
+    # leave its function-pointer type's reference cycle to the collector)
+
+    _Buf = ctypes.c_char * 128  # one type (create_string_buffer makes one per call: a cycle)
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._buf = RunQueueClock._Buf()
+
+    @classmethod
+    def open(cls) -> RunQueueClock | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if RunQueueClock._pread is None:
+                pread = ctypes.PyDLL(None, use_errno=True).pread
+                pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_long]
+                pread.restype = ctypes.c_ssize_t
+                RunQueueClock._pread = pread
+            clock = cls(fd)
+            if clock() is not None:
+                return clock
+        except (OSError, AttributeError):  # no libc symbol: no run-queue clock
+            pass
+        os.close(fd)
+        return None
+
+    def __call__(self) -> int | None:
+        """The run-queue wait so far (ns), or None if the file could not be read or parsed
+        (the probe then records the wait as unknown)."""
+        n = RunQueueClock._pread(self._fd, self._buf, 127, 0)
+        fields = self._buf.raw[:n].split() if n > 0 else []
+        return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class LoopLagProbe:
+    """An event loop's lag, measured from outside it: how late the loop runs a callback
+    handed to it, from a thread of the probe's own, at an instant picked in advance.
+
+    The thread sleeps until each instant, then hands the loop a callback
+    (``loop.call_soon_threadsafe``, which wakes the loop's selector as a readable socket
+    does); the sample is the time from the instant until the callback runs, in ms. That is how
+    long anything that becomes ready (a connection, a response, a completion) waits for the
+    loop: the rest of the iteration under way, then the callbacks ahead of it. The gaps between
+    instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded): a probe re-armed
+    when it wakes keeps the phase of whatever woke the loop, and samples the same moment of a
+    periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
+    the start of an iteration (libuv's loop time), so a timer there fires up to 1 ms early
+    and a timer-based probe reads up to 1 ms low; asyncio's own loop rounds its selector's
+    timeout up to whole ms.
+
+    Each sample also counts in the probe's own costs, so it reads a little high, never low:
+    its thread's oversleep (the thread asks Linux for a 1 ns timer slack,
+    ``prctl(PR_SET_TIMERSLACK)``, instead of the default 50 µs) and the loop's wake-up. Its
+    thread holds the GIL for a few µs per sample; while another thread holds the GIL, the
+    sample is late by that wait too, as the loop is.
+
+    `stop` returns the samples, one per callback run, each ``(start s, end s, lag ms,
+    loop-thread CPU ms, run-queue wait ms or None)``: the window from the previous sample's
+    end to this one's (``time.perf_counter``), the lag, the loop thread's CPU time in the
+    window (``time.thread_time``) and its wait for a CPU in it (`RunQueueClock`, None where
+    Linux does not say): the form `lag_causes` takes.
+
+    Thread-safety: `start` and `stop` are called on the loop's thread (the CPU and run-queue
+    clocks read are that thread's), once each, in that order.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        self.loop, self.gap_s, self.seed = loop, gap_s, seed
+        self.samples: list[tuple] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rq: RunQueueClock | None = None
+        self._last: tuple = ()
+
+    def start(self) -> None:
+        """Start sampling (on the loop's thread)."""
+        self._rq = RunQueueClock.open()
+        self._last = self._clocks()
+        self._thread = threading.Thread(target=self._hand_over, daemon=True,
+                                        name="orchestra-loop-lag-probe")
+        self._thread.start()
+
+    def stop(self) -> list[tuple]:
+        """Stop sampling (on the loop's thread) and return the samples. Callbacks already
+        handed over and not yet run are dropped; the thread is joined (it sleeps at most
+        1.5 x ``gap_s``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._rq is not None:
+            self._rq.close()
+            self._rq = None
+        return self.samples
+
+    def _clocks(self) -> tuple:
+        rq = self._rq() if self._rq is not None else None
+        return time.perf_counter(), time.thread_time(), rq
+
+    def _ran(self, due: float) -> None:  # on the loop: one sample
+        if self._stop.is_set():
+            return
+        t1, c1, q1 = now = self._clocks()
+        t0, c0, q0 = self._last
+        self._last = now
+        self.samples.append((t0, t1, (t1 - due) * 1e3, (c1 - c0) * 1e3,
+                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None))
+
+    def _hand_over(self) -> None:  # the probe's thread
+        _fine_timer_slack()
+        rnd, clock, gap = random.Random(self.seed), time.perf_counter, self.gap_s
+        due = clock() + gap * rnd.uniform(0.5, 1.5)
+        while not self._stop.is_set():
+            wait = due - clock()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                self.loop.call_soon_threadsafe(self._ran, due)
+            except RuntimeError:  # the loop was closed under the probe: nothing to measure
+                return
+            # from the later of the instant and now: a sample that was itself late (the GIL)
+            # does not make the next ones come in a burst
+            due = max(due, clock()) + gap * rnd.uniform(0.5, 1.5)
+
+
+def _fine_timer_slack() -> None:
+    """Ask Linux for a 1 ns timer slack for the calling thread (``prctl(PR_SET_TIMERSLACK)``):
+    its sleeps then end within µs of their deadline instead of up to 50 µs after it. Nothing
+    where that is not available."""
+    global _prctl
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        if _prctl is None:  # made once: a CDLL's function-pointer types are reference cycles
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        _prctl(29, 1, 0, 0, 0)  # 29: PR_SET_TIMERSLACK, in ns
+    except (OSError, AttributeError):
+        pass
+
+
+_prctl: Any = None
