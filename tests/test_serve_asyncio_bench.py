@@ -14,17 +14,8 @@ import time
 import pytest
 
 from orchestra.serve import NumpyBackend
-from orchestra.serve.bench import (
-    LAG_BOUND_MS,
-    S,
-    T,
-    EngineConfig,
-    RunQueueClock,
-    Workload,
-    _asyncio_load,
-    lag_causes,
-    make_engine,
-)
+from orchestra.serve.bench import S, T, EngineConfig, Workload, _asyncio_load, make_engine
+from orchestra.serve.loop_lag import LAG_BOUND_MS, RunQueueClock, lag_causes
 from orchestra.serve.demo import demo_reference
 
 GIL = "loop thread waiting for the GIL"

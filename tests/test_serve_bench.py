@@ -141,7 +141,7 @@ def test_cli_refusals(capsys):
 
 
 def test_lag_causes_put_each_late_wake_up_down_to_gc_callbacks_or_waiting():
-    from orchestra.serve.bench import lag_causes
+    from orchestra.serve.loop_lag import lag_causes
 
     # (start s, end s, lag ms, loop-thread CPU ms) per 0.5 ms probe sleep
     samples = [

@@ -18,9 +18,10 @@ Modes (``--mode``):
   as connections arrive), each output compared on the loop (the benchmark's own cost: one
   64 KiB copy and compare per request); the event loop's lag is measured from outside the loop
   (`orchestra.serve.loop_lag.LoopLagProbe`: how late it runs a callback handed to it from a
-  thread at a known instant, about every ms), every late one put down to its cause; the garbage collector
-  runs as docs/serving.md recommends for a lag bound (``gc.freeze()`` after the warm-up,
-  young collections from the loop every ``--gc-young-ms``; both printed);
+  thread at a known instant, about every ms), every late one put down to its cause; the
+  garbage collector runs as docs/serving.md recommends for a lag bound (``gc.freeze()``
+  after the warm-up, young collections from the loop every ``--gc-young-ms``; both
+  printed);
 - ``soak``: T threads, ``--requests`` requests or ``--duration`` seconds, 1% bad requests (each
   must fail only its own future with the specific error); RSS, pool bytes, graph memory and live
   handles printed at the start and the end;
@@ -49,7 +50,7 @@ import numpy as np
 from orchestra.errors import BenchConfigError, MissingExtraError
 from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
-from orchestra.serve.loop_lag import LAG_BOUND_MS, GcPauses, LoopLagProbe, RunQueueClock, lag_causes
+from orchestra.serve.loop_lag import LAG_BOUND_MS, GcPauses, LoopLagProbe, lag_causes
 from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
@@ -896,7 +897,8 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     res.extra.update({"loop_lag_p50_ms": float(np.percentile(lag, 50)),
                       "loop_lag_p99_ms": float(np.percentile(lag, 99)),
                       "loop_lag_max_ms": float(lag.max()),
-                      "loop_lag_samples": len(samples), "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
+                      "loop_lag_samples": len(samples),
+                      "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
                       # the loop thread's CPU time per request (the engine's run() and inbox,
