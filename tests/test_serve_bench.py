@@ -5,6 +5,7 @@ option parsing and the CLI's refusals."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -182,6 +183,30 @@ def test_asyncio_mode_reports_the_lag_distribution_and_its_causes(capsys):
     assert sum(c["count"] for c in x["loop_lag_causes"].values()) == x["loop_lag_over_1ms"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the machine's stalls: Linux")
+def test_asyncio_mode_measures_the_machines_stalls_beside_the_load_unless_told_not_to(capsys):
+    """The asyncio load runs a separate measuring process for the machine's own stalls and
+    says what it saw; --no-host-probe leaves it out (no process, no line, no figures)."""
+    o = BenchOptions(mode="asyncio", mix="16K", tasks=40, requests=400, batching="off",
+                     dispatch="caller", engine=cpu_config())
+    assert main(o) == 0
+    text = capsys.readouterr().out
+    assert "the machine: a separate process doing only fixed CPU work stalled" in text
+    results, _, _ = run(o)
+    (r,) = results
+    assert r.requests == 400 and r.wrong == 0
+    h = r.extra["host_stalls"]
+    assert h["seconds"] >= r.seconds * 0.5 and h["count"] >= h["over_1ms"] >= 0
+    assert h["threshold_ms"] == 0.25 and h["preempted"] >= 0
+    # the maximum without the machine's samples is one of the samples, at most the maximum
+    assert 0 <= h["loop_lag_max_ms_without"] <= r.extra["loop_lag_max_ms"]
+    o.host_probe = False
+    assert main(o) == 0
+    assert "the machine:" not in capsys.readouterr().out
+    results, _, _ = run(o)
+    assert "host_stalls" not in results[0].extra
+
+
 @pytest.mark.parametrize("young_ms", [2.0, 0.0])
 def test_asyncio_mode_collects_the_young_generation_from_the_loop(young_ms, capsys):
     """--gc-young-ms: the automatic collector is off during the load and the loop collects
@@ -303,6 +328,25 @@ def test_loop_option_is_refused_with_mode_all(capsys):
     assert cli(["bench", "serve", "--cpu", "--mode", "all", "--loop", "uvloop"]) == 2
     err = capsys.readouterr().err
     assert "--loop applies to the asyncio load (--mode asyncio), not --mode all" in err
+
+
+def test_the_asyncio_loads_switches_are_refused_outside_it(capsys):
+    """--no-gc-freeze and --no-host-probe change only the asyncio load: elsewhere they are
+    refused, as its other options are, and taken with --mode asyncio."""
+    from orchestra.cli.main import build_parser
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.cli import options
+
+    for flag in ("--no-gc-freeze", "--no-host-probe"):
+        for mode in ("closed", "all"):
+            assert cli(["bench", "serve", "--cpu", "--mode", mode, flag]) == 2
+            assert (f"{flag} applies to the asyncio load (--mode asyncio), not --mode "
+                    f"{mode}") in capsys.readouterr().err
+    o = options(build_parser().parse_args(["bench", "serve", "--cpu", "--mode", "asyncio",
+                                           "--no-gc-freeze", "--no-host-probe"]))
+    assert o.gc_freeze is False and o.host_probe is False
+    o = options(build_parser().parse_args(["bench", "serve", "--cpu", "--mode", "asyncio"]))
+    assert o.gc_freeze is True and o.host_probe is True
 
 
 def test_gc_young_ms_is_refused_outside_the_asyncio_load(capsys):

@@ -50,7 +50,9 @@ import numpy as np
 from orchestra.errors import BenchConfigError, MissingExtraError
 from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
-from orchestra.serve.loop_lag import LAG_BOUND_MS, GcPauses, LoopLagProbe, lag_causes
+from orchestra.serve.host_stalls import HostStallProbe
+from orchestra.serve.loop_lag import (LAG_BOUND_MS, MACHINE_STALL, GcPauses, LoopLagProbe,
+                                      lag_cause, lag_causes)
 from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
@@ -452,6 +454,7 @@ class BenchOptions:
     # peers), their measured windows started together
     processes: int = 1
     arrivals_per_turn: int = ARRIVALS_PER_TURN  # asyncio: tasks started per loop iteration
+    host_probe: bool = True  # asyncio: the host's stalls seen from a process of their own
     loop: str = "asyncio"  # asyncio: the event loop, "asyncio" or "uvloop" (`loop_runner`)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
@@ -773,7 +776,7 @@ async def _warmed_load(name: str, w: Workload, o: BenchOptions, e) -> Result:
         gc.freeze()
     try:
         r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks, o.gc_young_ms,
-                                o.arrivals_per_turn)
+                                o.arrivals_per_turn, o.host_probe)
     finally:
         if o.gc_freeze:
             gc.unfreeze()
@@ -812,7 +815,7 @@ async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
 
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                         young_ms: float | None = None,
-                        arrivals: int = ARRIVALS_PER_TURN) -> Result:
+                        arrivals: int = ARRIVALS_PER_TURN, host_probe: bool = True) -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
     stop = False
 
@@ -854,8 +857,14 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                 finished.set()
 
     probe = LoopLagProbe(asyncio.get_running_loop())
+    # the host's own stalls, from a process that shares nothing with this one: what of the
+    # lag no code here could have avoided (started before the load: an interpreter start)
+    host = HostStallProbe() if host_probe else None
+    host_seen = None
     young = None
     with GcPauses() as gcp:
+        if host is not None:
+            host.start()
         probe.start()
         try:
             if young_ms:
@@ -874,11 +883,15 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             loop_cpu = time.thread_time() - cpu0
             stop = True
             samples = probe.stop()
+            if host is not None:
+                host_seen = host.stop()
             if young is not None:
                 await young
         finally:  # also when the load is cancelled: the probe's thread joined, gc back on
             stop = True
             probe.stop()
+            if host is not None:
+                host.stop()
             if young_ms:
                 gc.enable()
     if young is not None:  # what the timer left to full collections (0: no cycles)
@@ -888,7 +901,22 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
         res.note = f"{type(errs[0]).__name__}: {errs[0]}"[:120] + "; "
     res.requests = len(res.latency_us)
     lag = np.array([s[2] for s in samples]) if samples else np.zeros(1)
-    causes = lag_causes(samples, gcp.pauses)
+    stalls = host_seen["stalls"] if host_seen else ()
+    causes = lag_causes(samples, gcp.pauses, host_stalls=stalls)
+    if host_seen is not None:
+        res.extra["host_stalls"] = {
+            "count": len(stalls), "preempted": host_seen["preempted"],
+            "threshold_ms": HostStallProbe().threshold_ms,
+            "max_ms": max(((b - a) * 1e3 for a, b in stalls), default=0.0),
+            "over_1ms": sum((b - a) * 1e3 > LAG_BOUND_MS for a, b in stalls),
+            "seconds": host_seen["seconds"], "steal_ms": host_seen["steal_ms"],
+            # the lag's maximum over the samples the host did not stall
+            "loop_lag_max_ms_without": max(
+                (s[2] for s in samples
+                 if lag_cause(s, gcp.pauses, host_stalls=stalls) != MACHINE_STALL),
+                default=0.0)}
+    elif host_probe:
+        res.extra["host_stalls"] = None  # asked for, but it could not run here
     gens: dict[int, list] = {}
     for a, b, g in gcp.pauses:
         d = gens.setdefault(g, [0, 0.0])
@@ -901,6 +929,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                       "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
+                      # when the samples above the bound ended, s into the load (the first
+                      # 100): a cluster at the start is the ramp-up, a spread is steady state
+                      "loop_lag_over_1ms_at_s": [round(s[1] - t0, 4) for s in samples
+                                                 if s[2] > LAG_BOUND_MS][:100],
                       # the loop thread's CPU time per request (the engine's run() and inbox,
                       # asyncio's turns, the probe) and the benchmark's own part of it
                       "loop_cpu_us_per_request": loop_cpu * 1e6 / max(1, res.requests),
@@ -927,10 +959,25 @@ def format_lag(r: Result) -> list[str]:
     for cause, c in sorted(x["loop_lag_causes"].items(), key=lambda kv: -kv[1]["max_ms"]):
         lines.append(f"    above {LAG_BOUND_MS:g} ms: {c['count']:,} x {cause} "
                      f"(max {c['max_ms']:.3f} ms)")
+    at = x.get("loop_lag_over_1ms_at_s")
+    if at:
+        more = f" (and {x['loop_lag_over_1ms'] - 8:,} more)" if x["loop_lag_over_1ms"] > 8 else ""
+        lines.append(f"    above {LAG_BOUND_MS:g} ms at: "
+                     f"{', '.join(f'{a:.3f}' for a in at[:8])} s into the load{more}")
     if "loop_cpu_us_per_request" in x:
         lines.append(f"    loop thread CPU per request {x['loop_cpu_us_per_request']:.1f} us, of "
                      f"which the benchmark's own (pick the input, compare the output) "
                      f"{x['bench_own_us_per_request']:.1f} us")
+    h = x.get("host_stalls", False)
+    if h:
+        steal = "" if h["steal_ms"] is None else f"; the machine's steal time {h['steal_ms']:.0f} ms"
+        lines.append(f"    the machine: a separate process doing only fixed CPU work stalled "
+                     f"{h['count']:,} times over {h['threshold_ms']:g} ms in "
+                     f"{h['seconds']:.1f} s (max {h['max_ms']:.3f} ms, {h['over_1ms']:,} above "
+                     f"{LAG_BOUND_MS:g} ms; {h['preempted']:,} more gaps waiting for a CPU "
+                     f"not counted){steal}")
+    elif h is None:
+        lines.append("    the machine: its stalls could not be measured here (Linux only)")
     gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")
@@ -1124,6 +1171,10 @@ def goal_lines(results: list[Result]) -> list[str]:
         if r.mode == "asyncio":
             lag = r.extra.get("loop_lag_max_ms")
             line = f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)"
+            h = r.extra.get("host_stalls")
+            if h and h["loop_lag_max_ms_without"] < lag:
+                line += (f", {h['loop_lag_max_ms_without']:.3f} ms without the samples the "
+                         f"machine stalled")
             causes = r.extra.get("loop_lag_causes") or {}
             if causes:
                 worst = max(causes.items(), key=lambda kv: kv[1]["max_ms"])[0]

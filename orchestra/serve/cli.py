@@ -107,6 +107,10 @@ def register(bsub) -> None:
                         "ramps up, as a server's connections arrive (default 8); each first "
                         "step submits a request, so N adds to an iteration's work as "
                         "--completions-per-turn does")
+    p.add_argument("--no-host-probe", action="store_true",
+                   help="asyncio: leave out the separate process that measures the host's own "
+                        "stalls during the load (it keeps one CPU busy; by default its stalls "
+                        "are matched against the late loop samples)")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
                         "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")
@@ -191,6 +195,8 @@ def _check_numbers(args) -> None:
     asyncio_only = [f"--{name.replace('_', '-')}" for name in
                     ("arrivals_per_turn", "completions_per_turn", "gc_young_ms", "loop")
                     if getattr(args, name) not in (None, "asyncio")]
+    asyncio_only += [flag for flag, given in (("--no-gc-freeze", args.no_gc_freeze),
+                                              ("--no-host-probe", args.no_host_probe)) if given]
     if asyncio_only and args.mode != "asyncio":
         raise BenchConfigError(f"{', '.join(asyncio_only)} appl"
                                f"{'ies' if len(asyncio_only) == 1 else 'y'} to the asyncio "
@@ -279,6 +285,7 @@ def options(args):
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms,
         process=args.process, processes=args.processes, loop=args.loop,
+        host_probe=not args.no_host_probe,
         **({} if args.arrivals_per_turn is None
            else {"arrivals_per_turn": args.arrivals_per_turn}),
         **({} if args.gc_young_ms is None else {"gc_young_ms": args.gc_young_ms}),

@@ -42,43 +42,72 @@ class GcPauses:
 LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
 
 
-def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS) -> dict:
-    """Why the probe woke late, for every sample above ``bound_ms``.
+def overlap_ms(spans, t0: float, t1: float) -> float:
+    """How much of the window ``t0``-``t1`` (s) the ``spans`` (``(start s, end s, ...)``
+    each, not overlapping one another) cover, in ms."""
+    return sum((min(t1, s[1]) - max(t0, s[0])) * 1e3 for s in spans if s[1] > t0 and s[0] < t1)
 
-    ``samples``: ``(start s, end s, lag ms, loop-thread CPU ms)`` per probe sleep, optionally
-    with a fifth item: the ms the loop thread spent runnable but not running (waiting for a
-    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown); ``pauses``:
-    `GcPauses.pauses`. A late wake-up is put down to the garbage collector when its pauses
-    within the sleep cover half the lag or more; else to the loop's own callbacks when the
-    loop thread was on a CPU for at least half the sleep (it ran callbacks: too much work per
-    loop iteration); else to waiting: the loop thread was ready but did not run. With the
-    run-queue wait known, waiting is split: for a CPU when the run-queue wait covers half the
-    lag or more (more runnable threads than CPUs), else for the GIL (asleep while another
-    thread ran Python); without it, one cause, "the GIL or a CPU". Returns
-    ``{cause: {"count", "max_ms"}}``.
-    """
+
+def host_stalled(sample, host_stalls, bound_ms: float = LAG_BOUND_MS) -> bool:
+    """Whether the sample (the form `lag_causes` takes) would have been within ``bound_ms``
+    without the host stalls (``(start s, end s)`` each) that overlap the time its callback
+    waited (the window's last ``lag`` ms)."""
+    t1, lag = sample[1], sample[2]
+    return bool(host_stalls) and lag - overlap_ms(host_stalls, t1 - lag / 1e3, t1) <= bound_ms
+
+
+MACHINE_STALL = "machine stall (a separate process stalled at the same time)"
+
+
+def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) -> dict:
+    """Why the probe woke late, for every sample above ``bound_ms`` (`lag_cause` each).
+    Returns ``{cause: {"count", "max_ms"}}``."""
     out: dict = {}
     for sample in samples:
-        t0, t1, lag, cpu = sample[:4]
-        rq = sample[4] if len(sample) > 4 else None
-        if lag <= bound_ms:
+        cause = lag_cause(sample, pauses, bound_ms, host_stalls)
+        if cause is None:
             continue
-        gc_ms = sum((min(t1, b) - max(t0, a)) * 1e3 for a, b, _ in pauses if b > t0 and a < t1)
-        gens = [g for a, b, g in pauses if b > t0 and a < t1]
-        if gc_ms >= lag / 2:
-            cause = f"garbage collector (generation {max(gens)})"
-        elif cpu >= (t1 - t0) * 1e3 / 2:
-            cause = "loop busy running callbacks"
-        elif rq is None:
-            cause = "loop thread waiting for the GIL or a CPU"
-        elif rq >= lag / 2:
-            cause = "loop thread waiting for a CPU (runnable, all CPUs busy)"
-        else:
-            cause = "loop thread waiting for the GIL"
         c = out.setdefault(cause, {"count": 0, "max_ms": 0.0})
         c["count"] += 1
-        c["max_ms"] = max(c["max_ms"], lag)
+        c["max_ms"] = max(c["max_ms"], sample[2])
     return out
+
+
+def lag_cause(sample, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) -> str | None:
+    """Why one sample was late (None: it was within ``bound_ms``).
+
+    ``sample``: ``(start s, end s, lag ms, loop-thread CPU ms)``, optionally with a fifth
+    item: the ms the loop thread spent runnable but not running in the window (waiting for a
+    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown). ``pauses``:
+    `GcPauses.pauses`. ``host_stalls``: ``(start s, end s)`` stalls a separate process saw
+    (`orchestra.serve.host_stalls.HostStallProbe`).
+
+    A late wake-up is put down to the garbage collector when its pauses within the window
+    cover half the lag or more; else to the loop's own callbacks when the loop thread was on
+    a CPU for at least half the window (it ran callbacks: too much work per loop iteration);
+    else to waiting: the loop thread was ready but did not run. With the run-queue wait
+    known, a wait for a CPU when that wait covers half the lag or more (more runnable threads
+    than CPUs). A wait that is not for a CPU is put down to the machine (`MACHINE_STALL`)
+    when, without the host stalls while the callback waited, the lag would have been within
+    ``bound_ms`` (`host_stalled`); else to the GIL (asleep while another thread ran Python),
+    or, with the run-queue wait unknown, to "the GIL or a CPU".
+    """
+    t0, t1, lag, cpu = sample[:4]
+    rq = sample[4] if len(sample) > 4 else None
+    if lag <= bound_ms:
+        return None
+    if overlap_ms(pauses, t0, t1) >= lag / 2:
+        gens = [g for a, b, g in pauses if b > t0 and a < t1]
+        return f"garbage collector (generation {max(gens)})"
+    if cpu >= (t1 - t0) * 1e3 / 2:
+        return "loop busy running callbacks"
+    if rq is not None and rq >= lag / 2:
+        return "loop thread waiting for a CPU (runnable, all CPUs busy)"
+    if host_stalled(sample, host_stalls, bound_ms):
+        return MACHINE_STALL
+    if rq is None:
+        return "loop thread waiting for the GIL or a CPU"
+    return "loop thread waiting for the GIL"
 
 
 class RunQueueClock:

@@ -1,0 +1,83 @@
+"""`HostStallProbe` sees the machine stop its process, and `lag_cause` puts a loop's wait
+down to the machine only when a stall of that process covers it: real stops (SIGSTOP) of a
+real measuring process, and samples of known windows against known stalls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from orchestra.serve.host_stalls import HostStallProbe
+from orchestra.serve.loop_lag import MACHINE_STALL, lag_cause, lag_causes
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                           reason="the probe reads /proc and is Linux only")
+
+BUSY = "loop busy running callbacks"
+GIL = "loop thread waiting for the GIL"
+CPU = "loop thread waiting for a CPU (runnable, all CPUs busy)"
+
+
+@linux
+def test_a_stop_of_the_measuring_process_is_seen_as_a_stall_where_it_happened():
+    probe = HostStallProbe().start()
+    proc = probe._proc
+    assert proc is not None, "the measuring process did not start"
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGSTOP)
+    a = time.perf_counter()
+    time.sleep(0.04)
+    b = time.perf_counter()
+    os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(0.05)
+    seen = probe.stop()
+    assert seen is not None and seen["chunks"] > 1000 and seen["seconds"] > 0.1
+    assert 1 < seen["chunk_us"] < 1000
+    # the stall spans the stop: it began before the SIGSTOP landed, ended after SIGCONT
+    spans = [(s, e) for s, e in seen["stalls"] if s <= a + 0.005 and e >= b - 0.001]
+    assert spans, (a, b, seen["stalls"][:20])
+    s, e = spans[0]
+    assert 0.035 <= e - s <= 1.0, (s, e)
+    assert proc.poll() is not None  # the process has ended
+    assert probe.stop() is None  # a second stop: nothing more
+
+
+@linux
+def test_a_probe_whose_process_died_returns_none_and_leaves_nothing_running():
+    probe = HostStallProbe().start()
+    proc = probe._proc
+    assert proc is not None
+    proc.kill()
+    proc.wait()
+    assert probe.stop() is None
+    assert probe.stop() is None
+
+
+def test_a_wait_is_the_machines_only_when_a_stall_covers_what_would_break_the_bound():
+    # the window 0-1 s, the callback waited its last 3 ms (0.997-1.0), off its CPU, no
+    # run-queue wait: a wait for the GIL unless the machine stalled through it
+    waiting = (0.0, 1.0, 3.0, 1.0, 0.0)
+    assert lag_cause(waiting, [], host_stalls=[(0.9975, 0.9995)]) == MACHINE_STALL  # 2 ms of 3
+    assert lag_cause(waiting, [], host_stalls=[(0.998, 0.9988)]) == GIL  # 0.8 ms: 2.2 left
+    assert lag_cause(waiting, [], host_stalls=[(0.5, 0.9)]) == GIL  # before the wait
+    assert lag_cause(waiting, []) == GIL
+    # two stalls add up; a stall of a sample within the bound changes nothing
+    assert lag_cause(waiting, [], host_stalls=[(0.997, 0.998), (0.9985, 0.9995)]) == MACHINE_STALL
+    assert lag_cause((0.0, 1.0, 0.9, 1.0, 0.0), [], host_stalls=[(0.0, 1.0)]) is None
+    # the loop ran (busy), waited for a CPU, or collected: those stay what they were
+    whole = [(0.0, 1.0)]
+    assert lag_cause((0.0, 1.0, 3.0, 900.0, 0.0), [], host_stalls=whole) == BUSY
+    assert lag_cause((0.0, 1.0, 3.0, 1.0, 2.5), [], host_stalls=whole) == CPU
+    gc_pause = [(0.997, 0.9995, 0)]
+    assert lag_cause(waiting, gc_pause, host_stalls=whole) == "garbage collector (generation 0)"
+    # without the run-queue wait known, the machine's stall still explains a wait
+    assert lag_cause((0.0, 1.0, 3.0, 1.0), [], host_stalls=whole) == MACHINE_STALL
+    assert lag_cause((0.0, 1.0, 3.0, 1.0), []) == "loop thread waiting for the GIL or a CPU"
+    causes = lag_causes([waiting, (1.0, 2.0, 5.0, 1.0, 0.0), (2.0, 3.0, 0.5, 0.0, 0.0)], [],
+                        host_stalls=[(0.9975, 0.9995)])
+    assert causes == {MACHINE_STALL: {"count": 1, "max_ms": 3.0},
+                      GIL: {"count": 1, "max_ms": 5.0}}
