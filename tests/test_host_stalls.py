@@ -12,7 +12,7 @@ import time
 import pytest
 
 from orchestra.serve.host_stalls import HostStallProbe
-from orchestra.serve.loop_lag import MACHINE_STALL, lag_cause, lag_causes
+from orchestra.serve.loop_lag import MACHINE_STALL, PROBE_WAIT, lag_cause, lag_causes
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="the probe reads /proc and is Linux only")
@@ -77,6 +77,12 @@ def test_a_wait_is_the_machines_only_when_a_stall_covers_what_would_break_the_bo
     # without the run-queue wait known, the machine's stall still explains a wait
     assert lag_cause((0.0, 1.0, 3.0, 1.0), [], host_stalls=whole) == MACHINE_STALL
     assert lag_cause((0.0, 1.0, 3.0, 1.0), []) == "loop thread waiting for the GIL or a CPU"
+    # a busy loop and a probe thread that waited for a CPU: the probe's, when its wait is
+    # what breaks the bound; the loop's when the lag stays over it without that wait
+    assert lag_cause((0.0, 1.0, 3.0, 900.0, 0.0, 2.5), []) == PROBE_WAIT
+    assert lag_cause((0.0, 1.0, 3.0, 900.0, 0.0, 1.0), []) == BUSY
+    assert lag_cause((0.0, 1.0, 3.0, 900.0, 0.0, None), []) == BUSY
+    assert lag_cause((0.0, 1.0, 3.0, 1.0, 0.0, 2.5), []) == GIL  # the loop waited: its own
     causes = lag_causes([waiting, (1.0, 2.0, 5.0, 1.0, 0.0), (2.0, 3.0, 0.5, 0.0, 0.0)], [],
                         host_stalls=[(0.9975, 0.9995)])
     assert causes == {MACHINE_STALL: {"count": 1, "max_ms": 3.0},

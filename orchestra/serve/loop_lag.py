@@ -57,6 +57,7 @@ def host_stalled(sample, host_stalls, bound_ms: float = LAG_BOUND_MS) -> bool:
 
 
 MACHINE_STALL = "machine stall (a separate process stalled at the same time)"
+PROBE_WAIT = "probe thread waiting for a CPU (the loop was running)"
 
 
 def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) -> dict:
@@ -78,13 +79,17 @@ def lag_cause(sample, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) ->
 
     ``sample``: ``(start s, end s, lag ms, loop-thread CPU ms)``, optionally with a fifth
     item: the ms the loop thread spent runnable but not running in the window (waiting for a
-    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown). ``pauses``:
+    CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown), and a sixth:
+    the same wait of the probe's own thread before it handed the callback over. ``pauses``:
     `GcPauses.pauses`. ``host_stalls``: ``(start s, end s)`` stalls a separate process saw
     (`orchestra.serve.host_stalls.HostStallProbe`).
 
     A late wake-up is put down to the garbage collector when its pauses within the window
     cover half the lag or more; else to the loop's own callbacks when the loop thread was on
-    a CPU for at least half the window (it ran callbacks: too much work per loop iteration);
+    a CPU for at least half the window (it ran callbacks: too much work per loop iteration),
+    unless the probe's own thread waited for a CPU long enough that without that wait the
+    lag would have been within ``bound_ms`` (`PROBE_WAIT`: the loop was running, the probe
+    was not; the loop's own lag for that sample is not known, only that it was shorter);
     else to waiting: the loop thread was ready but did not run. With the run-queue wait
     known, a wait for a CPU when that wait covers half the lag or more (more runnable threads
     than CPUs). A wait that is not for a CPU is put down to the machine (`MACHINE_STALL`)
@@ -100,6 +105,9 @@ def lag_cause(sample, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) ->
         gens = [g for a, b, g in pauses if b > t0 and a < t1]
         return f"garbage collector (generation {max(gens)})"
     if cpu >= (t1 - t0) * 1e3 / 2:
+        own = sample[5] if len(sample) > 5 else None
+        if own is not None and lag - own <= bound_ms:
+            return PROBE_WAIT
         return "loop busy running callbacks"
     if rq is not None and rq >= lag / 2:
         return "loop thread waiting for a CPU (runnable, all CPUs busy)"
@@ -185,13 +193,20 @@ class LoopLagProbe:
     its thread's oversleep (the thread asks Linux for a 1 ns timer slack,
     ``prctl(PR_SET_TIMERSLACK)``, instead of the default 50 µs) and the loop's wake-up. Its
     thread holds the GIL for a few µs per sample; while another thread holds the GIL, the
-    sample is late by that wait too, as the loop is.
+    sample is late by that wait too, as the loop is. One cost of its own is measured apart:
+    the time its thread, woken at the instant, waited for a CPU (its run-queue wait from
+    before the sleep to the hand-over, `RunQueueClock`, where Linux says). A socket that
+    becomes ready needs no thread to be scheduled; a probe thread that woke on a CPU busy
+    with other work counts that CPU's queue in the sample (on the loop's own CPU, up to the
+    scheduler's wake-up granularity: several ms), and `lag_cause` says so.
 
     `stop` returns the samples, one per callback run, each ``(start s, end s, lag ms,
-    loop-thread CPU ms, run-queue wait ms or None)``: the window from the previous sample's
-    end to this one's (``time.perf_counter``), the lag, the loop thread's CPU time in the
-    window (``time.thread_time``) and its wait for a CPU in it (`RunQueueClock`, None where
-    Linux does not say): the form `lag_causes` takes.
+    loop-thread CPU ms, run-queue wait ms or None, probe-thread run-queue wait ms or
+    None)``: the window from the previous sample's end to this one's
+    (``time.perf_counter``), the lag, the loop thread's CPU time in the window
+    (``time.thread_time``) and its wait for a CPU in it (`RunQueueClock`, None where Linux
+    does not say), and the probe thread's own wait for a CPU before it handed the callback
+    over: the form `lag_causes` takes.
 
     Thread-safety: `start` and `stop` are called on the loop's thread (the CPU and run-queue
     clocks read are that thread's), once each, in that order.
@@ -229,25 +244,39 @@ class LoopLagProbe:
         rq = self._rq() if self._rq is not None else None
         return time.perf_counter(), time.thread_time(), rq
 
-    def _ran(self, due: float) -> None:  # on the loop: one sample
+    def _ran(self, due: float, own_ms: float) -> None:  # on the loop: one sample
         if self._stop.is_set():
             return
         t1, c1, q1 = now = self._clocks()
         t0, c0, q0 = self._last
         self._last = now
         self.samples.append((t0, t1, (t1 - due) * 1e3, (c1 - c0) * 1e3,
-                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None))
+                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
+                             own_ms))
 
     def _hand_over(self) -> None:  # the probe's thread
         _fine_timer_slack()
         rnd, clock, gap = random.Random(self.seed), time.perf_counter, self.gap_s
+        own = RunQueueClock.open()  # this thread's own wait for a CPU (None: unknown)
         due = clock() + gap * rnd.uniform(0.5, 1.5)
+        try:
+            self._hand_over_until_stopped(rnd, clock, gap, own, due)
+        finally:
+            if own is not None:
+                own.close()
+
+    def _hand_over_until_stopped(self, rnd, clock, gap, own, due) -> None:
         while not self._stop.is_set():
+            q0 = own() if own is not None else None
             wait = due - clock()
             if wait > 0:
                 time.sleep(wait)
+            q1 = own() if own is not None else None
+            # the run-queue wait over the sleep (asleep is not runnable): after the timer
+            # woke it, and in the wait for the GIL that ends time.sleep (None: unknown)
+            own_ms = (q1 - q0) / 1e6 if q0 is not None and q1 is not None else None
             try:
-                self.loop.call_soon_threadsafe(self._ran, due)
+                self.loop.call_soon_threadsafe(self._ran, due, own_ms)
             except RuntimeError:  # the loop was closed under the probe: nothing to measure
                 return
             # from the later of the instant and now: a sample that was itself late (the GIL)
