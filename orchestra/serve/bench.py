@@ -18,7 +18,8 @@ Modes (``--mode``):
   as connections arrive), each output compared on the loop (the benchmark's own cost: one
   64 KiB copy and compare per request); the event loop's lag is measured from outside the loop
   (`orchestra.serve.loop_lag.LoopLagProbe`: how late it runs a callback handed to it from a
-  thread at a known instant, about every ms), every late one put down to its cause; the
+  thread at a known instant, about every ms), every late one put down to its cause, the
+  machine's own stalls beside it (`orchestra.serve.host_stalls.HostStallProbe`); the
   garbage collector runs as docs/serving.md recommends for a lag bound (``gc.freeze()``
   after the warm-up, young collections from the loop every ``--gc-young-ms``; both
   printed);
