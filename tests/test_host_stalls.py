@@ -87,3 +87,27 @@ def test_a_wait_is_the_machines_only_when_a_stall_covers_what_would_break_the_bo
                         host_stalls=[(0.9975, 0.9995)])
     assert causes == {MACHINE_STALL: {"count": 1, "max_ms": 3.0},
                       GIL: {"count": 1, "max_ms": 5.0}}
+
+
+def _fake_probe_process(tmp_path, monkeypatch, script: str) -> None:
+    """The measuring process replaced by a shell script (its interpreter: ``sys.executable``)."""
+    exe = tmp_path / "fake-python"
+    exe.write_text("#!/bin/sh\n" + script + "\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(exe))
+
+
+@linux
+@pytest.mark.parametrize("answer", [
+    "'[1, 2]'", "'{\"x\": 1}'", "'\"stalls\"'",
+    "'{\"stalls\": [1, 2], \"preempted\": 0, \"chunks\": 1, \"seconds\": 1.0, "
+    "\"chunk_us\": 1.0, \"steal_ms\": null}'",
+    "'{\"stalls\": [[1.0, 2.0]], \"chunks\": 1}'",
+    "'{\"stalls\": [], \"preempted\": 0, \"chunks\": 1, \"seconds\": 1.0, \"chunk_us\": 1.0}'",
+])
+def test_a_measuring_process_that_answers_garbage_is_a_probe_that_did_not_run(
+        answer, tmp_path, monkeypatch):
+    _fake_probe_process(tmp_path, monkeypatch, f"echo ready; read x; echo {answer}")
+    probe = HostStallProbe().start()
+    assert probe._proc is not None
+    assert probe.stop() is None

@@ -171,8 +171,31 @@ class HostStallProbe:
             got = json.loads(out.decode().splitlines()[-1])
         except (ValueError, IndexError):
             return None
-        got["stalls"] = [tuple(s) for s in got["stalls"]]
-        return got
+        return _checked(got)
+
+
+_KEYS = ("preempted", "chunks", "seconds", "chunk_us", "steal_ms")
+
+
+def _number(v, none: bool = False) -> bool:
+    return (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _checked(got) -> dict | None:
+    """The measuring process's answer in the form `HostStallProbe.stop` returns, or None when
+    it is not that form (the process is this file, but what it printed is read as data: an
+    answer that is not the dict it writes is a probe that did not run, never an error)."""
+    if not isinstance(got, dict) or not isinstance(got.get("stalls"), list):
+        return None
+    if not all(k in got and _number(got[k], none=k == "steal_ms") for k in _KEYS):
+        return None
+    stalls = []
+    for s in got["stalls"]:
+        if not (isinstance(s, list) and len(s) == 2 and _number(s[0]) and _number(s[1])):
+            return None
+        stalls.append((float(s[0]), float(s[1])))
+    got["stalls"] = stalls
+    return got
 
 
 if __name__ == "__main__":
