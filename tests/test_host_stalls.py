@@ -111,3 +111,47 @@ def test_a_measuring_process_that_answers_garbage_is_a_probe_that_did_not_run(
     probe = HostStallProbe().start()
     assert probe._proc is not None
     assert probe.stop() is None
+
+
+def _children() -> list[int]:
+    """This process's child processes still there (zombies included)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                pids.append(int(d))
+    return pids
+
+
+@linux
+def test_a_measuring_process_that_never_says_ready_does_not_hang_start(tmp_path, monkeypatch):
+    _fake_probe_process(tmp_path, monkeypatch, "exec sleep 30")
+    before = set(_children())
+    probe = HostStallProbe()
+    t = time.perf_counter()
+    probe.start(timeout=0.5)
+    assert time.perf_counter() - t < 3.0
+    assert probe._proc is None and probe.stop() is None
+    assert set(_children()) <= before  # killed and reaped
+
+
+@linux
+def test_an_interrupt_while_start_waits_leaves_no_process_behind(tmp_path, monkeypatch):
+    _fake_probe_process(tmp_path, monkeypatch, "exec sleep 30")
+    before = set(_children())
+    probe = HostStallProbe()
+    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.start(timeout=5.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert probe._proc is None
+    assert set(_children()) <= before

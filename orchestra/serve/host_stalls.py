@@ -115,6 +115,26 @@ def _measure(threshold_s: float, stdin_fd: int) -> dict:
             "steal_ms": None if steal0 is None or steal1 is None else steal1 - steal0}
 
 
+def _ready_line(proc: subprocess.Popen, timeout: float) -> bytes:
+    """The measuring process's first line (``ready``), or b"" when none came within
+    ``timeout`` s (a process that never starts to measure must not hang `start`). Its output
+    is read byte by byte up to the newline: nothing past that line is taken from the pipe."""
+    out = proc.stdout
+    if out is None:
+        return b""
+    fd, line = out.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n") and len(line) < 64:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b""
+        got = os.read(fd, 1)
+        if not got:
+            return line
+        line += got
+    return line
+
+
 class HostStallProbe:
     """Stalls of the host during a window, from a separate measuring process.
 
@@ -133,7 +153,10 @@ class HostStallProbe:
         self.threshold_ms = threshold_ms
         self._proc: subprocess.Popen | None = None
 
-    def start(self) -> HostStallProbe:
+    def start(self, timeout: float = 5.0) -> HostStallProbe:
+        """Start the measuring process and wait (at most ``timeout`` s) until it measures; a
+        process that does not say so in time is ended (`stop` then returns None). Nothing
+        where it runs already."""
         if not sys.platform.startswith("linux") or self._proc is not None:
             return self
         try:
@@ -141,10 +164,14 @@ class HostStallProbe:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), repr(self.threshold_ms)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            line = self._proc.stdout.readline() if self._proc.stdout else b""
         except OSError:
             self._proc = None
             return self
+        try:
+            line = _ready_line(self._proc, timeout)
+        except BaseException:  # Ctrl-C while waiting: no measuring process left behind
+            self._kill()
+            raise
         if line.strip() != b"ready":
             self._kill()
         return self
