@@ -155,3 +155,21 @@ def test_an_interrupt_while_start_waits_leaves_no_process_behind(tmp_path, monke
         signal.signal(signal.SIGALRM, old)
     assert probe._proc is None
     assert set(_children()) <= before
+
+
+@linux
+def test_an_interrupt_while_stop_waits_leaves_no_process_behind():
+    probe = HostStallProbe().start()
+    proc = probe._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)  # stopped: it cannot end by itself when stdin closes
+    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.stop(timeout=5.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert proc.poll() is not None, "the stopped measuring process was left behind"
+    assert proc.pid not in _children()

@@ -194,6 +194,10 @@ class HostStallProbe:
             p.kill()
             p.communicate()
             return None
+        except BaseException:  # Ctrl-C while waiting: no measuring process left behind
+            p.kill()
+            p.wait()
+            raise
         try:
             got = json.loads(out.decode().splitlines()[-1])
         except (ValueError, IndexError):
