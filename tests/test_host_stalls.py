@@ -173,3 +173,22 @@ def test_an_interrupt_while_stop_waits_leaves_no_process_behind():
         signal.signal(signal.SIGALRM, old)
     assert proc.poll() is not None, "the stopped measuring process was left behind"
     assert proc.pid not in _children()
+
+
+@linux
+def test_a_threshold_of_any_real_number_type_measures():
+    np = pytest.importorskip("numpy")
+    probe = HostStallProbe(np.float64(0.5))
+    assert probe.threshold_ms == 0.5 and type(probe.threshold_ms) is float
+    probe.start()
+    time.sleep(0.02)
+    seen = probe.stop()
+    assert seen is not None and seen["chunks"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "0.25", True, None])
+def test_a_threshold_that_is_not_a_positive_number_is_refused(bad):
+    from orchestra.serve.errors import ServeConfigError
+
+    with pytest.raises(ServeConfigError, match="threshold_ms"):
+        HostStallProbe(bad)

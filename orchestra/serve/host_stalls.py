@@ -27,6 +27,8 @@ imports only the standard library (it starts in about 20-50 ms).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import select
 import subprocess
@@ -150,6 +152,18 @@ class HostStallProbe:
     """
 
     def __init__(self, threshold_ms: float = 0.25):
+        # orchestra's own errors imported here: run as a script, this file imports only the stdlib
+        from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
+
+        if isinstance(threshold_ms, bool) or not isinstance(threshold_ms, numbers.Real):
+            raise ServeConfigTypeError(f"HostStallProbe: threshold_ms must be a number of ms, "
+                                       f"got {threshold_ms!r}")
+        # a float: the measuring process parses its repr (numpy's is "np.float64(...)")
+        threshold_ms = float(threshold_ms)
+        if not (math.isfinite(threshold_ms) and threshold_ms > 0):
+            raise ServeConfigValueError(f"HostStallProbe: threshold_ms must be a finite number "
+                                        f"of ms above 0 (0 or less counts every chunk as a "
+                                        f"stall), got {threshold_ms:g}")
         self.threshold_ms = threshold_ms
         self._proc: subprocess.Popen | None = None
 
