@@ -12,7 +12,7 @@ import time
 import pytest
 
 from orchestra.serve.host_stalls import HostStallProbe
-from orchestra.serve.loop_lag import MACHINE_STALL, PROBE_WAIT, lag_cause, lag_causes
+from orchestra.serve.loop_lag import MACHINE_STALL, PROBE_WAIT, lag_cause, lag_causes, overlap_ms
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
                            reason="the probe reads /proc and is Linux only")
@@ -192,3 +192,16 @@ def test_a_threshold_that_is_not_a_positive_number_is_refused(bad):
 
     with pytest.raises(ServeConfigError, match="threshold_ms"):
         HostStallProbe(bad)
+
+
+def test_stalls_that_overlap_count_once():
+    # two probes (two CPUs) saw the same 1.5 ms stall of a 3 ms wait: 1.5 ms left, over 1 ms
+    waiting = (0.0, 1.0, 3.0, 1.0, 0.0)
+    twice = [(0.997, 0.9985), (0.997, 0.9985)]
+    assert overlap_ms(twice, 0.997, 1.0) == pytest.approx(1.5)
+    assert lag_cause(waiting, [], host_stalls=twice) == GIL
+    # nested and chained spans: their union (0.997-0.9995: 2.5 ms), in any order
+    spans = [(0.998, 0.999), (0.9985, 0.9995), (0.997, 0.9982)]
+    assert overlap_ms(spans, 0.997, 1.0) == pytest.approx(2.5)
+    assert lag_cause(waiting, [], host_stalls=spans) == MACHINE_STALL
+

@@ -44,8 +44,15 @@ LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
 
 def overlap_ms(spans, t0: float, t1: float) -> float:
     """How much of the window ``t0``-``t1`` (s) the ``spans`` (``(start s, end s, ...)``
-    each, not overlapping one another) cover, in ms."""
-    return sum((min(t1, s[1]) - max(t0, s[0])) * 1e3 for s in spans if s[1] > t0 and s[0] < t1)
+    each, in any order) cover, in ms: where spans overlap one another (the stalls of two
+    probes, say), that time counts once."""
+    inside = sorted((max(t0, s[0]), min(t1, s[1])) for s in spans if s[1] > t0 and s[0] < t1)
+    total, end = 0.0, t0
+    for a, b in inside:  # the union of the clipped spans, in order of their starts
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total * 1e3
 
 
 def host_stalled(sample, host_stalls, bound_ms: float = LAG_BOUND_MS) -> bool:
