@@ -205,3 +205,8 @@ def test_stalls_that_overlap_count_once():
     assert overlap_ms(spans, 0.997, 1.0) == pytest.approx(2.5)
     assert lag_cause(waiting, [], host_stalls=spans) == MACHINE_STALL
 
+
+def test_lag_causes_takes_its_stalls_and_pauses_from_any_iterable():
+    waiting = (0.0, 1.0, 3.0, 1.0, 0.0)
+    causes = lag_causes([waiting, waiting], iter([]), host_stalls=iter([(0.0, 1.0)]))
+    assert causes == {MACHINE_STALL: {"count": 2, "max_ms": 3.0}}

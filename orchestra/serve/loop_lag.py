@@ -71,6 +71,9 @@ def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) 
     """Why the probe woke late, for every sample above ``bound_ms`` (`lag_cause` each).
     Returns ``{cause: {"count", "max_ms"}}``."""
     out: dict = {}
+    # read once per sample each: an iterator (a generator of stalls) would be used up by the
+    # first late sample
+    pauses, host_stalls = list(pauses), list(host_stalls or ())
     for sample in samples:
         cause = lag_cause(sample, pauses, bound_ms, host_stalls)
         if cause is None:
