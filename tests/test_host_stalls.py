@@ -210,3 +210,38 @@ def test_lag_causes_takes_its_stalls_and_pauses_from_any_iterable():
     waiting = (0.0, 1.0, 3.0, 1.0, 0.0)
     causes = lag_causes([waiting, waiting], iter([]), host_stalls=iter([(0.0, 1.0)]))
     assert causes == {MACHINE_STALL: {"count": 2, "max_ms": 3.0}}
+
+
+@pytest.mark.parametrize("case", ["darwin", "exits", "garbage", "hangs"])
+def test_a_probe_that_could_not_measure_says_why(case, tmp_path, monkeypatch):
+    if case == "darwin":
+        monkeypatch.setattr(sys, "platform", "darwin")
+    elif not sys.platform.startswith("linux"):
+        pytest.skip("the measuring process runs on Linux")
+    else:
+        _fake_probe_process(tmp_path, monkeypatch, {
+            "exits": "exit 3", "garbage": "echo ready; read x; echo '[1]'",
+            "hangs": "echo ready; exec sleep 30"}[case])
+    probe = HostStallProbe().start(timeout=1.0)
+    assert probe.stop(timeout=0.5) is None
+    assert probe.why == {
+        "darwin": "Linux only, this is darwin",
+        "exits": "the measuring process ended (exit status 3) before it measured",
+        "garbage": "the measuring process's result could not be read",
+        "hangs": "the measuring process did not answer within 0.5 s"}[case]
+    assert probe.stop() is None and probe.why  # a second stop keeps the reason
+
+
+def test_the_bench_says_why_the_machines_stalls_could_not_be_measured():
+    from orchestra.serve.bench import Result, format_lag
+
+    r = Result("asyncio", "engine, 1 tasks")
+    r.extra.update({"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.2, "loop_lag_max_ms": 0.3,
+                    "loop_lag_samples": 10, "loop_lag_probe_gap_ms": 1.0,
+                    "loop_lag_over_1ms": 0, "loop_lag_causes": {}, "gc_collections": {},
+                    "host_stalls": None,
+                    "host_stalls_why": "the measuring process did not answer within 5 s"})
+    text = "\n".join(format_lag(r))
+    assert ("the machine: its stalls could not be measured here (the measuring process did "
+            "not answer within 5 s)") in text
+    assert "Linux only" not in text

@@ -910,8 +910,9 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             "max_ms": max(((b - a) * 1e3 for a, b in stalls), default=0.0),
             "over_1ms": sum((b - a) * 1e3 > LAG_BOUND_MS for a, b in stalls),
             "seconds": host_seen["seconds"], "steal_ms": host_seen["steal_ms"]}
-    elif host_probe:
-        res.extra["host_stalls"] = None  # asked for, but it could not run here
+    elif host is not None:
+        res.extra["host_stalls"] = None  # asked for, but it could not run here: why
+        res.extra["host_stalls_why"] = host.why or "the measuring process gave nothing"
     gens: dict[int, list] = {}
     for a, b, g in gcp.pauses:
         d = gens.setdefault(g, [0, 0.0])
@@ -978,7 +979,9 @@ def format_lag(r: Result) -> list[str]:
                      f"{LAG_BOUND_MS:g} ms; {h['preempted']:,} more gaps waiting for a CPU "
                      f"not counted){steal}")
     elif h is None:
-        lines.append("    the machine: its stalls could not be measured here (Linux only)")
+        why = x.get("host_stalls_why") or "Linux only"
+        lines.append(f"    the machine: its stalls could not be measured here ({why}); no late "
+                     f"sample is put down to the machine")
     gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")

@@ -117,9 +117,10 @@ def _measure(threshold_s: float, stdin_fd: int) -> dict:
             "steal_ms": None if steal0 is None or steal1 is None else steal1 - steal0}
 
 
-def _ready_line(proc: subprocess.Popen, timeout: float) -> bytes:
-    """The measuring process's first line (``ready``), or b"" when none came within
-    ``timeout`` s (a process that never starts to measure must not hang `start`). Its output
+def _ready_line(proc: subprocess.Popen, timeout: float) -> bytes | None:
+    """The measuring process's first line (``ready``; what it wrote before its output ended),
+    or None when no line came within ``timeout`` s (a process that never starts to measure
+    must not hang `start`). Its output
     is read byte by byte up to the newline: nothing past that line is taken from the pipe."""
     out = proc.stdout
     if out is None:
@@ -129,7 +130,7 @@ def _ready_line(proc: subprocess.Popen, timeout: float) -> bytes:
     while not line.endswith(b"\n") and len(line) < 64:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return b""
+            return None
         got = os.read(fd, 1)
         if not got:
             return line
@@ -146,7 +147,8 @@ class HostStallProbe:
     (time.perf_counter), "preempted" (gaps spent waiting for a CPU, not stalls), "chunks",
     "seconds", "chunk_us", "steal_ms" (the whole machine's steal in the window, None where
     unknown)}``, or None where the probe could not run (not Linux, or the process failed or
-    did not answer within ``timeout``: the bench then says so and attributes nothing).
+    did not answer within ``timeout``: the bench then says so and attributes nothing);
+    ``why`` then says which, in words.
 
     Thread-safety: one thread starts and stops it.
     """
@@ -166,28 +168,42 @@ class HostStallProbe:
                                         f"stall), got {threshold_ms:g}")
         self.threshold_ms = threshold_ms
         self._proc: subprocess.Popen | None = None
+        self.why: str | None = None  # why the last start or stop gave nothing (None: it did)
 
     def start(self, timeout: float = 5.0) -> HostStallProbe:
         """Start the measuring process and wait (at most ``timeout`` s) until it measures; a
         process that does not say so in time is ended (`stop` then returns None). Nothing
         where it runs already."""
-        if not sys.platform.startswith("linux") or self._proc is not None:
+        if self._proc is not None:
             return self
+        if not sys.platform.startswith("linux"):
+            self.why = f"Linux only, this is {sys.platform}"
+            return self
+        self.why = None
         try:
             # -I: no site-packages, no user environment; the script imports only the stdlib
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), repr(self.threshold_ms)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        except OSError:
+        except OSError as exc:
             self._proc = None
+            self.why = f"the measuring process did not start: {exc}"
             return self
         try:
             line = _ready_line(self._proc, timeout)
         except BaseException:  # Ctrl-C while waiting: no measuring process left behind
             self._kill()
             raise
-        if line.strip() != b"ready":
+        if line is None or line.strip() != b"ready":
+            p = self._proc
             self._kill()
+            if line is None:
+                self.why = f"the measuring process did not start to measure within {timeout:g} s"
+            elif not line:  # its output ended: it exited (or closed it)
+                self.why = (f"the measuring process ended (exit status {p.returncode}) "
+                            f"before it measured")
+            else:
+                self.why = f"the measuring process said {line.strip()[:40]!r}, not ready"
         return self
 
     def _kill(self) -> None:
@@ -201,22 +217,27 @@ class HostStallProbe:
         call twice (the second returns None)."""
         p, self._proc = self._proc, None
         if p is None:
+            self.why = self.why or "not running (not started, or stopped already)"
             return None
         try:
             out, _ = p.communicate(b"", timeout=timeout)  # closing stdin ends its loop
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
+            self.why = f"the measuring process did not answer within {timeout:g} s"
             return None
         except BaseException:  # Ctrl-C while waiting: no measuring process left behind
             p.kill()
             p.wait()
             raise
         try:
-            got = json.loads(out.decode().splitlines()[-1])
+            got = _checked(json.loads(out.decode().splitlines()[-1]))
         except (ValueError, IndexError):
-            return None
-        return _checked(got)
+            got = None
+        if got is None:
+            self.why = ("the measuring process ended without its result" if p.returncode
+                        else "the measuring process's result could not be read")
+        return got
 
 
 _KEYS = ("preempted", "chunks", "seconds", "chunk_us", "steal_ms")
