@@ -245,3 +245,23 @@ def test_the_bench_says_why_the_machines_stalls_could_not_be_measured():
     assert ("the machine: its stalls could not be measured here (the measuring process did "
             "not answer within 5 s)") in text
     assert "Linux only" not in text
+
+
+@pytest.mark.parametrize("count, seconds, want", [
+    (0, 0.0261, "a separate process doing only fixed CPU work did not stall over 0.25 ms in "
+                "0.0261 s (2 more gaps waiting for a CPU not counted)"),
+    (3, 12.345, "a separate process doing only fixed CPU work stalled 3 times over 0.25 ms in "
+                "12.3 s (max 1.500 ms, 1 above 1 ms; 2 more gaps waiting for a CPU not "
+                "counted)"),
+])
+def test_the_bench_line_on_the_machines_stalls_reads_for_a_short_load(count, seconds, want):
+    from orchestra.serve.bench import Result, format_lag
+
+    r = Result("asyncio", "engine, 1 tasks")
+    r.extra.update({"loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 0.2, "loop_lag_max_ms": 0.3,
+                    "loop_lag_samples": 10, "loop_lag_probe_gap_ms": 1.0,
+                    "loop_lag_over_1ms": 0, "loop_lag_causes": {}, "gc_collections": {},
+                    "host_stalls": {"count": count, "preempted": 2, "threshold_ms": 0.25,
+                                    "max_ms": 1.5 if count else 0.0, "over_1ms": min(count, 1),
+                                    "seconds": seconds, "steal_ms": None}})
+    assert want in "\n".join(format_lag(r))

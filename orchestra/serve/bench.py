@@ -973,11 +973,13 @@ def format_lag(r: Result) -> list[str]:
     h = x.get("host_stalls", False)
     if h:
         steal = "" if h["steal_ms"] is None else f"; the machine's steal time {h['steal_ms']:.0f} ms"
-        lines.append(f"    the machine: a separate process doing only fixed CPU work stalled "
-                     f"{h['count']:,} times over {h['threshold_ms']:g} ms in "
-                     f"{h['seconds']:.1f} s (max {h['max_ms']:.3f} ms, {h['over_1ms']:,} above "
-                     f"{LAG_BOUND_MS:g} ms; {h['preempted']:,} more gaps waiting for a CPU "
-                     f"not counted){steal}")
+        # 3 significant digits: a short load's 0.03 s read "0.0 s", as if it never ran
+        within = f"over {h['threshold_ms']:g} ms in {h['seconds']:.3g} s"
+        seen = (f"stalled {h['count']:,} times {within} (max {h['max_ms']:.3f} ms, "
+                f"{h['over_1ms']:,} above {LAG_BOUND_MS:g} ms; " if h["count"]
+                else f"did not stall {within} (")
+        lines.append(f"    the machine: a separate process doing only fixed CPU work {seen}"
+                     f"{h['preempted']:,} more gaps waiting for a CPU not counted){steal}")
     elif h is None:
         why = x.get("host_stalls_why") or "Linux only"
         lines.append(f"    the machine: its stalls could not be measured here ({why}); no late "
