@@ -265,3 +265,24 @@ def test_the_bench_line_on_the_machines_stalls_reads_for_a_short_load(count, sec
                                     "max_ms": 1.5 if count else 0.0, "over_1ms": min(count, 1),
                                     "seconds": seconds, "steal_ms": None}})
     assert want in "\n".join(format_lag(r))
+
+
+@linux
+def test_a_load_that_fails_to_start_its_loop_probe_leaves_no_measuring_process(monkeypatch):
+    import asyncio
+
+    from orchestra.serve import bench, errors
+
+    def boom(self):
+        raise errors.ServeError("the loop probe did not start")
+
+    monkeypatch.setattr(bench.LoopLagProbe, "start", boom)
+    w = bench.Workload("16K")
+    before = set(_children())
+    cfg = bench.EngineConfig(backend_factory=lambda w: __import__(
+        "orchestra.serve", fromlist=["NumpyBackend"]).NumpyBackend(
+        lambda d: d["x"] * 0 + d["x"], device_thread=True))
+    with bench.make_engine(w, cfg, instances=2) as e:
+        with pytest.raises(errors.ServeError, match="loop probe"):
+            asyncio.run(bench._asyncio_load("t", w, e, 4, 8))
+    assert set(_children()) <= before, "the measuring process was left running"

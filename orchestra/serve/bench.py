@@ -863,10 +863,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     host_seen = None
     young = None
     with GcPauses() as gcp:
-        if host is not None:
-            host.start()
-        probe.start()
-        try:
+        try:  # the starts too: a failure (or Ctrl-C) after the host probe's start stops it
+            if host is not None:
+                host.start()
+            probe.start()
             if young_ms:
                 gc.disable()
                 young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
