@@ -1175,7 +1175,7 @@ def goal_lines(results: list[Result]) -> list[str]:
             goal = 50_000 if "batching" in r.name else 15_000
             lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
         if r.mode == "asyncio":
-            lag = r.extra.get("loop_lag_max_ms")
+            lag = r.extra["loop_lag_max_ms"]
             line = f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)"
             own = r.extra.get("loop_lag_max_ms_own", lag)
             if own < lag:

@@ -161,12 +161,12 @@ class HostStallProbe:
             raise ServeConfigTypeError(f"HostStallProbe: threshold_ms must be a number of ms, "
                                        f"got {threshold_ms!r}")
         # a float: the measuring process parses its repr (numpy's is "np.float64(...)")
-        threshold_ms = float(threshold_ms)
-        if not (math.isfinite(threshold_ms) and threshold_ms > 0):
+        ms = float(threshold_ms)
+        if not (math.isfinite(ms) and ms > 0):
             raise ServeConfigValueError(f"HostStallProbe: threshold_ms must be a finite number "
                                         f"of ms above 0 (0 or less counts every chunk as a "
-                                        f"stall), got {threshold_ms:g}")
-        self.threshold_ms = threshold_ms
+                                        f"stall), got {ms:g}")
+        self.threshold_ms: float = ms
         self._proc: subprocess.Popen | None = None
         self.why: str | None = None  # why the last start or stop gave nothing (None: it did)
 

@@ -254,7 +254,7 @@ class LoopLagProbe:
         rq = self._rq() if self._rq is not None else None
         return time.perf_counter(), time.thread_time(), rq
 
-    def _ran(self, due: float, own_ms: float) -> None:  # on the loop: one sample
+    def _ran(self, due: float, own_ms: float | None) -> None:  # on the loop: one sample
         if self._stop.is_set():
             return
         t1, c1, q1 = now = self._clocks()
