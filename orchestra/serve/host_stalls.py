@@ -27,6 +27,8 @@ imports only the standard library (it starts in about 20-50 ms).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import select
 import subprocess
@@ -115,6 +117,27 @@ def _measure(threshold_s: float, stdin_fd: int) -> dict:
             "steal_ms": None if steal0 is None or steal1 is None else steal1 - steal0}
 
 
+def _ready_line(proc: subprocess.Popen, timeout: float) -> bytes | None:
+    """The measuring process's first line (``ready``; what it wrote before its output ended),
+    or None when no line came within ``timeout`` s (a process that never starts to measure
+    must not hang `start`). Its output
+    is read byte by byte up to the newline: nothing past that line is taken from the pipe."""
+    out = proc.stdout
+    if out is None:
+        return b""
+    fd, line = out.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n") and len(line) < 64:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        got = os.read(fd, 1)
+        if not got:
+            return line
+        line += got
+    return line
+
+
 class HostStallProbe:
     """Stalls of the host during a window, from a separate measuring process.
 
@@ -124,29 +147,63 @@ class HostStallProbe:
     (time.perf_counter), "preempted" (gaps spent waiting for a CPU, not stalls), "chunks",
     "seconds", "chunk_us", "steal_ms" (the whole machine's steal in the window, None where
     unknown)}``, or None where the probe could not run (not Linux, or the process failed or
-    did not answer within ``timeout``: the bench then says so and attributes nothing).
+    did not answer within ``timeout``: the bench then says so and attributes nothing);
+    ``why`` then says which, in words.
 
     Thread-safety: one thread starts and stops it.
     """
 
     def __init__(self, threshold_ms: float = 0.25):
-        self.threshold_ms = threshold_ms
-        self._proc: subprocess.Popen | None = None
+        # orchestra's own errors imported here: run as a script, this file imports only the stdlib
+        from orchestra.serve.errors import ServeConfigTypeError, ServeConfigValueError
 
-    def start(self) -> HostStallProbe:
-        if not sys.platform.startswith("linux") or self._proc is not None:
+        if isinstance(threshold_ms, bool) or not isinstance(threshold_ms, numbers.Real):
+            raise ServeConfigTypeError(f"HostStallProbe: threshold_ms must be a number of ms, "
+                                       f"got {threshold_ms!r}")
+        # a float: the measuring process parses its repr (numpy's is "np.float64(...)")
+        ms = float(threshold_ms)
+        if not (math.isfinite(ms) and ms > 0):
+            raise ServeConfigValueError(f"HostStallProbe: threshold_ms must be a finite number "
+                                        f"of ms above 0 (0 or less counts every chunk as a "
+                                        f"stall), got {ms:g}")
+        self.threshold_ms: float = ms
+        self._proc: subprocess.Popen | None = None
+        self.why: str | None = None  # why the last start or stop gave nothing (None: it did)
+
+    def start(self, timeout: float = 5.0) -> HostStallProbe:
+        """Start the measuring process and wait (at most ``timeout`` s) until it measures; a
+        process that does not say so in time is ended (`stop` then returns None). Nothing
+        where it runs already."""
+        if self._proc is not None:
             return self
+        if not sys.platform.startswith("linux"):
+            self.why = f"Linux only, this is {sys.platform}"
+            return self
+        self.why = None
         try:
             # -I: no site-packages, no user environment; the script imports only the stdlib
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), repr(self.threshold_ms)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            line = self._proc.stdout.readline() if self._proc.stdout else b""
-        except OSError:
+        except OSError as exc:
             self._proc = None
+            self.why = f"the measuring process did not start: {exc}"
             return self
-        if line.strip() != b"ready":
+        try:
+            line = _ready_line(self._proc, timeout)
+        except BaseException:  # Ctrl-C while waiting: no measuring process left behind
             self._kill()
+            raise
+        if line is None or line.strip() != b"ready":
+            p = self._proc
+            self._kill()
+            if line is None:
+                self.why = f"the measuring process did not start to measure within {timeout:g} s"
+            elif not line:  # its output ended: it exited (or closed it)
+                self.why = (f"the measuring process ended (exit status {p.returncode}) "
+                            f"before it measured")
+            else:
+                self.why = f"the measuring process said {line.strip()[:40]!r}, not ready"
         return self
 
     def _kill(self) -> None:
@@ -160,19 +217,51 @@ class HostStallProbe:
         call twice (the second returns None)."""
         p, self._proc = self._proc, None
         if p is None:
+            self.why = self.why or "not running (not started, or stopped already)"
             return None
         try:
             out, _ = p.communicate(b"", timeout=timeout)  # closing stdin ends its loop
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
+            self.why = f"the measuring process did not answer within {timeout:g} s"
             return None
+        except BaseException:  # Ctrl-C while waiting: no measuring process left behind
+            p.kill()
+            p.wait()
+            raise
         try:
-            got = json.loads(out.decode().splitlines()[-1])
+            got = _checked(json.loads(out.decode().splitlines()[-1]))
         except (ValueError, IndexError):
-            return None
-        got["stalls"] = [tuple(s) for s in got["stalls"]]
+            got = None
+        if got is None:
+            self.why = ("the measuring process ended without its result" if p.returncode
+                        else "the measuring process's result could not be read")
         return got
+
+
+_KEYS = ("preempted", "chunks", "seconds", "chunk_us", "steal_ms")
+
+
+def _number(v, none: bool = False) -> bool:
+    return (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _checked(got) -> dict | None:
+    """The measuring process's answer in the form `HostStallProbe.stop` returns, or None when
+    it is not that form (the process is this file, but what it printed is read as data: an
+    answer that is not the dict it writes is a probe that did not run, never an error)."""
+    if not isinstance(got, dict) or not isinstance(got.get("stalls"), list):
+        return None
+    if not all(k in got and _number(got[k], none=k == "steal_ms") for k in _KEYS):
+        return None
+    stalls = []
+    for s in got["stalls"]:
+        if not (isinstance(s, list) and len(s) == 2 and _number(s[0]) and _number(s[1])):
+            return None
+        stalls.append((float(s[0]), float(s[1])))
+    got["stalls"] = stalls
+    return got
 
 
 if __name__ == "__main__":

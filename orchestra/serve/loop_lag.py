@@ -44,8 +44,15 @@ LAG_BOUND_MS = 1.0  # the goal: the event loop's lag never above 1 ms
 
 def overlap_ms(spans, t0: float, t1: float) -> float:
     """How much of the window ``t0``-``t1`` (s) the ``spans`` (``(start s, end s, ...)``
-    each, not overlapping one another) cover, in ms."""
-    return sum((min(t1, s[1]) - max(t0, s[0])) * 1e3 for s in spans if s[1] > t0 and s[0] < t1)
+    each, in any order) cover, in ms: where spans overlap one another (the stalls of two
+    probes, say), that time counts once."""
+    inside = sorted((max(t0, s[0]), min(t1, s[1])) for s in spans if s[1] > t0 and s[0] < t1)
+    total, end = 0.0, t0
+    for a, b in inside:  # the union of the clipped spans, in order of their starts
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total * 1e3
 
 
 def host_stalled(sample, host_stalls, bound_ms: float = LAG_BOUND_MS) -> bool:
@@ -64,6 +71,9 @@ def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) 
     """Why the probe woke late, for every sample above ``bound_ms`` (`lag_cause` each).
     Returns ``{cause: {"count", "max_ms"}}``."""
     out: dict = {}
+    # read once per sample each: an iterator (a generator of stalls) would be used up by the
+    # first late sample
+    pauses, host_stalls = list(pauses), list(host_stalls or ())
     for sample in samples:
         cause = lag_cause(sample, pauses, bound_ms, host_stalls)
         if cause is None:
@@ -244,7 +254,7 @@ class LoopLagProbe:
         rq = self._rq() if self._rq is not None else None
         return time.perf_counter(), time.thread_time(), rq
 
-    def _ran(self, due: float, own_ms: float) -> None:  # on the loop: one sample
+    def _ran(self, due: float, own_ms: float | None) -> None:  # on the loop: one sample
         if self._stop.is_set():
             return
         t1, c1, q1 = now = self._clocks()
