@@ -140,19 +140,25 @@ def test_a_measuring_process_that_never_says_ready_does_not_hang_start(tmp_path,
     assert set(_children()) <= before  # killed and reaped
 
 
+def interrupted_after(seconds: float, call) -> None:
+    """Run ``call`` with a Ctrl-C (KeyboardInterrupt from SIGALRM) ``seconds`` into it; it
+    must raise that interrupt."""
+    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 @linux
 def test_an_interrupt_while_start_waits_leaves_no_process_behind(tmp_path, monkeypatch):
     _fake_probe_process(tmp_path, monkeypatch, "exec sleep 30")
     before = set(_children())
     probe = HostStallProbe()
-    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            probe.start(timeout=5.0)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    interrupted_after(0.2, lambda: probe.start(timeout=5.0))
     assert probe._proc is None
     assert set(_children()) <= before
 
@@ -163,14 +169,7 @@ def test_an_interrupt_while_stop_waits_leaves_no_process_behind():
     proc = probe._proc
     assert proc is not None
     os.kill(proc.pid, signal.SIGSTOP)  # stopped: it cannot end by itself when stdin closes
-    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            probe.stop(timeout=5.0)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    interrupted_after(0.2, lambda: probe.stop(timeout=5.0))
     assert proc.poll() is not None, "the stopped measuring process was left behind"
     assert proc.pid not in _children()
 
