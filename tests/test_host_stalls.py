@@ -248,10 +248,10 @@ def test_the_bench_says_why_the_machines_stalls_could_not_be_measured():
 
 @pytest.mark.parametrize("count, seconds, want", [
     (0, 0.0261, "a separate process doing only fixed CPU work did not stall over 0.25 ms in "
-                "0.0261 s (2 more gaps waiting for a CPU not counted)"),
+                "0.0261 s (2 gaps spent waiting for a CPU left out)"),
     (3, 12.345, "a separate process doing only fixed CPU work stalled 3 times over 0.25 ms in "
-                "12.3 s (max 1.500 ms, 1 above 1 ms; 2 more gaps waiting for a CPU not "
-                "counted)"),
+                "12.3 s (max 1.500 ms, 1 above 1 ms; 2 gaps spent waiting for a CPU left "
+                "out)"),
 ])
 def test_the_bench_line_on_the_machines_stalls_reads_for_a_short_load(count, seconds, want):
     from orchestra.serve.bench import Result, format_lag

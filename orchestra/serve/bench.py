@@ -814,6 +814,9 @@ async def collect_young(every_s: float, stop: Callable[[], bool]) -> None:
         gc.collect(0)
 
 
+HOST_PROBE_MIN_CPUS = 4  # the machine probe runs beside the asyncio load from this many CPUs
+
+
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                         young_ms: float | None = None,
                         arrivals: int = ARRIVALS_PER_TURN, host_probe: bool = True) -> Result:
@@ -862,6 +865,12 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     # lag no code here could have avoided (started before the load: an interpreter start)
     host = HostStallProbe() if host_probe else None
     host_seen = None
+    left_out = None
+    if host is not None and (os.cpu_count() or 1) < HOST_PROBE_MIN_CPUS:
+        # it keeps a CPU busy: on a small machine it would take one from the load it measures
+        left_out = (f"left out: this machine has {os.cpu_count() or 1} CPUs and the probe "
+                    f"keeps one busy; it runs from {HOST_PROBE_MIN_CPUS}")
+        host = None
     young = None
     with GcPauses() as gcp:
         try:  # the starts too: a failure (or Ctrl-C) after the host probe's start stops it
@@ -907,13 +916,14 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
     if host_seen is not None:
         res.extra["host_stalls"] = {
             "count": len(stalls), "preempted": host_seen["preempted"],
-            "threshold_ms": HostStallProbe().threshold_ms,
+            "threshold_ms": host.threshold_ms if host is not None else None,
             "max_ms": max(((b - a) * 1e3 for a, b in stalls), default=0.0),
             "over_1ms": sum((b - a) * 1e3 > LAG_BOUND_MS for a, b in stalls),
             "seconds": host_seen["seconds"], "steal_ms": host_seen["steal_ms"]}
-    elif host is not None:
+    elif host is not None or left_out:
         res.extra["host_stalls"] = None  # asked for, but it could not run here: why
-        res.extra["host_stalls_why"] = host.why or "the measuring process gave nothing"
+        res.extra["host_stalls_why"] = left_out or (host.why if host is not None else None) \
+            or "the measuring process gave nothing"
     gens: dict[int, list] = {}
     for a, b, g in gcp.pauses:
         d = gens.setdefault(g, [0, 0.0])
@@ -980,7 +990,7 @@ def format_lag(r: Result) -> list[str]:
                 f"{h['over_1ms']:,} above {LAG_BOUND_MS:g} ms; " if h["count"]
                 else f"did not stall {within} (")
         lines.append(f"    the machine: a separate process doing only fixed CPU work {seen}"
-                     f"{h['preempted']:,} more gaps waiting for a CPU not counted){steal}")
+                     f"{h['preempted']:,} gaps spent waiting for a CPU left out){steal}")
     elif h is None:
         why = x.get("host_stalls_why") or "Linux only"
         lines.append(f"    the machine: its stalls could not be measured here ({why}); no late "

@@ -109,8 +109,9 @@ def register(bsub) -> None:
                         "--completions-per-turn does")
     p.add_argument("--no-host-probe", action="store_true",
                    help="asyncio: leave out the separate process that measures the host's own "
-                        "stalls during the load (it keeps one CPU busy; by default its stalls "
-                        "are matched against the late loop samples)")
+                        "stalls during the load (it keeps one CPU busy, and runs only with 4 CPUs "
+                        "or more; by default its stalls are matched against the late loop "
+                        "samples)")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
                         "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")
