@@ -401,11 +401,19 @@ def test_counts_have_upper_limits_checked_before_anything_is_made(capsys, monkey
     from orchestra.cli import job_options
     from orchestra.cli.main import build_parser
     from orchestra.cli.main import main as cli
-    from orchestra.serve.cli import MAX_INSTANCES, MAX_TASKS, MAX_THREADS, MAX_WINDOW, options
+    from orchestra.serve.cli import (
+        MAX_INSTANCES,
+        MAX_REQUESTS,
+        MAX_TASKS,
+        MAX_THREADS,
+        MAX_WINDOW,
+        options,
+    )
 
     limits = {"threads": MAX_THREADS, "instances": MAX_INSTANCES, "tasks": MAX_TASKS,
-              "window": MAX_WINDOW}
-    assert limits == {"threads": 4096, "instances": 1024, "tasks": 1_000_000, "window": 65536}
+              "window": MAX_WINDOW, "requests": MAX_REQUESTS}
+    assert limits == {"threads": 4096, "instances": 1024, "tasks": 1_000_000, "window": 65536,
+                      "requests": 100_000_000}
     for name, limit in limits.items():
         mode = "asyncio" if name == "tasks" else "closed"
         for value in (limit + 1, 10**14, 10**50):

@@ -29,6 +29,10 @@ MAX_TASKS = 1_000_000
 #   the largest request is also checked against the machine's memory; by Little's law 65536
 #   in flight at the ~35,000 requests/s one process serves is about 2 s of queueing each.
 MAX_WINDOW = 65536
+# - requests: every request's latency is kept until the table is printed (up to 32 bytes each
+#   in the asyncio load's list: 100,000,000 are about 3 GiB), and at ~35,000 requests/s per
+#   process 100,000,000 take about 48 minutes: longer than any soak this measures.
+MAX_REQUESTS = 100_000_000
 
 
 def register(bsub) -> None:
@@ -63,7 +67,8 @@ def register(bsub) -> None:
                         "(default 600: the soak stops at --requests or this, whichever first)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per contender (latency, default 2,000), in all (asyncio, "
-                        "default 20 per task; soak, default 1,000,000, or --duration first)")
+                        "default 20 per task; soak, default 1,000,000, or --duration first; "
+                        f"at most {MAX_REQUESTS:,})")
     p.add_argument("--tasks", type=int, default=1000,
                    help=f"asyncio tasks (default 1,000, at most {MAX_TASKS:,})")
     p.add_argument("--rate", type=float, default=10_000.0,
@@ -160,9 +165,11 @@ def _check_numbers(args) -> None:
             ("tasks", MAX_TASKS, "each task and its input picker take about 4 KiB before "
                                  "the load starts"),
             ("window", MAX_WINDOW, "requests in flight per thread, each holding its output "
-                                   "until its thread waits for it")):
+                                   "until its thread waits for it"),
+            ("requests", MAX_REQUESTS, "each request's latency is kept until the table is "
+                                       "printed")):
         value = getattr(args, name)
-        if value > limit:
+        if value is not None and value > limit:
             raise BenchConfigError(f"--{name} must be at most {limit:,} ({what}), got "
                                    f"{int_text(value)}; pass a smaller --{name}")
     for name in ("requests", "max_batch", "completions_per_turn", "arrivals_per_turn"):
