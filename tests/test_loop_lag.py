@@ -1,17 +1,22 @@
-"""`LoopLagProbe` measures an event loop's lag from outside it: real stalls of known length on a
-real loop (asyncio's own and, where installed, uvloop), read back from the samples; its thread
-ends with `stop` or with the loop."""
+"""`TimerLagProbe` and `LoopLagProbe` measure an event loop's lag from outside it: real stalls of
+known length on a real loop (asyncio's own and, where installed, uvloop), read back from the
+samples; a loop busy with short callbacks back to back reads as short lag through the timer fd,
+and the thread probe's lateness is its own; the thread ends with `stop` or with the loop."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from orchestra.serve.loop_lag import LoopLagProbe
+from orchestra.errors import BenchConfigError
+from orchestra.serve.loop_lag import (PROBE_WAIT, LoopLagProbe, TimerFd, TimerLagProbe,
+                                      lag_cause, make_lag_probe)
 
 try:
     import uvloop
@@ -34,14 +39,21 @@ def spin(seconds: float) -> None:
         pass
 
 
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                           reason="timer file descriptors are Linux's")
+PROBES = [pytest.param(TimerLagProbe, marks=linux, id="timerfd"),
+          pytest.param(LoopLagProbe, id="thread")]
+
+
+@pytest.mark.parametrize("probe_cls", PROBES)
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_the_probe_reads_stalls_of_the_loop_at_their_length(loop_kind):
+def test_the_probe_reads_stalls_of_the_loop_at_their_length(loop_kind, probe_cls):
     """20 stalls of 3 ms (a callback spinning on the loop, at random moments): samples that
     came due during a stall read its remaining length, so the longest is close to 3 ms;
     no sample is negative, and the windows chain."""
 
     async def main():
-        probe = LoopLagProbe(asyncio.get_running_loop(), seed=3)
+        probe = probe_cls(asyncio.get_running_loop(), seed=3)
         probe.start()
         rnd = random.Random(5)
         try:
@@ -95,3 +107,107 @@ def test_the_thread_ends_when_the_loop_is_closed_under_it():
     assert not probe._thread.is_alive()
     probe.stop()  # still safe, and idempotent
     probe.stop()
+
+
+@linux
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_a_loop_busy_with_short_callbacks_reads_short_and_the_thread_probes_delay_is_its_own(
+        loop_kind):
+    """0.3 s of 0.1 ms callbacks back to back (the loop never sleeps, and polls between them):
+    a timer fd's reader waits one callback and a poll, so the timer probe reads well under
+    1 ms. The thread probe's thread waits for the GIL the running loop holds, tens of ms at a
+    time (it may hand nothing over at all): however late its samples are, the hand-over
+    delay takes all but the loop's part, and a sample above 1 ms is put down to the
+    probe."""
+
+    async def busy(probe_cls):
+        loop = asyncio.get_running_loop()
+        end = time.perf_counter() + 0.3
+        done = loop.create_future()
+
+        def step():
+            spin(0.0001)
+            if time.perf_counter() < end:
+                loop.call_soon(step)
+            else:
+                done.set_result(None)
+
+        probe = probe_cls(loop, seed=1)
+        probe.start()
+        loop.call_soon(step)
+        try:
+            await done
+        finally:
+            samples = probe.stop()
+        return samples
+
+    timer = run_on(loop_kind, lambda: busy(TimerLagProbe))
+    lag = np.array([s[2] for s in timer])
+    assert len(timer) > 100, len(timer)  # about one per ms over 0.3 s
+    assert np.median(lag) < 0.5, sorted(lag)[-5:]
+    assert all(s[5] is None for s in timer)  # no thread: no hand-over delay
+    thread = run_on(loop_kind, lambda: busy(LoopLagProbe))
+    for s in thread:
+        assert s[2] - s[5] < 1.0, s  # the loop's part, after the hand-over
+        if s[2] > 1.0:
+            assert lag_cause(s, []) == PROBE_WAIT, s
+
+
+@linux
+def test_the_timer_probe_stops_watching_and_closes_its_fd():
+    async def main():
+        loop = asyncio.get_running_loop()
+        probe = TimerLagProbe(loop, gap_s=0.0005)
+        probe.start()
+        fd = probe._timer.fileno()
+        await asyncio.sleep(0.03)
+        samples = list(probe.stop())
+        probe.stop()  # again: nothing
+        await asyncio.sleep(0.01)  # no reader left: no more samples
+        return fd, samples, probe
+
+    fd, samples, probe = asyncio.run(main())
+    assert len(samples) > 10 and probe.samples == samples
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+@linux
+def test_a_timer_fd_fires_at_its_instant_and_not_before():
+    timer = TimerFd.open()
+    assert timer is not None, TimerFd.why
+    try:
+        due = time.perf_counter() + 0.005
+        timer.arm(due)
+        assert not timer.read()  # not yet
+        while not timer.read():
+            pass
+        now = time.perf_counter()
+        assert due <= now < due + 0.002, (now - due) * 1e3
+    finally:
+        timer.close()
+
+
+def test_make_lag_probe_picks_the_timer_where_it_can_and_says_why_not(monkeypatch):
+    loop = asyncio.new_event_loop()
+    try:
+        probe, why = make_lag_probe(loop, "thread")
+        assert isinstance(probe, LoopLagProbe) and why is None
+        with pytest.raises(BenchConfigError, match="use one of auto, timerfd, thread"):
+            make_lag_probe(loop, "socket")
+        if sys.platform.startswith("linux"):
+            probe, why = make_lag_probe(loop, "auto")
+            assert isinstance(probe, TimerLagProbe) and why is None
+
+        def no_timer(cls):
+            cls.why = "no timerfd in this test"
+
+        monkeypatch.setattr(TimerFd, "open", classmethod(no_timer))
+        probe, why = make_lag_probe(loop, "auto")
+        assert isinstance(probe, LoopLagProbe) and why == "no timerfd in this test"
+        with pytest.raises(BenchConfigError, match="--lag-probe thread"):
+            make_lag_probe(loop, "timerfd")
+        with pytest.raises(BenchConfigError, match="no timerfd in this test"):
+            TimerLagProbe(loop).start()
+    finally:
+        loop.close()

@@ -1,9 +1,12 @@
 """An asyncio event loop's lag, measured from outside the loop, and why it was late.
 
-`LoopLagProbe` samples how late the loop runs a callback handed to it from another thread at a
-known instant; `lag_causes` puts every late sample down to the garbage collector (`GcPauses`),
-the loop's own callbacks, or a wait for a CPU (`RunQueueClock`) or for the GIL. Used by
-``orchestra bench serve --mode asyncio``; usable beside any asyncio server.
+`TimerLagProbe` samples how late the loop runs the reader callback of a timer file descriptor
+that becomes readable at a known instant (the lag a socket's data sees); `LoopLagProbe`, how
+late it runs a callback handed to it from another thread at a known instant (that counts in the
+thread's own wait for the GIL and a CPU). `lag_causes` puts every late sample down to the
+garbage collector (`GcPauses`), the loop's own callbacks, the probe thread, or a wait for a CPU
+(`RunQueueClock`), for the GIL or the machine. Used by ``orchestra bench serve --mode
+asyncio``; usable beside any asyncio server.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from orchestra.errors import BenchConfigError
 
 class GcPauses:
     """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
@@ -64,7 +69,7 @@ def host_stalled(sample, host_stalls, bound_ms: float = LAG_BOUND_MS) -> bool:
 
 
 MACHINE_STALL = "machine stall (a separate process stalled at the same time)"
-PROBE_WAIT = "probe thread waiting for a CPU (the loop was running)"
+PROBE_WAIT = "probe thread late handing over (waiting for the GIL or a CPU; the loop was running)"
 
 
 def lag_causes(samples, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) -> dict:
@@ -90,16 +95,18 @@ def lag_cause(sample, pauses, bound_ms: float = LAG_BOUND_MS, host_stalls=()) ->
     ``sample``: ``(start s, end s, lag ms, loop-thread CPU ms)``, optionally with a fifth
     item: the ms the loop thread spent runnable but not running in the window (waiting for a
     CPU: the scheduler's run-queue wait, `RunQueueClock`; None where unknown), and a sixth:
-    the same wait of the probe's own thread before it handed the callback over. ``pauses``:
+    how late the probe's own thread handed the callback over (`LoopLagProbe`; None where no
+    thread hands it over, `TimerLagProbe`). ``pauses``:
     `GcPauses.pauses`. ``host_stalls``: ``(start s, end s)`` stalls a separate process saw
     (`orchestra.serve.host_stalls.HostStallProbe`).
 
     A late wake-up is put down to the garbage collector when its pauses within the window
     cover half the lag or more; else to the loop's own callbacks when the loop thread was on
     a CPU for at least half the window (it ran callbacks: too much work per loop iteration),
-    unless the probe's own thread waited for a CPU long enough that without that wait the
-    lag would have been within ``bound_ms`` (`PROBE_WAIT`: the loop was running, the probe
-    was not; the loop's own lag for that sample is not known, only that it was shorter);
+    unless the probe's own thread handed the callback over so late that without that delay
+    the lag would have been within ``bound_ms`` (`PROBE_WAIT`: the loop was running and the
+    probe thread waited, for the GIL the running loop held or for a CPU; a socket that
+    became ready then waited only the rest, which was within the bound);
     else to waiting: the loop thread was ready but did not run. With the run-queue wait
     known, a wait for a CPU when that wait covers half the lag or more (more runnable threads
     than CPUs). A wait that is not for a CPU is put down to the machine (`MACHINE_STALL`)
@@ -203,20 +210,20 @@ class LoopLagProbe:
     its thread's oversleep (the thread asks Linux for a 1 ns timer slack,
     ``prctl(PR_SET_TIMERSLACK)``, instead of the default 50 µs) and the loop's wake-up. Its
     thread holds the GIL for a few µs per sample; while another thread holds the GIL, the
-    sample is late by that wait too, as the loop is. One cost of its own is measured apart:
-    the time its thread, woken at the instant, waited for a CPU (its run-queue wait from
-    before the sleep to the hand-over, `RunQueueClock`, where Linux says). A socket that
-    becomes ready needs no thread to be scheduled; a probe thread that woke on a CPU busy
-    with other work counts that CPU's queue in the sample (on the loop's own CPU, up to the
-    scheduler's wake-up granularity: several ms), and `lag_cause` says so.
+    sample is late by that wait too, as the loop is. Its largest cost is measured apart: how
+    late its thread handed the callback over (the time from the instant to the hand-over:
+    the oversleep, its wait for a CPU, and its wait for the GIL, which a loop that runs
+    callbacks back to back holds for up to ``sys.getswitchinterval()``, 5 ms, before it is
+    made to let go). A socket that becomes ready needs no thread to run and no GIL;
+    `lag_cause` puts a sample down to the probe (`PROBE_WAIT`) when that delay is what broke
+    the bound, and `TimerLagProbe` measures without a thread at all.
 
     `stop` returns the samples, one per callback run, each ``(start s, end s, lag ms,
-    loop-thread CPU ms, run-queue wait ms or None, probe-thread run-queue wait ms or
-    None)``: the window from the previous sample's end to this one's
-    (``time.perf_counter``), the lag, the loop thread's CPU time in the window
-    (``time.thread_time``) and its wait for a CPU in it (`RunQueueClock`, None where Linux
-    does not say), and the probe thread's own wait for a CPU before it handed the callback
-    over: the form `lag_causes` takes.
+    loop-thread CPU ms, run-queue wait ms or None, hand-over delay ms)``: the window from the
+    previous sample's end to this one's (``time.perf_counter``), the lag, the loop thread's
+    CPU time in the window (``time.thread_time``) and its wait for a CPU in it
+    (`RunQueueClock`, None where Linux does not say), and how late the probe's thread handed
+    the callback over: the form `lag_causes` takes.
 
     Thread-safety: `start` and `stop` are called on the loop's thread (the CPU and run-queue
     clocks read are that thread's), once each, in that order.
@@ -254,7 +261,7 @@ class LoopLagProbe:
         rq = self._rq() if self._rq is not None else None
         return time.perf_counter(), time.thread_time(), rq
 
-    def _ran(self, due: float, own_ms: float | None) -> None:  # on the loop: one sample
+    def _ran(self, due: float, own_ms: float) -> None:  # on the loop: one sample
         if self._stop.is_set():
             return
         t1, c1, q1 = now = self._clocks()
@@ -267,24 +274,14 @@ class LoopLagProbe:
     def _hand_over(self) -> None:  # the probe's thread
         _fine_timer_slack()
         rnd, clock, gap = random.Random(self.seed), time.perf_counter, self.gap_s
-        own = RunQueueClock.open()  # this thread's own wait for a CPU (None: unknown)
         due = clock() + gap * rnd.uniform(0.5, 1.5)
-        try:
-            self._hand_over_until_stopped(rnd, clock, gap, own, due)
-        finally:
-            if own is not None:
-                own.close()
-
-    def _hand_over_until_stopped(self, rnd, clock, gap, own, due) -> None:
         while not self._stop.is_set():
-            q0 = own() if own is not None else None
             wait = due - clock()
             if wait > 0:
                 time.sleep(wait)
-            q1 = own() if own is not None else None
-            # the run-queue wait over the sleep (asleep is not runnable): after the timer
-            # woke it, and in the wait for the GIL that ends time.sleep (None: unknown)
-            own_ms = (q1 - q0) / 1e6 if q0 is not None and q1 is not None else None
+            # the probe's own delay: its oversleep, then its waits for a CPU and for the GIL
+            # (time.sleep takes the GIL back before it returns)
+            own_ms = (clock() - due) * 1e3
             try:
                 self.loop.call_soon_threadsafe(self._ran, due, own_ms)
             except RuntimeError:  # the loop was closed under the probe: nothing to measure
@@ -292,6 +289,168 @@ class LoopLagProbe:
             # from the later of the instant and now: a sample that was itself late (the GIL)
             # does not make the next ones come in a burst
             due = max(due, clock()) + gap * rnd.uniform(0.5, 1.5)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class TimerFd:
+    """A Linux timer file descriptor (``timerfd_create(CLOCK_MONOTONIC)``, non-blocking) that
+    becomes readable at an absolute instant of ``time.perf_counter``'s clock, as a socket
+    becomes readable when data arrives: no thread has to run for it. `open` returns None
+    (and `why` says why) where Linux, libc's ``timerfd_*`` or a ``perf_counter`` on
+    ``CLOCK_MONOTONIC`` is missing.
+
+    Thread-safety: one owner (the event loop's thread).
+    """
+
+    _libc: Any = None  # libc through CDLL, made once (its function types are cycles)
+    why: str | None = None  # why the last `open` gave None
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._spec = _Itimerspec()  # reused: arming allocates nothing
+
+    @classmethod
+    def open(cls) -> TimerFd | None:
+        if not sys.platform.startswith("linux"):
+            cls.why = "timer file descriptors are Linux's"
+            return None
+        if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+            cls.why = "time.perf_counter is not CLOCK_MONOTONIC here"
+            return None
+        try:
+            if cls._libc is None:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
+                libc.timerfd_settime.argtypes = [ctypes.c_int, ctypes.c_int,
+                                                 ctypes.POINTER(_Itimerspec), ctypes.c_void_p]
+                cls._libc = libc
+            fd = cls._libc.timerfd_create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            cls.why = "libc has no timerfd_create"
+            return None
+        if fd < 0:
+            cls.why = f"timerfd_create failed: {os.strerror(ctypes.get_errno())}"
+            return None
+        return cls(fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def arm(self, due_s: float) -> None:
+        """Readable at ``due_s`` (``time.perf_counter`` s; ``TFD_TIMER_ABSTIME``), once."""
+        ns = max(1, int(due_s * 1e9))  # 0 would disarm it
+        self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
+        if TimerFd._libc.timerfd_settime(self._fd, 1, ctypes.byref(self._spec), None) < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def read(self) -> bool:
+        """Consume the expiry; False when there was none (a spurious wake-up)."""
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class TimerLagProbe:
+    """An event loop's lag as a socket sees it: a timer file descriptor (`TimerFd`) the loop
+    watches (``loop.add_reader``) becomes readable at an instant picked in advance, and the
+    sample is the time from that instant until the loop runs its reader callback, in ms: the
+    rest of the iteration under way, the loop's poll, then the callbacks ahead of it. No
+    thread of the probe's own is involved, so neither a thread's wait for a CPU nor its wait
+    for the GIL is counted in (`LoopLagProbe` counts both); the loop thread's own waits (for
+    the GIL held by another thread, for a CPU, a machine stall) are, as they delay a socket's
+    data too. The instants are drawn as `LoopLagProbe`'s (uniform 0.5-1.5 x ``gap_s`` apart,
+    seeded), each from the later of the one before and the callback that read it; the timer
+    is armed from the callback (``timerfd_settime``, a few µs on the loop per sample).
+
+    `stop` returns the samples in `LoopLagProbe`'s form, ``(start s, end s, lag ms,
+    loop-thread CPU ms, run-queue wait ms or None, None)``: no probe thread, so no wait of
+    its own. `unavailable` says why it cannot run on this machine (None: it can).
+
+    Thread-safety: `start` and `stop` are called on the loop's thread while the loop runs,
+    once each, in that order (`stop` again is a no-op).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        self.loop, self.gap_s, self.seed = loop, gap_s, seed
+        self.samples: list[tuple] = []
+        self._timer: TimerFd | None = None
+        self._rq: RunQueueClock | None = None
+        self._last: tuple = ()
+        self._due = 0.0
+        self._rnd = random.Random(seed)
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why this machine cannot run the probe (None: it can)."""
+        timer = TimerFd.open()
+        if timer is None:
+            return TimerFd.why
+        timer.close()
+        return None
+
+    def start(self) -> None:
+        """Start sampling (on the loop's thread). Raises `OrchestraError` where `unavailable`
+        says why not (`BenchConfigError`)."""
+        timer = TimerFd.open()
+        if timer is None:
+            raise BenchConfigError(f"the timer-fd lag probe cannot run here: {TimerFd.why}; "
+                                   f"use LoopLagProbe (a thread's callbacks) instead")
+        self._timer = timer
+        self._rq = RunQueueClock.open()
+        self._last = self._clocks()
+        self._due = self._last[0] + self.gap_s * self._rnd.uniform(0.5, 1.5)
+        try:
+            timer.arm(self._due)
+            self.loop.add_reader(timer.fileno(), self._ran)
+        except BaseException:
+            self._close()
+            raise
+
+    def stop(self) -> list[tuple]:
+        """Stop sampling (on the loop's thread) and return the samples."""
+        if self._timer is not None:
+            self.loop.remove_reader(self._timer.fileno())
+            self._close()
+        return self.samples
+
+    def _close(self) -> None:
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
+        if self._rq is not None:
+            self._rq.close()
+            self._rq = None
+
+    def _clocks(self) -> tuple:
+        rq = self._rq() if self._rq is not None else None
+        return time.perf_counter(), time.thread_time(), rq
+
+    def _ran(self) -> None:  # the loop's reader callback: one sample, the next instant armed
+        timer = self._timer
+        if timer is None or not timer.read():
+            return
+        t1, c1, q1 = now = self._clocks()
+        t0, c0, q0 = self._last
+        self._last = now
+        self.samples.append((t0, t1, (t1 - self._due) * 1e3, (c1 - c0) * 1e3,
+                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
+                             None))
+        self._due = max(self._due, t1) + self.gap_s * self._rnd.uniform(0.5, 1.5)
+        timer.arm(self._due)
 
 
 def _fine_timer_slack() -> None:
@@ -310,3 +469,25 @@ def _fine_timer_slack() -> None:
 
 
 _prctl: Any = None
+
+
+LAG_PROBES = ("auto", "timerfd", "thread")
+
+
+def make_lag_probe(loop: asyncio.AbstractEventLoop, kind: str = "auto",
+                   gap_s: float = 0.001) -> tuple[TimerLagProbe | LoopLagProbe, str | None]:
+    """The lag probe ``kind`` for ``loop`` and, where ``"auto"`` could not have the timer
+    probe, why not. ``"auto"``: `TimerLagProbe` where this machine has timer file descriptors,
+    else `LoopLagProbe`; ``"timerfd"``: `TimerLagProbe` (`BenchConfigError` where it cannot
+    run); ``"thread"``: `LoopLagProbe`."""
+    if kind not in LAG_PROBES:
+        raise BenchConfigError(f"lag probe {kind!r}: use one of {', '.join(LAG_PROBES)}")
+    if kind == "thread":
+        return LoopLagProbe(loop, gap_s), None
+    why = TimerLagProbe.unavailable()
+    if why is None:
+        return TimerLagProbe(loop, gap_s), None
+    if kind == "timerfd":
+        raise BenchConfigError(f"--lag-probe timerfd cannot run here: {why}; use "
+                               f"--lag-probe thread")
+    return LoopLagProbe(loop, gap_s), why
