@@ -275,7 +275,10 @@ def test_a_load_that_fails_to_start_its_loop_probe_leaves_no_measuring_process(m
     def boom(self):
         raise errors.ServeError("the loop probe did not start")
 
-    monkeypatch.setattr(bench.LoopLagProbe, "start", boom)
+    from orchestra.serve import loop_lag
+
+    monkeypatch.setattr(loop_lag.LoopLagProbe, "start", boom)
+    monkeypatch.setattr(loop_lag.TimerLagProbe, "start", boom)
     w = bench.Workload("16K")
     before = set(_children())
     cfg = bench.EngineConfig(backend_factory=lambda w: __import__(

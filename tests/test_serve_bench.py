@@ -360,7 +360,30 @@ def test_the_asyncio_loads_switches_are_refused_outside_it(capsys):
                                            "--no-gc-freeze", "--no-host-probe"]))
     assert o.gc_freeze is False and o.host_probe is False
     o = options(build_parser().parse_args(["bench", "serve", "--cpu", "--mode", "asyncio"]))
-    assert o.gc_freeze is True and o.host_probe is True
+    assert o.gc_freeze is True and o.host_probe is True and o.lag_probe == "auto"
+
+
+@pytest.mark.parametrize("kind", ["timerfd", "thread"])
+def test_lag_probe_is_the_asyncio_loads_and_is_used_there(capsys, kind):
+    """--lag-probe picks how the asyncio load's lag is measured; elsewhere it is refused; the
+    row says which probe measured it."""
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.bench import BenchOptions, EngineConfig, cpu_backend_factory, run
+
+    assert cli(["bench", "serve", "--cpu", "--mode", "closed", "--lag-probe", kind]) == 2
+    assert ("--lag-probe applies to the asyncio load (--mode asyncio), not --mode "
+            "closed") in capsys.readouterr().err
+    if kind == "timerfd" and not sys.platform.startswith("linux"):
+        pytest.skip("timer file descriptors are Linux's")
+    o = BenchOptions(mode="asyncio", tasks=20, requests=400, batching="off",
+                     dispatch="caller", peers=False, host_probe=False, lag_probe=kind,
+                     engine=EngineConfig(backend_factory=cpu_backend_factory, instances=2))
+    results, _, _ = run(o)
+    (r,) = results
+    assert r.requests == 400 and r.wrong == 0
+    assert r.extra["loop_lag_probe"] == kind and r.extra["loop_lag_samples"] > 0
+    lag = r.extra["loop_lag_max_ms"]
+    assert 0 <= r.extra["loop_lag_p50_ms"] <= lag
 
 
 def test_gc_young_ms_is_refused_outside_the_asyncio_load(capsys):

@@ -17,8 +17,10 @@ Modes (``--mode``):
 - ``asyncio``: ``--tasks`` concurrent tasks awaiting ``engine.run`` (started 8 per loop turn,
   as connections arrive), each output compared on the loop (the benchmark's own cost: one
   64 KiB copy and compare per request); the event loop's lag is measured from outside the loop
-  (`orchestra.serve.loop_lag.LoopLagProbe`: how late it runs a callback handed to it from a
-  thread at a known instant, about every ms), every late one put down to its cause, the
+  (``--lag-probe``: `orchestra.serve.loop_lag.TimerLagProbe` by default, how late it runs the
+  reader of a timer fd that becomes readable at a known instant, about every ms, as a
+  socket's data would; or `LoopLagProbe`, a thread's callbacks), every late one put down to
+  its cause, the
   machine's own stalls beside it (`orchestra.serve.host_stalls.HostStallProbe`); the
   garbage collector runs as docs/serving.md recommends for a lag bound (``gc.freeze()``
   after the warm-up, young collections from the loop every ``--gc-young-ms``; both
@@ -53,7 +55,7 @@ from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
 from orchestra.serve.host_stalls import HostStallProbe
 from orchestra.serve.loop_lag import (LAG_BOUND_MS, MACHINE_STALL, PROBE_WAIT, GcPauses,
-                                      LoopLagProbe, lag_cause, lag_causes)
+                                      TimerLagProbe, lag_cause, lag_causes, make_lag_probe)
 from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
@@ -456,6 +458,7 @@ class BenchOptions:
     processes: int = 1
     arrivals_per_turn: int = ARRIVALS_PER_TURN  # asyncio: tasks started per loop iteration
     host_probe: bool = True  # asyncio: the host's stalls seen from a process of their own
+    lag_probe: str = "auto"  # asyncio: auto | timerfd | thread (`make_lag_probe`)
     loop: str = "asyncio"  # asyncio: the event loop, "asyncio" or "uvloop" (`loop_runner`)
     engine: EngineConfig = attrs.field(factory=EngineConfig)
 
@@ -777,7 +780,7 @@ async def _warmed_load(name: str, w: Workload, o: BenchOptions, e) -> Result:
         gc.freeze()
     try:
         r = await _asyncio_load(name, w, e, o.tasks, o.requests or 20 * o.tasks, o.gc_young_ms,
-                                o.arrivals_per_turn, o.host_probe)
+                                o.arrivals_per_turn, o.host_probe, o.lag_probe)
     finally:
         if o.gc_freeze:
             gc.unfreeze()
@@ -819,7 +822,8 @@ HOST_PROBE_MIN_CPUS = 4  # the machine probe runs beside the asyncio load from t
 
 async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                         young_ms: float | None = None,
-                        arrivals: int = ARRIVALS_PER_TURN, host_probe: bool = True) -> Result:
+                        arrivals: int = ARRIVALS_PER_TURN, host_probe: bool = True,
+                        lag_probe: str = "auto") -> Result:
     res = Result("asyncio", f"{name}, {tasks:,} tasks")
     stop = False
 
@@ -860,7 +864,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
             if not left[0]:
                 finished.set()
 
-    probe = LoopLagProbe(asyncio.get_running_loop())
+    probe, probe_why = make_lag_probe(asyncio.get_running_loop(), lag_probe)
     # the host's own stalls, from a process that shares nothing with this one: what of the
     # lag no code here could have avoided (started before the load: an interpreter start)
     host = HostStallProbe() if host_probe else None
@@ -934,10 +938,13 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                       "loop_lag_max_ms": float(lag.max()),
                       "loop_lag_samples": len(samples),
                       "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
+                      "loop_lag_probe": ("timerfd" if isinstance(probe, TimerLagProbe)
+                                         else "thread"),
+                      "loop_lag_probe_why": probe_why,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,
                       # the maximum over the samples neither the machine's stalls nor the
-                      # probe thread's own wait for a CPU explain: the loop's own
+                      # probe thread's own delay explain: the loop's own
                       "loop_lag_max_ms_own": max(
                           (s[2] for s in samples
                            if lag_cause(s, gcp.pauses, host_stalls=stalls)
@@ -959,7 +966,11 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
 
 def _probe_text(x: dict) -> str:
     gap = x["loop_lag_probe_gap_ms"]
-    return f"a callback from a thread every {gap / 2:g}-{gap * 1.5:g} ms"
+    every = f"every {gap / 2:g}-{gap * 1.5:g} ms"
+    if x.get("loop_lag_probe") == "timerfd":
+        return f"a timer fd the loop watches, readable {every}"
+    why = x.get("loop_lag_probe_why")
+    return f"a callback from a thread {every}" + (f"; no timer fd: {why}" if why else "")
 
 
 def format_lag(r: Result) -> list[str]:
@@ -1191,7 +1202,7 @@ def goal_lines(results: list[Result]) -> list[str]:
             own = r.extra.get("loop_lag_max_ms_own", lag)
             if own < lag:
                 line += (f", {own:.3f} ms over the samples the machine's stalls and the "
-                         f"probe's own wait for a CPU do not explain")
+                         f"probe thread's own delay do not explain")
             causes = r.extra.get("loop_lag_causes") or {}
             if causes:
                 worst = max(causes.items(), key=lambda kv: kv[1]["max_ms"])[0]

@@ -117,6 +117,12 @@ def register(bsub) -> None:
                         "stalls during the load (it keeps one CPU busy, and runs only with 4 CPUs "
                         "or more; by default its stalls are matched against the late loop "
                         "samples)")
+    p.add_argument("--lag-probe", choices=("auto", "timerfd", "thread"), default="auto",
+                   help="asyncio: how the event loop's lag is measured: timerfd, a timer file "
+                        "descriptor the loop watches becomes readable at known instants (the "
+                        "lag a socket's data sees; Linux); thread, a thread hands the loop a "
+                        "callback at known instants (that also counts the thread's own wait "
+                        "for the GIL and a CPU); auto (default): timerfd where Linux has it")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
                         "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")
@@ -201,8 +207,9 @@ def _check_numbers(args) -> None:
     # options of the asyncio load alone, refused elsewhere rather than taken and left unused
     # (--mode all is latency + closed: no asyncio load)
     asyncio_only = [f"--{name.replace('_', '-')}" for name in
-                    ("arrivals_per_turn", "completions_per_turn", "gc_young_ms", "loop")
-                    if getattr(args, name) not in (None, "asyncio")]
+                    ("arrivals_per_turn", "completions_per_turn", "gc_young_ms", "loop",
+                     "lag_probe")
+                    if getattr(args, name) not in (None, "asyncio", "auto")]
     asyncio_only += [flag for flag, given in (("--no-gc-freeze", args.no_gc_freeze),
                                               ("--no-host-probe", args.no_host_probe)) if given]
     if asyncio_only and args.mode != "asyncio":
@@ -293,7 +300,7 @@ def options(args):
         dispatch=args.dispatch, peers=not args.no_peers, gc_freeze=not args.no_gc_freeze,
         switch_interval_ms=args.switch_interval_ms,
         process=args.process, processes=args.processes, loop=args.loop,
-        host_probe=not args.no_host_probe,
+        host_probe=not args.no_host_probe, lag_probe=args.lag_probe,
         **({} if args.arrivals_per_turn is None
            else {"arrivals_per_turn": args.arrivals_per_turn}),
         **({} if args.gc_young_ms is None else {"gc_young_ms": args.gc_young_ms}),
