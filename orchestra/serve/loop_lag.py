@@ -21,7 +21,8 @@ import threading
 import time
 from typing import Any
 
-from orchestra.errors import BenchConfigError
+from orchestra.errors import BenchConfigError, CallOrderError
+from orchestra.serve.timer import DeadlineTimer, deadline_timer
 
 class GcPauses:
     """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
@@ -238,7 +239,10 @@ class LoopLagProbe:
         self._last: tuple = ()
 
     def start(self) -> None:
-        """Start sampling (on the loop's thread)."""
+        """Start sampling (on the loop's thread). A probe starts once (`CallOrderError`
+        again: make a new one)."""
+        if self._thread is not None:
+            raise CallOrderError("this LoopLagProbe was started already; make a new one")
         self._rq = RunQueueClock.open()
         self._last = self._clocks()
         self._thread = threading.Thread(target=self._hand_over, daemon=True,
@@ -291,82 +295,9 @@ class LoopLagProbe:
             due = max(due, clock()) + gap * rnd.uniform(0.5, 1.5)
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-class _Itimerspec(ctypes.Structure):
-    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
-
-
-class TimerFd:
-    """A Linux timer file descriptor (``timerfd_create(CLOCK_MONOTONIC)``, non-blocking) that
-    becomes readable at an absolute instant of ``time.perf_counter``'s clock, as a socket
-    becomes readable when data arrives: no thread has to run for it. `open` returns None
-    (and `why` says why) where Linux, libc's ``timerfd_*`` or a ``perf_counter`` on
-    ``CLOCK_MONOTONIC`` is missing.
-
-    Thread-safety: one owner (the event loop's thread).
-    """
-
-    _libc: Any = None  # libc through CDLL, made once (its function types are cycles)
-    why: str | None = None  # why the last `open` gave None
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._spec = _Itimerspec()  # reused: arming allocates nothing
-
-    @classmethod
-    def open(cls) -> TimerFd | None:
-        if not sys.platform.startswith("linux"):
-            cls.why = "timer file descriptors are Linux's"
-            return None
-        if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
-            cls.why = "time.perf_counter is not CLOCK_MONOTONIC here"
-            return None
-        try:
-            if cls._libc is None:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
-                libc.timerfd_settime.argtypes = [ctypes.c_int, ctypes.c_int,
-                                                 ctypes.POINTER(_Itimerspec), ctypes.c_void_p]
-                cls._libc = libc
-            fd = cls._libc.timerfd_create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
-        except (OSError, AttributeError):
-            cls.why = "libc has no timerfd_create"
-            return None
-        if fd < 0:
-            cls.why = f"timerfd_create failed: {os.strerror(ctypes.get_errno())}"
-            return None
-        return cls(fd)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def arm(self, due_s: float) -> None:
-        """Readable at ``due_s`` (``time.perf_counter`` s; ``TFD_TIMER_ABSTIME``), once."""
-        ns = max(1, int(due_s * 1e9))  # 0 would disarm it
-        self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
-        if TimerFd._libc.timerfd_settime(self._fd, 1, ctypes.byref(self._spec), None) < 0:
-            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
-
-    def read(self) -> bool:
-        """Consume the expiry; False when there was none (a spurious wake-up)."""
-        try:
-            os.read(self._fd, 8)
-        except BlockingIOError:
-            return False
-        return True
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
 class TimerLagProbe:
-    """An event loop's lag as a socket sees it: a timer file descriptor (`TimerFd`) the loop
-    watches (``loop.add_reader``) becomes readable at an instant picked in advance, and the
+    """An event loop's lag as a socket sees it: a timer file descriptor (a non-blocking
+    `orchestra.serve.timer.DeadlineTimer`, armed at absolute instants) the loop watches (``loop.add_reader``) becomes readable at an instant picked in advance, and the
     sample is the time from that instant until the loop runs its reader callback, in ms: the
     rest of the iteration under way, the loop's poll, then the callbacks ahead of it. No
     thread of the probe's own is involved, so neither a thread's wait for a CPU nor its wait
@@ -387,7 +318,8 @@ class TimerLagProbe:
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
         self.loop, self.gap_s, self.seed = loop, gap_s, seed
         self.samples: list[tuple] = []
-        self._timer: TimerFd | None = None
+        self._timer: DeadlineTimer | None = None
+        self._started = False
         self._rq: RunQueueClock | None = None
         self._last: tuple = ()
         self._due = 0.0
@@ -396,34 +328,47 @@ class TimerLagProbe:
     @staticmethod
     def unavailable() -> str | None:
         """Why this machine cannot run the probe (None: it can)."""
-        timer = TimerFd.open()
-        if timer is None:
-            return TimerFd.why
-        timer.close()
-        return None
+        timer, why = TimerLagProbe._open_timer()
+        if timer is not None:
+            timer.close()
+        return why
+
+    @staticmethod
+    def _open_timer() -> tuple[DeadlineTimer | None, str | None]:
+        if not sys.platform.startswith("linux"):
+            return None, "timer file descriptors are Linux's"
+        if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+            return None, "time.perf_counter is not CLOCK_MONOTONIC here"
+        timer = deadline_timer(nonblocking=True)
+        return timer, None if timer is not None else "libc has no timerfd_create"
 
     def start(self) -> None:
-        """Start sampling (on the loop's thread). Raises `OrchestraError` where `unavailable`
-        says why not (`BenchConfigError`)."""
-        timer = TimerFd.open()
+        """Start sampling (on the loop's thread). Raises `BenchConfigError` where
+        `unavailable` says why not; a probe starts once (`CallOrderError` again: make a new
+        one)."""
+        if self._started:
+            raise CallOrderError("this TimerLagProbe was started already; make a new one")
+        timer, why = self._open_timer()
         if timer is None:
-            raise BenchConfigError(f"the timer-fd lag probe cannot run here: {TimerFd.why}; "
-                                   f"use LoopLagProbe (a thread's callbacks) instead")
-        self._timer = timer
+            raise BenchConfigError(f"the timer-fd lag probe cannot run here: {why}; use "
+                                   f"LoopLagProbe (a thread's callbacks) instead")
+        self._timer, self._started = timer, True
         self._rq = RunQueueClock.open()
         self._last = self._clocks()
         self._due = self._last[0] + self.gap_s * self._rnd.uniform(0.5, 1.5)
         try:
-            timer.arm(self._due)
-            self.loop.add_reader(timer.fileno(), self._ran)
+            timer.arm_at(self._due)
+            self.loop.add_reader(timer.fd, self._ran)
         except BaseException:
             self._close()
             raise
 
     def stop(self) -> list[tuple]:
-        """Stop sampling (on the loop's thread) and return the samples."""
+        """Stop sampling (on the loop's thread) and return the samples; the timer's fd is
+        closed (also when the loop was closed first: it dropped the reader then)."""
         if self._timer is not None:
-            self.loop.remove_reader(self._timer.fileno())
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._timer.fd)
             self._close()
         return self.samples
 
@@ -441,7 +386,7 @@ class TimerLagProbe:
 
     def _ran(self) -> None:  # the loop's reader callback: one sample, the next instant armed
         timer = self._timer
-        if timer is None or not timer.read():
+        if timer is None or not timer.expired():
             return
         t1, c1, q1 = now = self._clocks()
         t0, c0, q0 = self._last
@@ -450,7 +395,7 @@ class TimerLagProbe:
                              (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
                              None))
         self._due = max(self._due, t1) + self.gap_s * self._rnd.uniform(0.5, 1.5)
-        timer.arm(self._due)
+        timer.arm_at(self._due)
 
 
 def _fine_timer_slack() -> None:

@@ -14,7 +14,9 @@ deadline and clears an expiration not read yet (``timerfd_settime`` resets the c
 batch that went out in time leaves nothing to wake up for.
 
 `deadline_timer()` returns None where no ``timerfd`` exists (not Linux, no libc symbol): the
-engine then keeps its condition-variable timer.
+engine then keeps its condition-variable timer. The event loop's lag probe
+(`orchestra.serve.loop_lag.TimerLagProbe`) uses one too, non-blocking and armed at absolute
+instants, as a file descriptor the loop watches.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import weakref
 
 from orchestra.serve.errors import TimerError
 
 _CLOCK_MONOTONIC = 1
+_TFD_TIMER_ABSTIME = 1
 
 
 class _Timespec(ctypes.Structure):
@@ -39,26 +43,30 @@ class _Itimerspec(ctypes.Structure):
 class DeadlineTimer:
     """A one-shot timer on ``CLOCK_MONOTONIC`` (a ``timerfd``).
 
-    `arm` sets (or replaces) the one pending expiration ``delay_ns`` nanoseconds from now;
-    `wait` blocks until an expiration happened, without the GIL.
+    `arm` sets (or replaces) the one pending expiration ``delay_ns`` nanoseconds from now,
+    `arm_at` at an instant of ``CLOCK_MONOTONIC``; `wait` blocks until an expiration
+    happened, without the GIL; made ``nonblocking``, `expired` reads it without waiting (for
+    an event loop's ``add_reader``).
 
     Thread-safety: `arm` from any thread, serialized by the caller (the argument block is
     shared: the engine arms under its lock); `wait` from one thread; `close` once that
     thread is done.
     """
 
-    def __init__(self, libc):
+    def __init__(self, libc, nonblocking: bool = False):
         self._settime = libc.timerfd_settime
         self._settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self._settime.restype = ctypes.c_int
         create = libc.timerfd_create
         create.argtypes = [ctypes.c_int, ctypes.c_int]
         create.restype = ctypes.c_int
-        fd = create(_CLOCK_MONOTONIC, os.O_CLOEXEC)
+        fd = create(_CLOCK_MONOTONIC, os.O_CLOEXEC | (os.O_NONBLOCK if nonblocking else 0))
         if fd < 0:
             err = ctypes.get_errno()
             raise TimerError(err, f"timerfd_create: {os.strerror(err)}")
         self.fd = fd
+        # the fd closed with the timer when its owner forgets `close` (a probe never stopped)
+        self._closer = weakref.finalize(self, os.close, fd)
         self._spec = _Itimerspec()
         self._value = self._spec.it_value
         self._ref = ctypes.addressof(self._spec)
@@ -73,8 +81,19 @@ class DeadlineTimer:
             value.tv_sec, value.tv_nsec = 0, 1
         else:
             value.tv_sec, value.tv_nsec = divmod(int(delay_ns), 1_000_000_000)
+        self._set(0)
+
+    def arm_at(self, due_s: float) -> None:
+        """Expire at ``due_s``, in s of ``CLOCK_MONOTONIC`` (``time.perf_counter``'s clock on
+        Linux; ``TFD_TIMER_ABSTIME``), replacing the pending expiration; an instant passed
+        expires at once. Raises `TimerError` as `arm` does."""
+        ns = max(1, int(due_s * 1e9))  # zero would disarm
+        self._value.tv_sec, self._value.tv_nsec = divmod(ns, 1_000_000_000)
+        self._set(_TFD_TIMER_ABSTIME)
+
+    def _set(self, flags: int) -> None:
         self.arms += 1
-        if self._settime(self.fd, 0, self._ref, None) != 0:
+        if self._settime(self.fd, flags, self._ref, None) != 0:
             err = ctypes.get_errno()
             raise TimerError(err, f"timerfd_settime: {os.strerror(err)}")
 
@@ -83,23 +102,38 @@ class DeadlineTimer:
         released while it waits; EINTR is retried by Python)."""
         os.read(self.fd, 8)
 
+    def expired(self) -> bool:
+        """Read the expirations of a ``nonblocking`` timer: False when there was none yet."""
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            return False
+        return True
+
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self.fd = -1
+        self._closer()  # once: a second call does nothing
 
 
-def deadline_timer() -> DeadlineTimer | None:
-    """A new `DeadlineTimer`, or None where ``timerfd`` is not available."""
+def deadline_timer(nonblocking: bool = False) -> DeadlineTimer | None:
+    """A new `DeadlineTimer` (its fd ``O_NONBLOCK`` when ``nonblocking``), or None where
+    ``timerfd`` is not available."""
     if not sys.platform.startswith("linux"):
         return None
+    global _libc
     try:
         # PyDLL: the calls keep the GIL (a system call of a microsecond; releasing the GIL
-        # around it would let another thread take it and make this one wait to get it back)
-        libc = ctypes.PyDLL(None, use_errno=True)
-        return DeadlineTimer(libc)
+        # around it would let another thread take it and make this one wait to get it back).
+        # Made once: each PyDLL's function-pointer types are reference cycles, left to a
+        # full collection (a timer made during a server's load would leave them behind)
+        if _libc is None:
+            _libc = ctypes.PyDLL(None, use_errno=True)
+        return DeadlineTimer(_libc, nonblocking)
     except (OSError, AttributeError):
         return None
+
+
+_libc: ctypes.PyDLL | None = None
 
 
 __all__ = ["DeadlineTimer", "deadline_timer"]
