@@ -262,3 +262,40 @@ def test_the_timer_probes_fd_is_closed_when_the_loop_closes_first_or_it_is_dropp
     gc.collect()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def _schedstat_fds() -> set[str]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").endswith("/schedstat"):
+                out.add(name)
+        except OSError:  # the listing's own fd, gone already
+            pass
+    return out
+
+
+@linux
+@pytest.mark.parametrize("probe_cls", PROBES)
+def test_a_probe_never_stopped_leaves_no_fd_open_once_dropped(probe_cls):
+    """A probe never stopped, its loop closed and the probe dropped: no fd of its own stays
+    open (the timer's and the run-queue clock's schedstat file both close with them)."""
+    import gc
+
+    before = _schedstat_fds()
+    loop = asyncio.new_event_loop()
+    probe = probe_cls(loop, gap_s=0.0005)
+
+    async def start():
+        probe.start()
+        await asyncio.sleep(0.01)
+
+    loop.run_until_complete(start())
+    assert probe._rq is not None  # this machine has the run-queue clock: it is the point
+    assert _schedstat_fds() - before
+    loop.close()
+    if isinstance(probe, LoopLagProbe):
+        probe._thread.join(1)  # its thread ends with the loop
+    del probe, start
+    gc.collect()
+    assert _schedstat_fds() - before == set()

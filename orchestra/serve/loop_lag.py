@@ -19,6 +19,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from orchestra.errors import BenchConfigError, CallOrderError
@@ -141,7 +142,8 @@ class RunQueueClock:
     from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
     ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
     wait for the GIL). `open` returns None where the file or libc is missing; a call returns
-    None when a read fails.
+    None when a read fails. `close` closes the file (a clock dropped unclosed closes it when
+    it is collected: a probe never stopped leaks no fd).
 
     Thread-safety: made and read on one thread (the file is that thread's).
     """
@@ -154,6 +156,8 @@ class RunQueueClock:
     def __init__(self, fd: int):
         self._fd = fd
         self._buf = RunQueueClock._Buf()
+        # the fd closed with the clock when its owner forgets `close` (a probe never stopped)
+        self._closer = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls) -> RunQueueClock | None:
@@ -163,6 +167,7 @@ class RunQueueClock:
             fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        clock = None
         try:
             if RunQueueClock._pread is None:
                 pread = ctypes.PyDLL(None, use_errno=True).pread
@@ -175,7 +180,10 @@ class RunQueueClock:
                 return clock
         except (OSError, AttributeError):  # no libc symbol: no run-queue clock
             pass
-        os.close(fd)
+        if clock is not None:
+            clock.close()  # its finalizer owns the fd now
+        else:
+            os.close(fd)
         return None
 
     def __call__(self) -> int | None:
@@ -186,9 +194,8 @@ class RunQueueClock:
         return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._fd = -1
+        self._closer()  # once: a second call does nothing
 
 
 class LoopLagProbe:
