@@ -299,3 +299,41 @@ def test_a_probe_never_stopped_leaves_no_fd_open_once_dropped(probe_cls):
     del probe, start
     gc.collect()
     assert _schedstat_fds() - before == set()
+
+
+@linux
+def test_a_timer_armed_at_the_past_fires_at_once_and_far_ahead_or_never_does_not():
+    """`arm_at`: an instant passed (0, negative) expires at once; one beyond the clock's range
+    (huge, infinity) is "never", not a wrapped-around instant (2.0 ** 64 s read as 0 disarmed
+    the timer); NaN is refused as a `TimerError`, as `arm` refuses it."""
+    import ctypes
+
+    from orchestra.serve import timer as timer_mod
+    from orchestra.serve.errors import TimerError
+
+    timer = deadline_timer(nonblocking=True)
+    assert timer is not None
+    spec = timer_mod._Itimerspec()
+
+    def left_s():
+        assert timer_mod._libc.timerfd_gettime(timer.fd, ctypes.byref(spec)) == 0
+        return spec.it_value.tv_sec + spec.it_value.tv_nsec / 1e9
+
+    try:
+        for past in (0, -1, -1e30, float("-inf"), time.perf_counter() - 1):
+            timer.arm_at(past)
+            time.sleep(0.001)
+            assert timer.expired(), past
+        for far in (1e12, 2.0 ** 63, 2.0 ** 64, 2.0 ** 65 + 3600, 1e30, float("inf")):
+            timer.arm_at(far)
+            assert left_s() > 1e8 and not timer.expired(), far  # armed, years ahead
+        for far in (2 ** 64 * 10 ** 9 + 10 ** 9, 10 ** 30, float("inf")):
+            timer.arm(far)
+            assert left_s() > 1e8 and not timer.expired(), far
+        for nan in (float("nan"),):
+            with pytest.raises(TimerError, match="NaN"):
+                timer.arm_at(nan)
+            with pytest.raises(TimerError, match="NaN"):
+                timer.arm(nan)
+    finally:
+        timer.close()
