@@ -337,3 +337,16 @@ def test_a_timer_armed_at_the_past_fires_at_once_and_far_ahead_or_never_does_not
                 timer.arm(nan)
     finally:
         timer.close()
+
+
+@pytest.mark.parametrize("probe_cls", PROBES)
+@pytest.mark.parametrize("gap_s", [0, -0.001, float("nan"), float("inf")])
+def test_a_probe_refuses_a_gap_that_is_not_a_positive_number_of_seconds(probe_cls, gap_s):
+    """0 or less had the probe fire on every loop turn (the probe itself the loop's load);
+    NaN and infinity failed in `start` (timer) or killed the probe's thread (thread)."""
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(BenchConfigError, match="gap_s"):
+            probe_cls(loop, gap_s=gap_s)
+    finally:
+        loop.close()

@@ -25,6 +25,14 @@ from typing import Any
 from orchestra.errors import BenchConfigError, CallOrderError
 from orchestra.serve.timer import DeadlineTimer, deadline_timer
 
+def _check_gap(gap_s: float) -> None:
+    """A probe's mean gap between instants: a positive, finite number of seconds (0 had it
+    fire on every loop turn; NaN and infinity failed when it ran)."""
+    if not 0 < gap_s < float("inf"):
+        raise BenchConfigError(f"a lag probe's gap_s is {gap_s!r}: give a positive number of "
+                               f"seconds (the default, 0.001, samples about every ms)")
+
+
 class GcPauses:
     """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
 
@@ -207,9 +215,9 @@ class LoopLagProbe:
     does); the sample is the time from the instant until the callback runs, in ms. That is how
     long anything that becomes ready (a connection, a response, a completion) waits for the
     loop: the rest of the iteration under way, then the callbacks ahead of it. The gaps between
-    instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded): a probe re-armed
-    when it wakes keeps the phase of whatever woke the loop, and samples the same moment of a
-    periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
+    instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded; s, positive and
+    finite, else `BenchConfigError`): a probe re-armed when it wakes keeps the phase of
+    whatever woke the loop, and samples the same moment of a periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
     the start of an iteration (libuv's loop time), so a timer there fires up to 1 ms early
     and a timer-based probe reads up to 1 ms low; asyncio's own loop rounds its selector's
     timeout up to whole ms.
@@ -238,6 +246,7 @@ class LoopLagProbe:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        _check_gap(gap_s)
         self.loop, self.gap_s, self.seed = loop, gap_s, seed
         self.samples: list[tuple] = []
         self._stop = threading.Event()
@@ -323,6 +332,7 @@ class TimerLagProbe:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        _check_gap(gap_s)
         self.loop, self.gap_s, self.seed = loop, gap_s, seed
         self.samples: list[tuple] = []
         self._timer: DeadlineTimer | None = None
