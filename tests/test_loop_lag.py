@@ -350,3 +350,27 @@ def test_a_probe_refuses_a_gap_that_is_not_a_positive_number_of_seconds(probe_cl
             probe_cls(loop, gap_s=gap_s)
     finally:
         loop.close()
+
+
+@linux
+def test_a_timer_that_could_not_be_made_says_why_not_that_libc_lacks_it(monkeypatch):
+    """Out of file descriptors (timerfd_create: EMFILE), the timer probe's reason is that,
+    not "libc has no timerfd_create" (which sent the user looking for another libc)."""
+    import errno
+
+    from orchestra.serve import timer as timer_mod
+    from orchestra.serve.errors import TimerError
+
+    def refuse(self, libc, nonblocking=False):
+        raise TimerError(errno.EMFILE, "timerfd_create: Too many open files")
+
+    monkeypatch.setattr(timer_mod.DeadlineTimer, "__init__", refuse)
+    assert deadline_timer() is None  # the engine still falls back to its condition variable
+    why = TimerLagProbe.unavailable()
+    assert why is not None and "Too many open files" in why, why
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(BenchConfigError, match="Too many open files"):
+            make_lag_probe(loop, "timerfd")
+    finally:
+        loop.close()

@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from orchestra.errors import BenchConfigError, CallOrderError
-from orchestra.serve.timer import DeadlineTimer, deadline_timer
+from orchestra.serve.timer import DeadlineTimer, open_deadline_timer
 
 def _check_gap(gap_s: float) -> None:
     """A probe's mean gap between instants: a positive, finite number of seconds (0 had it
@@ -356,8 +356,7 @@ class TimerLagProbe:
             return None, "timer file descriptors are Linux's"
         if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
             return None, "time.perf_counter is not CLOCK_MONOTONIC here"
-        timer = deadline_timer(nonblocking=True)
-        return timer, None if timer is not None else "libc has no timerfd_create"
+        return open_deadline_timer(nonblocking=True)
 
     def start(self) -> None:
         """Start sampling (on the loop's thread). Raises `BenchConfigError` where

@@ -131,9 +131,15 @@ class DeadlineTimer:
 
 def deadline_timer(nonblocking: bool = False) -> DeadlineTimer | None:
     """A new `DeadlineTimer` (its fd ``O_NONBLOCK`` when ``nonblocking``), or None where
-    ``timerfd`` is not available."""
+    ``timerfd`` is not available (`open_deadline_timer` says why)."""
+    return open_deadline_timer(nonblocking)[0]
+
+
+def open_deadline_timer(nonblocking: bool = False) -> tuple[DeadlineTimer | None, str | None]:
+    """`deadline_timer` and, where it gives None, why: not Linux, no libc symbol, or the
+    kernel refused the timer (``timerfd_create``'s error: out of file descriptors, say)."""
     if not sys.platform.startswith("linux"):
-        return None
+        return None, "timer file descriptors are Linux's"
     global _libc
     try:
         # PyDLL: the calls keep the GIL (a system call of a microsecond; releasing the GIL
@@ -142,12 +148,14 @@ def deadline_timer(nonblocking: bool = False) -> DeadlineTimer | None:
         # full collection (a timer made during a server's load would leave them behind)
         if _libc is None:
             _libc = ctypes.PyDLL(None, use_errno=True)
-        return DeadlineTimer(_libc, nonblocking)
+        return DeadlineTimer(_libc, nonblocking), None
+    except TimerError as exc:  # the symbol is there; the kernel said no
+        return None, str(exc)
     except (OSError, AttributeError):
-        return None
+        return None, "libc has no timerfd_create"
 
 
 _libc: ctypes.PyDLL | None = None
 
 
-__all__ = ["DeadlineTimer", "deadline_timer"]
+__all__ = ["DeadlineTimer", "deadline_timer", "open_deadline_timer"]
