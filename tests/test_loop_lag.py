@@ -262,3 +262,115 @@ def test_the_timer_probes_fd_is_closed_when_the_loop_closes_first_or_it_is_dropp
     gc.collect()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def _schedstat_fds() -> set[str]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").endswith("/schedstat"):
+                out.add(name)
+        except OSError:  # the listing's own fd, gone already
+            pass
+    return out
+
+
+@linux
+@pytest.mark.parametrize("probe_cls", PROBES)
+def test_a_probe_never_stopped_leaves_no_fd_open_once_dropped(probe_cls):
+    """A probe never stopped, its loop closed and the probe dropped: no fd of its own stays
+    open (the timer's and the run-queue clock's schedstat file both close with them)."""
+    import gc
+
+    before = _schedstat_fds()
+    loop = asyncio.new_event_loop()
+    probe = probe_cls(loop, gap_s=0.0005)
+
+    async def start():
+        probe.start()
+        await asyncio.sleep(0.01)
+
+    loop.run_until_complete(start())
+    assert probe._rq is not None  # this machine has the run-queue clock: it is the point
+    assert _schedstat_fds() - before
+    loop.close()
+    if isinstance(probe, LoopLagProbe):
+        probe._thread.join(1)  # its thread ends with the loop
+    del probe, start
+    gc.collect()
+    assert _schedstat_fds() - before == set()
+
+
+@linux
+def test_a_timer_armed_at_the_past_fires_at_once_and_far_ahead_or_never_does_not():
+    """`arm_at`: an instant passed (0, negative) expires at once; one beyond the clock's range
+    (huge, infinity) is "never", not a wrapped-around instant (2.0 ** 64 s read as 0 disarmed
+    the timer); NaN is refused as a `TimerError`, as `arm` refuses it."""
+    import ctypes
+
+    from orchestra.serve import timer as timer_mod
+    from orchestra.serve.errors import TimerError
+
+    timer = deadline_timer(nonblocking=True)
+    assert timer is not None
+    spec = timer_mod._Itimerspec()
+
+    def left_s():
+        assert timer_mod._libc.timerfd_gettime(timer.fd, ctypes.byref(spec)) == 0
+        return spec.it_value.tv_sec + spec.it_value.tv_nsec / 1e9
+
+    try:
+        for past in (0, -1, -1e30, float("-inf"), time.perf_counter() - 1):
+            timer.arm_at(past)
+            time.sleep(0.001)
+            assert timer.expired(), past
+        for far in (1e12, 2.0 ** 63, 2.0 ** 64, 2.0 ** 65 + 3600, 1e30, float("inf")):
+            timer.arm_at(far)
+            assert left_s() > 1e8 and not timer.expired(), far  # armed, years ahead
+        for far in (2 ** 64 * 10 ** 9 + 10 ** 9, 10 ** 30, float("inf")):
+            timer.arm(far)
+            assert left_s() > 1e8 and not timer.expired(), far
+        for nan in (float("nan"),):
+            with pytest.raises(TimerError, match="NaN"):
+                timer.arm_at(nan)
+            with pytest.raises(TimerError, match="NaN"):
+                timer.arm(nan)
+    finally:
+        timer.close()
+
+
+@pytest.mark.parametrize("probe_cls", PROBES)
+@pytest.mark.parametrize("gap_s", [0, -0.001, float("nan"), float("inf")])
+def test_a_probe_refuses_a_gap_that_is_not_a_positive_number_of_seconds(probe_cls, gap_s):
+    """0 or less had the probe fire on every loop turn (the probe itself the loop's load);
+    NaN and infinity failed in `start` (timer) or killed the probe's thread (thread)."""
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(BenchConfigError, match="gap_s"):
+            probe_cls(loop, gap_s=gap_s)
+    finally:
+        loop.close()
+
+
+@linux
+def test_a_timer_that_could_not_be_made_says_why_not_that_libc_lacks_it(monkeypatch):
+    """Out of file descriptors (timerfd_create: EMFILE), the timer probe's reason is that,
+    not "libc has no timerfd_create" (which sent the user looking for another libc)."""
+    import errno
+
+    from orchestra.serve import timer as timer_mod
+    from orchestra.serve.errors import TimerError
+
+    def refuse(self, libc, nonblocking=False):
+        raise TimerError(errno.EMFILE, "timerfd_create: Too many open files")
+
+    monkeypatch.setattr(timer_mod.DeadlineTimer, "__init__", refuse)
+    assert deadline_timer() is None  # the engine still falls back to its condition variable
+    why = TimerLagProbe.unavailable()
+    assert why is not None and "Too many open files" in why, why
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(BenchConfigError, match="Too many open files"):
+            make_lag_probe(loop, "timerfd")
+    finally:
+        loop.close()

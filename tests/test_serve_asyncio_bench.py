@@ -105,7 +105,9 @@ def test_the_bench_puts_a_loop_hog_and_a_gil_hog_down_to_their_causes():
     # the hog's window: busy; on a machine without a free CPU the 8 ms of CPU take twice as
     # long or more, and the window is (rightly) a wait for a CPU as much as the loop's work
     hog = max(causes.get(BUSY, {"max_ms": 0})["max_ms"], causes.get(CPU, {"max_ms": 0})["max_ms"])
-    assert hog >= 7.0, causes
+    # at least 8 ms less the gap: the timer probe's instant after its last sample before the
+    # hog can fall up to 1.5 x its 1 ms gap into the hog (7.0 failed about 1 run in 30)
+    assert hog >= 6.5, causes
     waiting = GIL if RunQueueClock.open() is not None else "loop thread waiting for the GIL or a CPU"
     assert hog_ms and hog_ms[0] > 20, hog_ms
     assert waiting in causes and causes[waiting]["max_ms"] >= hog_ms[0] / 2, (causes, hog_ms)

@@ -19,10 +19,19 @@ import random
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from orchestra.errors import BenchConfigError, CallOrderError
-from orchestra.serve.timer import DeadlineTimer, deadline_timer
+from orchestra.serve.timer import DeadlineTimer, open_deadline_timer
+
+def _check_gap(gap_s: float) -> None:
+    """A probe's mean gap between instants: a positive, finite number of seconds (0 had it
+    fire on every loop turn; NaN and infinity failed when it ran)."""
+    if not 0 < gap_s < float("inf"):
+        raise BenchConfigError(f"a lag probe's gap_s is {gap_s!r}: give a positive number of "
+                               f"seconds (the default, 0.001, samples about every ms)")
+
 
 class GcPauses:
     """Collections of the cyclic garbage collector while installed: (start s, end s, gen)."""
@@ -141,7 +150,8 @@ class RunQueueClock:
     from Linux's ``/proc/thread-self/schedstat`` (its second field). Read through
     ``ctypes.PyDLL`` (``pread``, the GIL kept: released, the probe reading it would itself
     wait for the GIL). `open` returns None where the file or libc is missing; a call returns
-    None when a read fails.
+    None when a read fails. `close` closes the file (a clock dropped unclosed closes it when
+    it is collected: a probe never stopped leaks no fd).
 
     Thread-safety: made and read on one thread (the file is that thread's).
     """
@@ -154,6 +164,8 @@ class RunQueueClock:
     def __init__(self, fd: int):
         self._fd = fd
         self._buf = RunQueueClock._Buf()
+        # the fd closed with the clock when its owner forgets `close` (a probe never stopped)
+        self._closer = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls) -> RunQueueClock | None:
@@ -163,6 +175,7 @@ class RunQueueClock:
             fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        clock = None
         try:
             if RunQueueClock._pread is None:
                 pread = ctypes.PyDLL(None, use_errno=True).pread
@@ -175,7 +188,10 @@ class RunQueueClock:
                 return clock
         except (OSError, AttributeError):  # no libc symbol: no run-queue clock
             pass
-        os.close(fd)
+        if clock is not None:
+            clock.close()  # its finalizer owns the fd now
+        else:
+            os.close(fd)
         return None
 
     def __call__(self) -> int | None:
@@ -186,9 +202,8 @@ class RunQueueClock:
         return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._fd = -1
+        self._closer()  # once: a second call does nothing
 
 
 class LoopLagProbe:
@@ -200,9 +215,9 @@ class LoopLagProbe:
     does); the sample is the time from the instant until the callback runs, in ms. That is how
     long anything that becomes ready (a connection, a response, a completion) waits for the
     loop: the rest of the iteration under way, then the callbacks ahead of it. The gaps between
-    instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded): a probe re-armed
-    when it wakes keeps the phase of whatever woke the loop, and samples the same moment of a
-    periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
+    instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded; s, positive and
+    finite, else `BenchConfigError`): a probe re-armed when it wakes keeps the phase of
+    whatever woke the loop, and samples the same moment of a periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
     the start of an iteration (libuv's loop time), so a timer there fires up to 1 ms early
     and a timer-based probe reads up to 1 ms low; asyncio's own loop rounds its selector's
     timeout up to whole ms.
@@ -231,6 +246,7 @@ class LoopLagProbe:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        _check_gap(gap_s)
         self.loop, self.gap_s, self.seed = loop, gap_s, seed
         self.samples: list[tuple] = []
         self._stop = threading.Event()
@@ -316,6 +332,7 @@ class TimerLagProbe:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        _check_gap(gap_s)
         self.loop, self.gap_s, self.seed = loop, gap_s, seed
         self.samples: list[tuple] = []
         self._timer: DeadlineTimer | None = None
@@ -339,8 +356,7 @@ class TimerLagProbe:
             return None, "timer file descriptors are Linux's"
         if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
             return None, "time.perf_counter is not CLOCK_MONOTONIC here"
-        timer = deadline_timer(nonblocking=True)
-        return timer, None if timer is not None else "libc has no timerfd_create"
+        return open_deadline_timer(nonblocking=True)
 
     def start(self) -> None:
         """Start sampling (on the loop's thread). Raises `BenchConfigError` where

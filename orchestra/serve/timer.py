@@ -22,6 +22,7 @@ instants, as a file descriptor the loop watches.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
 import weakref
@@ -40,6 +41,16 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
+_MAX_NS = 2**63 - 1  # the kernel's range (KTIME_MAX); a larger tv_sec wrapped around in C
+
+
+def _clamp_ns(ns, what: str) -> int:
+    """``ns`` as whole ns within 1 (zero would disarm) to `_MAX_NS`; `TimerError` for NaN."""
+    if ns != ns:
+        raise TimerError(errno.EINVAL, f"{what} is NaN: give a number of the clock's range")
+    return int(max(1, min(ns, _MAX_NS)))
+
+
 class DeadlineTimer:
     """A one-shot timer on ``CLOCK_MONOTONIC`` (a ``timerfd``).
 
@@ -48,9 +59,9 @@ class DeadlineTimer:
     happened, without the GIL; made ``nonblocking``, `expired` reads it without waiting (for
     an event loop's ``add_reader``).
 
-    Thread-safety: `arm` from any thread, serialized by the caller (the argument block is
-    shared: the engine arms under its lock); `wait` from one thread; `close` once that
-    thread is done.
+    Thread-safety: `arm` and `arm_at` from any thread, serialized by the caller (the
+    argument block is shared: the engine arms under its lock); `wait` or `expired` from one
+    thread; `close` once that thread is done.
     """
 
     def __init__(self, libc, nonblocking: bool = False):
@@ -73,21 +84,24 @@ class DeadlineTimer:
         self.arms = 0  # how often it was armed (statistics, tests)
 
     def arm(self, delay_ns: int) -> None:
-        """Expire ``delay_ns`` ns from now (at least 1 ns: zero would disarm), replacing the
-        pending expiration. Raises `TimerError` (an `OSError`) if the kernel refuses (a
-        closed timer)."""
-        value = self._value
-        if delay_ns < 1:
-            value.tv_sec, value.tv_nsec = 0, 1
-        else:
-            value.tv_sec, value.tv_nsec = divmod(int(delay_ns), 1_000_000_000)
+        """Expire ``delay_ns`` ns from now (at least 1 ns: zero would disarm; at most
+        ``2**63 - 1`` ns, about 292 years, the kernel's range: more, infinity too, is that),
+        replacing the pending expiration. Raises `TimerError` (an `OSError`) if the kernel
+        refuses (a closed timer), or for a NaN."""
+        # the engine's hot path: a delay in range skips the clamp
+        ns = int(delay_ns) if 1 <= delay_ns < _MAX_NS else _clamp_ns(delay_ns, "delay_ns")
+        self._value.tv_sec, self._value.tv_nsec = divmod(ns, 1_000_000_000)
         self._set(0)
 
     def arm_at(self, due_s: float) -> None:
         """Expire at ``due_s``, in s of ``CLOCK_MONOTONIC`` (``time.perf_counter``'s clock on
         Linux; ``TFD_TIMER_ABSTIME``), replacing the pending expiration; an instant passed
-        expires at once. Raises `TimerError` as `arm` does."""
-        ns = max(1, int(due_s * 1e9))  # zero would disarm
+        (0, negative) expires at once, one beyond the kernel's range (infinity) is as far
+        ahead as it goes. Raises `TimerError` as `arm` does."""
+        # an int exactly (a huge one would not fit a float); anything else as a float (a
+        # numpy integer multiplied would wrap around)
+        ns = _clamp_ns(due_s * 1_000_000_000 if isinstance(due_s, int) else float(due_s) * 1e9,
+                       "due_s")
         self._value.tv_sec, self._value.tv_nsec = divmod(ns, 1_000_000_000)
         self._set(_TFD_TIMER_ABSTIME)
 
@@ -117,9 +131,15 @@ class DeadlineTimer:
 
 def deadline_timer(nonblocking: bool = False) -> DeadlineTimer | None:
     """A new `DeadlineTimer` (its fd ``O_NONBLOCK`` when ``nonblocking``), or None where
-    ``timerfd`` is not available."""
+    ``timerfd`` is not available (`open_deadline_timer` says why)."""
+    return open_deadline_timer(nonblocking)[0]
+
+
+def open_deadline_timer(nonblocking: bool = False) -> tuple[DeadlineTimer | None, str | None]:
+    """`deadline_timer` and, where it gives None, why: not Linux, no libc symbol, or the
+    kernel refused the timer (``timerfd_create``'s error: out of file descriptors, say)."""
     if not sys.platform.startswith("linux"):
-        return None
+        return None, "timer file descriptors are Linux's"
     global _libc
     try:
         # PyDLL: the calls keep the GIL (a system call of a microsecond; releasing the GIL
@@ -128,12 +148,14 @@ def deadline_timer(nonblocking: bool = False) -> DeadlineTimer | None:
         # full collection (a timer made during a server's load would leave them behind)
         if _libc is None:
             _libc = ctypes.PyDLL(None, use_errno=True)
-        return DeadlineTimer(_libc, nonblocking)
+        return DeadlineTimer(_libc, nonblocking), None
+    except TimerError as exc:  # the symbol is there; the kernel said no
+        return None, str(exc)
     except (OSError, AttributeError):
-        return None
+        return None, "libc has no timerfd_create"
 
 
 _libc: ctypes.PyDLL | None = None
 
 
-__all__ = ["DeadlineTimer", "deadline_timer"]
+__all__ = ["DeadlineTimer", "deadline_timer", "open_deadline_timer"]
