@@ -122,7 +122,8 @@ def register(bsub) -> None:
                         "descriptor the loop watches becomes readable at known instants (the "
                         "lag a socket's data sees; Linux); thread, a thread hands the loop a "
                         "callback at known instants (that also counts the thread's own wait "
-                        "for the GIL and a CPU); auto (default): timerfd where Linux has it")
+                        "for the GIL and a CPU); auto (default): timerfd where Linux has it, else "
+                        "thread, and the output says why")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="asyncio: the event loop the tasks run on: asyncio's own (default) or "
                         "uvloop's (libuv, as uvicorn uses; pip install 'orchestra[uvloop]')")

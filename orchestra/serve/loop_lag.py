@@ -25,6 +25,7 @@ from typing import Any
 from orchestra.errors import BenchConfigError, CallOrderError
 from orchestra.serve.timer import DeadlineTimer, open_deadline_timer
 
+
 def _check_gap(gap_s: float) -> None:
     """A probe's mean gap between instants: a positive, finite number of seconds (0 had it
     fire on every loop turn; NaN and infinity failed when it ran)."""
@@ -217,10 +218,10 @@ class LoopLagProbe:
     loop: the rest of the iteration under way, then the callbacks ahead of it. The gaps between
     instants are drawn at random, uniform in 0.5-1.5 x ``gap_s`` (seeded; s, positive and
     finite, else `BenchConfigError`): a probe re-armed when it wakes keeps the phase of
-    whatever woke the loop, and samples the same moment of a periodic stall each time. The loop's timers are not used: uvloop's count whole ms from
-    the start of an iteration (libuv's loop time), so a timer there fires up to 1 ms early
-    and a timer-based probe reads up to 1 ms low; asyncio's own loop rounds its selector's
-    timeout up to whole ms.
+    whatever woke the loop, and samples the same moment of a periodic stall each time. The
+    loop's timers are not used: uvloop's count whole ms from the start of an iteration
+    (libuv's loop time), so a timer there fires up to 1 ms early and a timer-based probe
+    reads up to 1 ms low; asyncio's own loop rounds its selector's timeout up to whole ms.
 
     Each sample also counts in the probe's own costs, so it reads a little high, never low:
     its thread's oversleep (the thread asks Linux for a 1 ns timer slack,
@@ -313,9 +314,10 @@ class LoopLagProbe:
 
 class TimerLagProbe:
     """An event loop's lag as a socket sees it: a timer file descriptor (a non-blocking
-    `orchestra.serve.timer.DeadlineTimer`, armed at absolute instants) the loop watches (``loop.add_reader``) becomes readable at an instant picked in advance, and the
-    sample is the time from that instant until the loop runs its reader callback, in ms: the
-    rest of the iteration under way, the loop's poll, then the callbacks ahead of it. No
+    `orchestra.serve.timer.DeadlineTimer`, armed at absolute instants) the loop watches
+    (``loop.add_reader``) becomes readable at an instant picked in advance, and the sample is
+    the time from that instant until the loop runs its reader callback, in ms: the rest of the
+    iteration under way, the loop's poll, then the callbacks ahead of it. No
     thread of the probe's own is involved, so neither a thread's wait for a CPU nor its wait
     for the GIL is counted in (`LoopLagProbe` counts both); the loop thread's own waits (for
     the GIL held by another thread, for a CPU, a machine stall) are, as they delay a socket's
@@ -327,8 +329,9 @@ class TimerLagProbe:
     loop-thread CPU ms, run-queue wait ms or None, None)``: no probe thread, so no wait of
     its own. `unavailable` says why it cannot run on this machine (None: it can).
 
-    Thread-safety: `start` and `stop` are called on the loop's thread while the loop runs,
-    once each, in that order (`stop` again is a no-op).
+    Thread-safety: `start` is called on the loop's thread while the loop runs, `stop` on
+    that thread after it (also once the loop is closed), once each, in that order (`stop`
+    again is a no-op).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
