@@ -94,15 +94,22 @@ def test_stop_joins_the_thread_and_drops_callbacks_still_queued(loop_kind):
     assert not probe._thread.is_alive()
 
 
-def test_the_thread_ends_when_the_loop_is_closed_under_it():
-    loop = asyncio.new_event_loop()
-    probe = LoopLagProbe(loop, gap_s=0.0005)
+def started_on(loop, probe_cls, gap_s: float = 0.0005):
+    """A probe of ``probe_cls`` started on ``loop`` (not running yet), after 10 ms of
+    sampling there; the loop is left as it is (open, not running)."""
+    probe = probe_cls(loop, gap_s=gap_s)
 
     async def start():
         probe.start()
         await asyncio.sleep(0.01)
 
     loop.run_until_complete(start())
+    return probe
+
+
+def test_the_thread_ends_when_the_loop_is_closed_under_it():
+    loop = asyncio.new_event_loop()
+    probe = started_on(loop, LoopLagProbe)
     loop.close()  # without stop: the next hand-over finds the loop closed
     probe._thread.join(timeout=2)
     assert not probe._thread.is_alive()
@@ -241,24 +248,17 @@ def test_the_timer_probes_fd_is_closed_when_the_loop_closes_first_or_it_is_dropp
     import gc
 
     loop = uvloop.new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
-    probe = TimerLagProbe(loop, gap_s=0.0005)
-
-    async def start():
-        probe.start()
-        await asyncio.sleep(0.01)
-
-    loop.run_until_complete(start())
+    probe = started_on(loop, TimerLagProbe)
     fd = probe._timer.fd
     loop.close()  # before stop: the loop dropped the reader
     assert probe.stop() and probe._timer is None  # the samples so far; the fd closed
     with pytest.raises(OSError):
         os.fstat(fd)
     loop = asyncio.new_event_loop()
-    probe = TimerLagProbe(loop)
-    loop.run_until_complete(start())
+    probe = started_on(loop, TimerLagProbe, gap_s=0.001)
     fd = probe._timer.fd
     loop.close()
-    del probe, start  # never stopped: the timer's finalizer closes its fd
+    del probe  # never stopped: the timer's finalizer closes its fd
     gc.collect()
     with pytest.raises(OSError):
         os.fstat(fd)
@@ -284,19 +284,13 @@ def test_a_probe_never_stopped_leaves_no_fd_open_once_dropped(probe_cls):
 
     before = _schedstat_fds()
     loop = asyncio.new_event_loop()
-    probe = probe_cls(loop, gap_s=0.0005)
-
-    async def start():
-        probe.start()
-        await asyncio.sleep(0.01)
-
-    loop.run_until_complete(start())
+    probe = started_on(loop, probe_cls)
     assert probe._rq is not None  # this machine has the run-queue clock: it is the point
     assert _schedstat_fds() - before
     loop.close()
     if isinstance(probe, LoopLagProbe):
         probe._thread.join(1)  # its thread ends with the loop
-    del probe, start
+    del probe
     gc.collect()
     assert _schedstat_fds() - before == set()
 
