@@ -90,3 +90,74 @@ def test_result_negative_timeout_still_times_out_at_once():
         assert time.monotonic() - t0 < 2.0
         gate.set()
         assert fut.result(timeout=5).tobytes() == f(rows(1)).tobytes()
+
+
+# -- configuration: the engine's own errors, not builtin ones ---------------------------------
+
+
+def numpy_engine(**kw):
+    kw.setdefault("buckets", "pow2")
+    kw.setdefault("max_rows", 16)
+    kw.setdefault("inputs", SPEC_IN)
+    kw.setdefault("outputs", SPEC_OUT)
+    kw.setdefault("backend", NumpyBackend(lambda d: f(d["x"])))
+    return Engine(**kw)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(inputs={"x": ((ROW,), "float99")}), ServeConfigTypeError, r"inputs\['x'\]: 'float99'"),
+    (dict(outputs={"y": ((ROW,), 5)}), ServeConfigTypeError, r"outputs\['y'\]: 5 is not"),
+    (dict(inputs={"x": ((4.5,), "float32")}), ServeConfigTypeError, "row shape"),
+    (dict(inputs={"x": ("4", "float32")}), ServeConfigTypeError, "row shape"),
+    (dict(inputs={"x": (None, "float32")}), ServeConfigTypeError, "row shape"),
+    (dict(inputs={"x": ((True,), "float32")}), ServeConfigTypeError, "row shape"),
+    (dict(timing_every="x"), ServeConfigTypeError, "timing_every"),
+    (dict(timing_every=None), ServeConfigTypeError, "timing_every"),
+    (dict(timing_every=1.5), ServeConfigTypeError, "timing_every"),
+    (dict(timing_every=-5), ServeConfigValueError, "timing_every"),
+    (dict(backend="numpy"), ServeConfigTypeError, "Backend"),
+    (dict(buckets=[1, 2], max_rows="8"), ServeConfigTypeError, "max_rows"),
+    (dict(buckets=[1, 2], max_rows=2.5), ServeConfigTypeError, "max_rows"),
+    (dict(buckets=[1, 2], max_rows=True), ServeConfigTypeError, "max_rows"),
+    (dict(buckets=[1, 2], max_rows=0), ServeConfigValueError, "max_rows must be >= 1"),
+])
+def test_bad_configuration_is_a_serve_config_error(kw, error, match):
+    with pytest.raises(error, match=match):
+        numpy_engine(**kw)
+
+
+@pytest.mark.parametrize("delay, error", [("1", ServeConfigTypeError),
+                                          (None, ServeConfigTypeError),
+                                          (True, ServeConfigTypeError),
+                                          (-1, ServeConfigValueError)])
+def test_batching_delay_of_the_wrong_kind(delay, error):
+    from orchestra.serve import Batching
+
+    with pytest.raises(error, match="max_delay_us"):
+        Batching(max_delay_us=delay)
+
+
+def test_good_configuration_after_the_checks_still_serves():
+    # what the checks take: numpy ints, a one-int row shape, timing_every 0 (never)
+    spec = {"x": (np.int64(ROW), np.float32)}
+    with numpy_engine(inputs=spec, timing_every=0, buckets=[1, 3], max_rows=np.int32(5)) as e:
+        assert list(e.buckets) == [1, 3, 5]
+        for n in (1, 2, 3, 4, 5):
+            x = rows(n)
+            assert e(x).tobytes() == f(x).tobytes()
+        assert e.stats()["buckets"][5]["gpu_ms"]["count"] == 0  # never timed
+    with numpy_engine(timing_every=1) as e:
+        for n in (1, 3, 16):
+            x = rows(n)
+            assert e.submit(x).result(timeout=5).tobytes() == f(x).tobytes()
+        assert sum(b["gpu_ms"]["count"] for b in e.stats()["buckets"].values()) == 3
+
+
+@pytest.mark.parametrize("arg", [4, "4", b"4", 4.0])
+def test_warmup_of_a_non_sequence_is_a_serve_config_error(arg):
+    with numpy_engine() as e:
+        with pytest.raises(ServeConfigTypeError, match="sequence of bucket row counts"):
+            e.warmup(arg)
+        assert [w["rows"] for w in e.warmup([4])] == [4]
+        x = rows(3)
+        assert e(x).tobytes() == f(x).tobytes()
