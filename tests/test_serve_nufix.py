@@ -161,3 +161,34 @@ def test_warmup_of_a_non_sequence_is_a_serve_config_error(arg):
         assert [w["rows"] for w in e.warmup([4])] == [4]
         x = rows(3)
         assert e(x).tobytes() == f(x).tobytes()
+
+
+# -- orchestra bench serve --mode open: the arrival loop leaves the GIL to the engine ---------
+
+
+def test_open_loop_arrivals_do_not_hold_the_gil_between_requests():
+    # the Poisson generator spun for the whole gap between arrivals, holding the GIL: the
+    # engine's completion thread and the CPU backend's device thread got it only when the
+    # switch interval forced a switch, so every request's latency was a few switch intervals
+    # (p50 33-56 ms at 200 req/s on --cpu with the default 5 ms). With a 20 ms interval that
+    # would be >= 20 ms; sleeping through the gap leaves well under a millisecond.
+    import sys
+
+    from orchestra.serve.bench import S, T, Workload, _poisson, cpu_backend_factory
+    from orchestra.serve.demo import demo_reference
+
+    w = Workload("4K", row_floats=1024)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)
+    try:
+        with Engine(backend=cpu_backend_factory(w), inputs={"x": ((1024,), "float32")},
+                    outputs={"y": ((1024,), "float32")}, buckets="pow2", max_rows=1,
+                    instances=4) as e:
+            x = w.requests[0][0][0]
+            assert e(x).tobytes() == demo_reference(x, 1, S, T).tobytes()
+            r = _poisson("open", w, e, rate=200, duration=0.5)
+    finally:
+        sys.setswitchinterval(old)
+    assert r.requests > 20 and r.wrong == 0 and r.errors == 0  # every output checked
+    assert len(r.latency_us) == r.requests
+    assert r.pct()["p50"] < 10_000, r.pct()

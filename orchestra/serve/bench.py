@@ -646,6 +646,23 @@ def run_open(w: Workload, o: BenchOptions, notes: list) -> list[Result]:
     return out
 
 
+# the open loop's arrivals: sleep until this close to an arrival, then spin
+OPEN_SPIN_NS = 200_000
+
+
+def _wait_until(t_ns: int) -> None:
+    """Until ``_now() >= t_ns``: asleep (the GIL released) until `OPEN_SPIN_NS` before it,
+    then spinning (a sleep's wake-up is tens of µs late). A spin for the whole gap held the
+    GIL between arrivals: the engine's threads (the completion thread running the done-
+    callbacks, a CPU backend's device thread) got it only when the switch interval (5 ms)
+    forced a switch, and the latencies measured that (tens of ms at 200 req/s on --cpu)."""
+    left = t_ns - _now()
+    if left > OPEN_SPIN_NS:
+        time.sleep((left - OPEN_SPIN_NS) / 1e9)
+    while _now() < t_ns:
+        pass
+
+
 def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Result:
     res = Result("open", name)
     pick = w.picker(11)
@@ -677,8 +694,7 @@ def _poisson(name, w: Workload, e: Engine, rate: float, duration: float) -> Resu
     n = 0
     while t_next < end:
         t_next += int(rng.exponential(1e9 / rate))
-        while _now() < t_next:  # spin: arrivals closer than a sleep's granularity
-            pass
+        _wait_until(t_next)
         x, y_ref = pick()
         with lock:
             pending[0] += 1
