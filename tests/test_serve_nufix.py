@@ -192,3 +192,33 @@ def test_open_loop_arrivals_do_not_hold_the_gil_between_requests():
     assert r.requests > 20 and r.wrong == 0 and r.errors == 0  # every output checked
     assert len(r.latency_us) == r.requests
     assert r.pct()["p50"] < 10_000, r.pct()
+
+
+@pytest.mark.parametrize("mix, message", [
+    ("1e400K", "request size '1e400K': give bytes"),  # int(inf): OverflowError's own text
+    ("99999999999999999999K", "give smaller sizes"),  # numpy's "Maximum allowed dimension"
+    ("4K:1,2000M", "for the 16 requests of each size made before the load"),
+])
+def test_bench_mix_sizes_past_what_can_be_made_are_usage_errors(mix, message, capsys,
+                                                                 monkeypatch):
+    from orchestra.cli import job_options
+    from orchestra.cli.main import main as cli
+    from orchestra.serve.bench import parse_size
+
+    monkeypatch.setattr(job_options, "host_memory_bytes", lambda: 24 << 30)  # a 24 GiB host
+    assert cli(["bench", "serve", "--cpu", "--mode", "latency", "--requests", "5",
+                "--mix", mix]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    if mix == "1e400K":
+        with pytest.raises(OrchestraError, match="give bytes"):
+            parse_size(mix)
+    # a size that fits still runs, every output compared with numpy's
+    assert cli(["bench", "serve", "--cpu", "--mode", "latency", "--requests", "5",
+                "--mix", "8K", "--json"]) == 0
+    out = capsys.readouterr().out
+    import json
+
+    rows = json.loads(out)["results"]
+    assert rows and all(r["wrong"] == 0 and r["errors"] == 0 and r["requests"] == 5
+                        for r in rows)

@@ -75,7 +75,7 @@ def parse_size(text: str) -> int:
         mult, t = 1 << 20, t[:-1]
     try:
         n = int(float(t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # "lots", "nan"; "1e400" (int(inf))
         raise BenchConfigError(f"request size {text!r}: give bytes, e.g. 4K, 64K, 1M") from None
     if n <= 0:
         raise BenchConfigError(f"request size {text!r} must be positive")
@@ -96,6 +96,11 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
     return out
 
 
+# requests the workload makes per size of the mix, before the load (each with its expected
+# output, twice: as an array and as bytes)
+POOL = 16
+
+
 class Workload:
     """Pre-generated requests (``pool`` per size) and their expected outputs.
 
@@ -103,7 +108,7 @@ class Workload:
     picker's random generator is not shared).
     """
 
-    def __init__(self, mix: str = "64K", row_floats: int = 1024, iters: int = 1, pool: int = 16,
+    def __init__(self, mix: str = "64K", row_floats: int = 1024, iters: int = 1, pool: int = POOL,
                  seed: int = 0):
         self.mix_text = mix
         self.row_floats = row_floats
