@@ -52,7 +52,8 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
     """The sorted, distinct bucket row counts of ``spec`` (see the module doc).
 
     ``max_rows`` default: 256 for ``"vllm"`` and ``"pow2"``; with a sequence it is added to it
-    when given. Raises ``ValueError`` / ``TypeError`` for sizes that are not positive ints.
+    when given. Raises `ServeConfigValueError` / `ServeConfigTypeError` (a ``ValueError`` /
+    ``TypeError``) for sizes, ``max_rows`` included, that are not positive ints.
     """
     if isinstance(spec, str):
         if spec == "vllm":
@@ -71,7 +72,7 @@ def bucket_sizes(spec="vllm", max_rows: int | None = None) -> tuple[int, ...]:
         raise ServeConfigTypeError(f"buckets must be 'vllm', 'pow2' or a sequence of row counts "
                                    f"(ints); got {spec!r}") from None
     if max_rows is not None:
-        sizes.add(operator.index(max_rows))
+        sizes.add(positive_count("max_rows", max_rows))  # "8" or 2.5: not a builtin TypeError
     if not sizes or min(sizes) < 1:
         raise ServeConfigValueError(f"bucket row counts must be positive ints; got {spec!r}")
     if len(given) > MAX_BUCKETS:

@@ -257,6 +257,20 @@ def _check_numbers(args) -> None:
     from orchestra.cli.job_options import fmt_bytes, host_memory_bytes
 
     host = host_memory_bytes()
+    from orchestra.serve.bench import POOL
+
+    # the workload makes POOL requests of every size before the load, each with its expected
+    # output as an array and as bytes (and numpy's float64 draw of it for a moment): a size
+    # past the machine's memory failed there with numpy's "Maximum allowed dimension
+    # exceeded", or was killed for memory
+    largest = max(nbytes for nbytes, _ in mix)
+    need = POOL * 3 * sum(nbytes for nbytes, _ in mix) + 2 * largest
+    if host is not None and need > host:
+        raise BenchConfigError(
+            f"--mix {args.mix!r}: requests of up to {fmt_bytes(largest)} need "
+            f"{fmt_bytes(need)} for the {POOL} requests of each size made before the load and "
+            f"their expected outputs, but this machine has {fmt_bytes(host)}; give smaller "
+            "sizes")
     if args.max_batch is not None:
         need = args.max_batch * row_bytes  # the largest bucket's input (and its output)
         if host is not None and need > host:  # the engine's bucket table then took forever

@@ -40,10 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import ctypes
 import functools
 import json
 import logging
+import numbers
+import operator
 import os
 import queue
 import threading
@@ -99,12 +102,31 @@ class Batching:
     def __attrs_post_init__(self):
         if self.max_batch is not None:
             positive_count("max_batch (rows)", self.max_batch)
+        if isinstance(self.max_delay_us, bool) or not isinstance(self.max_delay_us,
+                                                                 numbers.Real):
+            raise ServeConfigTypeError(f"max_delay_us must be microseconds (a number); got "
+                                       f"{self.max_delay_us!r}")
         if not self.max_delay_us >= 0:
             raise ServeConfigValueError(f"max_delay_us must be >= 0; got {self.max_delay_us}")
         if not self.max_delay_us <= threading.TIMEOUT_MAX * 1e6:  # inf: the engine's int() failed
             raise ServeConfigValueError(
                 f"max_delay_us must be at most {threading.TIMEOUT_MAX * 1e6:.3g} (the longest "
                 f"wait Python can make); got {self.max_delay_us}")
+
+
+def _timing_every(value) -> int:
+    """``timing_every``: an int >= 0 (0: never time a launch), else `ServeConfigTypeError` /
+    `ServeConfigValueError` (``int("x")`` raised a builtin error; -5 meant 0, 1.5 meant 1)."""
+    if isinstance(value, bool):
+        raise ServeConfigTypeError(f"timing_every must be an int >= 0; got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ServeConfigTypeError(f"timing_every must be an int >= 0 (0: never); got "
+                                   f"{value!r}") from None
+    if n < 0:
+        raise ServeConfigValueError(f"timing_every must be >= 0 (0: never); got {n}")
+    return n
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -294,7 +316,7 @@ class Engine(AdmissionSettings):
         # one FIFO of requests (the batcher thread and, with dispatch "caller", the submitting
         # and finishing threads form launches from its head) instead of per-bucket queues
         self._fifo = batching is not None or dispatch == "thread"
-        self.timing_every = max(0, int(timing_every))
+        self.timing_every = _timing_every(timing_every)
         self.zero_padding = bool(zero_padding)
         if backend is None:
             if build is None:
@@ -306,6 +328,9 @@ class Engine(AdmissionSettings):
                                    streams=streams)
         elif build is not None:
             raise ServeConfigTypeError("give build or backend=, not both")
+        elif not isinstance(backend, Backend):
+            raise ServeConfigTypeError(f"backend must be an orchestra.serve.Backend (e.g. "
+                                       f"NumpyBackend(fn)); got {type(backend).__name__}")
         self.backend = backend
         self.executor = backend.name
         self._single_output = next(iter(self._outputs)) if len(self._outputs) == 1 else None
@@ -1727,7 +1752,14 @@ class Engine(AdmissionSettings):
         pays for a build. Returns per bucket ``{"rows", "instances", "build_ms",
         "instantiate_ms", "graph_bytes", "wall_ms"}`` (sums over the bucket's instances;
         ``graph_bytes``: graph memory in use after minus before, None without a GPU). Raises
-        what a build raises (e.g. `CompileError`, `GraphError`)."""
+        what a build raises (e.g. `CompileError`, `GraphError`); `ServeConfigTypeError` when
+        ``buckets`` is not a sequence of row counts, `ServeConfigValueError` for a row count
+        that is not one of the engine's buckets."""
+        if buckets is not None and (isinstance(buckets, (str, bytes))
+                                    or not isinstance(buckets, collections.abc.Iterable)):
+            raise ServeConfigTypeError(f"warmup takes a sequence of bucket row counts (e.g. "
+                                       f"[{self.buckets.largest}]) or None for every bucket; "
+                                       f"got {buckets!r}")
         sizes = sorted(self.buckets.sizes if buckets is None else
                        {self._known_bucket(r) for r in buckets}, reverse=True)
         out = []

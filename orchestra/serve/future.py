@@ -21,6 +21,7 @@ callbacks; the engine completes it from one of its threads or a caller's.
 from __future__ import annotations
 
 import concurrent.futures
+import numbers
 from concurrent.futures import CancelledError, InvalidStateError
 from concurrent.futures._base import (  # the standard future's states (cf.wait reads them)
     CANCELLED,
@@ -33,7 +34,7 @@ from concurrent.futures._base import (  # the standard future's states (cf.wait 
 from threading import Lock
 from typing import Any
 
-from orchestra.serve.errors import FutureStateError, ResultTimeout
+from orchestra.serve.errors import FutureStateError, ResultTimeout, check_timeout
 
 _DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 _CANCELLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
@@ -50,7 +51,10 @@ class ServeFuture(concurrent.futures.Future):
     while the request is still queued, they first complete other started launches nobody
     waits on, then sleep until their own request completes. Callbacks run on the thread that
     completes the future (an engine thread or a caller's): keep them short and never call
-    `Engine.close` from one.
+    `Engine.close` from one. Their ``timeout`` is seconds as the standard future takes them
+    (negative: do not wait); ``inf`` or anything above ``threading.TIMEOUT_MAX`` waits without
+    a limit; a value that is not a real number, a bool or NaN raises `ServeConfigTypeError` /
+    `ServeConfigValueError`; `ResultTimeout` when the request did not complete in time.
 
     Thread-safety: as `concurrent.futures.Future`.
     """
@@ -120,6 +124,9 @@ class ServeFuture(concurrent.futures.Future):
         """Until FINISHED (the caller checked it is not yet): `CancelledError` if cancelled,
         `ResultTimeout` after ``timeout`` s. A blocking wait (``timeout=None``) on a request
         of the engine lets the engine run it in this thread where it can (`_wait_inline`)."""
+        given = timeout
+        if timeout is not None:
+            timeout = _wait_seconds(timeout)
         if timeout is None and self._engine is not None and self._state not in _DONE:
             self._engine._wait_inline(self)
         self._sleep(timeout)
@@ -127,7 +134,7 @@ class ServeFuture(concurrent.futures.Future):
         if state in _CANCELLED:
             raise CancelledError()
         if state != FINISHED:
-            raise ResultTimeout(f"the request did not complete within {timeout} s (it "
+            raise ResultTimeout(f"the request did not complete within {given} s (it "
                                 "keeps running: wait again, or cancel it)")
 
     def result(self, timeout=None):
@@ -229,6 +236,17 @@ class ServeFuture(concurrent.futures.Future):
                 return False
         LOGGER.critical("Future %s in unexpected state: %s", id(self), state)
         raise FutureStateError(f"the future is {state.lower()} already; it cannot start")
+
+
+def _wait_seconds(timeout) -> float | None:
+    """The ``timeout`` of ``result()`` / ``exception()``: seconds as `concurrent.futures.Future`
+    takes them (a negative one: do not wait), and None for no limit: ``inf`` and anything above
+    ``threading.TIMEOUT_MAX``, which a lock's ``acquire`` refuses with a builtin
+    ``OverflowError``. A value that is not a real number (or a bool) raises
+    `ServeConfigTypeError`, NaN `ServeConfigValueError` (`check_timeout`)."""
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout < 0:
+        return 0.0
+    return check_timeout(timeout, "timeout")  # the rest, or its error
 
 
 __all__ = ["ServeFuture"]

@@ -33,9 +33,29 @@ from orchestra.serve.errors import BadRequest, InputTypeError
 
 
 def _row_shape(value) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (operator.index(value),)
-    return tuple(operator.index(d) for d in value)
+    """A row shape: an int or a sequence of ints (numpy's too; not bools, floats or strings),
+    else `ServeConfigTypeError` (operator.index raised a builtin TypeError)."""
+    dims = (value,) if isinstance(value, (int, np.integer)) else value
+    shape = None
+    if not isinstance(dims, (str, bytes)):
+        try:
+            shape = tuple(operator.index(d) for d in dims)
+        except TypeError:
+            pass
+    if shape is None or any(isinstance(d, (bool, np.bool_)) for d in dims):
+        raise ServeConfigTypeError(f"a row shape must be a tuple of ints (or one int), e.g. "
+                                   f"(1024,) or () for 1-D arrays; got {value!r}")
+    return shape
+
+
+def _dtype(value) -> np.dtype:
+    """``np.dtype(value)``, or `ServeConfigTypeError` for what numpy cannot read as a dtype
+    (it raised a builtin TypeError)."""
+    try:
+        return np.dtype(value)
+    except (TypeError, ValueError) as exc:
+        raise ServeConfigTypeError(f"{value!r} is not a numpy dtype ({exc}); give one such as "
+                                   "'float32' or np.float32") from None
 
 
 @attrs.frozen
@@ -48,7 +68,7 @@ class TensorSpec:
 
     name: str
     row_shape: tuple[int, ...] = attrs.field(converter=_row_shape)
-    dtype: np.dtype = attrs.field(converter=np.dtype)
+    dtype: np.dtype = attrs.field(converter=_dtype)
 
     def __attrs_post_init__(self):
         if any(d < 1 for d in self.row_shape):
@@ -121,7 +141,12 @@ def tensor_specs(spec, what: str) -> dict[str, TensorSpec]:
         except (TypeError, ValueError):
             raise ServeConfigTypeError(f"{what}[{name!r}] must be (row_shape, dtype), e.g. "
                                        f"((1024,), 'float32'); got {v!r}") from None
-        out[name] = TensorSpec(name, row, dtype)
+        try:
+            out[name] = TensorSpec(name, row, dtype)
+        except ServeConfigTypeError as exc:
+            if str(exc).startswith(f"tensor {name}:"):
+                raise
+            raise ServeConfigTypeError(f"{what}[{name!r}]: {exc}") from None
     return out
 
 
