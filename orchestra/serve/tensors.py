@@ -39,6 +39,7 @@ def _row_shape(value) -> tuple[int, ...]:
     shape = None
     if not isinstance(dims, (str, bytes)):
         try:
+            dims = tuple(dims)  # once: a generator is read a single time
             shape = tuple(operator.index(d) for d in dims)
         except TypeError:
             pass

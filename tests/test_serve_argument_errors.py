@@ -1,7 +1,7 @@
-"""A new user's pass over `orchestra.serve` on the CPU (`NumpyBackend`): arguments that raised
-builtin errors (``OverflowError``, ``TypeError``, ``AttributeError``) deep inside the engine,
-now refused with the serving engine's own errors before anything runs, every result still
-checked against numpy."""
+"""Arguments of `orchestra.serve` on the CPU (`NumpyBackend`) that raised builtin errors
+(``OverflowError``, ``TypeError``, ``AttributeError``) deep inside the engine, now refused
+with the serving engine's own errors before anything runs, every result still checked
+against numpy."""
 
 from __future__ import annotations
 
