@@ -16,17 +16,7 @@ from orchestra.errors import OrchestraError
 from orchestra.serve import Engine, NumpyBackend
 from orchestra.serve.errors import ResultTimeout, ServeConfigTypeError, ServeConfigValueError
 
-ROW = 4
-SPEC_IN = {"x": ((ROW,), "float32")}
-SPEC_OUT = {"y": ((ROW,), "float32")}
-
-
-def f(x):
-    return x * np.float32(3) + np.float32(1)
-
-
-def rows(n, seed=0):
-    return np.random.default_rng(seed + n).standard_normal((n, ROW)).astype(np.float32)
+from tests.test_serve import ROW, SPEC_IN, SPEC_OUT, f, rows  # the same engine and requests
 
 
 def gated_engine(gate: threading.Event, **kw):
