@@ -7,7 +7,8 @@
 
     POST /infer   body: float32 little-endian bytes, rows x --row floats
                   (Content-Type: application/octet-stream), or JSON {"x": [[...], ...]}
-                  -> the output in the same form: y = x * 0.5 + 1 per element (the demo graph)
+                  of finite numbers -> the output in the same form: y = x * 0.5 + 1 per
+                  element (the demo graph); 400 says what was wrong with a request
     GET  /stats   the engine's statistics (JSON)
     GET  /health  "ok" once the engine is warm
 
@@ -62,6 +63,27 @@ from orchestra.serve.demo import demo_graph, demo_reference
 ENGINE = web.AppKey("engine", object)  # an Engine or a ProcessEngine
 
 
+JSON_FORM = 'send {"x": [...]}: one row of floats, or a list of rows'
+
+
+def _json_rows(body) -> np.ndarray:
+    """A JSON request's rows as float32 (one row or a list of rows), or a 400 that says what
+    to send: the body must be an object with "x", and its numbers finite (JSON's null, and
+    Python's NaN and Infinity tokens, are not JSON numbers)."""
+    if not isinstance(body, dict) or "x" not in body:
+        raise web.HTTPBadRequest(text=f"the JSON body has no \"x\": {JSON_FORM}")
+    try:
+        x = np.asarray(body["x"], dtype=np.float32)
+    except (ValueError, TypeError):
+        raise web.HTTPBadRequest(text=f"\"x\" is not numbers in rows of equal length: "
+                                      f"{JSON_FORM}") from None
+    if not np.isfinite(x).all():
+        raise web.HTTPBadRequest(text="\"x\" holds null, NaN or infinity: JSON input must be "
+                                      "finite numbers (send application/octet-stream, float32 "
+                                      "bytes, for the others)")
+    return x.reshape(1, -1) if x.ndim == 1 else x
+
+
 def make_app(engine, row: int) -> web.Application:
     """The aiohttp application serving ``engine`` (one float32 input ``x`` of ``row`` floats
     per row, one output)."""
@@ -70,10 +92,7 @@ def make_app(engine, row: int) -> web.Application:
         as_json = request.content_type == "application/json"
         try:
             if as_json:
-                body = await request.json()
-                x = np.asarray(body["x"], dtype=np.float32)
-                if x.ndim == 1:
-                    x = x.reshape(1, -1)
+                x = _json_rows(await request.json())
             else:
                 raw = await request.read()
                 if len(raw) % (4 * row):
@@ -92,7 +111,14 @@ def make_app(engine, row: int) -> web.Application:
         except (EngineBroken, EngineProcessError) as exc:
             raise web.HTTPInternalServerError(text=str(exc)) from None
         if as_json:
-            return web.json_response({"y": y.tolist()})
+            try:  # strict JSON: NaN and Infinity are not JSON numbers
+                text = json.dumps({"y": y.tolist()}, allow_nan=False)
+            except ValueError:
+                raise web.HTTPUnprocessableEntity(
+                    text="the result holds NaN or infinity, which JSON cannot carry: send the "
+                         "request as application/octet-stream (float32 bytes) to get it"
+                ) from None
+            return web.json_response(text=text)
         return web.Response(body=y.astype("<f4").tobytes(),
                             content_type="application/octet-stream")
 

@@ -145,6 +145,12 @@ async def _drive(port: int, proc, connections: int = 32, requests: int = 400) ->
             assert r.status == 200
             got = np.asarray((await r.json())["y"], np.float32)
         assert got.tobytes() == demo_reference(np.asarray(x, np.float32)).tobytes()
+        # bad JSON: 400s that say what to send, before the engine sees them
+        for body, says in (([1.0] * ROW, 'has no "x"'), ({"y": 1}, 'has no "x"'),
+                           ({"x": [[1.0], [1.0, 2.0]]}, "rows of equal length"),
+                           ({"x": [None] * ROW}, "null, NaN or infinity")):
+            async with session.post(f"{base}/infer", json=body) as r:
+                assert r.status == 400 and says in await r.text(), (body, await r.text())
         # bad requests: 400 with the engine's message, the server keeps serving
         async with session.post(f"{base}/infer", data=b"\0" * 6,
                                 headers={"Content-Type": "application/octet-stream"}) as r:
