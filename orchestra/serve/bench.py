@@ -55,7 +55,7 @@ from orchestra.serve.demo import demo_reference
 from orchestra.serve.engine import Batching, Engine
 from orchestra.serve.host_stalls import HostStallProbe
 from orchestra.serve.loop_lag import (LAG_BOUND_MS, MACHINE_STALL, PROBE_WAIT, GcPauses,
-                                      TimerLagProbe, lag_cause, lag_causes, make_lag_probe)
+                                      lag_cause, lag_causes, make_lag_probe)
 from orchestra.serve.stats import Samples, percentiles
 
 _now = time.perf_counter_ns
@@ -959,8 +959,7 @@ async def _asyncio_load(name, w: Workload, e: Engine, tasks: int, total: int,
                       "loop_lag_max_ms": float(lag.max()),
                       "loop_lag_samples": len(samples),
                       "loop_lag_probe_gap_ms": probe.gap_s * 1e3,
-                      "loop_lag_probe": ("timerfd" if isinstance(probe, TimerLagProbe)
-                                         else "thread"),
+                      "loop_lag_probe": probe.kind,
                       "loop_lag_probe_why": probe_why,
                       "loop_lag_over_1ms": int((lag > LAG_BOUND_MS).sum()),
                       "loop_lag_causes": causes,

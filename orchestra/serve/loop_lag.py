@@ -207,7 +207,45 @@ class RunQueueClock:
         self._closer()  # once: a second call does nothing
 
 
-class LoopLagProbe:
+class _LagSampler:
+    """What both lag probes share: the loop, the instants' mean gap and seed, the samples, and
+    each sample's clocks on the loop's thread (the window since the sample before, the loop
+    thread's CPU time and its run-queue wait in it)."""
+
+    kind = ""  # "thread" or "timerfd": which probe measured (the bench's rows say it)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
+        _check_gap(gap_s)
+        self.loop, self.gap_s, self.seed = loop, gap_s, seed
+        self.samples: list[tuple] = []
+        self._rq: RunQueueClock | None = None
+        self._last: tuple = ()
+
+    def _open_clocks(self) -> None:  # on the loop's thread: the clocks read are that thread's
+        self._rq = RunQueueClock.open()
+        self._last = self._clocks()
+
+    def _close_clocks(self) -> None:
+        if self._rq is not None:
+            self._rq.close()
+            self._rq = None
+
+    def _clocks(self) -> tuple:
+        rq = self._rq() if self._rq is not None else None
+        return time.perf_counter(), time.thread_time(), rq
+
+    def _sample(self, due: float, own_ms: float | None) -> float:
+        """One sample of a callback due at ``due`` (s) running now; returns now (s)."""
+        t1, c1, q1 = now = self._clocks()
+        t0, c0, q0 = self._last
+        self._last = now
+        self.samples.append((t0, t1, (t1 - due) * 1e3, (c1 - c0) * 1e3,
+                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
+                             own_ms))
+        return t1
+
+
+class LoopLagProbe(_LagSampler):
     """An event loop's lag, measured from outside it: how late the loop runs a callback
     handed to it, from a thread of the probe's own, at an instant picked in advance.
 
@@ -246,22 +284,19 @@ class LoopLagProbe:
     clocks read are that thread's), once each, in that order.
     """
 
+    kind = "thread"
+
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
-        _check_gap(gap_s)
-        self.loop, self.gap_s, self.seed = loop, gap_s, seed
-        self.samples: list[tuple] = []
+        super().__init__(loop, gap_s, seed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._rq: RunQueueClock | None = None
-        self._last: tuple = ()
 
     def start(self) -> None:
         """Start sampling (on the loop's thread). A probe starts once (`CallOrderError`
         again: make a new one)."""
         if self._thread is not None:
             raise CallOrderError("this LoopLagProbe was started already; make a new one")
-        self._rq = RunQueueClock.open()
-        self._last = self._clocks()
+        self._open_clocks()
         self._thread = threading.Thread(target=self._hand_over, daemon=True,
                                         name="orchestra-loop-lag-probe")
         self._thread.start()
@@ -273,24 +308,12 @@ class LoopLagProbe:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._rq is not None:
-            self._rq.close()
-            self._rq = None
+        self._close_clocks()
         return self.samples
 
-    def _clocks(self) -> tuple:
-        rq = self._rq() if self._rq is not None else None
-        return time.perf_counter(), time.thread_time(), rq
-
     def _ran(self, due: float, own_ms: float) -> None:  # on the loop: one sample
-        if self._stop.is_set():
-            return
-        t1, c1, q1 = now = self._clocks()
-        t0, c0, q0 = self._last
-        self._last = now
-        self.samples.append((t0, t1, (t1 - due) * 1e3, (c1 - c0) * 1e3,
-                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
-                             own_ms))
+        if not self._stop.is_set():
+            self._sample(due, own_ms)
 
     def _hand_over(self) -> None:  # the probe's thread
         _fine_timer_slack()
@@ -312,7 +335,7 @@ class LoopLagProbe:
             due = max(due, clock()) + gap * rnd.uniform(0.5, 1.5)
 
 
-class TimerLagProbe:
+class TimerLagProbe(_LagSampler):
     """An event loop's lag as a socket sees it: a timer file descriptor (a non-blocking
     `orchestra.serve.timer.DeadlineTimer`, armed at absolute instants) the loop watches
     (``loop.add_reader``) becomes readable at an instant picked in advance, and the sample is
@@ -334,14 +357,12 @@ class TimerLagProbe:
     again is a no-op).
     """
 
+    kind = "timerfd"
+
     def __init__(self, loop: asyncio.AbstractEventLoop, gap_s: float = 0.001, seed: int = 0):
-        _check_gap(gap_s)
-        self.loop, self.gap_s, self.seed = loop, gap_s, seed
-        self.samples: list[tuple] = []
+        super().__init__(loop, gap_s, seed)
         self._timer: DeadlineTimer | None = None
         self._started = False
-        self._rq: RunQueueClock | None = None
-        self._last: tuple = ()
         self._due = 0.0
         self._rnd = random.Random(seed)
 
@@ -355,11 +376,12 @@ class TimerLagProbe:
 
     @staticmethod
     def _open_timer() -> tuple[DeadlineTimer | None, str | None]:
-        if not sys.platform.startswith("linux"):
-            return None, "timer file descriptors are Linux's"
-        if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        timer, why = open_deadline_timer(nonblocking=True)  # why not: not Linux, no timerfd
+        if timer is not None and (time.get_clock_info("perf_counter").implementation
+                                  != "clock_gettime(CLOCK_MONOTONIC)"):
+            timer.close()  # its instants would not be perf_counter's
             return None, "time.perf_counter is not CLOCK_MONOTONIC here"
-        return open_deadline_timer(nonblocking=True)
+        return timer, why
 
     def start(self) -> None:
         """Start sampling (on the loop's thread). Raises `BenchConfigError` where
@@ -372,8 +394,7 @@ class TimerLagProbe:
             raise BenchConfigError(f"the timer-fd lag probe cannot run here: {why}; use "
                                    f"LoopLagProbe (a thread's callbacks) instead")
         self._timer, self._started = timer, True
-        self._rq = RunQueueClock.open()
-        self._last = self._clocks()
+        self._open_clocks()
         self._due = self._last[0] + self.gap_s * self._rnd.uniform(0.5, 1.5)
         try:
             timer.arm_at(self._due)
@@ -395,24 +416,13 @@ class TimerLagProbe:
         if self._timer is not None:
             self._timer.close()
             self._timer = None
-        if self._rq is not None:
-            self._rq.close()
-            self._rq = None
-
-    def _clocks(self) -> tuple:
-        rq = self._rq() if self._rq is not None else None
-        return time.perf_counter(), time.thread_time(), rq
+        self._close_clocks()
 
     def _ran(self) -> None:  # the loop's reader callback: one sample, the next instant armed
         timer = self._timer
         if timer is None or not timer.expired():
             return
-        t1, c1, q1 = now = self._clocks()
-        t0, c0, q0 = self._last
-        self._last = now
-        self.samples.append((t0, t1, (t1 - self._due) * 1e3, (c1 - c0) * 1e3,
-                             (q1 - q0) / 1e6 if q1 is not None and q0 is not None else None,
-                             None))
+        t1 = self._sample(self._due, None)  # no thread: no hand-over delay
         self._due = max(self._due, t1) + self.gap_s * self._rnd.uniform(0.5, 1.5)
         timer.arm_at(self._due)
 
