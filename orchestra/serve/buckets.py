@@ -112,18 +112,19 @@ class Buckets:
         return f"Buckets({list(self.sizes)})"
 
 
-def positive_count(name: str, value) -> int:
-    """``value`` as an int >= 1 (numpy ints too), else `ServeConfigTypeError` for a bool, a
-    float or a string (2.5 was taken, "8" failed in a comparison) and `ServeConfigValueError`
-    below 1; ``name`` names the argument in the message."""
+def positive_count(name: str, value, least: int = 1) -> int:
+    """``value`` as an int >= ``least`` (1 by default; numpy ints too), else
+    `ServeConfigTypeError` for a bool, a float or a string (2.5 was taken, "8" failed in a
+    comparison) and `ServeConfigValueError` below ``least``; ``name`` names the argument in
+    the message."""
     if isinstance(value, bool):
-        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}")
+        raise ServeConfigTypeError(f"{name} must be an int >= {least}; got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise ServeConfigTypeError(f"{name} must be an int >= 1; got {value!r}") from None
-    if n < 1:
-        raise ServeConfigValueError(f"{name} must be >= 1; got {n}")
+        raise ServeConfigTypeError(f"{name} must be an int >= {least}; got {value!r}") from None
+    if n < least:
+        raise ServeConfigValueError(f"{name} must be >= {least}; got {n}")
     return n
 
 

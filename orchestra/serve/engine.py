@@ -46,7 +46,6 @@ import functools
 import json
 import logging
 import numbers
-import operator
 import os
 import queue
 import threading
@@ -112,21 +111,6 @@ class Batching:
             raise ServeConfigValueError(
                 f"max_delay_us must be at most {threading.TIMEOUT_MAX * 1e6:.3g} (the longest "
                 f"wait Python can make); got {self.max_delay_us}")
-
-
-def _timing_every(value) -> int:
-    """``timing_every``: an int >= 0 (0: never time a launch), else `ServeConfigTypeError` /
-    `ServeConfigValueError` (``int("x")`` raised a builtin error; -5 meant 0, 1.5 meant 1)."""
-    if isinstance(value, bool):
-        raise ServeConfigTypeError(f"timing_every must be an int >= 0; got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ServeConfigTypeError(f"timing_every must be an int >= 0 (0: never); got "
-                                   f"{value!r}") from None
-    if n < 0:
-        raise ServeConfigValueError(f"timing_every must be >= 0 (0: never); got {n}")
-    return n
 
 
 # -- requests, launches, futures ---------------------------------------------------------------
@@ -316,7 +300,8 @@ class Engine(AdmissionSettings):
         # one FIFO of requests (the batcher thread and, with dispatch "caller", the submitting
         # and finishing threads form launches from its head) instead of per-bucket queues
         self._fifo = batching is not None or dispatch == "thread"
-        self.timing_every = _timing_every(timing_every)
+        # an int, -5 and 1.5 refused (int() took them as 0 and 1)
+        self.timing_every = positive_count("timing_every (0: never)", timing_every, least=0)
         self.zero_padding = bool(zero_padding)
         if backend is None:
             if build is None:
